@@ -1,0 +1,166 @@
+"""``fp4_attention``: the user-facing FP4 attention op (validation, layouts, masks, backends)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import reference
+from .recipe import AttentionRecipe, get_recipe
+
+__all__ = ["fp4_attention", "LAYOUTS", "BACKENDS"]
+
+LAYOUTS = ("bhsd", "bshd")
+BACKENDS = ("auto", "reference", "triton")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_inputs(q, k, v, layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D ({'B, H, S, D' if layout == 'bhsd' else 'B, S, H, D'} "
+                f"for layout={layout!r}), got shape {tuple(t.shape)}"
+            )
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; fp4_attention takes float16, bfloat16 or float32")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    (b, h, sq, d), (bk, hk, sk, dk), (bv, hv, sv, dv) = q.shape, k.shape, v.shape
+    if b != bk or b != bv:
+        raise ValueError(f"batch sizes differ: q {b}, k {bk}, v {bv}")
+    if h != hk or h != hv:
+        raise ValueError(
+            f"head counts differ: q {h}, k {hk}, v {hv} (grouped-query attention is not supported: "
+            "repeat K/V heads first)"
+        )
+    if d != dk:
+        raise ValueError(f"q and k head dims differ: {d} vs {dk}")
+    if sk != sv:
+        raise ValueError(f"k and v sequence lengths differ: {sk} vs {sv}")
+    if min(sq, sk, d, dv) < 1:
+        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} ({layout})")
+    return q, k, v
+
+
+def _check_mask(attn_mask, b, h, sq, sk, device):
+    """Bool mask (True = attend), indexed (B, H, Sq, Sk) whatever the layout."""
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a bool tensor, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool:
+        raise TypeError(
+            f"attn_mask must be boolean (True = attend), got {attn_mask.dtype}; additive float masks "
+            "are not accepted: pass `mask > -inf` for a 0/-inf mask"
+        )
+    if attn_mask.dim() != 4:
+        raise ValueError(
+            f"attn_mask must be 4-D and broadcastable to (B, H, Sq, Sk) = {(b, h, sq, sk)}, "
+            f"got shape {tuple(attn_mask.shape)} (a key-padding mask is (B, 1, 1, Sk))"
+        )
+    try:
+        torch.broadcast_shapes(attn_mask.shape, (b, h, sq, sk))
+    except RuntimeError:
+        raise ValueError(
+            f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, Sq, Sk) = {(b, h, sq, sk)}"
+        ) from None
+    if attn_mask.device != device:
+        raise ValueError(f"attn_mask is on {attn_mask.device}, q on {device}")
+    return attn_mask
+
+
+def _resolve_backend(backend, recipe, q):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return "reference"
+    from . import kernels
+
+    supported, why = kernels.supports(recipe, q)
+    if backend == "triton":
+        if not supported:
+            raise NotImplementedError(f"backend='triton' cannot run this call: {why}")
+        return "triton"
+    return "triton" if supported else "reference"
+
+
+def fp4_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    method: str | AttentionRecipe = "mxattn",
+    layout: str = "bhsd",
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    """Scaled dot-product attention with FP4 (MXFP4 / NVFP4) numerics.
+
+    Args:
+        q, k, v: ``(B, H, S, D)`` for ``layout="bhsd"``, ``(B, S, H, D)`` (diffusers) for
+            ``"bshd"``; float16, bfloat16 or float32, one dtype and device. ``Sq`` and ``Sk``
+            may differ (cross-attention); K/V must have as many heads as Q. Any head dim works:
+            Q/K are zero-padded internally to the quantization block (and to a power of two for
+            the Hadamard rotation), which changes no logit. V's head dim may differ from Q's.
+        method: a name from :data:`fp4video.METHODS` or an :class:`AttentionRecipe`.
+        attn_mask: bool, True = attend, broadcastable to ``(B, H, Sq, Sk)`` in every layout
+            (a key-padding mask is ``(B, 1, 1, Sk)``). Masked keys contribute nothing; rows that
+            see no key return zeros (and ``lse = -inf``).
+        scale: softmax scale, default ``1/sqrt(D)``.
+        return_lse: also return the natural-log log-sum-exp of the scaled logits, as computed
+            (with PNQ, of the quantized exponentials), fp32, ``(B, H, Sq)`` for bhsd and
+            ``(B, Sq, H)`` for bshd.
+        backend: ``"reference"`` (PyTorch, CPU or GPU), ``"triton"`` (fused kernels; error when
+            they cannot run the call) or ``"auto"`` (Triton when it can, else the reference).
+
+    Returns:
+        the output in q's dtype and layout, and with ``return_lse`` the LSE.
+    """
+    recipe = get_recipe(method)
+    qb, kb, vb = _check_inputs(q, k, v, layout)
+    b, h, sq, d = qb.shape
+    sk = kb.shape[-2]
+    mask = _check_mask(attn_mask, b, h, sq, sk, q.device)
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+
+    if _resolve_backend(backend, recipe, qb) == "triton":
+        from . import kernels
+
+        out, lse = kernels.attention(qb, kb, vb, recipe=recipe, mask=mask, scale=float(scale))
+    else:
+        out, lse = _reference(qb, kb, vb, recipe, mask, float(scale))
+
+    out = out.to(q.dtype)
+    if layout == "bshd":
+        out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+    return (out, lse) if return_lse else out
+
+
+def key_alive_from_mask(mask: torch.Tensor | None, sq_dim: int = -2) -> torch.Tensor | None:
+    """(B|1, H|1, Sk) bool: keys visible to at least one query; None when there is no mask."""
+    if mask is None:
+        return None
+    return mask.any(dim=sq_dim)
+
+
+def _reference(q, k, v, recipe, mask, scale):
+    sk = k.shape[-2]
+    qh, kh, vh = reference.prepare_qkv(q, k, v, recipe, key_alive=key_alive_from_mask(mask))
+    return reference.attention_tiled(qh, kh, vh, scale=scale, recipe=recipe, mask=mask, sk=sk)

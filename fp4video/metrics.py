@@ -1,0 +1,26 @@
+"""Accuracy metrics of the FP4 attention papers: CosSim, relative L1, RMSE (against a reference)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["cossim", "rel_l1", "rmse", "compare"]
+
+
+def cossim(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Cosine similarity of the flattened tensors, in fp64."""
+    a, b = x.double().flatten(), ref.double().flatten()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+def rel_l1(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Σ|x − ref| / Σ|ref|."""
+    return float((x.double() - ref.double()).abs().sum() / ref.double().abs().sum().clamp_min(1e-300))
+
+
+def rmse(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.double() - ref.double()).pow(2).mean().sqrt())
+
+
+def compare(x: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    return {"cossim": cossim(x, ref), "rel_l1": rel_l1(x, ref), "rmse": rmse(x, ref)}

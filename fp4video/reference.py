@@ -1,0 +1,236 @@
+"""Reference FP4 attention in PyTorch: exactly the numerics the fused kernels compute.
+
+Everything here works on fp32 tensors in (B, H, S, D) layout; :func:`fp4video.fp4_attention`
+validates user input, handles layouts and masks and calls in here.
+
+Two stages, as in a fused kernel:
+
+1. **Pre-pass** (:func:`prepare_qkv`), once per tensor: optional K smoothing (subtract the
+   per-channel mean over the keys that are visible to at least one query), optional Hadamard
+   rotation of Q and K over the (zero-padded) head dim, block quantization of Q and K along the
+   head dim and of V along tokens. Keys masked for every query are zeroed first, so they cannot
+   move a block scale: masked keys contribute nothing, not even through their neighbours' scales.
+2. **Online softmax over key tiles** of :data:`KEY_TILE` keys (:func:`attention_tiled`): for
+   tile j, ``s = scale · Q̂ K̂_jᵀ``, running max ``m``, ``P̃ = exp(s − m)``, P̃ quantized in blocks
+   along keys, ``acc = α·acc + P̂ V̂_j`` and the row sum ``ℓ = α·ℓ + ΣP̃`` (or ``ΣP̂`` under PNQ).
+   The output is ``acc / ℓ``; the LSE is ``m + log ℓ`` (natural log, of the scaled logits).
+
+:func:`attention_materialized` quantizes the whole ``P̃ = exp(S − rowmax S)`` at once instead:
+it equals the tiled result exactly whenever every row's maximum lies in the first key tile
+(then the running max never changes), and differs only in how P's rounding falls otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .formats import E2M1_MAX, E4M3_MAX, Format, quantize_dequantize
+from .recipe import AttentionRecipe, PScale, RowSum
+from .rotation import hadamard_matrix, next_power_of_two
+
+__all__ = [
+    "KEY_TILE",
+    "QUERY_CHUNK",
+    "TWO_LEVEL_P_RANGE",
+    "prepare_qkv",
+    "quantize_p",
+    "attention_tiled",
+    "attention_materialized",
+]
+
+#: Keys per online-softmax tile; a multiple of both FP4 blocks (32 and 16), so P's quantization
+#: blocks never straddle tiles. The Triton kernels use the same tile for P.
+KEY_TILE = 128
+#: Queries processed at once by the reference (memory only: rows are independent).
+QUERY_CHUNK = 4096
+#: Two-level P scaling maps each row's tile maximum to 448 · 6, the top of E4M3 × E2M1.
+TWO_LEVEL_P_RANGE = E4M3_MAX * E2M1_MAX
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def qk_padded_dim(head_dim: int, recipe: AttentionRecipe) -> int:
+    """Head dim Q and K are zero-padded to: a power of two for the Hadamard rotation, a block
+    multiple for FP4 blocks along D. Zero channels change no logit."""
+    d = head_dim
+    if recipe.hadamard:
+        d = next_power_of_two(d)
+    if recipe.qk_format is not None:
+        d = _ceil_to(d, recipe.qk_format.block)
+    return d
+
+
+def prepare_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    recipe: AttentionRecipe,
+    key_alive: torch.Tensor | None = None,
+    key_tile: int = KEY_TILE,
+):
+    """The pre-pass. Inputs (B, H, S, D), any float dtype; never modified.
+
+    ``key_alive``: bool (B, H, Sk) or broadcastable, False for keys no query can see.
+    Returns fp32 ``(q̂, k̂, v̂)`` holding the dequantized values, with Q/K padded along D as
+    :func:`qk_padded_dim` says and K/V zero-padded along tokens to a multiple of ``key_tile``.
+    """
+    qf, kf, vf = q.float(), k.float(), v.float()
+    sk = kf.shape[-2]
+    if key_alive is not None:
+        alive = key_alive.to(torch.bool).unsqueeze(-1)
+        kf = torch.where(alive, kf, 0.0)
+        vf = torch.where(alive, vf, 0.0)
+    if recipe.smooth_k:
+        if key_alive is None:
+            mean = kf.mean(dim=-2, keepdim=True)
+        else:
+            w = alive.to(kf.dtype).expand_as(kf)
+            mean = (kf * w).sum(-2, keepdim=True) / w.sum(-2, keepdim=True).clamp(min=1)
+        kf = kf - mean
+        if key_alive is not None:
+            kf = torch.where(alive, kf, 0.0)
+
+    d = qf.shape[-1]
+    dp = qk_padded_dim(d, recipe)
+    if dp != d:
+        qf = torch.nn.functional.pad(qf, (0, dp - d))
+        kf = torch.nn.functional.pad(kf, (0, dp - d))
+    if recipe.hadamard:
+        h = hadamard_matrix(dp, device=qf.device)
+        qf, kf = qf @ h, kf @ h
+    if recipe.qk_format is not None:
+        rule = recipe.scale_rule if recipe.qk_format is Format.MXFP4 else None
+        qf = quantize_dequantize(qf, recipe.qk_format, scale_rule=rule, dim=-1)
+        kf = quantize_dequantize(kf, recipe.qk_format, scale_rule=rule, dim=-1)
+
+    skp = _ceil_to(sk, key_tile)
+    if skp != sk:
+        kf = torch.nn.functional.pad(kf, (0, 0, 0, skp - sk))
+        vf = torch.nn.functional.pad(vf, (0, 0, 0, skp - sk))
+    if recipe.pv_format is not None:
+        rule = recipe.scale_rule if recipe.pv_format is Format.MXFP4 else None
+        vf = quantize_dequantize(vf, recipe.pv_format, scale_rule=rule, dim=-2)
+    return qf, kf, vf
+
+
+def quantize_p(p: torch.Tensor, recipe: AttentionRecipe) -> torch.Tensor:
+    """Quantize-dequantize softmax exponentials ``p >= 0`` in blocks along the last dim.
+
+    Two-level (SageAttention3): ``p2 = p · (448·6 / rowmax p)`` in FP32, E4M3 block scales on
+    p2, dequantized as ``p̂2 · (rowmax p / (448·6))``; the row max is over ``p``'s last dim
+    (one key tile in the online softmax).
+    """
+    fmt = recipe.pv_format
+    if fmt is None:
+        return p
+    if recipe.p_scale is PScale.TWO_LEVEL:
+        rmax = p.amax(dim=-1, keepdim=True)
+        live = rmax > 0
+        inv_s1 = torch.where(live, TWO_LEVEL_P_RANGE / torch.where(live, rmax, 1.0), 0.0)
+        p2 = quantize_dequantize(p * inv_s1, fmt, dim=-1)
+        return p2 * (rmax / TWO_LEVEL_P_RANGE)
+    rule = recipe.scale_rule if fmt is Format.MXFP4 else None
+    return quantize_dequantize(p, fmt, scale_rule=rule, dim=-1)
+
+
+def _bias_from_mask(mask: torch.Tensor | None, skp: int, sk: int):
+    """(.., Sq, Sk) bool mask (True = attend) padded to Skp keys with False."""
+    if mask is None:
+        if skp == sk:
+            return None
+        mask = torch.ones(1, 1, 1, sk, dtype=torch.bool)
+    if skp != sk:
+        mask = torch.nn.functional.pad(mask, (0, skp - sk), value=False)
+    return mask
+
+
+def attention_tiled(
+    qh: torch.Tensor,
+    kh: torch.Tensor,
+    vh: torch.Tensor,
+    *,
+    scale: float,
+    recipe: AttentionRecipe,
+    mask: torch.Tensor | None = None,
+    sk: int | None = None,
+    key_tile: int = KEY_TILE,
+    query_chunk: int = QUERY_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online-softmax attention over prepared (:func:`prepare_qkv`) fp32 tensors.
+
+    ``mask``: bool broadcastable to (B, H, Sq, Sk), True = attend; ``sk`` the real key count
+    (keys beyond it are padding). Returns ``(out (B, H, Sq, Dv) fp32, lse (B, H, Sq) fp32)``;
+    rows with no visible key give zeros and ``lse = -inf``.
+    """
+    skp = kh.shape[-2]
+    sk = skp if sk is None else sk
+    if skp % key_tile:
+        raise ValueError(f"prepared K has {skp} keys, not a multiple of the key tile {key_tile}")
+    mask = _bias_from_mask(mask, skp, sk)
+    sq = qh.shape[-2]
+    outs, lses = [], []
+    for q0 in range(0, sq, query_chunk):
+        qc = qh[..., q0 : q0 + query_chunk, :]
+        mc = None if mask is None else mask[..., q0 : q0 + query_chunk, :] if mask.shape[-2] > 1 else mask
+        o, l_ = _tiled_chunk(qc, kh, vh, scale, recipe, mc, key_tile)
+        outs.append(o)
+        lses.append(l_)
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+
+
+def _tiled_chunk(q, k, v, scale, recipe, mask, key_tile):
+    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    sq, dv = q.shape[-2], v.shape[-1]
+    m = torch.full((*lead, sq), -math.inf, device=q.device)
+    l_ = torch.zeros((*lead, sq), device=q.device)
+    acc = torch.zeros((*lead, sq, dv), device=q.device)
+    quantized_row_sum = recipe.row_sum is RowSum.QUANTIZED
+    for j0 in range(0, k.shape[-2], key_tile):
+        s = (q @ k[..., j0 : j0 + key_tile, :].transpose(-1, -2)) * scale
+        if mask is not None:
+            s = s.masked_fill(~mask[..., j0 : j0 + key_tile], -math.inf)
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows with nothing visible yet
+        alpha = torch.exp(m - m_safe)
+        p = torch.exp(s - m_safe.unsqueeze(-1))
+        p_hat = quantize_p(p, recipe)
+        l_ = alpha * l_ + (p_hat if quantized_row_sum else p).sum(dim=-1)
+        acc = alpha.unsqueeze(-1) * acc + p_hat @ v[..., j0 : j0 + key_tile, :]
+        m = m_new
+    return _finish(acc, l_, m)
+
+
+def _finish(acc, l_, m):
+    live = l_ > 0
+    out = torch.where(live.unsqueeze(-1), acc / torch.where(live, l_, 1.0).unsqueeze(-1), 0.0)
+    lse = torch.where(live, m + torch.log(torch.where(live, l_, 1.0)), -math.inf)
+    return out, lse
+
+
+def attention_materialized(
+    qh: torch.Tensor,
+    kh: torch.Tensor,
+    vh: torch.Tensor,
+    *,
+    scale: float,
+    recipe: AttentionRecipe,
+    mask: torch.Tensor | None = None,
+    sk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole-P variant for tests: ``P̃ = exp(S − rowmax S)`` quantized at once (blocks along keys,
+    two-level pre-scale over the whole row)."""
+    skp = kh.shape[-2]
+    mask = _bias_from_mask(mask, skp, skp if sk is None else sk)
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf)
+    m = s.amax(dim=-1)
+    m_safe = torch.where(torch.isinf(m), 0.0, m)
+    p = torch.exp(s - m_safe.unsqueeze(-1))
+    p_hat = quantize_p(p, recipe)
+    l_ = (p_hat if recipe.row_sum is RowSum.QUANTIZED else p).sum(-1)
+    return _finish(p_hat @ vh, l_, m)
