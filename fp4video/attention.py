@@ -68,9 +68,7 @@ def _check_mask(attn_mask, b, h, sq, sk, device):
             f"attn_mask must be 4-D and broadcastable to (B, H, Sq, Sk) = {(b, h, sq, sk)}, "
             f"got shape {tuple(attn_mask.shape)} (a key-padding mask is (B, 1, 1, Sk))"
         )
-    try:
-        torch.broadcast_shapes(attn_mask.shape, (b, h, sq, sk))
-    except RuntimeError:
+    if any(m not in (1, n) for m, n in zip(attn_mask.shape, (b, h, sq, sk))):
         raise ValueError(
             f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, Sq, Sk) = {(b, h, sq, sk)}"
         ) from None

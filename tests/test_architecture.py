@@ -1,0 +1,39 @@
+"""Imports flow one way: numerics <- kernels <- integration <- cli. The numerics modules know
+nothing of diffusers, the harness or the CLI."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NUMERICS = ["formats.py", "recipe.py", "rotation.py", "reference.py", "metrics.py", "attention.py"]
+FORBIDDEN = {"diffusers", "transformers", "fp4video.harness", "fp4video.cli", "matplotlib", "rich", "tqdm"}
+
+
+def _imports(path: Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level:  # relative: resolve against fp4video
+                mod = "fp4video." + mod if mod else "fp4video"
+            yield mod
+
+
+@pytest.mark.parametrize("name", NUMERICS)
+def test_numerics_do_not_import_upper_layers(name):
+    bad = [m for m in _imports(ROOT / "fp4video" / name) if any(m == f or m.startswith(f + ".") for f in FORBIDDEN)]
+    assert not bad, f"fp4video/{name} imports {bad}"
+
+
+def test_kernels_import_only_torch_triton_and_numerics():
+    for path in (ROOT / "kernels").rglob("*.py"):
+        for m in _imports(path):
+            top = m.split(".")[0]
+            assert top in {"torch", "triton", "fp4video", "__future__", "math", "functools", "os", "dataclasses",
+                           "typing", "importlib"}, f"{path.name} imports {m}"
