@@ -77,19 +77,20 @@ def _check_mask(attn_mask, b, h, sq, sk, device):
     return attn_mask
 
 
-def _resolve_backend(backend, recipe, q):
+def _resolve_backend(backend, recipe, q, mask):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
         return "reference"
     from . import kernels
 
-    supported, why = kernels.supports(recipe, q)
+    supported, why = kernels.supports(recipe, q, mask)
     if backend == "triton":
         if not supported:
             raise NotImplementedError(f"backend='triton' cannot run this call: {why}")
         return "triton"
-    return "triton" if supported else "reference"
+    # "auto" never picks the CPU interpreter (a test tool, far slower than the reference)
+    return "triton" if supported and q.is_cuda else "reference"
 
 
 def fp4_attention(
@@ -138,7 +139,7 @@ def fp4_attention(
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
 
-    if _resolve_backend(backend, recipe, qb) == "triton":
+    if _resolve_backend(backend, recipe, qb, mask) == "triton":
         from . import kernels
 
         out, lse = kernels.attention(qb, kb, vb, recipe=recipe, mask=mask, scale=float(scale))

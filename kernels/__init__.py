@@ -1,20 +1,34 @@
 """Fused Triton kernels for fp4video (installed as ``fp4video.kernels``).
 
 They implement the numerics of :mod:`fp4video.reference` and import only torch, triton and
-fp4video's numerics modules. This version ships no attention kernel yet, so :func:`supports`
-says so and ``fp4_attention(backend="auto")`` runs the PyTorch reference.
+fp4video's numerics modules. Triton is optional: without it (or without a CUDA tensor, unless
+``TRITON_INTERPRET=1``), :func:`supports` says why and ``backend="auto"`` runs the reference.
 """
 
 from __future__ import annotations
 
-__all__ = ["supports", "attention"]
+import importlib.util
+
+__all__ = ["supports", "attention", "triton_available"]
 
 
-def supports(recipe, q) -> tuple[bool, str]:
-    """Whether a fused kernel can run this call, and if not, why (for the error message)."""
-    return False, "fp4video ships no fused Triton attention kernel in this version; use backend='reference'"
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def supports(recipe, q, mask=None) -> tuple[bool, str]:
+    """Whether the fused kernel can run this call, and if not, why (for the error message)."""
+    if not triton_available():
+        return False, "Triton is not installed (pip install 'fp4video[triton]')"
+    from .attention_fwd import supports as _supports
+
+    return _supports(recipe, q, mask)
 
 
 def attention(q, k, v, *, recipe, mask, scale):
-    ok, why = supports(recipe, q)
-    raise NotImplementedError(why)
+    ok, why = supports(recipe, q, mask)
+    if not ok:
+        raise NotImplementedError(why)
+    from .attention_fwd import attention as _attention
+
+    return _attention(q, k, v, recipe=recipe, mask=mask, scale=scale)
