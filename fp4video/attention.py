@@ -7,6 +7,7 @@ import math
 import torch
 
 from . import reference
+from .reference import key_alive_from_mask
 from .recipe import AttentionRecipe, get_recipe
 
 __all__ = ["fp4_attention", "LAYOUTS", "BACKENDS"]
@@ -150,13 +151,6 @@ def fp4_attention(
     if layout == "bshd":
         out, lse = out.transpose(1, 2), lse.transpose(1, 2)
     return (out, lse) if return_lse else out
-
-
-def key_alive_from_mask(mask: torch.Tensor | None, sq_dim: int = -2) -> torch.Tensor | None:
-    """(B|1, H|1, Sk) bool: keys visible to at least one query; None when there is no mask."""
-    if mask is None:
-        return None
-    return mask.any(dim=sq_dim)
 
 
 def _reference(q, k, v, recipe, mask, scale):

@@ -34,6 +34,7 @@ __all__ = [
     "KEY_TILE",
     "QUERY_CHUNK",
     "TWO_LEVEL_P_RANGE",
+    "key_alive_from_mask",
     "prepare_qkv",
     "quantize_p",
     "attention_tiled",
@@ -62,6 +63,13 @@ def qk_padded_dim(head_dim: int, recipe: AttentionRecipe) -> int:
     if recipe.qk_format is not None:
         d = _ceil_to(d, recipe.qk_format.block)
     return d
+
+
+def key_alive_from_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """(B|1, H|1, Sk) bool: keys visible to at least one query; None when there is no mask."""
+    if mask is None:
+        return None
+    return mask.any(dim=-2)
 
 
 def prepare_qkv(

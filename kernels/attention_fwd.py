@@ -23,7 +23,7 @@ import triton.language as tl
 
 from fp4video.formats import Format, ScaleRule
 from fp4video.recipe import AttentionRecipe, PScale, RowSum
-from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE, prepare_qkv
+from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE, key_alive_from_mask, prepare_qkv
 
 # P quantization modes (constexpr)
 P_NONE, P_MX, P_NV = 0, 1, 2
@@ -197,8 +197,6 @@ LAUNCH = {P_NONE: (128, 8, 3), P_MX: (128, 8, 3), P_NV: (128, 8, 1)}
 def attention(q, k, v, *, recipe: AttentionRecipe, mask, scale: float, block_m: int | None = None,
               num_warps: int | None = None, num_stages: int | None = None):
     """q, k, v: (B, H, S, D) views, any strides. Returns (out (B, H, Sq, Dv) in q's dtype, lse fp32)."""
-    from fp4video.attention import key_alive_from_mask
-
     b, h, sq, _ = q.shape
     sk, dv = k.shape[-2], v.shape[-1]
     qh, kh, vh = prepare_qkv(q, k, v, recipe, key_alive=key_alive_from_mask(mask), key_tile=KEY_TILE)

@@ -19,9 +19,8 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fp4video import METHODS, fp4_attention
-from fp4video.attention import key_alive_from_mask
 from fp4video.metrics import cossim
-from fp4video.reference import prepare_qkv
+from fp4video.reference import key_alive_from_mask, prepare_qkv
 
 
 def bench(fn, rep=200):

@@ -37,3 +37,5 @@ def test_kernels_import_only_torch_triton_and_numerics():
             top = m.split(".")[0]
             assert top in {"torch", "triton", "fp4video", "__future__", "math", "functools", "os", "dataclasses",
                            "typing", "importlib"}, f"{path.name} imports {m}"
+            if top == "fp4video" and m != "fp4video":  # numerics only, never the API / harness / CLI
+                assert m.split(".")[1] in {"formats", "recipe", "reference", "rotation", "kernels"}, f"{path.name}: {m}"
