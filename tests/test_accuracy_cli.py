@@ -96,9 +96,11 @@ def test_our_combinations_beat_their_parents(accuracy):
 def test_plots_and_json_written(accuracy):
     _, out = accuracy
     for name in ("entropy_sweep.png", "row_sum_histogram.png", "uos_objective.png", "uos_mse_sweep.png",
-                 "methods.png", "accuracy.json"):
+                 "methods.png", "accuracy.json", "accuracy.md"):
         p = out / name
         assert p.exists() and p.stat().st_size > 1000, name
+        if name == "accuracy.md":
+            assert "**Source 001 — Universal Optimal Scaling**" in p.read_text()
         if name.endswith(".png"):
             assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

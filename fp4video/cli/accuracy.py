@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 EXAMPLES = """examples:
-  fp4video accuracy                       # tables on the terminal, plots + JSON in ./accuracy-report
+  fp4video accuracy                       # tables on the terminal; plots, accuracy.json and
+                                          # accuracy.md (the README's tables) in ./accuracy-report
   fp4video accuracy --out report --seed 1
   fp4video accuracy --json > acc.json     # one JSON object on stdout (tables suppressed)
 """
@@ -47,6 +48,8 @@ def run(args) -> int:
         result = report.run_all(seed=args.seed, progress=step)
     summary = report.summary_json(result)
     report.write_json(summary, args.out / "accuracy.json")
+    specs = report.tables(result)
+    (args.out / "accuracy.md").write_text(report.render_markdown(specs))
     plots = [] if args.no_plots else report.plots(result, args.out)
     elapsed = time.perf_counter() - t0
     if args.json:
@@ -56,8 +59,8 @@ def run(args) -> int:
     from rich.console import Console
 
     console = Console(width=None if sys.stdout.isatty() else 150)
-    for table in report.tables(result):
-        console.print(table)
-    console.print(f"wrote {args.out / 'accuracy.json'}" + "".join(f", {p}" for p in plots))
+    for spec in specs:
+        console.print(report.render_rich(spec))
+    console.print(f"wrote {args.out / 'accuracy.json'}, {args.out / 'accuracy.md'}" + "".join(f", {p}" for p in plots))
     console.print(f"done in {elapsed:.1f} s (seed {args.seed})")
     return 0

@@ -87,21 +87,40 @@ def summary_json(r: dict) -> dict:
 
 
 def _table(title, header, rows):
+    """One table as data: rendered for the terminal (:func:`render_rich`) and as markdown
+    (:func:`render_markdown`) from the same rows."""
+    return {"title": title, "header": list(header), "rows": [[str(c) for c in row] for row in rows]}
+
+
+def render_rich(spec):
     from rich.table import Table
 
-    t = Table(title=title, title_justify="left")
-    for i, h in enumerate(header):
+    t = Table(title=spec["title"], title_justify="left")
+    for i, h in enumerate(spec["header"]):
         t.add_column(h, justify="left" if i == 0 else "right")
-    for row in rows:
-        t.add_row(*[str(c) for c in row])
+    for row in spec["rows"]:
+        t.add_row(*row)
     return t
+
+
+def render_markdown(specs) -> str:
+    def line(cells):
+        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+    parts = []
+    for spec in specs:
+        parts.append("\n".join([f"**{spec['title']}**", "", line(spec["header"]),
+                                 "|" + "|".join(" --- " for _ in spec["header"]) + "|",
+                                 *(line(r) for r in spec["rows"])]))
+    return "\n\n".join(parts) + "\n"
 
 
 def _pct(x):
     return f"{x:.2f}"
 
 
-def tables(r: dict) -> list:
+def tables(r: dict) -> list[dict]:
+    """Every table of the report, as :func:`_table` specs (published values beside ours)."""
     s0, s1 = r["source000"], r["source001"]
     pub0, pub1 = source000.PUBLISHED, source001.PUBLISHED
     out = []
@@ -110,7 +129,7 @@ def tables(r: dict) -> list:
         ("MXFP4 (1x32, E8M0, OCP rule), smooth-K", _pct(s0["formats"]["mxfp4"]), pub0["mxfp4"]),
         ("NVFP4, direct P scale", _pct(s0["p_scale"]["direct"]), pub0["nvfp4_direct"]),
         ("NVFP4, smooth-K off", _pct(s0["smooth_k"]["off"]), pub0["smooth_k_off"]),
-        ("INT8 QK (smooth-K), full-precision PV", _pct(s0["int8_qk_fp16_pv"]), pub0["int8_qk_fp16_pv"]),
+        ("INT8 QK (smooth-K), full-precision PV", f"{s0['int8_qk_fp16_pv']:.3f}", pub0["int8_qk_fp16_pv"]),
     ]
     out.append(_table("Source 000 — output CosSim % (1024x128 Gaussian, K mean, normalized P)",
                       ["configuration", "ours", "published"], fmt_rows))
