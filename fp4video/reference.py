@@ -35,6 +35,7 @@ __all__ = [
     "QUERY_CHUNK",
     "TWO_LEVEL_P_RANGE",
     "key_alive_from_mask",
+    "smoothing_mean",
     "prepare_qkv",
     "quantize_p",
     "attention_tiled",
@@ -72,6 +73,16 @@ def key_alive_from_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     return mask.any(dim=-2)
 
 
+def smoothing_mean(k: torch.Tensor, key_alive: torch.Tensor | None = None) -> torch.Tensor:
+    """K's per-channel mean over the keys some query sees, (..., 1, D) fp32 (K smoothing: exact,
+    since softmax ignores the per-row shift q·mean). ``k`` must already be zero at dead keys."""
+    kf = k.float()
+    if key_alive is None:
+        return kf.mean(dim=-2, keepdim=True)
+    w = key_alive.to(torch.bool).unsqueeze(-1).to(kf.dtype).expand_as(kf)
+    return kf.sum(-2, keepdim=True) / w.sum(-2, keepdim=True).clamp(min=1)
+
+
 def prepare_qkv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -93,12 +104,7 @@ def prepare_qkv(
         kf = torch.where(alive, kf, 0.0)
         vf = torch.where(alive, vf, 0.0)
     if recipe.smooth_k:
-        if key_alive is None:
-            mean = kf.mean(dim=-2, keepdim=True)
-        else:
-            w = alive.to(kf.dtype).expand_as(kf)
-            mean = (kf * w).sum(-2, keepdim=True) / w.sum(-2, keepdim=True).clamp(min=1)
-        kf = kf - mean
+        kf = kf - smoothing_mean(kf, key_alive)
         if key_alive is not None:
             kf = torch.where(alive, kf, 0.0)
 

@@ -4,8 +4,8 @@ Numerics: exactly :mod:`fp4video.reference` (same key tile, same block rounding 
 for the usual floating-point differences (``exp`` implementation, fp32 accumulation order),
 which can flip the rounding of an element of P̃ that sits on a rounding boundary.
 
-This first version runs the pre-pass (smoothing, rotation, Q/K/V block quantization) with the
-reference's PyTorch code, then feeds the *dequantized* values to the kernel in bf16: E2M1 values
+The fused pre-pass (:mod:`.prepass`: smoothing, rotation, Q/K/V block quantization) writes the
+*dequantized* values in bf16, which this kernel reads: E2M1 values
 times an E8M0 or E4M3 scale need at most 6 significant bits, so bf16 holds them exactly and
 bf16 tensor-core products with fp32 accumulation are exact up to summation order. The P tile
 quantized in the loop is likewise exact in bf16. Unquantized methods (``fp16``) keep the input
@@ -23,70 +23,20 @@ import triton.language as tl
 
 from fp4video.formats import Format, ScaleRule
 from fp4video.recipe import AttentionRecipe, PScale, RowSum
-from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE, key_alive_from_mask, prepare_qkv
+from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
+
+from .fp4_math import fake_quant_rows
+from .prepass import next_pow2, prepass
 
 # P quantization modes (constexpr)
 P_NONE, P_MX, P_NV = 0, 1, 2
 
 
 @triton.jit
-def _pow2(e):
-    """2^e as fp32 for integer e in [-126, 127], built from the exponent bits (exact)."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exponent_and_mantissa(x):
-    """floor(log2 x) and the mantissa in [1, 2) of positive normal fp32 x, from the bits."""
-    bits = x.to(tl.int32, bitcast=True)
-    e0 = ((bits >> 23) & 0xFF) - 127
-    m = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
-    return e0, m
-
-
-@triton.jit
-def _rint(x):
-    """Nearest integer, ties to even, for |x| < 2^22: adding 1.5·2^23 leaves no fraction bits."""
-    return (x + 12582912.0) - 12582912.0
-
-
-@triton.jit
-def _round_e2m1_abs(a):
-    """Round a >= 0 onto {0, .5, 1, 1.5, 2, 3, 4, 6}, ties to even, saturating at 6."""
-    a = tl.minimum(a, 8.0)
-    up = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))  # 1 / grid step (powers of two: exact)
-    return tl.minimum(_rint(a * up) / up, 6.0)
-
-
-@triton.jit
-def _round_e4m3_abs(x):
-    """Round 0 <= x <= 448 onto E4M3 (subnormals from 2^-9), ties to even."""
-    e0, _ = _exponent_and_mantissa(tl.maximum(x, 1e-30))
-    e0 = tl.maximum(e0, -6)
-    return tl.minimum(_rint(x * _pow2(3 - e0)) * _pow2(e0 - 3), 448.0)
-
-
-@triton.jit
 def _quantize_p(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, P_MODE: tl.constexpr,
                 QB: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr):
     """Quantize-dequantize p >= 0 ([BLOCK_M, BLOCK_N]) in blocks of QB along keys."""
-    pb = tl.reshape(p, (BLOCK_M, BLOCK_N // QB, QB))
-    amax = tl.max(pb, axis=2)
-    if P_MODE == 1:  # MXFP4: power-of-two scale
-        e0, m = _exponent_and_mantissa(amax)
-        if OCP:
-            e = e0 - 2
-        else:
-            e = tl.where(m * 4.0 <= QMAX, e0 - 2, e0 - 1)
-        e = tl.where(amax > 0, tl.maximum(e, -126), 0)
-        q = _round_e2m1_abs(pb * _pow2(-e)[:, :, None]) * _pow2(e)[:, :, None]
-    else:  # NVFP4: E4M3 scale round_e4m3(amax / 6)
-        s = _round_e4m3_abs(tl.math.div_rn(amax, 6.0))
-        live = s > 0
-        s_safe = tl.where(live, s, 1.0)
-        q = _round_e2m1_abs(tl.math.div_rn(pb, s_safe[:, :, None])) * s_safe[:, :, None]
-        q = tl.where(live[:, :, None], q, 0.0)
-    return tl.reshape(q, (BLOCK_M, BLOCK_N))
+    return fake_quant_rows(p, BLOCK_M, BLOCK_N, P_MODE, QB, OCP, QMAX, False)
 
 
 @triton.jit
@@ -94,7 +44,7 @@ def _fp4_attn_fwd(
     # pointers
     Q, K, V, KeyMask, Out, Lse,
     # sizes
-    H, SQ, SK, SKP, DV,
+    H, SQ, SK, DQK, DV,
     # strides (elements)
     sqb, sqh, sqs, sqd,
     skb, skh, sks, skd,
@@ -118,14 +68,15 @@ def _fp4_attn_fwd(
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_m < SQ
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :] * sqd,
-                mask=row_ok[:, None], other=0.0)
+                mask=row_ok[:, None] & (offs_d[None, :] < DQK), other=0.0)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    for start in range(0, SKP, BLOCK_N):
+    for start in range(0, SK, BLOCK_N):
         keys = start + offs_n
-        k = tl.load(K + b * skb + h * skh + keys[:, None] * sks + offs_d[None, :] * skd)
+        k = tl.load(K + b * skb + h * skh + keys[:, None] * sks + offs_d[None, :] * skd,
+                    mask=(keys < SK)[:, None] & (offs_d[None, :] < DQK), other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
@@ -157,7 +108,7 @@ def _fp4_attn_fwd(
         else:
             l_i = alpha * l_i + tl.sum(p, axis=1)
         v = tl.load(V + b * svb + h * svh + keys[:, None] * svs + offs_dv[None, :] * svd,
-                    mask=offs_dv[None, :] < DV, other=0.0)
+                    mask=(keys < SK)[:, None] & (offs_dv[None, :] < DV), other=0.0)
         if IEEE:
             pv = tl.dot(p_hat, v, input_precision="ieee")
         else:
@@ -172,10 +123,6 @@ def _fp4_attn_fwd(
     tl.store(Out + b * sob + h * soh + offs_m[:, None] * sos + offs_dv[None, :] * sod,
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     tl.store(Lse + b * slb + h * slh + offs_m * sls, lse, mask=row_ok)
-
-
-def _next_pow2(n: int, floor: int = 16) -> int:
-    return max(floor, 1 << (n - 1).bit_length())
 
 
 def supports(recipe: AttentionRecipe, q: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[bool, str]:
@@ -194,26 +141,34 @@ def supports(recipe: AttentionRecipe, q: torch.Tensor, mask: torch.Tensor | None
 LAUNCH = {P_NONE: (128, 8, 3), P_MX: (128, 8, 3), P_NV: (128, 8, 1)}
 
 
-def attention(q, k, v, *, recipe: AttentionRecipe, mask, scale: float, block_m: int | None = None,
-              num_warps: int | None = None, num_stages: int | None = None):
+def attention(q, k, v, *, recipe: AttentionRecipe, mask, scale: float, **launch):
     """q, k, v: (B, H, S, D) views, any strides. Returns (out (B, H, Sq, Dv) in q's dtype, lse fp32)."""
-    b, h, sq, _ = q.shape
-    sk, dv = k.shape[-2], v.shape[-1]
-    qh, kh, vh = prepare_qkv(q, k, v, recipe, key_alive=key_alive_from_mask(mask), key_tile=KEY_TILE)
-    d = _next_pow2(qh.shape[-1])
-    if d != qh.shape[-1]:
-        qh = torch.nn.functional.pad(qh, (0, d - qh.shape[-1]))
-        kh = torch.nn.functional.pad(kh, (0, d - kh.shape[-1]))
-    # FP4 values are exact in bf16; the CPU interpreter has no bf16 matmul, so it uses fp32 there
-    work = q.dtype if not recipe.quantized else torch.bfloat16 if q.is_cuda else torch.float32
-    ieee = work == torch.float32
-    qh, kh, vh = (t.to(work) for t in (qh, kh, vh))
-    out = torch.empty(b, h, sq, dv, device=q.device, dtype=q.dtype)
-    lse = torch.empty(b, h, sq, device=q.device, dtype=torch.float32)
-    if mask is not None:
-        km = mask.expand(b, 1, 1, sk)[:, 0, 0, :].to(torch.int8).contiguous()
+    b, sk = q.shape[0], k.shape[-2]
+    key_alive = None if mask is None else mask.expand(b, 1, 1, sk)[:, 0, 0, :]
+    if recipe.quantized:
+        qh, kh, vh = prepass(q, k, v, recipe, key_alive, work_dtype(q))
+    else:  # the inputs as they are: no copy, any strides
+        qh, kh, vh = q, k, v
+    return attention_prepared(qh, kh, vh, key_alive, recipe=recipe, scale=scale, out_dtype=q.dtype, **launch)
+
+
+def work_dtype(q: torch.Tensor) -> torch.dtype:
+    """FP4 values are exact in bf16; the CPU interpreter has no bf16 matmul, so fp32 there."""
+    return torch.bfloat16 if q.is_cuda else torch.float32
+
+
+def attention_prepared(qh, kh, vh, key_alive, *, recipe: AttentionRecipe, scale: float, out_dtype,
+                       block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
+    """The attention loop alone, on pre-pass outputs (or unquantized inputs); (B, H, S, D) views."""
+    b, h, sq, dqk = qh.shape
+    sk, dv = kh.shape[-2], vh.shape[-1]
+    dev = qh.device
+    out = torch.empty(b, h, sq, dv, device=dev, dtype=out_dtype)
+    lse = torch.empty(b, h, sq, device=dev, dtype=torch.float32)
+    if key_alive is not None:
+        km = key_alive.to(torch.int8).contiguous()
     else:
-        km = torch.empty(1, 1, dtype=torch.int8, device=q.device)
+        km = torch.empty(1, 1, dtype=torch.int8, device=dev)
     p_mode = {None: P_NONE, Format.MXFP4: P_MX, Format.NVFP4: P_NV}[recipe.pv_format]
     qb = recipe.pv_format.block if recipe.pv_format else 32
     bm, nw, ns = LAUNCH[p_mode]
@@ -221,15 +176,15 @@ def attention(q, k, v, *, recipe: AttentionRecipe, mask, scale: float, block_m: 
     grid = (triton.cdiv(sq, block_m), b * h)
     _fp4_attn_fwd[grid](
         qh, kh, vh, km, out, lse,
-        h, sq, sk, kh.shape[-2], dv,
+        h, sq, sk, dqk, dv,
         *qh.stride(), *kh.stride(), *vh.stride(),
         km.stride(0), km.stride(1),
         *out.stride(), *lse.stride(),
         scale,
-        HAS_MASK=mask is not None, P_MODE=p_mode, QB=qb, OCP=recipe.scale_rule is ScaleRule.OCP,
+        HAS_MASK=key_alive is not None, P_MODE=p_mode, QB=qb, OCP=recipe.scale_rule is ScaleRule.OCP,
         QMAX=recipe.scale_rule.qmax, TWO_LEVEL=recipe.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
-        PNQ=recipe.row_sum is RowSum.QUANTIZED, IEEE=ieee,
-        D=d, BLOCK_DV=_next_pow2(dv), BLOCK_M=block_m, BLOCK_N=KEY_TILE,
+        PNQ=recipe.row_sum is RowSum.QUANTIZED, IEEE=qh.dtype == torch.float32,
+        D=next_pow2(dqk), BLOCK_DV=next_pow2(dv), BLOCK_M=block_m, BLOCK_N=KEY_TILE,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out, lse

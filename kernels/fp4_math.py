@@ -1,0 +1,80 @@
+"""Triton device functions for the FP4 numerics of :mod:`fp4video.formats`, bit for bit.
+
+Every rounding is done with exact operations: exponents read from the fp32 bits, powers of two
+built from bits, round-to-nearest-even by the 1.5·2^23 addition, and correctly rounded division
+(``div_rn``) where the reference divides by a non-power-of-two scale.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pow2(e):
+    """2^e as fp32 for integer e in [-126, 127], built from the exponent bits (exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def exponent_and_mantissa(x):
+    """floor(log2 x) and the mantissa in [1, 2) of positive normal fp32 x, from the bits."""
+    bits = x.to(tl.int32, bitcast=True)
+    e0 = ((bits >> 23) & 0xFF) - 127
+    m = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    return e0, m
+
+
+@triton.jit
+def rint(x):
+    """Nearest integer, ties to even, for |x| < 2^22: adding 1.5·2^23 leaves no fraction bits."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def round_e2m1_abs(a):
+    """Round a >= 0 onto {0, .5, 1, 1.5, 2, 3, 4, 6}, ties to even, saturating at 6."""
+    a = tl.minimum(a, 8.0)
+    up = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))  # 1 / grid step (powers of two: exact)
+    return tl.minimum(rint(a * up) / up, 6.0)
+
+
+@triton.jit
+def round_e4m3_abs(x):
+    """Round x >= 0 onto E4M3 (subnormals from 2^-9), ties to even, saturating at 448."""
+    e0, _ = exponent_and_mantissa(tl.maximum(x, 1e-30))
+    e0 = tl.minimum(tl.maximum(e0, -6), 9)
+    return tl.minimum(rint(x * pow2(3 - e0)) * pow2(e0 - 3), 448.0)
+
+
+@triton.jit
+def fake_quant_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr,
+                    OCP: tl.constexpr, QMAX: tl.constexpr, SIGNED: tl.constexpr):
+    """Quantize-dequantize ``x`` ([ROWS, COLS] fp32) in blocks of QB along the last axis.
+
+    FMT 1: MXFP4 (E8M0 scale, OCP floor rule or ceil(log2(amax / QMAX))); FMT 2: NVFP4
+    (scale round_e4m3(amax / 6); a block whose scale rounds to 0 becomes 0). All-zero blocks
+    stay zero. Exponents are kept in [-126, 126] (the reference allows ±127: only blocks with
+    amax below 2^-124 or above 2^126 differ).
+    """
+    xb = tl.reshape(x, (ROWS, COLS // QB, QB))
+    a = tl.abs(xb) if SIGNED else xb
+    amax = tl.max(a, axis=2)
+    if FMT == 1:
+        e0, m = exponent_and_mantissa(amax)
+        if OCP:
+            e = e0 - 2
+        else:
+            e = tl.where(m * 4.0 <= QMAX, e0 - 2, e0 - 1)
+        e = tl.where(amax > 0, tl.minimum(tl.maximum(e, -126), 126), 0)
+        q = round_e2m1_abs(a * pow2(-e)[:, :, None]) * pow2(e)[:, :, None]
+    else:
+        s = round_e4m3_abs(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)))
+        live = s > 0
+        s_safe = tl.where(live, s, 1.0)
+        q = round_e2m1_abs(tl.math.div_rn(a, s_safe[:, :, None] + tl.zeros_like(a))) * s_safe[:, :, None]
+        q = tl.where(live[:, :, None], q, 0.0)
+    if SIGNED:
+        q = tl.where(xb < 0, -q, q)
+    return tl.reshape(q, (ROWS, COLS))
