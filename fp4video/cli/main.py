@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import accuracy
+from . import accuracy, generate
 
-SUBCOMMANDS = {"accuracy": accuracy}
+SUBCOMMANDS = {"generate": generate, "accuracy": accuracy}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,64 @@
+"""Run configs for ``fp4video generate``: model, sizes, sampling, prompts and the precision policy,
+from YAML, validated (every error names the file, the field and what is allowed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .policy import Policy, format_validation_error
+
+__all__ = ["RunConfig", "load_config", "ConfigError", "DEFAULT_CONFIG"]
+
+
+class ConfigError(ValueError):
+    """A config file that does not validate; the message lists every problem."""
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model: str = Field("tiny", description='"tiny" (embedded random model), a local folder or a hub id')
+    family: Literal["wan", "hunyuan"] = "wan"
+    task: Literal["t2v", "i2v"] = "t2v"
+    height: int = Field(480, gt=0, multiple_of=16)
+    width: int = Field(832, gt=0, multiple_of=16)
+    frames: int = Field(81, gt=0)
+    steps: int = Field(40, gt=0)
+    guidance_scale: float = Field(4.0, ge=0)
+    seed: int = 0
+    fps: int = Field(16, gt=0)
+    prompts: list[str] = Field(default_factory=lambda: ["A cat walks on the grass, realistic style."], min_length=1)
+    negative_prompt: str = ""
+    image: str | None = Field(None, description="conditioning image for i2v (a file path)")
+    policy: Policy = Policy()
+
+
+CONFIG_MODELS = (RunConfig,)
+
+#: The embedded default: MXAttention's Wan2.2 main-table policy on the tiny two-expert model.
+DEFAULT_CONFIG = RunConfig(
+    model="tiny",
+    family="wan",
+    prompts=["A red panda climbs a snowy tree, cinematic."],
+    policy=Policy(method="mxattn", rules=[{"method": "fp16", "blocks": [0]}, {"method": "fp16", "steps": {"last": 2}}]),
+)
+
+
+def load_config(path: str | Path) -> RunConfig:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings at the top level, got {type(data).__name__}")
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, str(path))) from None

@@ -1,0 +1,61 @@
+"""Loading pipelines for ``fp4video generate``: the embedded tiny models, or real ones from a local
+folder or the hub (with a clear error when the weights are not there)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import RunConfig
+
+__all__ = ["load_pipeline", "pipeline_kwargs"]
+
+
+def load_pipeline(cfg: RunConfig, device: torch.device):
+    if cfg.model == "tiny":
+        from .tiny import tiny_wan_pipeline
+
+        if cfg.family != "wan" or cfg.task != "t2v":
+            raise ValueError(f"the embedded tiny model exists for family 'wan', task 't2v' (got {cfg.family}/{cfg.task})")
+        return tiny_wan_pipeline(two_experts=True).to(device)
+    return _from_pretrained(cfg.model, device)
+
+
+def _from_pretrained(model: str, device: torch.device):
+    from diffusers import DiffusionPipeline
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    local = Path(model).expanduser()
+    if local.exists() and not (local / "model_index.json").exists():
+        raise FileNotFoundError(f"{local} is not a diffusers pipeline folder: model_index.json is missing")
+    try:
+        pipe = DiffusionPipeline.from_pretrained(str(local) if local.exists() else model, torch_dtype=dtype)
+    except OSError as e:
+        raise FileNotFoundError(
+            f"could not load the pipeline {model!r}: it is neither a local folder nor in the Hugging Face cache, and "
+            f"the hub could not be reached ({type(e).__name__}). Download it where there is network, e.g. "
+            f"`huggingface-cli download {model} --local-dir DIR`, then pass --model DIR; or run --model tiny."
+        ) from None
+    return pipe.to(device)
+
+
+def pipeline_kwargs(cfg: RunConfig, prompt: str, device: torch.device) -> dict:
+    kw = dict(
+        prompt=prompt,
+        negative_prompt=cfg.negative_prompt,
+        height=cfg.height,
+        width=cfg.width,
+        num_frames=cfg.frames,
+        num_inference_steps=cfg.steps,
+        guidance_scale=cfg.guidance_scale,
+        generator=torch.Generator(device="cpu").manual_seed(cfg.seed),
+        output_type="np",
+    )
+    if cfg.task == "i2v":
+        if cfg.image is None:
+            raise ValueError("task i2v needs `image:` (a file path) in the config")
+        from PIL import Image
+
+        kw["image"] = Image.open(cfg.image).convert("RGB")
+    return kw

@@ -1,0 +1,149 @@
+"""Precision policies: which attention method runs for each call (block, denoising step, attention
+kind, Wan2.2 expert), loaded from YAML and validated.
+
+Rules are tried in order; the first whose conditions all match picks the method, otherwise the
+policy's default ``method`` applies. Example (MXAttention's Wan2.2 main table)::
+
+    method: mxattn
+    rules:
+      - {method: fp16, blocks: [0]}          # block 0 in high precision
+      - {method: fp16, steps: {last: 2}}     # and the final two denoising steps
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..recipe import METHODS
+
+KINDS = ("self", "cross", "image")
+EXPERTS = ("high_noise", "low_noise")
+
+
+def _check_method(v: str) -> str:
+    if v not in METHODS:
+        raise ValueError(f"unknown method {v!r}; allowed: {', '.join(METHODS)}")
+    return v
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StepRange(_Strict):
+    """Denoising steps a rule covers (0-based). Exactly one of the fields."""
+
+    first: int | None = Field(None, ge=0, description="the first N steps")
+    last: int | None = Field(None, ge=0, description="the last N steps")
+    range: tuple[int, int] | None = Field(None, description="[start, stop) step indices")
+    fraction: tuple[float, float] | None = Field(None, description="[lo, hi) as fractions of the schedule")
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [k for k in ("first", "last", "range", "fraction") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of first, last, range, fraction (got {given or 'none'})")
+        if self.range is not None and not (0 <= self.range[0] <= self.range[1]):
+            raise ValueError(f"range must be [start, stop) with 0 <= start <= stop, got {list(self.range)}")
+        if self.fraction is not None and not (0.0 <= self.fraction[0] <= self.fraction[1] <= 1.0):
+            raise ValueError(f"fraction must be [lo, hi) with 0 <= lo <= hi <= 1, got {list(self.fraction)}")
+        return self
+
+    def contains(self, step: int, num_steps: int) -> bool:
+        if self.first is not None:
+            return step < self.first
+        if self.last is not None:
+            return step >= num_steps - self.last
+        if self.range is not None:
+            return self.range[0] <= step < self.range[1]
+        lo, hi = self.fraction
+        return lo <= step / num_steps < hi
+
+
+class Rule(_Strict):
+    method: str
+    blocks: list[int] | None = Field(None, description="transformer block indices")
+    steps: StepRange | None = None
+    kinds: list[Literal["self", "cross", "image"]] | None = None
+    experts: list[Literal["high_noise", "low_noise"]] | None = None
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, v):
+        return _check_method(v)
+
+    def matches(self, *, block: int, step: int | None, num_steps: int | None, kind: str, expert: str | None) -> bool:
+        if self.blocks is not None and block not in self.blocks:
+            return False
+        if self.kinds is not None and kind not in self.kinds:
+            return False
+        if self.experts is not None and expert not in self.experts:
+            return False
+        if self.steps is not None:
+            if step is None or num_steps is None:
+                return False  # outside a pipeline call no step is known: step rules do not apply
+            return self.steps.contains(step, num_steps)
+        return True
+
+
+class Policy(_Strict):
+    """A precision policy. ``fallback``: what to do when the FP4 path refuses a call (an input it
+    does not support): ``"error"`` raises, ``"stock"`` runs diffusers' own attention for that call
+    and counts it in the generation summary."""
+
+    method: str = "mxattn"
+    rules: list[Rule] = []
+    fallback: Literal["error", "stock"] = "error"
+    refiner: bool = Field(False, description="HunyuanVideo: quantize the token refiner's attention too")
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, v):
+        return _check_method(v)
+
+    def method_for(self, *, block: int, step: int | None, num_steps: int | None, kind: str,
+                   expert: str | None) -> str:
+        for rule in self.rules:
+            if rule.matches(block=block, step=step, num_steps=num_steps, kind=kind, expert=expert):
+                return rule.method
+        return self.method
+
+
+def format_validation_error(err, source: str) -> str:
+    """pydantic's errors as ``source: field.path: message`` lines, all of them."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in e["loc"]).replace(".[", "[")
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = f"unknown field (allowed: {', '.join(_allowed_fields(err.title, e['loc']))})"
+        lines.append(f"{source}: {loc or '(top level)'}: {msg}")
+    return "\n".join(lines)
+
+
+def _allowed_fields(model_name: str, loc) -> list[str]:
+    """Field names allowed where an unknown key was found (walks the models along ``loc``)."""
+    from . import config as _config  # the run config embeds Policy
+
+    models = {m.__name__: m for m in (Policy, Rule, StepRange, *_config.CONFIG_MODELS)}
+    model = models.get(model_name)
+    for part in loc[:-1]:
+        if model is None or isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        model = _inner_model(field.annotation) if field else None
+    return sorted(model.model_fields) if model else []
+
+
+def _inner_model(annotation):
+    import typing
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _inner_model(arg)
+        if found:
+            return found
+    return None

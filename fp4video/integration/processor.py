@@ -1,0 +1,148 @@
+"""``FP4Processor``: one attention processor for the Wan (2.1 / 2.2, T2V and I2V) and HunyuanVideo
+transformers of diffusers.
+
+Processors do plumbing only (projections, norms, RoPE, the reshape to (B, S, H, D), the output
+projection), reproducing diffusers' stock processors; the single numerics decision, which method a
+call uses, comes from the :class:`~fp4video.integration.policy.Policy` and the
+:class:`AttentionContext` (denoising step, expert) that :func:`fp4video.install` keeps current.
+With method ``"fp16"`` the call goes to diffusers' own ``dispatch_attention_fn``, so the output is
+the stock output.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention import fp4_attention
+from .policy import Policy
+
+__all__ = ["FP4Processor", "AttentionContext"]
+
+#: Wan's I2V processor splits its context at ``len - 512``: the text encoder's fixed length.
+WAN_TEXT_CONTEXT = 512
+
+
+@dataclass
+class AttentionContext:
+    """State shared by every processor of one installation (no process-global state)."""
+
+    policy: Policy
+    backend: str = "auto"
+    step: int | None = None
+    num_steps: int | None = None
+    expert: str | None = None
+    record: bool = True
+    calls: list[dict] = field(default_factory=list)
+    fallbacks: Counter = field(default_factory=Counter)
+
+    def method_for(self, block: int, kind: str) -> str:
+        return self.policy.method_for(block=block, step=self.step, num_steps=self.num_steps, kind=kind,
+                                      expert=self.expert)
+
+
+def _rope_wan(x, cos, sin):
+    """Wan's RoPE on interleaved pairs, as its stock processor applies it."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class FP4Processor:
+    """FP4 attention for every attention module of Wan and HunyuanVideo transformers.
+
+    ``FP4Processor(method="mxattn")`` applies one method everywhere;
+    ``FP4Processor(policy=Policy(...))`` picks per block, step, kind and expert (block indices and
+    steps are known once :func:`fp4video.install` has annotated the model). ``fp4video.install``
+    creates the processors itself; use this class directly with ``set_attn_processor``.
+    """
+
+    _attention_backend = None  # read by diffusers' own code paths
+    _parallel_config = None
+
+    def __init__(self, method: str | None = None, policy: Policy | None = None, *,
+                 context: AttentionContext | None = None):
+        if context is None:
+            if method is not None and policy is not None:
+                raise ValueError("give method or policy, not both (a policy has its own default method)")
+            policy = policy if policy is not None else Policy(method=method or "mxattn")
+            context = AttentionContext(policy=policy)
+        self.context = context
+
+    # --- the one numerics decision -----------------------------------------------------------
+
+    def _attend(self, attn, q, k, v, mask, kind: str, parallel_config=None):
+        """q, k, v: (B, S, H, D). Returns (B, S, H, D) in q's dtype."""
+        ctx = self.context
+        block = getattr(attn, "_fp4video_block", -1)
+        method = ctx.method_for(block, kind)
+        used = method
+        if method == "fp16":
+            out = self._stock(q, k, v, mask, parallel_config)
+        else:
+            try:
+                out = fp4_attention(q, k, v, method=method, layout="bshd", attn_mask=mask,
+                                    backend=ctx.backend)
+            except (ValueError, TypeError, NotImplementedError) as e:
+                if ctx.policy.fallback != "stock":
+                    raise
+                ctx.fallbacks[f"{kind}: {e}"] += 1
+                used = "stock-fallback"
+                out = self._stock(q, k, v, mask, parallel_config)
+        if ctx.record:
+            ctx.calls.append({"step": ctx.step, "expert": ctx.expert, "block": block, "kind": kind, "method": used})
+        return out
+
+    def _stock(self, q, k, v, mask, parallel_config):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        return dispatch_attention_fn(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False,
+                                     backend=self._attention_backend, parallel_config=parallel_config)
+
+    # --- plumbing ----------------------------------------------------------------------------------
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 rotary_emb=None, image_rotary_emb=None, **kwargs):
+        from diffusers.models.transformers.transformer_wan import WanAttention
+
+        if isinstance(attn, WanAttention):
+            return self._wan(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        return self._hunyuan(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+
+    def _wan(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb):
+        from diffusers.models.transformers.transformer_wan import _get_added_kv_projections, _get_qkv_projections
+
+        context_img = None
+        if attn.add_k_proj is not None:
+            split = encoder_hidden_states.shape[1] - WAN_TEXT_CONTEXT
+            context_img = encoder_hidden_states[:, :split]
+            encoder_hidden_states = encoder_hidden_states[:, split:]
+        q, k, v = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
+        if rotary_emb is not None:
+            q, k = _rope_wan(q, *rotary_emb), _rope_wan(k, *rotary_emb)
+        out_img = None
+        if context_img is not None:
+            k_img, v_img = _get_added_kv_projections(attn, context_img)
+            k_img = attn.norm_added_k(k_img).unflatten(2, (attn.heads, -1))
+            v_img = v_img.unflatten(2, (attn.heads, -1))
+            out_img = self._attend(attn, q, k_img, v_img, None, "image").flatten(2, 3).type_as(q)
+        kind = "self" if encoder_hidden_states is None else "cross"
+        out = self._attend(attn, q, k, v, attention_mask, kind,
+                           parallel_config=self._parallel_config if kind == "self" else None)
+        out = out.flatten(2, 3).type_as(q)
+        if out_img is not None:
+            out = out + out_img
+        return attn.to_out[1](attn.to_out[0](out))
+
+    def _hunyuan(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
+        raise NotImplementedError(
+            f"FP4Processor does not handle {type(attn).__name__} modules yet (HunyuanVideo support is in progress)"
+        )
+
