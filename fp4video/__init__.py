@@ -4,12 +4,22 @@ Public API::
 
     from fp4video import fp4_attention, METHODS, AttentionRecipe
     out = fp4_attention(q, k, v, method="mxattn", layout="bshd")
+    fp4video.install(pipe, policy)          # diffusers Wan pipelines (FP4Processor everywhere)
 """
 
 from .attention import fp4_attention
 from .formats import QTensor, quantize, quantize_dequantize
 from .recipe import METHODS, AttentionRecipe, get_recipe
 
+
+def __getattr__(name):
+    # the diffusers integration is imported on first use (diffusers is heavy to import)
+    if name in ("FP4Processor", "install", "uninstall", "Policy"):
+        from . import integration
+
+        return getattr(integration, name)
+    raise AttributeError(f"module 'fp4video' has no attribute {name!r}")
+
 __version__ = "0.1.0"
 
-__all__ = ["fp4_attention", "METHODS", "AttentionRecipe", "get_recipe", "quantize", "quantize_dequantize", "QTensor"]
+__all__ = ["fp4_attention", "FP4Processor", "install", "uninstall", "Policy", "METHODS", "AttentionRecipe", "get_recipe", "quantize", "quantize_dequantize", "QTensor"]

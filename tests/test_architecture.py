@@ -20,8 +20,9 @@ def _imports(path: Path, package: str = "fp4video"):
             yield from (a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             mod = node.module or ""
-            if node.level:  # relative: resolve against the file's package
-                mod = f"{package}.{mod}" if mod else package
+            if node.level:  # relative: `from ..x` climbs level - 1 packages from the file's own
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                mod = ".".join(base + ([mod] if mod else []))
             yield mod
 
 
@@ -29,6 +30,12 @@ def _imports(path: Path, package: str = "fp4video"):
 def test_numerics_do_not_import_upper_layers(name):
     bad = [m for m in _imports(ROOT / "fp4video" / name) if any(m == f or m.startswith(f + ".") for f in FORBIDDEN)]
     assert not bad, f"fp4video/{name} imports {bad}"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "fp4video" / "integration").glob("*.py")), ids=lambda p: p.name)
+def test_integration_does_not_import_the_cli_or_harness(path):
+    bad = [m for m in _imports(path, "fp4video.integration") if m.startswith(("fp4video.cli", "fp4video.harness"))]
+    assert not bad, f"{path.name} imports {bad}"
 
 
 def test_kernels_import_only_torch_triton_and_numerics():

@@ -28,6 +28,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="output mp4 (several prompts: NAME_0.mp4, NAME_1.mp4, ...); a .json sidecar goes beside it")
     p.add_argument("--steps", type=int, help="denoising steps (overrides the config)")
     p.add_argument("--seed", type=int, help="random seed (overrides the config)")
+    p.add_argument("--height", type=int, help="video height (overrides the config)")
+    p.add_argument("--width", type=int, help="video width (overrides the config)")
+    p.add_argument("--frames", type=int, help="number of frames (overrides the config)")
     p.add_argument("--method", help="replace the policy by one method everywhere (e.g. fp16, mxattn)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "triton"],
@@ -36,7 +39,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def resolve_config(args):
-    from ..integration.config import DEFAULT_CONFIG, load_config
+    from ..integration.config import DEFAULT_CONFIG, RunConfig, load_config
     from ..integration.policy import Policy
     from ..integration.tiny import TINY_SIZES
 
@@ -51,11 +54,11 @@ def resolve_config(args):
     if (args.model or cfg.model) == "tiny":  # the YAML's sizes are for the real model
         changes.update(height=TINY_SIZES["height"], width=TINY_SIZES["width"], frames=TINY_SIZES["frames"],
                        steps=TINY_SIZES["steps"], fps=TINY_SIZES["fps"])
-    if args.steps:
-        changes["steps"] = args.steps
-    if args.seed is not None:
-        changes["seed"] = args.seed
-    return cfg.model_copy(update=changes) if changes else cfg
+    for name in ("steps", "seed", "height", "width", "frames"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    # re-validate: overrides get the same checks as the YAML
+    return RunConfig.model_validate({**cfg.model_dump(), **changes}) if changes else cfg
 
 
 def run(args) -> int:
@@ -65,10 +68,17 @@ def run(args) -> int:
     from ..integration.config import ConfigError
     from ..integration.pipelines import load_pipeline, pipeline_kwargs
 
+    from pydantic import ValidationError
+
+    from ..integration.policy import format_validation_error
+
     try:
         cfg = resolve_config(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ValidationError as e:
+        print(f"error: {format_validation_error(e, 'command line')}", file=sys.stderr)
         return 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.perf_counter()

@@ -27,10 +27,12 @@ def _from_pretrained(model: str, device: torch.device):
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     local = Path(model).expanduser()
+    if not local.exists() and (model.startswith((".", "/", "~")) or model.count("/") > 1):
+        raise FileNotFoundError(f"{model}: no such pipeline folder")
     if local.exists() and not (local / "model_index.json").exists():
         raise FileNotFoundError(f"{local} is not a diffusers pipeline folder: model_index.json is missing")
     try:
-        pipe = DiffusionPipeline.from_pretrained(str(local) if local.exists() else model, torch_dtype=dtype)
+        pipe = DiffusionPipeline.from_pretrained(str(local) if local.exists() else model, dtype=dtype)
     except OSError as e:
         raise FileNotFoundError(
             f"could not load the pipeline {model!r}: it is neither a local folder nor in the Hugging Face cache, and "

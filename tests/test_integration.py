@@ -1,0 +1,211 @@
+"""diffusers integration on tiny offline pipelines: stock equality, policy routing from the recorded
+calls (steps under CFG, two experts), install/uninstall, policies and configs, the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from fp4video.integration import FP4Processor, Policy, install, uninstall  # noqa: E402
+from fp4video.integration.config import ConfigError, RunConfig, load_config  # noqa: E402
+from fp4video.integration.tiny import TINY_SIZES, tiny_wan_pipeline  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return tiny_wan_pipeline(two_experts=True)
+
+
+def run(pipe, steps=4):
+    return pipe(prompt="a cat", negative_prompt="", height=TINY_SIZES["height"], width=TINY_SIZES["width"],
+                num_frames=TINY_SIZES["frames"], num_inference_steps=steps, guidance_scale=4.0, output_type="np",
+                generator=torch.Generator().manual_seed(0)).frames[0]
+
+
+def test_fp16_policy_reproduces_stock_and_uninstall_restores(pipe):
+    before = {n: p for n, p in pipe.transformer.attn_processors.items()}
+    stock = run(pipe)
+    ctx = install(pipe, Policy(method="fp16"))
+    assert all(isinstance(p, FP4Processor) for p in pipe.transformer_2.attn_processors.values())
+    fp16 = run(pipe)
+    assert abs(fp16 - stock).max() <= 1e-5
+    assert len(ctx.calls) == 4 * 2 * 2 * 2  # steps x (cond, uncond) x blocks x (self, cross)
+    uninstall(pipe)
+    assert all(pipe.transformer.attn_processors[n] is p for n, p in before.items())
+    assert not any(hasattr(m, "_fp4video_block") for m in pipe.transformer.modules())
+    assert abs(run(pipe) - stock).max() == 0
+
+
+def test_processor_matches_stock_module_by_module():
+    """Each attention module's output with FP4Processor('fp16') equals the stock processor's."""
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    pipe = tiny_wan_pipeline(two_experts=False, seed=3)
+    model = pipe.transformer
+    attn1, attn2 = model.blocks[0].attn1, model.blocks[0].attn2
+    x = torch.randn(1, 300, 128)
+    ctx = torch.randn(1, 512, 128)
+    cos, sin = torch.randn(1, 300, 1, 64), torch.randn(1, 300, 1, 64)
+    for attn, kw in ((attn1, dict(rotary_emb=(cos, sin))), (attn2, dict(encoder_hidden_states=ctx))):
+        stock = WanAttnProcessor()(attn, x, **kw)
+        ours = FP4Processor(method="fp16")(attn, x, **kw)
+        assert (ours - stock).abs().max() <= 1e-5
+        quant = FP4Processor(method="mxattn")(attn, x, **kw)
+        assert 0 < (quant - stock).abs().max() and torch.nn.functional.cosine_similarity(
+            quant.flatten(), stock.flatten(), dim=0) > 0.9  # same computation, FP4-rounded
+
+
+def test_mxattn_hybrid_policy_routing(pipe):
+    policy = load_config(ROOT / "configs" / "wan22_mxattn.yaml").policy
+    ctx = install(pipe, policy)
+    try:
+        run(pipe, steps=6)
+    finally:
+        uninstall(pipe)
+    calls = ctx.calls
+    for c in calls:
+        assert set(c) >= {"step", "expert", "block", "kind", "method"}
+        assert isinstance(c["step"], int) and isinstance(c["block"], int)
+        want = "fp16" if c["block"] == 0 or c["step"] >= 4 else "mxattn"
+        assert c["method"] == want, c
+    per_step = Counter(c["step"] for c in calls)
+    assert sorted(per_step) == list(range(6)) and set(per_step.values()) == {8}  # CFG: 2 calls x 4 modules
+    experts = {c["step"]: c["expert"] for c in calls}
+    assert experts[0] == "high_noise" and experts[5] == "low_noise"
+    switch = [s for s in range(5) if experts[s] != experts[s + 1]]
+    assert len(switch) == 1  # one boundary: high-noise expert first, then the low-noise one
+
+
+def test_rules_by_kind_and_expert(pipe):
+    policy = Policy.model_validate({"method": "fp16", "rules": [
+        {"method": "sage3", "kinds": ["cross"], "experts": ["low_noise"]},
+        {"method": "mxattn", "steps": {"fraction": [0.0, 0.5]}, "kinds": ["self"]}]})
+    ctx = install(pipe, policy)
+    try:
+        run(pipe, steps=4)
+    finally:
+        uninstall(pipe)
+    for c in ctx.calls:
+        if c["kind"] == "cross" and c["expert"] == "low_noise":
+            assert c["method"] == "sage3"
+        elif c["kind"] == "self" and c["step"] < 2:
+            assert c["method"] == "mxattn"
+        else:
+            assert c["method"] == "fp16"
+
+
+def test_install_twice_is_refused(pipe):
+    install(pipe, "mxattn")
+    try:
+        with pytest.raises(RuntimeError, match="already installed"):
+            install(pipe, "sage3")
+    finally:
+        uninstall(pipe)
+
+
+# --- policies and configs ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates(path):
+    cfg = load_config(path)
+    assert cfg.prompts and cfg.policy.method
+    assert path.read_text().startswith("#"), "each config starts with a comment saying what it reproduces"
+    assert f"fp4video generate --config configs/{path.name}" in path.read_text()
+
+
+def test_wan22_mxattn_config_is_the_papers_policy():
+    p = load_config(ROOT / "configs" / "wan22_mxattn.yaml").policy
+    m = lambda block, step: p.method_for(block=block, step=step, num_steps=40, kind="self", expert="high_noise")  # noqa: E731
+    assert m(0, 10) == "fp16" and m(5, 38) == "fp16" and m(5, 39) == "fp16" and m(5, 37) == "mxattn"
+
+
+@pytest.mark.parametrize("text, match", [
+    ("policy: {method: mxfp5}", r"bad.yaml: policy.method: .*unknown method 'mxfp5'"),
+    ("policy: {method: mxattn, rules: [{method: fp16, blok: [0]}]}", r"policy.rules\[0\].blok: unknown field \(allowed: blocks, experts, kinds, method, steps\)"),
+    ("policy: {rules: [{method: fp16, steps: {last: 2, first: 1}}]}", r"policy.rules\[0\].steps: .*exactly one of"),
+    ("policy: {rules: [{method: fp16, kinds: [joint]}]}", r"policy.rules\[0\].kinds\[0\]: Input should be 'self', 'cross' or 'image'"),
+    ("heigth: 480", r"bad.yaml: heigth: unknown field \(allowed: .*height"),
+    ("steps: zero", r"bad.yaml: steps: Input should be a valid integer"),
+    ("- a\n- b", r"expected a mapping"),
+    ("model: [unclosed", r"not valid YAML"),
+])
+def test_bad_yaml_names_file_and_field(tmp_path, text, match):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_config(f)
+
+
+def test_all_errors_are_reported_together(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("steps: -1\nfps: 0\npolicy: {method: nope}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert str(e.value).count("bad.yaml:") == 3
+
+
+# --- the CLI, in a subprocess ---------------------------------------------------------------------------
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "fp4video.cli.main", *args], capture_output=True, text=True,
+                          timeout=600, cwd=cwd)
+
+
+def test_generate_embedded_default(tmp_path):
+    out = tmp_path / "video.mp4"
+    proc = _cli("generate", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import imageio.v3 as iio
+
+    frames = iio.imread(out)
+    assert frames.shape == (TINY_SIZES["frames"], TINY_SIZES["height"], TINY_SIZES["width"], 3)
+    side = json.loads(out.with_suffix(".json").read_text())
+    calls = side["attention_calls"]
+    assert len(calls) == TINY_SIZES["steps"] * 2 * 2 * 2
+    assert {c["method"] for c in calls} == {"fp16", "mxattn"}
+    assert all(c["expert"] in ("high_noise", "low_noise") and c["kind"] in ("self", "cross") for c in calls)
+    assert side["config"]["policy"]["method"] == "mxattn" and side["timings_s"]["generate"] > 0
+    assert "wrote" in proc.stderr
+
+
+def test_generate_loads_a_saved_pipeline(tmp_path):
+    tiny_wan_pipeline(two_experts=True).save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "saved.mp4"
+    proc = _cli("generate", "--model", str(tmp_path / "tiny"), "--steps", "3", "--height", "96", "--width", "160",
+                "--frames", "9", "--method", "sage3", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    side = json.loads(out.with_suffix(".json").read_text())
+    assert {c["method"] for c in side["attention_calls"]} == {"sage3"} and side["frames"] == 9
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--model", "/no/such/folder"], "no such pipeline folder"),
+    (["--config", "missing.yaml"], "no such config file"),
+    (["--height", "100"], "height: Input should be a multiple of 16"),
+    (["--method", "fp5"], "unknown method 'fp5'"),
+])
+def test_generate_errors_are_clear(tmp_path, args, match):
+    proc = _cli("generate", "--output", str(tmp_path / "x.mp4"), *args)
+    assert proc.returncode == 2 and match in proc.stderr, proc.stderr[-2000:]
+
+
+def test_generate_without_weights_offline_says_how_to_get_them(tmp_path):
+    import os
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = subprocess.run([sys.executable, "-m", "fp4video.cli.main", "generate", "--model", "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+                           "--output", str(tmp_path / "x.mp4")], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2
+    assert "huggingface-cli download Wan-AI/Wan2.2-T2V-A14B-Diffusers" in proc.stderr
