@@ -209,3 +209,79 @@ def test_generate_without_weights_offline_says_how_to_get_them(tmp_path):
                            "--output", str(tmp_path / "x.mp4")], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 2
     assert "huggingface-cli download Wan-AI/Wan2.2-T2V-A14B-Diffusers" in proc.stderr
+
+
+# --- HunyuanVideo and Wan image-to-video ---------------------------------------------------------
+
+
+def _hunyuan_run(pipe, steps=2):
+    from fp4video.integration.tiny import TINY_HUNYUAN_CALL
+
+    return pipe(prompt="a cat", height=TINY_SIZES["height"], width=TINY_SIZES["width"], num_frames=9,
+                num_inference_steps=steps, output_type="np", generator=torch.Generator().manual_seed(0),
+                **TINY_HUNYUAN_CALL).frames[0]
+
+
+def test_hunyuan_fp16_equals_stock_and_refiner_is_kept():
+    from fp4video.integration.tiny import tiny_hunyuan_pipeline
+
+    pipe = tiny_hunyuan_pipeline()
+    refiner = "context_embedder.token_refiner.refiner_blocks.0.attn.processor"
+    stock_refiner = pipe.transformer.attn_processors[refiner]
+    stock = _hunyuan_run(pipe)
+    ctx = install(pipe, "fp16")
+    assert pipe.transformer.attn_processors[refiner] is stock_refiner  # full precision, stock processor
+    assert abs(_hunyuan_run(pipe) - stock).max() <= 1e-5
+    assert sorted({c["block"] for c in ctx.calls}) == [0, 1]  # the dual block, then the single block
+    uninstall(pipe)
+    install(pipe, "mxattn")
+    try:
+        out = _hunyuan_run(pipe)
+    finally:
+        uninstall(pipe)
+    assert out.shape == stock.shape and abs(out - stock).max() > 0
+
+
+def test_hunyuan_text_mask_reaches_the_fp4_path():
+    """Padded text tokens are masked: changing them changes no video-token output of the FP4 path."""
+    from fp4video.integration.tiny import tiny_hunyuan_transformer
+
+    model = tiny_hunyuan_transformer(seed=5)
+    attn = model.transformer_blocks[0].attn
+    x, text = torch.randn(1, 64, 128), torch.randn(1, 16, 128)
+    mask = torch.ones(1, 1, 1, 80, dtype=torch.bool)
+    mask[..., 70:] = False  # the last 10 text tokens are padding
+    text2 = text.clone()
+    text2[:, 6:] = 100.0
+    proc = FP4Processor(method="mxattn")
+    with torch.no_grad():
+        a, _ = proc(attn, x, text, attention_mask=mask)
+        b, _ = proc(attn, x, text2, attention_mask=mask)
+    assert torch.equal(a, b)
+
+
+def test_wan_i2v_image_attention_is_routed():
+    from fp4video.integration.tiny import tiny_image, tiny_wan_i2v_pipeline
+
+    pipe = tiny_wan_i2v_pipeline()
+    kw = dict(image=tiny_image(96, 160), prompt="a cat", negative_prompt="", height=96, width=160, num_frames=9,
+              num_inference_steps=2, output_type="np")
+    stock = pipe(generator=torch.Generator().manual_seed(0), **kw).frames[0]
+    ctx = install(pipe, Policy.model_validate({"method": "fp16", "rules": [{"method": "mxattn", "kinds": ["image"]}]}))
+    try:
+        out = pipe(generator=torch.Generator().manual_seed(0), **kw).frames[0]
+    finally:
+        uninstall(pipe)
+    kinds = Counter((c["kind"], c["method"]) for c in ctx.calls)
+    assert kinds == {("self", "fp16"): 8, ("cross", "fp16"): 8, ("image", "mxattn"): 8}
+    assert abs(out - stock).max() > 0
+
+
+@pytest.mark.parametrize("config", ["hunyuan_sage3.yaml", "wan21_i2v_mxattn.yaml"])
+def test_generate_tiny_for_other_families(tmp_path, config):
+    out = tmp_path / "v.mp4"
+    proc = _cli("generate", "--config", str(ROOT / "configs" / config), "--model", "tiny", "--steps", "2",
+                "--frames", "9", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    side = json.loads(out.with_suffix(".json").read_text())
+    assert side["frames"] == 9 and side["attention_calls"]

@@ -83,6 +83,7 @@ def run(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.perf_counter()
     try:
+        calls = [pipeline_kwargs(cfg, prompt, device) for prompt in cfg.prompts]  # inputs checked before loading
         pipe = load_pipeline(cfg, device)
     except (FileNotFoundError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -93,13 +94,13 @@ def run(args) -> int:
     from diffusers.utils import export_to_video
 
     outputs, timings = [], []
-    for i, prompt in enumerate(cfg.prompts):
+    for i, (prompt, call) in enumerate(zip(cfg.prompts, calls)):
         out = args.output if len(cfg.prompts) == 1 else args.output.with_name(f"{args.output.stem}_{i}{args.output.suffix}")
         out.parent.mkdir(parents=True, exist_ok=True)
         ctx.calls.clear()
         ctx.fallbacks.clear()
         t1 = time.perf_counter()
-        frames = pipe(**pipeline_kwargs(cfg, prompt, device)).frames[0]
+        frames = pipe(**call).frames[0]
         t_gen = time.perf_counter() - t1
         export_to_video(frames, str(out), fps=cfg.fps)
         sidecar = {
@@ -126,7 +127,8 @@ def _summary(out, sidecar):
     from rich.table import Table
 
     calls = sidecar["attention_calls"]
-    t = Table(title=f"{out}  ({sidecar['frames']} frames, {sidecar['timings_s']['generate']:.1f} s)", title_justify="left")
+    t = Table(title=f"{out}  ({sidecar['frames']} frames, {sidecar['timings_s']['generate']:.1f} s)",
+              title_justify="left", min_width=72)
     for col in ("method", "kind", "calls"):
         t.add_column(col, justify="left" if col != "calls" else "right")
     for (method, kind), n in sorted(Counter((c["method"], c["kind"]) for c in calls).items()):

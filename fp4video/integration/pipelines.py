@@ -14,11 +14,15 @@ __all__ = ["load_pipeline", "pipeline_kwargs"]
 
 def load_pipeline(cfg: RunConfig, device: torch.device):
     if cfg.model == "tiny":
-        from .tiny import tiny_wan_pipeline
+        from . import tiny
 
-        if cfg.family != "wan" or cfg.task != "t2v":
-            raise ValueError(f"the embedded tiny model exists for family 'wan', task 't2v' (got {cfg.family}/{cfg.task})")
-        return tiny_wan_pipeline(two_experts=True).to(device)
+        if cfg.family == "hunyuan":
+            if cfg.task != "t2v":
+                raise ValueError("HunyuanVideo configs are text-to-video (task: t2v)")
+            return tiny.tiny_hunyuan_pipeline().to(device)
+        if cfg.task == "i2v":
+            return tiny.tiny_wan_i2v_pipeline().to(device)
+        return tiny.tiny_wan_pipeline(two_experts=True).to(device)
     return _from_pretrained(cfg.model, device)
 
 
@@ -45,7 +49,6 @@ def _from_pretrained(model: str, device: torch.device):
 def pipeline_kwargs(cfg: RunConfig, prompt: str, device: torch.device) -> dict:
     kw = dict(
         prompt=prompt,
-        negative_prompt=cfg.negative_prompt,
         height=cfg.height,
         width=cfg.width,
         num_frames=cfg.frames,
@@ -54,10 +57,24 @@ def pipeline_kwargs(cfg: RunConfig, prompt: str, device: torch.device) -> dict:
         generator=torch.Generator(device="cpu").manual_seed(cfg.seed),
         output_type="np",
     )
-    if cfg.task == "i2v":
-        if cfg.image is None:
-            raise ValueError("task i2v needs `image:` (a file path) in the config")
-        from PIL import Image
+    if cfg.family == "wan":
+        kw["negative_prompt"] = cfg.negative_prompt
+    elif cfg.model == "tiny":  # HunyuanVideo's default prompt template assumes its Llama tokenizer
+        from .tiny import TINY_HUNYUAN_CALL
 
-        kw["image"] = Image.open(cfg.image).convert("RGB")
+        kw.update(TINY_HUNYUAN_CALL)
+    if cfg.task == "i2v":
+        if cfg.model == "tiny":
+            from .tiny import tiny_image
+
+            kw["image"] = tiny_image(cfg.height, cfg.width)
+        elif cfg.image is None:
+            raise ValueError("task i2v needs `image:` (a file path) in the config")
+        else:
+            from PIL import Image
+
+            path = Path(cfg.image)
+            if not path.exists():
+                raise FileNotFoundError(f"{path}: the i2v conditioning image does not exist")
+            kw["image"] = Image.open(path).convert("RGB")
     return kw

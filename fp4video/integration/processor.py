@@ -142,7 +142,42 @@ class FP4Processor:
         return attn.to_out[1](attn.to_out[0](out))
 
     def _hunyuan(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
-        raise NotImplementedError(
-            f"FP4Processor does not handle {type(attn).__name__} modules yet (HunyuanVideo support is in progress)"
-        )
+        """HunyuanVideo's dual-stream (text projected by ``add_*_proj``) and single-stream (text
+        concatenated before ``to_q/k/v``) joint attention; RoPE on the video tokens only; the text
+        padding mask (bool, True = attend) goes to the FP4 path unchanged."""
+        from diffusers.models.embeddings import apply_rotary_emb
 
+        single = attn.add_q_proj is None
+        n_text = encoder_hidden_states.shape[1] if encoder_hidden_states is not None else 0
+        if single and encoder_hidden_states is not None:
+            hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+        q, k, v = (proj(hidden_states).unflatten(2, (attn.heads, -1)) for proj in (attn.to_q, attn.to_k, attn.to_v))
+        if attn.norm_q is not None:
+            q = attn.norm_q(q)
+        if attn.norm_k is not None:
+            k = attn.norm_k(k)
+        if image_rotary_emb is not None:
+            if single and n_text:
+                q = torch.cat([apply_rotary_emb(q[:, :-n_text], image_rotary_emb, sequence_dim=1), q[:, -n_text:]], 1)
+                k = torch.cat([apply_rotary_emb(k[:, :-n_text], image_rotary_emb, sequence_dim=1), k[:, -n_text:]], 1)
+            else:
+                q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+                k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        if not single and encoder_hidden_states is not None:
+            eq, ek, ev = (proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+                          for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            if attn.norm_added_q is not None:
+                eq = attn.norm_added_q(eq)
+            if attn.norm_added_k is not None:
+                ek = attn.norm_added_k(ek)
+            q, k, v = torch.cat([q, eq], 1), torch.cat([k, ek], 1), torch.cat([v, ev], 1)
+        out = self._attend(attn, q, k, v, attention_mask, "self", parallel_config=self._parallel_config)
+        out = out.flatten(2, 3).to(q.dtype)
+        if encoder_hidden_states is None:
+            return out, None
+        out, text = out[:, :-n_text], out[:, -n_text:]
+        if getattr(attn, "to_out", None) is not None:
+            out = attn.to_out[1](attn.to_out[0](out))
+        if getattr(attn, "to_add_out", None) is not None:
+            text = attn.to_add_out(text)
+        return out, text

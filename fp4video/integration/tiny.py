@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TINY_SIZES", "tiny_wan_pipeline", "tiny_tokenizer"]
+__all__ = ["TINY_SIZES", "tiny_wan_pipeline", "tiny_wan_i2v_pipeline", "tiny_hunyuan_pipeline", "tiny_tokenizer"]
 
 #: Generation sizes used with the tiny models (the YAML's sizes are for the real model).
 #: 96×160, 17 frames -> latent 5 × 12 × 20 -> 300 video tokens after the (1, 2, 2) patch.
@@ -29,20 +29,20 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
-def _tiny_wan_transformer(seed: int, head_dim: int, **extra):
+def _tiny_wan_transformer(seed: int, head_dim: int, **overrides):
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
-    return WanTransformer3DModel(
+    config = dict(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=head_dim, in_channels=16,
         out_channels=16, text_dim=32, freq_dim=256, ffn_dim=256, num_layers=2, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=64, **extra,
-    ).eval()
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=64,
+    )
+    return WanTransformer3DModel(**{**config, **overrides}).eval()
 
 
-def tiny_wan_pipeline(*, two_experts: bool = True, head_dim: int = 64, seed: int = 0):
-    """Wan2.2-style T2V pipeline (two experts, boundary 0.875) or Wan2.1-style (one transformer)."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+def _tiny_wan_parts(seed: int):
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from transformers import T5Config, T5EncoderModel
 
     torch.manual_seed(seed)
@@ -51,8 +51,86 @@ def tiny_wan_pipeline(*, two_experts: bool = True, head_dim: int = 64, seed: int
     text_encoder = T5EncoderModel(T5Config(vocab_size=len(_VOCAB), d_model=32, d_kv=8, d_ff=37, num_layers=2,
                                            num_heads=4, relative_attention_num_buckets=8)).eval()
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    return dict(tokenizer=tiny_tokenizer(), text_encoder=text_encoder, vae=vae, scheduler=scheduler)
+
+
+def tiny_wan_i2v_pipeline(*, head_dim: int = 64, seed: int = 0):
+    """Wan2.1-style image-to-video: a tiny CLIP image encoder and ``added_kv_proj_dim`` set, so the
+    cross-attention has the extra image-context attention (the context is [image; 512 text])."""
+    from diffusers import WanImageToVideoPipeline
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    try:  # transformers 5: the PIL backend by name (no torchvision needed)
+        from transformers import CLIPImageProcessorPil as CLIPImageProcessor
+    except ImportError:
+        from transformers import CLIPImageProcessor
+
+    parts = _tiny_wan_parts(seed)
+    image_encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(
+        hidden_size=16, projection_dim=16, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+        intermediate_size=16, patch_size=8)).eval()
+    processor = CLIPImageProcessor(crop_size=32, do_center_crop=True, do_normalize=True, do_resize=True,
+                                   image_mean=[0.48145466, 0.4578275, 0.40821073],
+                                   image_std=[0.26862954, 0.26130258, 0.27577711], resample=3, size=32)
+    transformer = _tiny_wan_transformer(seed + 1, head_dim, in_channels=36, image_dim=16,
+                                        added_kv_proj_dim=2 * head_dim)
+    return WanImageToVideoPipeline(**parts, image_encoder=image_encoder, image_processor=processor,
+                                   transformer=transformer)
+
+
+def tiny_wan_pipeline(*, two_experts: bool = True, head_dim: int = 64, seed: int = 0):
+    """Wan2.2-style T2V pipeline (two experts, boundary 0.875) or Wan2.1-style (one transformer)."""
+    from diffusers import WanPipeline
+
+    parts = _tiny_wan_parts(seed)
     transformer = _tiny_wan_transformer(seed + 1, head_dim)
     transformer_2 = _tiny_wan_transformer(seed + 2, head_dim) if two_experts else None
-    return WanPipeline(tokenizer=tiny_tokenizer(), text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-                       transformer=transformer, transformer_2=transformer_2,
+    return WanPipeline(**parts, transformer=transformer, transformer_2=transformer_2,
                        boundary_ratio=0.875 if two_experts else None)
+
+
+def tiny_hunyuan_transformer(seed: int = 0, head_dim: int = 64):
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    torch.manual_seed(seed)
+    return HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=head_dim, num_layers=1,
+        num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=True,
+        text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8),
+    ).eval()
+
+
+def tiny_hunyuan_pipeline(*, head_dim: int = 64, seed: int = 0):
+    """HunyuanVideo T2V: 1 dual- and 1 single-stream block, a token refiner, a text padding mask."""
+    from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
+    from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLHunyuanVideo(
+        in_channels=3, out_channels=3, latent_channels=4,
+        down_block_types=("HunyuanVideoDownBlock3D",) * 4, up_block_types=("HunyuanVideoUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8), layers_per_block=1, act_fn="silu", norm_num_groups=4,
+        scaling_factor=0.476986, spatial_compression_ratio=8, temporal_compression_ratio=4, mid_block_add_attention=True,
+    ).eval()
+    llama = LlamaModel(LlamaConfig(vocab_size=len(_VOCAB), hidden_size=16, intermediate_size=37, num_hidden_layers=3,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256)).eval()
+    clip = CLIPTextModel(CLIPTextConfig(vocab_size=len(_VOCAB), hidden_size=8, intermediate_size=37, num_hidden_layers=2,
+                                        num_attention_heads=2, max_position_embeddings=77, projection_dim=8,
+                                        pad_token_id=0, bos_token_id=1, eos_token_id=1)).eval()
+    return HunyuanVideoPipeline(text_encoder=llama, tokenizer=tiny_tokenizer(), transformer=tiny_hunyuan_transformer(seed + 1, head_dim),
+                                vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=clip,
+                                tokenizer_2=tiny_tokenizer())
+
+
+#: HunyuanVideo's default prompt template assumes its Llama tokenizer; the tiny model uses none.
+TINY_HUNYUAN_CALL = {"prompt_template": {"template": "{}", "crop_start": 0}, "max_sequence_length": 48}
+
+
+def tiny_image(height: int, width: int):
+    """A deterministic RGB test pattern (PIL) to condition the tiny image-to-video model."""
+    from PIL import Image
+
+    y = torch.linspace(0, 1, height)[:, None].expand(height, width)
+    x = torch.linspace(0, 1, width)[None, :].expand(height, width)
+    rgb = torch.stack([x, y, (x + y) / 2], -1).mul(255).to(torch.uint8).numpy()
+    return Image.fromarray(rgb)
