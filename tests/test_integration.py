@@ -285,3 +285,11 @@ def test_generate_tiny_for_other_families(tmp_path, config):
     assert proc.returncode == 0, proc.stderr[-3000:]
     side = json.loads(out.with_suffix(".json").read_text())
     assert side["frames"] == 9 and side["attention_calls"]
+
+
+def test_bench_without_gpu_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    proc = _cli("bench", "pipeline")
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+    assert _cli("bench", "kernel", "--help").returncode == 0

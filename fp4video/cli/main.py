@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import accuracy, generate
+from . import accuracy, bench, generate
 
-SUBCOMMANDS = {"generate": generate, "accuracy": accuracy}
+SUBCOMMANDS = {"generate": generate, "accuracy": accuracy, "bench": bench}
 
 
 def build_parser() -> argparse.ArgumentParser:

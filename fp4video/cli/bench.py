@@ -1,0 +1,180 @@
+"""``fp4video bench``: speed on a GPU, always against the best baseline measured in the same run.
+
+- ``bench kernel``: fp4video's Triton attention vs cuDNN / flash SDPA (bf16), per method, with the
+  pre-pass and the attention loop also timed on their own.
+- ``bench pipeline``: one denoising forward of a full-size Wan2.2-A14B-shaped transformer (random
+  bf16 weights: speed does not depend on them) with diffusers' stock attention vs each policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+EXAMPLES = """examples:
+  fp4video bench kernel --seqs 8192 32760 75600 --out BENCHMARKS-run.md
+  fp4video bench pipeline --resolutions 480p 720p --methods fp16 mxattn sage3
+"""
+
+#: Wan2.2-T2V-A14B transformer config (each expert), from its published config.
+WAN22_A14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+                  out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+                  qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+#: 81 frames -> 21 latent frames; VAE /8; patch 2x2.  480p: 21·30·52 = 32,760 tokens; 720p: 21·45·80 = 75,600.
+LATENTS = {"480p": (21, 60, 104), "720p": (21, 90, 160)}
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("bench", help="GPU speed: kernels and full-size transformer steps", description=__doc__,
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = p.add_subparsers(dest="what", required=True, metavar="{kernel,pipeline}")
+    k = which.add_parser("kernel", help="attention kernels vs cuDNN / flash SDPA")
+    k.add_argument("--seqs", type=int, nargs="+", default=[8192, 32760, 75600])
+    k.add_argument("--heads", type=int, default=40)
+    k.add_argument("--head-dim", type=int, default=128)
+    k.add_argument("--methods", nargs="+", default=["fp16", "mxattn", "mxattn-sk", "sage3", "nvfp4", "mxfp4-ocp"])
+    k.add_argument("--out", default=None, help="append the markdown table to this file")
+    pl = which.add_parser("pipeline", help="Wan2.2-A14B-shaped transformer forward: stock vs policies")
+    pl.add_argument("--resolutions", nargs="+", default=["480p", "720p"], choices=list(LATENTS))
+    pl.add_argument("--methods", nargs="+", default=["fp16", "mxattn", "sage3"],
+                    help="each runs with MXAttention's block-0-in-FP16 rule (the paper's policy)")
+    pl.add_argument("--layers", type=int, default=40, help="transformer blocks (40 = the real model)")
+    pl.add_argument("--reps", type=int, default=2)
+    pl.add_argument("--out", default=None, help="append the markdown table to this file")
+    return p
+
+
+def run(args) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: fp4video bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    table = bench_kernel(args) if args.what == "kernel" else bench_pipeline(args)
+    print(table)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(table + "\n")
+    return 0
+
+
+def _header(what: str) -> str:
+    import torch
+    import triton
+
+    return (f"### {what}: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+            f"{datetime.date.today().isoformat()}")
+
+
+def bench_kernel(args) -> str:
+    import torch
+    import triton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from .. import METHODS, fp4_attention
+    from ..kernels.attention_fwd import attention_prepared, work_dtype
+    from ..kernels.prepass import prepass
+    from ..metrics import cossim
+
+    def bench(fn, rep=200):
+        return triton.testing.do_bench(fn, warmup=50, rep=rep, return_mode="median")
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rows = []
+    for s in args.seqs:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn((1, args.heads, s, args.head_dim), device="cuda", dtype=torch.bfloat16, generator=g)
+                   for _ in range(3))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            ref = sdpa(q, k, v)
+            t_cudnn = bench(lambda: sdpa(q, k, v))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            flash = sdpa(q, k, v)
+            t_flash = bench(lambda: sdpa(q, k, v))
+        rows.append((s, "cuDNN SDPA bf16", t_cudnn, None, None, 1.0, None))
+        rows.append((s, "flash SDPA bf16", t_flash, None, None, t_cudnn / t_flash, cossim(flash.float(), ref.float())))
+        for m in args.methods:
+            recipe = METHODS[m]
+            out = fp4_attention(q, k, v, method=m, backend="triton")
+            t_total = bench(lambda: fp4_attention(q, k, v, method=m, backend="triton"), rep=100)
+            t_pre = None
+            qh, kh, vh = q, k, v
+            if recipe.quantized:
+                t_pre = bench(lambda: prepass(q, k, v, recipe, None, work_dtype(q)), rep=100)
+                qh, kh, vh = prepass(q, k, v, recipe, None, work_dtype(q))
+            t_loop = bench(lambda: attention_prepared(qh, kh, vh, None, recipe=recipe, scale=args.head_dim**-0.5,
+                                                      out_dtype=q.dtype), rep=100)
+            rows.append((s, f"fp4video {m}", t_total, t_pre, t_loop, t_cudnn / t_total, cossim(out.float(), ref.float())))
+            print(f"  S={s} {m}: {t_total:.2f} ms", file=sys.stderr, flush=True)
+            del qh, kh, vh
+        del q, k, v, ref, flash
+        torch.cuda.empty_cache()
+    lines = [_header(f"bench kernel, B=1 H={args.heads} D={args.head_dim}, bf16"), "",
+             "| S | kernel | ms (total) | TFLOP/s | pre-pass ms | loop ms | × cuDNN | cosine to cuDNN |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    fmt = lambda x: "" if x is None else f"{x:.2f}"  # noqa: E731
+    for s, what, t, pre, loop, ratio, cos in rows:
+        tflops = 4 * args.heads * s * s * args.head_dim / t / 1e9
+        lines.append(f"| {s} | {what} | {t:.2f} | {tflops:.0f} | {fmt(pre)} | {fmt(loop)} | {ratio:.2f} | "
+                     f"{'(reference)' if cos is None else f'{cos:.5f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def bench_pipeline(args) -> str:
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from ..integration import Policy, install, uninstall
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = WanTransformer3DModel(**{**WAN22_A14B, "num_layers": args.layers}).eval()
+    finally:
+        torch.set_default_dtype(default)
+    text = torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16)
+    t = torch.tensor([500.0], device="cuda")
+
+    def forward_seconds(x):
+        with torch.no_grad():
+            model(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)  # warm-up
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(args.reps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                model(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / 1000)
+        return sorted(times)[len(times) // 2]
+
+    rows = []
+    for res in args.resolutions:
+        f, h, w = LATENTS[res]
+        x = torch.randn(1, 16, f, h, w, device="cuda", dtype=torch.bfloat16)
+        tokens = f * (h // 2) * (w // 2)
+        stock = forward_seconds(x)
+        rows.append((res, tokens, "stock diffusers attention (SDPA)", stock))
+        print(f"  {res} stock: {stock:.2f} s", file=sys.stderr, flush=True)
+        for m in args.methods:
+            rules = [] if m == "fp16" else [{"method": "fp16", "blocks": [0]}]
+            install(model, Policy.model_validate({"method": m, "rules": rules}), record=False)
+            try:
+                secs = forward_seconds(x)
+            finally:
+                uninstall(model)
+            rows.append((res, tokens, f"fp4video {m}" + (" (block 0 fp16)" if rules else ""), secs))
+            print(f"  {res} {m}: {secs:.2f} s", file=sys.stderr, flush=True)
+        del x
+        torch.cuda.empty_cache()
+    lines = [_header(f"bench pipeline, Wan2.2-A14B-shaped transformer ({args.layers} blocks), one forward, "
+                     "batch 1, 512 text tokens, bf16"), "",
+             "| resolution | video tokens | attention | s / forward | × stock |", "| --- | --- | --- | --- | --- |"]
+    base = {r[0]: r[3] for r in rows if r[2].startswith("stock")}
+    for res, tokens, what, secs in rows:
+        lines.append(f"| {res} | {tokens} | {what} | {secs:.2f} | {base[res] / secs:.2f} |")
+    return "\n".join(lines) + "\n"
