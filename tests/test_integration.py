@@ -233,6 +233,7 @@ def test_hunyuan_fp16_equals_stock_and_refiner_is_kept():
     assert pipe.transformer.attn_processors[refiner] is stock_refiner  # full precision, stock processor
     assert abs(_hunyuan_run(pipe) - stock).max() <= 1e-5
     assert sorted({c["block"] for c in ctx.calls}) == [0, 1]  # the dual block, then the single block
+    assert sorted({c["step"] for c in ctx.calls}) == [0, 1]  # step tracking works on this pipeline too
     uninstall(pipe)
     install(pipe, "mxattn")
     try:
@@ -274,17 +275,52 @@ def test_wan_i2v_image_attention_is_routed():
         uninstall(pipe)
     kinds = Counter((c["kind"], c["method"]) for c in ctx.calls)
     assert kinds == {("self", "fp16"): 8, ("cross", "fp16"): 8, ("image", "mxattn"): 8}
+    assert sorted({c["step"] for c in ctx.calls}) == [0, 1]
     assert abs(out - stock).max() > 0
 
 
-@pytest.mark.parametrize("config", ["hunyuan_sage3.yaml", "wan21_i2v_mxattn.yaml"])
-def test_generate_tiny_for_other_families(tmp_path, config):
+@pytest.mark.slow
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_generate_every_shipped_config_on_the_tiny_model(tmp_path, config):
     out = tmp_path / "v.mp4"
     proc = _cli("generate", "--config", str(ROOT / "configs" / config), "--model", "tiny", "--steps", "2",
                 "--frames", "9", "--output", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     side = json.loads(out.with_suffix(".json").read_text())
+    policy = load_config(ROOT / "configs" / config).policy
     assert side["frames"] == 9 and side["attention_calls"]
+    for c in side["attention_calls"]:
+        if c["kind"] != "refiner":
+            assert c["method"] == policy.method_for(block=c["block"], step=c["step"], num_steps=2, kind=c["kind"],
+                                                    expert=c["expert"])
+
+
+def test_vae_tiling_keeps_fp16_equal_to_stock():
+    pipe = tiny_wan_pipeline(two_experts=True, seed=11)
+    pipe.vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64,
+                           tile_sample_stride_height=48, tile_sample_stride_width=48)
+    stock = run(pipe, steps=2)
+    install(pipe, "fp16")
+    try:
+        assert abs(run(pipe, steps=2) - stock).max() <= 1e-5
+    finally:
+        uninstall(pipe)
+
+
+@pytest.mark.gpu
+def test_model_cpu_offload_with_fp4_on_gpu():
+    """enable_model_cpu_offload() moves each model to the GPU only while it runs; the FP4 path
+    (Triton kernels under backend="auto") works inside it and both experts are routed."""
+    pipe = tiny_wan_pipeline(two_experts=True)
+    pipe.enable_model_cpu_offload()
+    ctx = install(pipe, "mxattn")
+    try:
+        frames = run(pipe, steps=4)
+    finally:
+        uninstall(pipe)
+    assert frames.shape[0] == TINY_SIZES["frames"]
+    assert {c["expert"] for c in ctx.calls} == {"high_noise", "low_noise"}
+    assert {c["method"] for c in ctx.calls} == {"mxattn"}
 
 
 def test_bench_without_gpu_says_so():
@@ -293,3 +329,37 @@ def test_bench_without_gpu_says_so():
     proc = _cli("bench", "pipeline")
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
     assert _cli("bench", "kernel", "--help").returncode == 0
+
+
+def test_set_attn_processor_with_one_instance_works_on_both_families():
+    """The design card's one-liner: transformer.set_attn_processor(FP4Processor(method="mxattn"))."""
+    from fp4video.integration.tiny import tiny_hunyuan_pipeline
+
+    hy = tiny_hunyuan_pipeline()
+    stock = _hunyuan_run(hy, steps=1)
+    proc = FP4Processor(method="mxattn")
+    hy.transformer.set_attn_processor(proc)  # the token refiner too: it stays full precision
+    out = _hunyuan_run(hy, steps=1)
+    assert out.shape == stock.shape and abs(out - stock).max() > 0
+    kinds = Counter((c["kind"], c["method"]) for c in proc.context.calls)
+    assert kinds[("refiner", "fp16")] > 0 and kinds[("self", "mxattn")] == 2
+    wan = tiny_wan_pipeline(two_experts=False, seed=7)
+    wan.transformer.set_attn_processor(FP4Processor(method="mxattn"))
+    assert run(wan, steps=1).shape[0] == TINY_SIZES["frames"]
+
+
+def test_unsupported_input_falls_back_only_when_allowed():
+    """A float (additive) mask is refused by the FP4 path: an error by default, a counted stock
+    fallback with `fallback: stock`."""
+    from fp4video.integration.tiny import tiny_hunyuan_transformer
+
+    attn = tiny_hunyuan_transformer(seed=5).transformer_blocks[0].attn
+    x, text = torch.randn(1, 64, 128), torch.randn(1, 16, 128)
+    float_mask = torch.zeros(1, 1, 1, 80)
+    with torch.no_grad():
+        with pytest.raises(TypeError, match="boolean"):
+            FP4Processor(method="mxattn")(attn, x, text, attention_mask=float_mask)
+        proc = FP4Processor(policy=Policy(method="mxattn", fallback="stock"))
+        proc(attn, x, text, attention_mask=float_mask)
+    assert sum(proc.context.fallbacks.values()) == 1 and "boolean" in next(iter(proc.context.fallbacks))
+    assert proc.context.calls[-1]["method"] == "stock-fallback"

@@ -53,6 +53,13 @@ def _rope_wan(x, cos, sin):
     return out.type_as(x)
 
 
+def _is_hunyuan_joint(attn, encoder_hidden_states, image_rotary_emb) -> bool:
+    """HunyuanVideo's joint attention: dual-stream modules have ``add_q_proj``; single-stream ones
+    are called with the text tokens (and RoPE) beside the video tokens."""
+    return getattr(attn, "add_q_proj", None) is not None or encoder_hidden_states is not None or (
+        image_rotary_emb is not None)
+
+
 class FP4Processor:
     """FP4 attention for every attention module of Wan and HunyuanVideo transformers.
 
@@ -112,7 +119,22 @@ class FP4Processor:
 
         if isinstance(attn, WanAttention):
             return self._wan(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
-        return self._hunyuan(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        if _is_hunyuan_joint(attn, encoder_hidden_states, image_rotary_emb):
+            return self._hunyuan(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        return self._plain(attn, hidden_states, encoder_hidden_states, attention_mask)
+
+    def _plain(self, attn, hidden_states, encoder_hidden_states, attention_mask):
+        """Plain self-attention modules that share a transformer with the joint ones (HunyuanVideo's
+        token refiner): kept in full precision with diffusers' own processor, and recorded."""
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        if self.context.policy.refiner:
+            raise NotImplementedError("quantizing HunyuanVideo's token refiner is not supported yet (refiner: false)")
+        out = AttnProcessor2_0()(attn, hidden_states, encoder_hidden_states, attention_mask)
+        if self.context.record:
+            c = self.context
+            c.calls.append({"step": c.step, "expert": c.expert, "block": -1, "kind": "refiner", "method": "fp16"})
+        return out
 
     def _wan(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb):
         from diffusers.models.transformers.transformer_wan import _get_added_kv_projections, _get_qkv_projections
