@@ -4,7 +4,6 @@ every attention call (step, expert, block, kind, method)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import Counter
@@ -66,11 +65,11 @@ def run(args) -> int:
 
     from ..integration import install
     from ..integration.config import ConfigError
-    from ..integration.pipelines import load_pipeline, pipeline_kwargs
-
     from pydantic import ValidationError
 
+    from ..integration.pipelines import load_pipeline, pipeline_kwargs
     from ..integration.policy import format_validation_error
+    from ..integration.runner import generate_video
 
     try:
         cfg = resolve_config(args)
@@ -91,33 +90,10 @@ def run(args) -> int:
     t_load = time.perf_counter() - t0
     ctx = install(pipe, cfg.policy, backend=args.backend)
 
-    from diffusers.utils import export_to_video
-
-    outputs, timings = [], []
     for i, (prompt, call) in enumerate(zip(cfg.prompts, calls)):
         out = args.output if len(cfg.prompts) == 1 else args.output.with_name(f"{args.output.stem}_{i}{args.output.suffix}")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        ctx.calls.clear()
-        ctx.fallbacks.clear()
-        t1 = time.perf_counter()
-        frames = pipe(**call).frames[0]
-        t_gen = time.perf_counter() - t1
-        export_to_video(frames, str(out), fps=cfg.fps)
-        sidecar = {
-            "output": str(out),
-            "prompt": prompt,
-            "config": cfg.model_dump(mode="json"),
-            "device": str(device),
-            "backend": args.backend,
-            "timings_s": {"load": round(t_load, 3), "generate": round(t_gen, 3)},
-            "frames": int(len(frames)),
-            "methods_used": dict(Counter(c["method"] for c in ctx.calls)),
-            "fallbacks": dict(ctx.fallbacks),
-            "attention_calls": list(ctx.calls),
-        }
-        out.with_suffix(".json").write_text(json.dumps(sidecar, indent=1))
-        outputs.append(out)
-        timings.append(t_gen)
+        sidecar = generate_video(pipe, ctx, cfg, prompt, call, out, device=device, backend=args.backend,
+                                 load_seconds=t_load)
         _summary(out, sidecar)
     return 0
 

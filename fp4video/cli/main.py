@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import accuracy, bench, generate
+from . import accuracy, bench, generate, vbench_weights
+from . import eval as eval_
 
-SUBCOMMANDS = {"generate": generate, "accuracy": accuracy, "bench": bench}
+SUBCOMMANDS = {"generate": generate, "eval": eval_, "accuracy": accuracy, "bench": bench,
+               "vbench-weights": vbench_weights}
 
 
 def build_parser() -> argparse.ArgumentParser:

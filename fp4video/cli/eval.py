@@ -1,0 +1,52 @@
+"""``fp4video eval``: similarity of candidate videos to their FP16 references (cosine, SSIM, PSNR
+per frame, then averaged), optionally with VBench's three quality dimensions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXAMPLES = """examples:
+  fp4video eval --reference fp16.mp4 --candidate mxattn.mp4
+  fp4video eval --reference videos/fp16 --candidate videos/mxattn --out results.json
+  fp4video eval --reference videos/fp16 --candidate videos/mxattn --vbench --vbench-python .vbench-venv/bin/python
+"""
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("eval", help="paired Cosine/SSIM/PSNR against the FP16 video (+ VBench)", description=__doc__,
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reference", type=Path, required=True, help="FP16 mp4, or a folder of them")
+    p.add_argument("--candidate", type=Path, required=True, help="quantized mp4, or a folder paired by file name")
+    p.add_argument("--out", type=Path, help="write the JSON here (default: print it)")
+    p.add_argument("--vbench", action="store_true", help="also score the candidates with VBench (its own venv)")
+    p.add_argument("--vbench-python", default=".vbench-venv/bin/python",
+                   help="Python of VBench's environment (scripts/setup_vbench_env.sh builds it)")
+    return p
+
+
+def run(args) -> int:
+    from ..eval import evaluate_paths
+
+    try:
+        result = evaluate_paths(args.reference, args.candidate, progress=True)
+        if args.vbench:
+            from ..eval.vbench_driver import run_vbench
+
+            folder = args.candidate if args.candidate.is_dir() else args.candidate.parent
+            out_dir = (args.out.parent if args.out else Path(".")) / "vbench-out"
+            result["vbench"] = run_vbench(folder, python=args.vbench_python, out_dir=out_dir)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(result, indent=1)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    else:
+        print(text)
+    print(f"cosine {result['cosine']:.4f}  ssim {result['ssim']:.4f}  psnr {result['psnr']:.2f} dB  "
+          f"({len(result['videos'])} video(s); cosine on {result['cosine_range']})", file=sys.stderr)
+    return 0

@@ -1,0 +1,5 @@
+"""Evaluation: paired similarity to the FP16 video (cosine / SSIM / PSNR) and the VBench driver."""
+
+from .paired import evaluate_paths, paired_metrics, read_video
+
+__all__ = ["paired_metrics", "evaluate_paths", "read_video"]

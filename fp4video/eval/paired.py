@@ -1,0 +1,89 @@
+"""Frame-level similarity of a candidate video to its FP16 reference, as the MXAttention paper's
+Cosine / SSIM / PSNR columns: per frame, then averaged.
+
+- SSIM: 11×11 Gaussian window, σ = 1.5, data range 1 (torchmetrics' definition, per frame).
+- PSNR: per frame with data range 1, then the mean over frames (not one global PSNR); identical
+  frames give +inf, and a mean containing +inf is +inf.
+- Cosine: per frame on the flattened RGB pixels in [0, 1], then the mean. Pixel values are all
+  non-negative, so any two frames score well above 0; read it comparatively.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+__all__ = ["read_video", "paired_metrics", "evaluate_paths", "COSINE_RANGE"]
+
+COSINE_RANGE = "RGB pixels in [0, 1]"
+
+
+def read_video(path: str | Path) -> torch.Tensor:
+    """(T, H, W, 3) float32 in [0, 1]."""
+    import imageio.v3 as iio
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such video")
+    frames = iio.imread(path)
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"{path}: expected RGB video frames (T, H, W, 3), got shape {tuple(frames.shape)}")
+    return torch.from_numpy(frames).float() / 255.0
+
+
+def paired_metrics(ref: torch.Tensor, cand: torch.Tensor, *, name: str = "video") -> dict:
+    """Per-frame and mean cosine / SSIM / PSNR of ``cand`` against ``ref``, both (T, H, W, 3) in [0, 1]."""
+    from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
+
+    if ref.shape != cand.shape:
+        raise ValueError(f"{name}: reference and candidate differ in shape (frames, height, width, channels): "
+                         f"{tuple(ref.shape)} vs {tuple(cand.shape)}")
+    r = ref.permute(0, 3, 1, 2).double()
+    c = cand.permute(0, 3, 1, 2).double()
+    cos = torch.nn.functional.cosine_similarity(r.flatten(1), c.flatten(1), dim=1).clamp(-1.0, 1.0)
+    ssim = structural_similarity_index_measure(c, r, gaussian_kernel=True, sigma=1.5, kernel_size=11,
+                                               data_range=1.0, reduction="none")
+    mse = (r - c).pow(2).flatten(1).mean(1)
+    psnr = torch.where(mse > 0, peak_signal_noise_ratio(c, r, data_range=1.0, dim=(1, 2, 3), reduction="none"),
+                       torch.full_like(mse, math.inf))
+    return {
+        "frames": int(ref.shape[0]),
+        "cosine": float(cos.mean()),
+        "ssim": float(ssim.mean()),
+        "psnr": float(psnr.mean()),
+        "per_frame": {"cosine": cos.tolist(), "ssim": ssim.tolist(), "psnr": psnr.tolist()},
+    }
+
+
+def _pairs(reference: Path, candidate: Path) -> list[tuple[str, Path, Path]]:
+    if reference.is_file() and candidate.is_file():
+        return [(candidate.name, reference, candidate)]
+    if reference.is_dir() and candidate.is_dir():
+        refs = {p.name: p for p in reference.glob("*.mp4")}
+        cands = {p.name: p for p in candidate.glob("*.mp4")}
+        if not refs:
+            raise ValueError(f"{reference}: no .mp4 files")
+        missing = sorted(set(refs) ^ set(cands))
+        if missing:
+            raise ValueError(f"videos are paired by file name; unmatched: {', '.join(missing)}")
+        return [(n, refs[n], cands[n]) for n in sorted(refs)]
+    for p in (reference, candidate):
+        if not p.exists():
+            raise FileNotFoundError(f"{p}: no such file or folder")
+    raise ValueError(f"give two mp4 files or two folders, got {reference} and {candidate}")
+
+
+def evaluate_paths(reference: str | Path, candidate: str | Path, progress: bool = False) -> dict:
+    """Two mp4 files, or two folders of mp4s paired by file name. Means over frames, then videos."""
+    pairs = _pairs(Path(reference), Path(candidate))
+    it = pairs
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(pairs, desc="eval", unit="video")
+    videos = {name: paired_metrics(read_video(r), read_video(c), name=name) for name, r, c in it}
+    mean = lambda key: sum(v[key] for v in videos.values()) / len(videos)  # noqa: E731
+    return {"cosine": mean("cosine"), "ssim": mean("ssim"), "psnr": mean("psnr"), "cosine_range": COSINE_RANGE,
+            "videos": videos}

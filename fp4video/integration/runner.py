@@ -1,0 +1,43 @@
+"""One video through an installed pipeline, written as mp4 + JSON sidecar: the single code path
+behind ``fp4video generate`` and the evaluation sweeps."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+from .config import RunConfig
+from .processor import AttentionContext
+
+__all__ = ["generate_video"]
+
+
+def generate_video(pipe, ctx: AttentionContext, cfg: RunConfig, prompt: str, call: dict, out: Path, *,
+                   device, backend: str, load_seconds: float = 0.0) -> dict:
+    """Run the pipeline once with ``call`` (from :func:`pipelines.pipeline_kwargs`), write ``out``
+    (mp4) and ``out.json`` (the sidecar, also returned)."""
+    from diffusers.utils import export_to_video
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ctx.calls.clear()
+    ctx.fallbacks.clear()
+    t0 = time.perf_counter()
+    frames = pipe(**call).frames[0]
+    seconds = time.perf_counter() - t0
+    export_to_video(frames, str(out), fps=cfg.fps)
+    sidecar = {
+        "output": str(out),
+        "prompt": prompt,
+        "config": cfg.model_dump(mode="json"),
+        "device": str(device),
+        "backend": backend,
+        "timings_s": {"load": round(load_seconds, 3), "generate": round(seconds, 3)},
+        "frames": int(len(frames)),
+        "methods_used": dict(Counter(c["method"] for c in ctx.calls)),
+        "fallbacks": dict(ctx.fallbacks),
+        "attention_calls": list(ctx.calls),
+    }
+    out.with_suffix(".json").write_text(json.dumps(sidecar, indent=1))
+    return sidecar
