@@ -2,8 +2,9 @@
 
 - ``bench kernel``: fp4video's Triton attention vs cuDNN / flash SDPA (bf16), per method, with the
   pre-pass and the attention loop also timed on their own.
-- ``bench pipeline``: one denoising forward of a full-size Wan2.2-A14B-shaped transformer (random
-  bf16 weights: speed does not depend on them) with diffusers' stock attention vs each policy.
+- ``bench pipeline``: one denoising forward of a full-size Wan2.2-A14B- or HunyuanVideo-shaped
+  transformer (random bf16 weights: speed does not depend on them) with diffusers' stock attention
+  vs each policy.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 EXAMPLES = """examples:
   fp4video bench kernel --seqs 8192 32760 75600 --out BENCHMARKS-run.md
   fp4video bench pipeline --resolutions 480p 720p --methods fp16 mxattn sage3
+  fp4video bench pipeline --model hunyuan --layers 2 --resolutions 720p
 """
 
 #: Wan2.2-T2V-A14B transformer config (each expert), from its published config.
@@ -23,6 +25,13 @@ WAN22_A14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_d
                   qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
 #: 81 frames -> 21 latent frames; VAE /8; patch 2x2.  480p: 21·30·52 = 32,760 tokens; 720p: 21·45·80 = 75,600.
 LATENTS = {"480p": (21, 60, 104), "720p": (21, 90, 160)}
+#: HunyuanVideo (13B) transformer config, from its published config.
+HUNYUAN = dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
+               num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
+               qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
+               rope_theta=256.0, rope_axes_dim=(16, 56, 56))
+#: 129 frames -> 33 latent frames.  720p: 33·45·80 = 118,800 video tokens (+ 256 text tokens, masked).
+HUNYUAN_LATENTS = {"480p": (33, 60, 104), "720p": (33, 90, 160)}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -39,7 +48,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     pl.add_argument("--resolutions", nargs="+", default=["480p", "720p"], choices=list(LATENTS))
     pl.add_argument("--methods", nargs="+", default=["fp16", "mxattn", "sage3"],
                     help="each runs with MXAttention's block-0-in-FP16 rule (the paper's policy)")
-    pl.add_argument("--layers", type=int, default=40, help="transformer blocks (40 = the real model)")
+    pl.add_argument("--model", choices=["wan22", "hunyuan"], default="wan22", help="transformer shape")
+    pl.add_argument("--layers", type=int, default=None,
+                    help="transformer blocks (default: the real model's; HunyuanVideo: dual blocks, "
+                         "with twice as many single blocks)")
     pl.add_argument("--reps", type=int, default=2)
     pl.add_argument("--out", default=None, help="append the markdown table to this file")
     return p
@@ -121,32 +133,68 @@ def bench_kernel(args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def bench_pipeline(args) -> str:
+def _build(args):
+    """(model, make_inputs(resolution) -> (kwargs, video tokens), description) on the GPU, random bf16."""
     import torch
-    from diffusers import WanTransformer3DModel
-
-    from ..integration import Policy, install, uninstall
 
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):
-            model = WanTransformer3DModel(**{**WAN22_A14B, "num_layers": args.layers}).eval()
+            if args.model == "wan22":
+                from diffusers import WanTransformer3DModel
+
+                layers = args.layers or WAN22_A14B["num_layers"]
+                model = WanTransformer3DModel(**{**WAN22_A14B, "num_layers": layers}).eval()
+                desc = f"Wan2.2-A14B-shaped transformer ({layers} of 40 blocks), 512 text tokens"
+            else:
+                from diffusers import HunyuanVideoTransformer3DModel
+
+                dual = args.layers or HUNYUAN["num_layers"]
+                model = HunyuanVideoTransformer3DModel(**{**HUNYUAN, "num_layers": dual,
+                                                          "num_single_layers": 2 * dual}).eval()
+                desc = (f"HunyuanVideo-shaped transformer ({dual} of 20 dual + {2 * dual} of 40 single blocks), "
+                        "256 text tokens of which 200 valid (key-padding mask)")
     finally:
         torch.set_default_dtype(default)
-    text = torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16)
-    t = torch.tensor([500.0], device="cuda")
 
-    def forward_seconds(x):
+    def inputs(res):
+        kw = {"timestep": torch.tensor([500.0], device="cuda"), "return_dict": False}
+        if args.model == "wan22":
+            f, h, w = LATENTS[res]
+            kw.update(hidden_states=torch.randn(1, 16, f, h, w, device="cuda", dtype=torch.bfloat16),
+                      encoder_hidden_states=torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16))
+        else:
+            f, h, w = HUNYUAN_LATENTS[res]
+            mask = torch.zeros(1, 256, device="cuda", dtype=torch.bool)
+            mask[:, :200] = True
+            kw.update(hidden_states=torch.randn(1, 16, f, h, w, device="cuda", dtype=torch.bfloat16),
+                      encoder_hidden_states=torch.randn(1, 256, 4096, device="cuda", dtype=torch.bfloat16),
+                      encoder_attention_mask=mask,
+                      pooled_projections=torch.randn(1, 768, device="cuda", dtype=torch.bfloat16),
+                      guidance=torch.tensor([6000.0], device="cuda"))
+        return kw, f * (h // 2) * (w // 2)
+
+    return model, inputs, desc
+
+
+def bench_pipeline(args) -> str:
+    import torch
+
+    from ..integration import Policy, install, uninstall
+
+    model, inputs, desc = _build(args)
+
+    def forward_seconds(kw):
         with torch.no_grad():
-            model(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)  # warm-up
+            model(**kw)  # warm-up (and Triton compilation)
             torch.cuda.synchronize()
             times = []
             for _ in range(args.reps):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                model(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)
+                model(**kw)
                 end.record()
                 torch.cuda.synchronize()
                 times.append(start.elapsed_time(end) / 1000)
@@ -154,25 +202,23 @@ def bench_pipeline(args) -> str:
 
     rows = []
     for res in args.resolutions:
-        f, h, w = LATENTS[res]
-        x = torch.randn(1, 16, f, h, w, device="cuda", dtype=torch.bfloat16)
-        tokens = f * (h // 2) * (w // 2)
-        stock = forward_seconds(x)
+        kw, tokens = inputs(res)
+        stock = forward_seconds(kw)
         rows.append((res, tokens, "stock diffusers attention (SDPA)", stock))
         print(f"  {res} stock: {stock:.2f} s", file=sys.stderr, flush=True)
         for m in args.methods:
-            rules = [] if m == "fp16" else [{"method": "fp16", "blocks": [0]}]
+            # Wan: MXAttention's block-0-in-FP16 rule; HunyuanVideo: fully 4-bit, as the paper runs it
+            rules = [{"method": "fp16", "blocks": [0]}] if m != "fp16" and args.model == "wan22" else []
             install(model, Policy.model_validate({"method": m, "rules": rules}), record=False)
             try:
-                secs = forward_seconds(x)
+                secs = forward_seconds(kw)
             finally:
                 uninstall(model)
             rows.append((res, tokens, f"fp4video {m}" + (" (block 0 fp16)" if rules else ""), secs))
             print(f"  {res} {m}: {secs:.2f} s", file=sys.stderr, flush=True)
-        del x
+        del kw
         torch.cuda.empty_cache()
-    lines = [_header(f"bench pipeline, Wan2.2-A14B-shaped transformer ({args.layers} blocks), one forward, "
-                     "batch 1, 512 text tokens, bf16"), "",
+    lines = [_header(f"bench pipeline, {desc}, one forward, batch 1, bf16"), "",
              "| resolution | video tokens | attention | s / forward | × stock |", "| --- | --- | --- | --- | --- |"]
     base = {r[0]: r[3] for r in rows if r[2].startswith("stock")}
     for res, tokens, what, secs in rows:
