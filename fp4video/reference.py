@@ -151,12 +151,12 @@ def quantize_p(p: torch.Tensor, recipe: AttentionRecipe) -> torch.Tensor:
     return quantize_dequantize(p, fmt, scale_rule=rule, dim=-1)
 
 
-def _bias_from_mask(mask: torch.Tensor | None, skp: int, sk: int):
+def _bias_from_mask(mask: torch.Tensor | None, skp: int, sk: int, device: torch.device):
     """(.., Sq, Sk) bool mask (True = attend) padded to Skp keys with False."""
     if mask is None:
         if skp == sk:
             return None
-        mask = torch.ones(1, 1, 1, sk, dtype=torch.bool)
+        mask = torch.ones(1, 1, 1, sk, dtype=torch.bool, device=device)
     if skp != sk:
         mask = torch.nn.functional.pad(mask, (0, skp - sk), value=False)
     return mask
@@ -184,7 +184,7 @@ def attention_tiled(
     sk = skp if sk is None else sk
     if skp % key_tile:
         raise ValueError(f"prepared K has {skp} keys, not a multiple of the key tile {key_tile}")
-    mask = _bias_from_mask(mask, skp, sk)
+    mask = _bias_from_mask(mask, skp, sk, qh.device)
     sq = qh.shape[-2]
     outs, lses = [], []
     for q0 in range(0, sq, query_chunk):
@@ -238,7 +238,7 @@ def attention_materialized(
     """Whole-P variant for tests: ``P̃ = exp(S − rowmax S)`` quantized at once (blocks along keys,
     two-level pre-scale over the whole row)."""
     skp = kh.shape[-2]
-    mask = _bias_from_mask(mask, skp, skp if sk is None else sk)
+    mask = _bias_from_mask(mask, skp, skp if sk is None else sk, qh.device)
     s = (qh @ kh.transpose(-1, -2)) * scale
     if mask is not None:
         s = s.masked_fill(~mask, -math.inf)

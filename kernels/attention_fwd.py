@@ -25,8 +25,8 @@ from fp4video.formats import Format, ScaleRule
 from fp4video.recipe import AttentionRecipe, PScale, RowSum
 from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
 
-from .fp4_math import fake_quant_rows
-from .prepass import next_pow2, prepass
+from .fp4_math import exponent_and_mantissa, fake_quant_rows, pow2, round_e2m1_at_scale
+from .prepass import next_pow2, prepass, prepass_fp8
 
 # P quantization modes (constexpr)
 P_NONE, P_MX, P_NV = 0, 1, 2
@@ -36,7 +36,7 @@ P_NONE, P_MX, P_NV = 0, 1, 2
 def _quantize_p(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, P_MODE: tl.constexpr,
                 QB: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr):
     """Quantize-dequantize p >= 0 ([BLOCK_M, BLOCK_N]) in blocks of QB along keys."""
-    return fake_quant_rows(p, BLOCK_M, BLOCK_N, P_MODE, QB, OCP, QMAX, False)
+    return fake_quant_rows(p, BLOCK_M, BLOCK_N, P_MODE, QB, OCP, QMAX, False, FAST_DIV=True)
 
 
 @triton.jit
@@ -125,6 +125,143 @@ def _fp4_attn_fwd(
     tl.store(Lse + b * slb + h * slh + offs_m * sls, lse, mask=row_ok)
 
 
+LOG2E = 1.4426950408889634
+#: lowest block exponent a key tile's shift follows (tiles entirely below 2^-60 of the row
+#: maximum keep a fixed shift; their weights are below 1e-18)
+TILE_EXP_FLOOR = -60
+
+
+@triton.jit
+def _mx_fp8_tile(q, q_scale, m_i, k_i, l_i, acc, K_base, V_base, M_base, start, SK, SK_PAD, sks, svd, sms,
+                 HAS_MASK: tl.constexpr, TAIL: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
+                 PNQ: tl.constexpr, D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr,
+                 PRECISE_QK: tl.constexpr, PRECISE_PV: tl.constexpr):
+    """One key tile of :func:`_mx_fp8_attn_fwd`: returns the updated (m, k, l, acc)."""
+    NB: tl.constexpr = BLOCK_N // QB
+    keys = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    if TAIL:
+        k = tl.load(K_base + keys[:, None] * sks + offs_d[None, :], mask=(keys < SK)[:, None], other=0.0)
+    else:
+        k = tl.load(K_base + keys[:, None] * sks + offs_d[None, :])
+    if PRECISE_QK:
+        qk = tl.dot(q, tl.trans(k), max_num_imprecise_acc=32)
+    else:
+        qk = tl.dot(q, tl.trans(k))  # the logit (log2 units) is qk · q_scale, q_scale > 0 per row
+    if HAS_MASK:
+        km = tl.load(M_base + keys * sms, mask=keys < SK, other=0)
+        qk = tl.where((km != 0)[None, :], qk, float("-inf"))
+    elif TAIL:
+        qk = tl.where((keys < SK)[None, :], qk, float("-inf"))
+    block_max = tl.max(tl.reshape(qk, (BLOCK_M, NB, QB)), axis=2) * q_scale[:, None]
+    m_new = tl.maximum(m_i, tl.max(block_max, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    # block exponents of P̃ = exp2(s - m) from the block maxima (exp2 is monotonic); the block
+    # holding the row maximum must get exactly exp2(0) = 1, which is why the kernel is compiled
+    # without FMA contraction (a fused block_max · q_scale - m leaves a residual of either sign:
+    # amax = 1 - 2^-24 would move that block to the next lower scale under the OCP rule)
+    amax = tl.exp2(block_max - m_safe[:, None])
+    e0, mant = exponent_and_mantissa(amax)
+    if OCP:
+        e_blk = e0 - 2
+    else:
+        e_blk = tl.where(mant * 4.0 <= QMAX, e0 - 2, e0 - 1)
+    e_blk = tl.where(amax > 0, e_blk, EXP_FLOOR)
+    k_new = 6 - tl.maximum(tl.max(e_blk, axis=1), EXP_FLOOR)
+    p = tl.exp2(tl.fma(qk, q_scale[:, None], (k_new.to(tl.float32) - m_safe)[:, None]))  # P̃ · 2^k_new
+    if QUANTIZE_P:
+        unit = pow2(tl.maximum(e_blk + k_new[:, None], -126))
+        p_hat = tl.reshape(round_e2m1_at_scale(tl.reshape(p, (BLOCK_M, NB, QB)), unit[:, :, None]),
+                           (BLOCK_M, BLOCK_N))
+    else:
+        p_hat = p
+    alpha = tl.exp2(m_i - m_safe + (k_new - k_i).to(tl.float32))
+    if PNQ:
+        l_i = tl.fma(alpha, l_i, tl.sum(p_hat, axis=1))
+    else:
+        l_i = tl.fma(alpha, l_i, tl.sum(p, axis=1))
+    # V is bounded by its padded length (a multiple of 16, zeros past SK): vectorized loads
+    if TAIL:
+        vt = tl.load(V_base + offs_dv[:, None] * svd + keys[None, :], mask=(keys < SK_PAD)[None, :], other=0.0)
+    else:
+        vt = tl.load(V_base + offs_dv[:, None] * svd + keys[None, :])
+    if PRECISE_PV:  # promote the fp8 MMA's partial sums to fp32 every 32 keys
+        acc = tl.dot(p_hat.to(tl.float8e4nv), tl.trans(vt), acc * alpha[:, None], max_num_imprecise_acc=32)
+    else:
+        acc = tl.dot(p_hat.to(tl.float8e4nv), tl.trans(vt), acc * alpha[:, None])
+    return m_new, k_new, l_i, acc
+
+
+@triton.jit
+def _mx_fp8_attn_fwd(
+    Q8, QFac, K8, KFac, V8T, VFac, KeyMask, Out, Lse,
+    H, SQ, SK, SK_PAD, DV,
+    sqb, sqh, sqs,
+    skb, skh, sks,
+    svb, svh, svd,
+    smb, sms,
+    sob, soh, sos, sod,
+    slb, slh, sls,
+    scale_log2,
+    HAS_MASK: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
+    D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr = True, WARP_SPEC: tl.constexpr = False,
+    PRECISE_QK: tl.constexpr = False, PRECISE_PV: tl.constexpr = False,
+):
+    """MXFP4 attention on e4m3 tensor cores (Hopper/Ada fp8 MMA).
+
+    Q̂, K̂, V̂ come from :func:`.prepass.prepass_fp8` (e4m3 values, power-of-two factors per query
+    row / head / value channel). P̃ is quantized per block of QB keys exactly as the reference
+    does (block exponent from the block maximum, E2M1 rounding), but computed in units of
+    2^k per row and tile, k = 6 - (the tile's largest block exponent), folded into the exp2
+    argument: the largest P̂ value is then 6·2^6 = 384 < 448, and every block whose scale is
+    within 2^14 of the tile's largest block scale is exact in e4m3 (smaller ones lose low bits to
+    e4m3's subnormals; their weights are below 2^-14·7.25 of the tile's largest). ``acc`` and ``l`` are kept in the current tile's units
+    (their rescale factor is one exp2 per row), so no per-element scaling is added.
+    """
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < SQ
+    q = tl.load(Q8 + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    # logits in log2 units: dot(q8, k8) · q_fac · k_fac · scale · log2(e)
+    q_scale = tl.load(QFac + bh * SQ + offs_m, mask=row_ok, other=1.0) * (tl.load(KFac + bh) * scale_log2)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    k_i = tl.zeros((BLOCK_M,), tl.int32)  # units of acc and l: 2^k_i
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    K_base = K8 + b * skb + h * skh
+    V_base = V8T + b * svb + h * svh
+    M_base = KeyMask + b * smb
+    # full key tiles without a bounds mask (the key-padding mask, if any, applies to every
+    # tile), then the partial last tile
+    n_full = (SK // BLOCK_N) * BLOCK_N
+    for start in tl.range(0, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
+        m_i, k_i, l_i, acc = _mx_fp8_tile(
+            q, q_scale, m_i, k_i, l_i, acc, K_base, V_base, M_base, start, SK, SK_PAD, sks, svd, sms,
+            HAS_MASK, False, OCP, QMAX, PNQ, D, BLOCK_DV, BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_QK, PRECISE_PV)
+    if n_full < SK:
+        m_i, k_i, l_i, acc = _mx_fp8_tile(
+            q, q_scale, m_i, k_i, l_i, acc, K_base, V_base, M_base, n_full, SK, SK_PAD, sks, svd, sms,
+            HAS_MASK, True, OCP, QMAX, PNQ, D, BLOCK_DV, BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_QK, PRECISE_PV)
+
+    live = l_i > 0
+    l_safe = tl.where(live, l_i, 1.0)
+    v_fac = tl.load(VFac + bh * BLOCK_DV + offs_dv)
+    out = tl.where(live[:, None], acc * (v_fac[None, :] / l_safe[:, None]), 0.0)
+    lse = tl.where(live, (m_i + tl.log2(l_safe) - k_i.to(tl.float32)) * 0.6931471805599453, float("-inf"))
+    tl.store(Out + b * sob + h * soh + offs_m[:, None] * sos + offs_dv[None, :] * sod,
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(Lse + b * slb + h * slh + offs_m * sls, lse, mask=row_ok)
+
+
 def supports(recipe: AttentionRecipe, q: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[bool, str]:
     import os
 
@@ -137,19 +274,37 @@ def supports(recipe: AttentionRecipe, q: torch.Tensor, mask: torch.Tensor | None
 
 #: Launch configuration per P mode, from scripts/sweep_kernel_configs.py on an H200 (2026-11-29,
 #: S=32,760, H=40, D=128; BENCHMARKS.md): fp16/MXFP4 best at 128/8/3, NVFP4 (E4M3 rounding of the
-#: block scales in the loop, register-heavy) at 128/8/1.
-LAUNCH = {P_NONE: (128, 8, 3), P_MX: (128, 8, 3), P_NV: (128, 8, 1)}
+#: block scales in the loop, register-heavy) at 128/8/1. ``"fp8"``: the MXFP4 e4m3 kernel.
+LAUNCH = {P_NONE: (128, 8, 3), P_MX: (128, 8, 3), P_NV: (128, 8, 1), "fp8": (128, 8, 3)}
+
+
+def uses_fp8(recipe: AttentionRecipe, device: torch.device) -> bool:
+    """MXFP4 Q·K and P·V run on e4m3 tensor cores (sm_89+; any device under the interpreter)."""
+    import os
+
+    if recipe.qk_format is not Format.MXFP4 or recipe.pv_format is not Format.MXFP4:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def prepare(q, k, v, recipe: AttentionRecipe, key_alive):
+    """The pre-pass for this recipe and device: a tuple the attention loop takes."""
+    if uses_fp8(recipe, q.device):
+        return ("fp8", prepass_fp8(q, k, v, recipe, key_alive))
+    if recipe.quantized:
+        return ("work", prepass(q, k, v, recipe, key_alive, work_dtype(q)))
+    return ("work", (q, k, v))  # the inputs as they are: no copy, any strides
 
 
 def attention(q, k, v, *, recipe: AttentionRecipe, mask, scale: float, **launch):
     """q, k, v: (B, H, S, D) views, any strides. Returns (out (B, H, Sq, Dv) in q's dtype, lse fp32)."""
     b, sk = q.shape[0], k.shape[-2]
     key_alive = None if mask is None else mask.expand(b, 1, 1, sk)[:, 0, 0, :]
-    if recipe.quantized:
-        qh, kh, vh = prepass(q, k, v, recipe, key_alive, work_dtype(q))
-    else:  # the inputs as they are: no copy, any strides
-        qh, kh, vh = q, k, v
-    return attention_prepared(qh, kh, vh, key_alive, recipe=recipe, scale=scale, out_dtype=q.dtype, **launch)
+    prepared = prepare(q, k, v, recipe, key_alive)
+    return attention_prepared(prepared, key_alive, recipe=recipe, scale=scale, out_dtype=q.dtype,
+                              dv=v.shape[-1], **launch)
 
 
 def work_dtype(q: torch.Tensor) -> torch.dtype:
@@ -157,18 +312,21 @@ def work_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if q.is_cuda else torch.float32
 
 
-def attention_prepared(qh, kh, vh, key_alive, *, recipe: AttentionRecipe, scale: float, out_dtype,
-                       block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
-    """The attention loop alone, on pre-pass outputs (or unquantized inputs); (B, H, S, D) views."""
+def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: float, out_dtype, dv: int,
+                       block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                       **fp8_options):
+    """The attention loop alone, on :func:`prepare`'s output; ``dv``: the value head dim."""
+    path, tensors = prepared
+    if path == "fp8":
+        return _attention_fp8(*tensors, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv,
+                              block_m=block_m, num_warps=num_warps, num_stages=num_stages, **fp8_options)
+    qh, kh, vh = tensors
     b, h, sq, dqk = qh.shape
     sk, dv = kh.shape[-2], vh.shape[-1]
     dev = qh.device
     out = torch.empty(b, h, sq, dv, device=dev, dtype=out_dtype)
     lse = torch.empty(b, h, sq, device=dev, dtype=torch.float32)
-    if key_alive is not None:
-        km = key_alive.to(torch.int8).contiguous()
-    else:
-        km = torch.empty(1, 1, dtype=torch.int8, device=dev)
+    km = _key_mask(key_alive, dev)
     p_mode = {None: P_NONE, Format.MXFP4: P_MX, Format.NVFP4: P_NV}[recipe.pv_format]
     qb = recipe.pv_format.block if recipe.pv_format else 32
     bm, nw, ns = LAUNCH[p_mode]
@@ -186,5 +344,36 @@ def attention_prepared(qh, kh, vh, key_alive, *, recipe: AttentionRecipe, scale:
         PNQ=recipe.row_sum is RowSum.QUANTIZED, IEEE=qh.dtype == torch.float32,
         D=next_pow2(dqk), BLOCK_DV=next_pow2(dv), BLOCK_M=block_m, BLOCK_N=KEY_TILE,
         num_warps=num_warps, num_stages=num_stages,
+    )
+    return out, lse
+
+
+def _key_mask(key_alive, dev):
+    if key_alive is not None:
+        return key_alive.to(torch.int8).contiguous()
+    return torch.empty(1, 1, dtype=torch.int8, device=dev)
+
+
+def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, key_alive, *, recipe, scale, out_dtype, dv,
+                   block_m, num_warps, num_stages, quantize_p=True, warp_specialize=False):
+    b, h, sq, d = q8.shape
+    sk, dvp = k8.shape[-2], v8t.shape[-2]
+    dev = q8.device
+    out = torch.empty(b, h, sq, dv, device=dev, dtype=out_dtype)
+    lse = torch.empty(b, h, sq, device=dev, dtype=torch.float32)
+    km = _key_mask(key_alive, dev)
+    bm, nw, ns = LAUNCH["fp8"]
+    block_m, num_warps, num_stages = block_m or bm, num_warps or nw, num_stages or ns
+    _mx_fp8_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
+        q8, q_fac, k8, k_fac, v8t, v_fac, km, out, lse,
+        h, sq, sk, v8t.shape[-1], dv,
+        *q8.stride()[:3], *k8.stride()[:3], *v8t.stride()[:3],
+        km.stride(0), km.stride(1),
+        *out.stride(), *lse.stride(),
+        scale * LOG2E,
+        HAS_MASK=key_alive is not None, OCP=recipe.scale_rule is ScaleRule.OCP, QMAX=recipe.scale_rule.qmax,
+        PNQ=recipe.row_sum is RowSum.QUANTIZED, D=d, BLOCK_DV=dvp, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
+        QB=recipe.pv_format.block, EXP_FLOOR=TILE_EXP_FLOOR, QUANTIZE_P=quantize_p, WARP_SPEC=warp_specialize,
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
     )
     return out, lse

@@ -18,6 +18,19 @@ def pow2(e):
 
 
 @triton.jit
+def fp8_shift(amax):
+    """Exponent c that moves E2M1 × power-of-two values with largest magnitude ``amax`` into e4m3.
+
+    Such values have a mantissa of 1 or 1.5, so with E = floor(log2 amax) the largest becomes at
+    most 1.5·2^8 = 384 < 448 after scaling by 2^(8 - E); a block whose own largest exponent is e
+    stays exact down to its smallest nonzero value 0.5·2^e as long as e >= E - 16 (e4m3's smallest
+    subnormal is 2^-9). amax = 0 gives the largest shift (nothing to scale).
+    """
+    e0 = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    return tl.minimum(tl.maximum(8 - e0, -126), 126)
+
+
+@triton.jit
 def exponent_and_mantissa(x):
     """floor(log2 x) and the mantissa in [1, 2) of positive normal fp32 x, from the bits."""
     bits = x.to(tl.int32, bitcast=True)
@@ -35,9 +48,21 @@ def rint(x):
 @triton.jit
 def round_e2m1_abs(a):
     """Round a >= 0 onto {0, .5, 1, 1.5, 2, 3, 4, 6}, ties to even, saturating at 6."""
-    a = tl.minimum(a, 8.0)
-    up = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))  # 1 / grid step (powers of two: exact)
-    return tl.minimum(rint(a * up) / up, 6.0)
+    return round_e2m1_at_scale(a, 1.0)
+
+
+@triton.jit
+def round_e2m1_at_scale(p, unit):
+    """Round p >= 0 onto the E2M1 grid times the power of two ``unit`` (= 2^e), ties to even,
+    saturating at 6·unit: ``round_e2m1_abs(p / unit) * unit`` without the scaling.
+
+    E2M1 has one mantissa bit, so the grid step is half the binade of max(p, unit); adding
+    2^22 times that binade's power of two (read from the bits) leaves exactly one fraction bit,
+    rounded to nearest even by the fp32 addition. Six operations, no division, no conversion.
+    """
+    binade = (tl.maximum(p, unit).to(tl.int32, bitcast=True) & 0x7F800000) + (22 << 23)
+    magic = binade.to(tl.float32, bitcast=True)
+    return tl.minimum((p + magic) - magic, 6.0 * unit)
 
 
 @triton.jit
@@ -50,13 +75,17 @@ def round_e4m3_abs(x):
 
 @triton.jit
 def fake_quant_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr,
-                    OCP: tl.constexpr, QMAX: tl.constexpr, SIGNED: tl.constexpr):
+                    OCP: tl.constexpr, QMAX: tl.constexpr, SIGNED: tl.constexpr, FAST_DIV: tl.constexpr = False):
     """Quantize-dequantize ``x`` ([ROWS, COLS] fp32) in blocks of QB along the last axis.
 
     FMT 1: MXFP4 (E8M0 scale, OCP floor rule or ceil(log2(amax / QMAX))); FMT 2: NVFP4
     (scale round_e4m3(amax / 6); a block whose scale rounds to 0 becomes 0). All-zero blocks
     stay zero. Exponents are kept in [-126, 126] (the reference allows ±127: only blocks with
     amax below 2^-124 or above 2^126 differ).
+
+    FAST_DIV (NVFP4): multiply by the block's correctly rounded reciprocal instead of dividing
+    each element (``a · rn(1/s)`` is within 1.5 ulp of ``rn(a / s)``, so only elements that close
+    to an E2M1 rounding boundary can round the other way; used in the attention loop).
     """
     xb = tl.reshape(x, (ROWS, COLS // QB, QB))
     a = tl.abs(xb) if SIGNED else xb
@@ -68,12 +97,16 @@ def fake_quant_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr
         else:
             e = tl.where(m * 4.0 <= QMAX, e0 - 2, e0 - 1)
         e = tl.where(amax > 0, tl.minimum(tl.maximum(e, -126), 126), 0)
-        q = round_e2m1_abs(a * pow2(-e)[:, :, None]) * pow2(e)[:, :, None]
+        q = round_e2m1_at_scale(a, pow2(e)[:, :, None])  # exact: the grid scales with 2^e
     else:
         s = round_e4m3_abs(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)))
         live = s > 0
         s_safe = tl.where(live, s, 1.0)
-        q = round_e2m1_abs(tl.math.div_rn(a, s_safe[:, :, None] + tl.zeros_like(a))) * s_safe[:, :, None]
+        if FAST_DIV:
+            inv = tl.math.div_rn(tl.full(s_safe.shape, 1.0, tl.float32), s_safe)
+            q = round_e2m1_abs(a * inv[:, :, None]) * s_safe[:, :, None]
+        else:
+            q = round_e2m1_abs(tl.math.div_rn(a, s_safe[:, :, None] + tl.zeros_like(a))) * s_safe[:, :, None]
         q = tl.where(live[:, :, None], q, 0.0)
     if SIGNED:
         q = tl.where(xb < 0, -q, q)

@@ -18,24 +18,31 @@ from fp4video.recipe import AttentionRecipe
 from fp4video.reference import qk_padded_dim, smoothing_mean
 from fp4video.rotation import hadamard_matrix
 
-from .fp4_math import fake_quant_rows
+from .fp4_math import fake_quant_rows, fp8_shift, pow2
 
 FMT_CODE = {None: 0, Format.MXFP4: 1, Format.NVFP4: 2}
+#: output modes of the pre-pass kernels (0: the work dtype)
+FP8_ROW, FP8_AMAX, FP8_HEAD = 1, 2, 3
 
 
 @triton.jit
 def _prepass_rows(
-    X, Alive, Mean, Hm, Out,
-    H, S, D_IN,
+    X, Alive, Mean, Hm, Out, Amax, Fac,
+    H, S, D_IN, h_norm,
     sxb, sxh, sxs, sxd,
     sab, sas,
     smb, smh,
     sob, soh, sos,
     HAS_ALIVE: tl.constexpr, SMOOTH: tl.constexpr, ROTATE: tl.constexpr, ROT_PRECISION: tl.constexpr,
     FMT: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
-    D: tl.constexpr, BLOCK_S: tl.constexpr,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr,
 ):
-    """Q or K: rows of D channels, quantized along D."""
+    """Q or K: rows of D channels, quantized along D.
+
+    OUT: 0 writes the values in Out's dtype; FP8_ROW writes e4m3 values shifted per row (factor
+    2^-c per row into Fac); FP8_AMAX only folds the tile's |max| into Amax[b, h] (int32 bits);
+    FP8_HEAD writes e4m3 values with the head's shift from Amax (factor into Fac[b, h]).
+    """
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -51,25 +58,54 @@ def _prepass_rows(
         mean = tl.load(Mean + b * smb + h * smh + cols, mask=cols < D_IN, other=0.0)
         x = tl.where(ok[:, None], x - mean[None, :], 0.0)
     if ROTATE:
-        hm = tl.load(Hm + cols[:, None] * D + cols[None, :])
-        x = tl.dot(x, hm, input_precision=ROT_PRECISION)
+        hm = tl.load(Hm + cols[:, None] * D + cols[None, :])  # entries ±1 (0 in the padding)
+        if ROT_PRECISION == "split3":
+            # x = x1 + x2 + x3 exactly in three bf16 parts; ±1 is exact in bf16, so three bf16 MMAs
+            # with fp32 accumulation give the fp32 product (up to summation order)
+            hb = hm.to(tl.bfloat16)
+            x1 = x.to(tl.bfloat16)
+            r1 = x - x1.to(tl.float32)
+            x2 = r1.to(tl.bfloat16)
+            x3 = (r1 - x2.to(tl.float32)).to(tl.bfloat16)
+            y = tl.dot(x3, hb)
+            y = tl.dot(x2, hb, y)
+            x = tl.dot(x1, hb, y) * h_norm
+        else:
+            x = tl.dot(x, hm, input_precision=ROT_PRECISION) * h_norm
     if FMT != 0:
         x = fake_quant_rows(x, BLOCK_S, D, FMT, QB, OCP, QMAX, True)
-    tl.store(Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :], x.to(Out.dtype.element_ty),
-             mask=(rows < S)[:, None])
+    out_ptrs = Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :]
+    if OUT == 0:
+        tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=(rows < S)[:, None])
+    elif OUT == 1:  # FP8_ROW
+        c = fp8_shift(tl.max(tl.abs(x), axis=1))
+        tl.store(out_ptrs, (x * pow2(c)[:, None]).to(tl.float8e4nv), mask=(rows < S)[:, None])
+        tl.store(Fac + bh * S + rows, pow2(-c), mask=rows < S)
+    elif OUT == 2:  # FP8_AMAX
+        tl.atomic_max(Amax + bh, tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.int32, bitcast=True))
+    else:
+        c = fp8_shift(tl.load(Amax + bh).to(tl.float32, bitcast=True))
+        tl.store(out_ptrs, (x * pow2(c)).to(tl.float8e4nv), mask=(rows < S)[:, None])
+        if pid == 0:
+            tl.store(Fac + bh, pow2(-c))
 
 
 @triton.jit
 def _prepass_v(
-    V, Alive, Out,
+    V, Alive, Out, Amax, Fac,
     H, S, DV,
     svb, svh, svs, svd,
     sab, sas,
-    sob, soh, sos,
+    sob, soh, sos, sod,
     HAS_ALIVE: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr,
 ):
-    """V: quantized along tokens (blocks of QB consecutive keys per channel)."""
+    """V: quantized along tokens (blocks of QB consecutive keys per channel).
+
+    OUT: 0 writes Out's dtype; FP8_AMAX folds each channel's |max| into Amax[b, h, :];
+    FP8_HEAD writes e4m3 values shifted per channel (factors into Fac[b, h, :]); the fp8 output
+    is (B, H, Dv, S) — transposed, as Hopper's fp8 MMA wants its B operand K-major.
+    """
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -83,8 +119,17 @@ def _prepass_v(
                 mask=ok[:, None] & (cols[None, :] < DV), other=0.0).to(tl.float32)
     if FMT != 0:
         x = tl.trans(fake_quant_rows(tl.trans(x), BLOCK_DV, BLOCK_S, FMT, QB, OCP, QMAX, True))
-    tl.store(Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :], x.to(Out.dtype.element_ty),
-             mask=(rows < S)[:, None] & (cols[None, :] < DV))
+    out_ptrs = Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :] * sod
+    out_ok = (rows < S)[:, None] & (cols[None, :] < DV)
+    if OUT == 0:
+        tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=out_ok)
+    elif OUT == 2:  # FP8_AMAX
+        tl.atomic_max(Amax + bh * BLOCK_DV + cols, tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True))
+    else:  # padded channels are written as zeros
+        c = fp8_shift(tl.load(Amax + bh * BLOCK_DV + cols).to(tl.float32, bitcast=True))
+        tl.store(out_ptrs, (x * pow2(c)[None, :]).to(tl.float8e4nv), mask=(rows < S)[:, None])
+        if pid == 0:
+            tl.store(Fac + bh * BLOCK_DV + cols, pow2(-c))
 
 
 def next_pow2(n: int, floor: int = 16) -> int:
@@ -92,57 +137,109 @@ def next_pow2(n: int, floor: int = 16) -> int:
 
 
 def prepass(q, k, v, recipe: AttentionRecipe, key_alive, work_dtype):
-    """(q̂, k̂, v̂) for the attention kernel. ``key_alive``: (B, Sk) bool or None."""
-    b, h, sq, d_in = q.shape
-    sk, dv = k.shape[-2], v.shape[-1]
-    dp = qk_padded_dim(d_in, recipe)
-    d = next_pow2(dp)
-    dev = q.device
-    alive = key_alive.to(torch.int8).contiguous() if key_alive is not None else torch.empty(1, 1, dtype=torch.int8, device=dev)
-    if recipe.hadamard:
-        hm = torch.zeros(d, d, device=dev)
-        hm[:dp, :dp] = hadamard_matrix(dp, device=dev)
-    else:
-        hm = torch.empty(1, device=dev)
-    rule = recipe.scale_rule
-    block_s = 64
+    """(q̂, k̂, v̂) for the attention kernel, in ``work_dtype``. ``key_alive``: (B, Sk) bool or None."""
+    return _PrePass(q, k, v, recipe, key_alive).run(work_dtype)
 
-    def rows_pass(x, s, fmt, alive_rows, mean):
-        out = torch.empty(b, h, s, d, device=dev, dtype=work_dtype)
-        _prepass_rows[(triton.cdiv(s, block_s), b * h)](
-            x, alive, mean, hm, out,
-            h, s, d_in,
+
+def prepass_fp8(q, k, v, recipe: AttentionRecipe, key_alive):
+    """MXFP4 Q̂, K̂, V̂ as e4m3 for fp8 tensor cores, with power-of-two factors.
+
+    Returns ``(q8, q_fac (B, H, Sq), k8, k_fac (B, H), v8t, v_fac (B, H, Dv_padded))``: the
+    dequantized value is ``q8 · q_fac`` (per query row), ``k8 · k_fac`` (per head), ``v8t · v_fac``
+    (per channel; ``v8t`` is (B, H, Dv_padded, Sk rounded up to 16), V transposed). E2M1 × 2^e is exact in e4m3 when the block's exponent is within 16 of the
+    row's / head's / channel's largest value exponent (see :func:`.fp4_math.fp8_shift`); blocks
+    further below lose low bits (e4m3 subnormals) or flush to zero.
+    """
+    return _PrePass(q, k, v, recipe, key_alive).run_fp8()
+
+
+class _PrePass:
+    """Launches of the row (Q, K) and V pre-pass kernels for one attention call."""
+
+    BLOCK_S = 64
+    BLOCK_S_V = 128  # the transposed e4m3 V store writes runs of BLOCK_S_V bytes per channel
+    ROTATION = "split3"  # or "tf32x3" (BENCHMARKS.md compares them)
+
+    def __init__(self, q, k, v, recipe, key_alive):
+        self.q, self.k, self.v, self.recipe = q, k, v, recipe
+        self.b, self.h, self.sq, self.d_in = q.shape
+        self.sk, self.dv = k.shape[-2], v.shape[-1]
+        self.dp = dp = qk_padded_dim(self.d_in, recipe)
+        self.dev = dev = q.device
+        self.key_alive = key_alive
+        self.alive = key_alive.to(torch.int8).contiguous() if key_alive is not None else \
+            torch.empty(1, 1, dtype=torch.int8, device=dev)
+        self.none = torch.empty(1, 1, device=dev)
+        self.d = next_pow2(dp, floor=32 if recipe.qk_format is Format.MXFP4 else 16)
+        if recipe.hadamard:
+            self.hm = torch.zeros(self.d, self.d, device=dev)
+            self.hm[:dp, :dp] = torch.sign(hadamard_matrix(dp, device=dev))
+        else:
+            self.hm = torch.empty(1, device=dev)
+        self.mean = self.none
+        if recipe.smooth_k:
+            kf = k.float()
+            if key_alive is not None:
+                kf = torch.where(key_alive[:, None, :, None], kf, 0.0)
+            self.mean = smoothing_mean(kf, key_alive[:, None, :] if key_alive is not None else None)[..., 0, :].contiguous()
+
+    def rows(self, x, s, is_k, out_mode, out, amax=None, fac=None):
+        rule, fmt = self.recipe.scale_rule, self.recipe.qk_format
+        mean = self.mean if is_k else self.none
+        _prepass_rows[(triton.cdiv(s, self.BLOCK_S), self.b * self.h)](
+            x, self.alive, mean, self.hm, out, amax if amax is not None else self.none, fac if fac is not None else self.none,
+            self.h, s, self.d_in, self.dp ** -0.5 if self.recipe.hadamard else 1.0,
             *x.stride(),
-            alive.stride(0), alive.stride(1),
+            self.alive.stride(0), self.alive.stride(1),
             mean.stride(0), mean.stride(1),
-            out.stride(0), out.stride(1), out.stride(2),
-            HAS_ALIVE=alive_rows, SMOOTH=mean.dim() == 3, ROTATE=recipe.hadamard,
-            # fp32-accurate rotation: three tf32 tensor-core products on the GPU (ieee fp32 dots
-            # spill at D=128 and ran 10x slower on the H200); exact fp32 in the interpreter
-            ROT_PRECISION="tf32x3" if dev.type == "cuda" else "ieee",
+            *out.stride()[:3],
+            HAS_ALIVE=is_k and self.key_alive is not None, SMOOTH=mean.dim() == 3, ROTATE=self.recipe.hadamard,
+            # fp32-accurate rotation on tensor cores on the GPU (ieee fp32 dots spill at D=128 and
+            # ran 10x slower on the H200); exact fp32 in the interpreter
+            ROT_PRECISION=self.ROTATION if self.dev.type == "cuda" else "ieee",
             FMT=FMT_CODE[fmt], QB=fmt.block if fmt else 32, OCP=rule is ScaleRule.OCP, QMAX=rule.qmax,
-            D=d, BLOCK_S=block_s,
+            D=self.d, BLOCK_S=self.BLOCK_S, OUT=out_mode,
         )
-        return out
 
-    none = torch.empty(1, 1, device=dev)
-    q_hat = rows_pass(q, sq, recipe.qk_format, False, none)
-    mean = none
-    if recipe.smooth_k:
-        kf = k.float()
-        if key_alive is not None:
-            kf = torch.where(key_alive[:, None, :, None], kf, 0.0)
-        mean = smoothing_mean(kf, key_alive[:, None, :] if key_alive is not None else None)[..., 0, :].contiguous()
-    k_hat = rows_pass(k, sk, recipe.qk_format, key_alive is not None, mean)
-    v_hat = torch.empty(b, h, sk, dv, device=dev, dtype=work_dtype)
-    fmt = recipe.pv_format
-    _prepass_v[(triton.cdiv(sk, block_s), b * h)](
-        v, alive, v_hat,
-        h, sk, dv,
-        *v.stride(),
-        alive.stride(0), alive.stride(1),
-        v_hat.stride(0), v_hat.stride(1), v_hat.stride(2),
-        HAS_ALIVE=key_alive is not None, FMT=FMT_CODE[fmt], QB=fmt.block if fmt else 32,
-        OCP=rule is ScaleRule.OCP, QMAX=rule.qmax, BLOCK_DV=next_pow2(dv), BLOCK_S=block_s,
-    )
-    return q_hat, k_hat, v_hat
+    def values(self, out_mode, out, amax=None, fac=None):
+        rule, fmt, dv = self.recipe.scale_rule, self.recipe.pv_format, self.v.shape[-1]
+        block_s = self.BLOCK_S_V if out_mode else self.BLOCK_S
+        _prepass_v[(triton.cdiv(self.sk, block_s), self.b * self.h)](
+            self.v, self.alive, out, amax if amax is not None else self.none, fac if fac is not None else self.none,
+            self.h, self.sk, dv,
+            *self.v.stride(),
+            self.alive.stride(0), self.alive.stride(1),
+            *((out.stride(0), out.stride(1), 1, out.stride(2)) if out_mode else (*out.stride()[:3], 1)),
+            HAS_ALIVE=self.key_alive is not None, FMT=FMT_CODE[fmt], QB=fmt.block if fmt else 32,
+            OCP=rule is ScaleRule.OCP, QMAX=rule.qmax, BLOCK_DV=out.shape[-2] if out_mode else next_pow2(dv),
+            BLOCK_S=block_s, OUT=out_mode,
+        )
+
+    def run(self, work_dtype):
+        b, h, dev = self.b, self.h, self.dev
+        q_hat = torch.empty(b, h, self.sq, self.d, device=dev, dtype=work_dtype)
+        k_hat = torch.empty(b, h, self.sk, self.d, device=dev, dtype=work_dtype)
+        v_hat = torch.empty(b, h, self.sk, self.dv, device=dev, dtype=work_dtype)
+        self.rows(self.q, self.sq, False, 0, q_hat)
+        self.rows(self.k, self.sk, True, 0, k_hat)
+        self.values(0, v_hat)
+        return q_hat, k_hat, v_hat
+
+    def run_fp8(self):
+        b, h, dev, f8 = self.b, self.h, self.dev, torch.float8_e4m3fn
+        dvp = next_pow2(self.dv, floor=32)
+        q8 = torch.empty(b, h, self.sq, self.d, device=dev, dtype=f8)
+        k8 = torch.empty(b, h, self.sk, self.d, device=dev, dtype=f8)
+        v8 = torch.empty(b, h, dvp, -(-self.sk // 16) * 16, device=dev, dtype=f8)  # transposed, rows 16-byte aligned
+        v8[..., self.sk:] = 0  # the alignment padding holds zeros, not garbage
+        q_fac = torch.empty(b, h, self.sq, device=dev)
+        k_fac = torch.empty(b, h, device=dev)
+        v_fac = torch.empty(b, h, dvp, device=dev)
+        k_amax = torch.zeros(b, h, device=dev, dtype=torch.int32)
+        v_amax = torch.zeros(b, h, dvp, device=dev, dtype=torch.int32)
+        self.rows(self.q, self.sq, False, FP8_ROW, q8, fac=q_fac)
+        self.rows(self.k, self.sk, True, FP8_AMAX, k8, amax=k_amax)
+        self.rows(self.k, self.sk, True, FP8_HEAD, k8, amax=k_amax, fac=k_fac)
+        self.values(FP8_AMAX, v8, amax=v_amax)
+        self.values(FP8_HEAD, v8, amax=v_amax, fac=v_fac)
+        return q8, q_fac, k8, k_fac, v8, v_fac

@@ -16,7 +16,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fp4video import METHODS
-from fp4video.kernels.attention_fwd import attention
+from fp4video.kernels.attention_fwd import attention, uses_fp8
 
 
 def main(argv=None) -> int:
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     print(f"cuDNN SDPA: {t_ref:.2f} ms")
     print("| method | BLOCK_M | warps | stages | ms | × cuDNN |\n| --- | --- | --- | --- | --- | --- |")
     for m in args.methods:
-        for bm, nw, ns in itertools.product((64, 128), (4, 8), (1, 2, 3)):
+        for bm, nw, ns in itertools.product((64, 128), (4, 8), (2, 3, 4) if uses_fp8(METHODS[m], q.device) else (1, 2, 3)):
             try:
                 fn = lambda: attention(q, k, v, recipe=METHODS[m], mask=None, scale=128**-0.5,  # noqa: E731
                                        block_m=bm, num_warps=nw, num_stages=ns)

@@ -85,8 +85,7 @@ def bench_kernel(args) -> str:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from .. import METHODS, fp4_attention
-    from ..kernels.attention_fwd import attention_prepared, work_dtype
-    from ..kernels.prepass import prepass
+    from ..kernels.attention_fwd import attention_prepared, prepare
     from ..metrics import cossim
 
     def bench(fn, rep=200):
@@ -110,16 +109,13 @@ def bench_kernel(args) -> str:
             recipe = METHODS[m]
             out = fp4_attention(q, k, v, method=m, backend="triton")
             t_total = bench(lambda: fp4_attention(q, k, v, method=m, backend="triton"), rep=100)
-            t_pre = None
-            qh, kh, vh = q, k, v
-            if recipe.quantized:
-                t_pre = bench(lambda: prepass(q, k, v, recipe, None, work_dtype(q)), rep=100)
-                qh, kh, vh = prepass(q, k, v, recipe, None, work_dtype(q))
-            t_loop = bench(lambda: attention_prepared(qh, kh, vh, None, recipe=recipe, scale=args.head_dim**-0.5,
-                                                      out_dtype=q.dtype), rep=100)
+            t_pre = bench(lambda: prepare(q, k, v, recipe, None), rep=100) if recipe.quantized else None
+            prepared = prepare(q, k, v, recipe, None)
+            t_loop = bench(lambda: attention_prepared(prepared, None, recipe=recipe, scale=args.head_dim**-0.5,
+                                                      out_dtype=q.dtype, dv=v.shape[-1]), rep=100)
             rows.append((s, f"fp4video {m}", t_total, t_pre, t_loop, t_cudnn / t_total, cossim(out.float(), ref.float())))
             print(f"  S={s} {m}: {t_total:.2f} ms", file=sys.stderr, flush=True)
-            del qh, kh, vh
+            del prepared
         del q, k, v, ref, flash
         torch.cuda.empty_cache()
     lines = [_header(f"bench kernel, B=1 H={args.heads} D={args.head_dim}, bf16"), "",

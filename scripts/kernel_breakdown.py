@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Where the time of one fp4video attention call goes, next to cuDNN SDPA in the same process.
+
+Times the pre-pass variants (rows per program, rotation precision), the attention loop with and
+without the in-loop P quantization (``QUANTIZE_P=False`` only casts P̃ to e4m3: the floor the
+quantization is measured against) over launch configurations, and checks each loop variant's
+output against the reference on a smaller problem first. Prints markdown tables
+(BENCHMARKS.md keeps them).
+
+    python scripts/kernel_breakdown.py [--seq 32760] [--method mxattn]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from fp4video import METHODS, fp4_attention
+from fp4video.kernels import prepass as pp
+from fp4video.kernels.attention_fwd import attention_prepared, prepare
+from fp4video.metrics import cossim
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=20, rep=80, return_mode="median")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seq", type=int, default=32760)
+    ap.add_argument("--heads", type=int, default=40)
+    ap.add_argument("--method", default="mxattn")
+    ap.add_argument("--configs", default="128x8x2,128x8x3,128x8x4,128x4x3,64x4x3",
+                    help="BLOCK_MxWARPSxSTAGES list for the loop")
+    ap.add_argument("--warp-specialize", action="store_true", help="also try tl.range(warp_specialize=True)")
+    args = ap.parse_args(argv)
+    recipe = METHODS[args.method]
+    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    # correctness of every loop variant on a smaller problem (against the reference backend)
+    q, k, v = (torch.randn(1, 4, 4000, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    ref = fp4_attention(q, k, v, method=args.method, backend="reference").float()
+    prepared = prepare(q, k, v, recipe, None)
+    print(f"| check (S=4000, H=4) | config | cosine to reference |\n| --- | --- | --- |")
+    for bm, nw, ns in configs:
+        out, _ = attention_prepared(prepared, None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype, dv=128,
+                                    block_m=bm, num_warps=nw, num_stages=ns)
+        print(f"| {args.method} | {bm}x{nw}x{ns} | {cossim(out.float(), ref):.6f} |", flush=True)
+
+    # long rows: the fp8 MMAs accumulate over every key tile
+    ql, kl, vl = (torch.randn(1, 1, args.seq, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    ref = fp4_attention(ql[:, :, :2048], kl, vl, method=args.method, backend="reference").float()
+    for ws in (False, True) if args.warp_specialize else (False,):
+        prepared = prepare(ql[:, :, :2048], kl, vl, recipe, None)
+        out, _ = attention_prepared(prepared, None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype, dv=128,
+                                    warp_specialize=ws)
+        print(f"| {args.method}, Sk={args.seq}{', warp-specialized' if ws else ''} | default | "
+              f"{cossim(out.float(), ref):.6f} |", flush=True)
+    del ql, kl, vl, ref
+
+    q, k, v = (torch.randn(1, args.heads, args.seq, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+               for _ in range(3))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        t_ref = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    copy = torch.empty_like(q)
+    t_copy = bench(lambda: copy.copy_(q))
+    gbps = 2 * q.numel() * 2 / t_copy / 1e6
+    print(f"\n{torch.cuda.get_device_name()}, S={args.seq}, H={args.heads}, D=128: cuDNN SDPA {t_ref:.2f} ms; "
+          f"bf16 copy of Q {t_copy:.3f} ms = {gbps:.0f} GB/s")
+
+    # pre-pass: bytes moved at the copy bandwidth is the floor
+    print("\n| pre-pass | rows/program | rotation | ms | × copy-bandwidth floor |\n| --- | --- | --- | --- | --- |")
+    n = q.numel()
+    floor_ms = (3 * n * 2 + 3 * n * 1) / (gbps * 1e6)  # read bf16 Q,K,V once, write e4m3 once
+    for block_s, rot in itertools.product((64, 128), ("split3", "tf32x3")):
+        pp._PrePass.BLOCK_S, pp._PrePass.ROTATION = block_s, rot
+        try:
+            t = bench(lambda: prepare(q, k, v, recipe, None))
+            print(f"| {args.method} | {block_s} | {rot} | {t:.2f} | {floor_ms / t:.2f} |", flush=True)
+        except Exception as e:  # noqa: BLE001  (out of resources: report, go on)
+            print(f"| {args.method} | {block_s} | {rot} | failed: {type(e).__name__} | |", flush=True)
+    pp._PrePass.BLOCK_S, pp._PrePass.ROTATION = 64, "split3"
+    if recipe.qk_format is not None and recipe.qk_format.name == "MXFP4":
+        # each launch of the fp8 pre-pass alone
+        run = pp._PrePass(q, k, v, recipe, None)
+        q8, q_fac, k8, k_fac, v8, v_fac = run.run_fp8()
+        k_amax = torch.zeros(1, args.heads, device="cuda", dtype=torch.int32)
+        v_amax = torch.zeros_like(v_fac, dtype=torch.int32)
+        parts = {
+            "Q (rotate, quantize, e4m3 per row)": lambda: run.rows(q, args.seq, False, pp.FP8_ROW, q8, fac=q_fac),
+            "K amax": lambda: run.rows(k, args.seq, True, pp.FP8_AMAX, k8, amax=k_amax),
+            "K write": lambda: run.rows(k, args.seq, True, pp.FP8_HEAD, k8, amax=k_amax, fac=k_fac),
+            "V amax": lambda: run.values(pp.FP8_AMAX, v8, amax=v_amax),
+            "V write (transposed)": lambda: run.values(pp.FP8_HEAD, v8, amax=v_amax, fac=v_fac),
+        }
+        print("\n| pre-pass launch | ms | × copy-bandwidth floor of its bytes |\n| --- | --- | --- |")
+        for name, fn in parts.items():
+            t = bench(fn)
+            nbytes = n * (2 + (1 if "amax" not in name else 0))
+            print(f"| {name} | {t:.3f} | {nbytes / (gbps * 1e6) / t:.2f} |", flush=True)
+
+    prepared = prepare(q, k, v, recipe, None)
+    print("\n| loop | config | ms | TFLOP/s | × cuDNN |\n| --- | --- | --- | --- | --- |")
+    flops = 4 * args.heads * args.seq**2 * 128
+    variants = [(True, False), (False, False)] + ([(True, True)] if args.warp_specialize else [])
+    for (quant, ws), (bm, nw, ns) in itertools.product(variants, configs):
+        try:
+            t = bench(lambda: attention_prepared(prepared, None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype,
+                                                 dv=128, block_m=bm, num_warps=nw, num_stages=ns, quantize_p=quant,
+                                                 warp_specialize=ws))
+            what = (args.method if quant else "P cast to e4m3 (floor)") + (", warp-specialized" if ws else "")
+            print(f"| {what} | {bm}x{nw}x{ns} | {t:.2f} | {flops / t / 1e9:.0f} | {t_ref / t:.2f} |", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"| quantize_p={quant} | {bm}x{nw}x{ns} | failed: {type(e).__name__}: {e} | | |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
