@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from dataclasses import dataclass
 
 from .formats import Format, ScaleRule, _parse
@@ -74,6 +75,9 @@ class AttentionRecipe:
             )
         if self.row_sum is RowSum.QUANTIZED and self.pv_format is None:
             raise ValueError("row_sum='quantized' (PNQ) needs a quantized P (pv_format set)")
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        spec = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in fields.items()}
+        object.__setattr__(self, "_spec", json.dumps(spec, sort_keys=True))
 
     @property
     def quantized(self) -> bool:
@@ -82,6 +86,15 @@ class AttentionRecipe:
     def replace(self, **changes) -> "AttentionRecipe":
         changes.setdefault("name", "custom")
         return dataclasses.replace(self, **changes)
+
+    def to_spec(self) -> str:
+        """The recipe as a JSON string (custom-op arguments must be plain values); computed once
+        at construction, so that torch.compile reads a constant instead of tracing json."""
+        return self._spec
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "AttentionRecipe":
+        return cls(**json.loads(spec))
 
     def describe(self) -> str:
         parts = [

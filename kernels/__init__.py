@@ -26,9 +26,11 @@ def supports(recipe, q, mask=None) -> tuple[bool, str]:
 
 
 def attention(q, k, v, *, recipe, mask, scale):
+    """Through the ``fp4video::attention`` custom op (torch.compile / CUDA graphs see one opaque op)."""
     ok, why = supports(recipe, q, mask)
     if not ok:
         raise NotImplementedError(why)
-    from .attention_fwd import attention as _attention
+    from .ops import attention_op
 
-    return _attention(q, k, v, recipe=recipe, mask=mask, scale=scale)
+    key_alive = None if mask is None else mask.expand(q.shape[0], 1, 1, k.shape[-2])[:, 0, 0, :]
+    return attention_op(q, k, v, key_alive, recipe.to_spec(), scale)

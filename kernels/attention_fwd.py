@@ -302,6 +302,11 @@ def attention(q, k, v, *, recipe: AttentionRecipe, mask, scale: float, **launch)
     """q, k, v: (B, H, S, D) views, any strides. Returns (out (B, H, Sq, Dv) in q's dtype, lse fp32)."""
     b, sk = q.shape[0], k.shape[-2]
     key_alive = None if mask is None else mask.expand(b, 1, 1, sk)[:, 0, 0, :]
+    return attention_with_key_alive(q, k, v, recipe=recipe, key_alive=key_alive, scale=scale, **launch)
+
+
+def attention_with_key_alive(q, k, v, *, recipe: AttentionRecipe, key_alive, scale: float, **launch):
+    """:func:`attention` with the key-padding mask as ``key_alive`` (B, Sk) bool or None."""
     prepared = prepare(q, k, v, recipe, key_alive)
     return attention_prepared(prepared, key_alive, recipe=recipe, scale=scale, out_dtype=q.dtype,
                               dv=v.shape[-1], **launch)
