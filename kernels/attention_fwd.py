@@ -25,8 +25,8 @@ from fp4video.formats import Format, ScaleRule
 from fp4video.recipe import AttentionRecipe, PScale, RowSum
 from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
 
-from .fp4_math import exponent_and_mantissa, fake_quant_rows, pow2, round_e2m1_at_scale
-from .prepass import next_pow2, prepass, prepass_fp8
+from .fp4_math import fake_quant_rows, mx_block_exponent, pow2, round_e2m1_at_scale
+from .prepass import next_pow2, prepass, prepass_fp8, prepass_packed
 
 # P quantization modes (constexpr)
 P_NONE, P_MX, P_NV = 0, 1, 2
@@ -163,12 +163,7 @@ def _mx_fp8_tile(q, q_scale, m_i, k_i, l_i, acc, K_base, V_base, M_base, start, 
     # without FMA contraction (a fused block_max · q_scale - m leaves a residual of either sign:
     # amax = 1 - 2^-24 would move that block to the next lower scale under the OCP rule)
     amax = tl.exp2(block_max - m_safe[:, None])
-    e0, mant = exponent_and_mantissa(amax)
-    if OCP:
-        e_blk = e0 - 2
-    else:
-        e_blk = tl.where(mant * 4.0 <= QMAX, e0 - 2, e0 - 1)
-    e_blk = tl.where(amax > 0, e_blk, EXP_FLOOR)
+    e_blk = tl.where(amax > 0, mx_block_exponent(amax, OCP, QMAX), EXP_FLOOR)
     k_new = 6 - tl.maximum(tl.max(e_blk, axis=1), EXP_FLOOR)
     p = tl.exp2(tl.fma(qk, q_scale[:, None], (k_new.to(tl.float32) - m_safe)[:, None]))  # P̃ · 2^k_new
     if QUANTIZE_P:
@@ -278,20 +273,37 @@ def supports(recipe: AttentionRecipe, q: torch.Tensor, mask: torch.Tensor | None
 LAUNCH = {P_NONE: (128, 8, 3), P_MX: (128, 8, 3), P_NV: (128, 8, 1), "fp8": (128, 8, 3)}
 
 
-def uses_fp8(recipe: AttentionRecipe, device: torch.device) -> bool:
-    """MXFP4 Q·K and P·V run on e4m3 tensor cores (sm_89+; any device under the interpreter)."""
+def mx_kernel(recipe: AttentionRecipe, device: torch.device) -> str | None:
+    """Which MXFP4 kernel runs this recipe: ``"scaled"`` (``tl.dot_scaled``: native FP4 MMAs on
+    sm_100+), ``"fp8"`` (e4m3 tensor cores: sm_89+, and the CPU interpreter) or None (the bf16
+    loop: not an MXFP4 recipe, or an older GPU). ``FP4VIDEO_MX_KERNEL=scaled|fp8|bf16`` overrides
+    the choice (e.g. to run the Blackwell kernel, emulated, on a Hopper GPU)."""
     import os
 
     if recipe.qk_format is not Format.MXFP4 or recipe.pv_format is not Format.MXFP4:
-        return False
+        return None
+    forced = os.environ.get("FP4VIDEO_MX_KERNEL")
+    if forced:
+        if forced not in ("scaled", "fp8", "bf16"):
+            raise ValueError(f"FP4VIDEO_MX_KERNEL must be 'scaled', 'fp8' or 'bf16', got {forced!r}")
+        return None if forced == "bf16" else forced
     if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9)
-    return os.environ.get("TRITON_INTERPRET") == "1"
+        cap = torch.cuda.get_device_capability(device)
+        return "scaled" if cap >= (10, 0) else "fp8" if cap >= (8, 9) else None
+    return "fp8" if os.environ.get("TRITON_INTERPRET") == "1" else None
+
+
+def uses_fp8(recipe: AttentionRecipe, device: torch.device) -> bool:
+    """MXFP4 Q·K and P·V run on e4m3 tensor cores."""
+    return mx_kernel(recipe, device) == "fp8"
 
 
 def prepare(q, k, v, recipe: AttentionRecipe, key_alive):
     """The pre-pass for this recipe and device: a tuple the attention loop takes."""
-    if uses_fp8(recipe, q.device):
+    path = mx_kernel(recipe, q.device)
+    if path == "scaled":
+        return ("scaled", prepass_packed(q, k, v, recipe, key_alive))
+    if path == "fp8":
         return ("fp8", prepass_fp8(q, k, v, recipe, key_alive))
     if recipe.quantized:
         return ("work", prepass(q, k, v, recipe, key_alive, work_dtype(q)))
@@ -322,6 +334,11 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
                        **fp8_options):
     """The attention loop alone, on :func:`prepare`'s output; ``dv``: the value head dim."""
     path, tensors = prepared
+    if path == "scaled":
+        from .attention_scaled import attention_packed
+
+        return attention_packed(*tensors, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv,
+                                block_m=block_m, num_warps=num_warps, num_stages=num_stages)
     if path == "fp8":
         return _attention_fp8(*tensors, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv,
                               block_m=block_m, num_warps=num_warps, num_stages=num_stages, **fp8_options)

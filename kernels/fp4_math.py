@@ -74,6 +74,55 @@ def round_e4m3_abs(x):
 
 
 @triton.jit
+def mx_block_exponent(amax, OCP: tl.constexpr, QMAX: tl.constexpr):
+    """E8M0 exponent of a block with maximum ``amax > 0`` (normal fp32): the OCP rule
+    floor(log2 amax) - 2, or the smallest e with amax <= QMAX · 2^e (UOS: QMAX = 7.25), exactly."""
+    e0, m = exponent_and_mantissa(amax)
+    if OCP:
+        return e0 - 2
+    else:
+        return tl.where(m * 4.0 <= QMAX, e0 - 2, e0 - 1)
+
+
+@triton.jit
+def e2m1_magnitude_codes(q):
+    """3-bit E2M1 magnitude codes of grid values q >= 0 (0, 0.5, …, 6).
+
+    From 1 up, the code is the fp32 exponent and first mantissa bit: (bits >> 22) - 252.
+    """
+    return tl.where(q >= 1.0, (q.to(tl.int32, bitcast=True) >> 22) - 252, (q * 2.0).to(tl.int32))
+
+
+@triton.jit
+def e2m1_codes(q, negative):
+    """4-bit E2M1 codes of grid values q >= 0, with the sign bit where ``negative`` (and q > 0)."""
+    mag = e2m1_magnitude_codes(q)
+    return tl.where(negative & (q > 0), mag | 8, mag)
+
+
+@triton.jit
+def pack_nibbles(codes, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """[ROWS, COLS] codes -> [ROWS, COLS // 2] uint8, element 2i in the low nibble."""
+    lo, hi = tl.split(tl.reshape(codes, (ROWS, COLS // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def mx_pack_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr,
+                 QMAX: tl.constexpr):
+    """MXFP4-quantize ``x`` ([ROWS, COLS] fp32) in blocks of QB along the last axis, as packed
+    E2M1 codes ([ROWS, COLS // 2] uint8) and E8M0 scales ([ROWS, COLS // QB] uint8): the same
+    values as ``fake_quant_rows(x, .., FMT=1, SIGNED=True)``, in the storage ``tl.dot_scaled`` takes."""
+    xb = tl.reshape(x, (ROWS, COLS // QB, QB))
+    a = tl.abs(xb)
+    amax = tl.max(a, axis=2)
+    e = tl.where(amax > 0, tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126), 0)
+    q = round_e2m1_at_scale(a, pow2(e)[:, :, None]) * pow2(-e)[:, :, None]  # grid values, exact
+    codes = tl.reshape(e2m1_codes(q, xb < 0), (ROWS, COLS))
+    return pack_nibbles(codes, ROWS, COLS), (e + 127).to(tl.uint8)
+
+
+@triton.jit
 def fake_quant_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr,
                     OCP: tl.constexpr, QMAX: tl.constexpr, SIGNED: tl.constexpr, FAST_DIV: tl.constexpr = False):
     """Quantize-dequantize ``x`` ([ROWS, COLS] fp32) in blocks of QB along the last axis.
@@ -91,12 +140,7 @@ def fake_quant_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr
     a = tl.abs(xb) if SIGNED else xb
     amax = tl.max(a, axis=2)
     if FMT == 1:
-        e0, m = exponent_and_mantissa(amax)
-        if OCP:
-            e = e0 - 2
-        else:
-            e = tl.where(m * 4.0 <= QMAX, e0 - 2, e0 - 1)
-        e = tl.where(amax > 0, tl.minimum(tl.maximum(e, -126), 126), 0)
+        e = tl.where(amax > 0, tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126), 0)
         q = round_e2m1_at_scale(a, pow2(e)[:, :, None])  # exact: the grid scales with 2^e
     else:
         s = round_e4m3_abs(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)))

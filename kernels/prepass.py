@@ -18,11 +18,11 @@ from fp4video.recipe import AttentionRecipe
 from fp4video.reference import qk_padded_dim, smoothing_mean
 from fp4video.rotation import hadamard_matrix
 
-from .fp4_math import fake_quant_rows, fp8_shift, pow2
+from .fp4_math import fake_quant_rows, fp8_shift, mx_pack_rows, pow2
 
 FMT_CODE = {None: 0, Format.MXFP4: 1, Format.NVFP4: 2}
 #: output modes of the pre-pass kernels (0: the work dtype)
-FP8_ROW, FP8_AMAX, FP8_HEAD = 1, 2, 3
+FP8_ROW, FP8_AMAX, FP8_HEAD, E2M1_PACKED = 1, 2, 3, 4
 
 
 @triton.jit
@@ -72,6 +72,13 @@ def _prepass_rows(
             x = tl.dot(x1, hb, y) * h_norm
         else:
             x = tl.dot(x, hm, input_precision=ROT_PRECISION) * h_norm
+    if OUT == 4:  # E2M1_PACKED: codes along D into Out, E8M0 scales into Fac (B, H, S, D // QB)
+        codes, scales = mx_pack_rows(x, BLOCK_S, D, QB, OCP, QMAX)
+        half = tl.arange(0, D // 2)
+        tl.store(Out + b * sob + h * soh + rows[:, None] * sos + half[None, :], codes, mask=(rows < S)[:, None])
+        nb = tl.arange(0, D // QB)
+        tl.store(Fac + (bh * S + rows)[:, None] * (D // QB) + nb[None, :], scales, mask=(rows < S)[:, None])
+        return
     if FMT != 0:
         x = fake_quant_rows(x, BLOCK_S, D, FMT, QB, OCP, QMAX, True)
     out_ptrs = Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :]
@@ -117,6 +124,14 @@ def _prepass_v(
         ok = ok & (tl.load(Alive + b * sab + rows * sas, mask=rows < S, other=0) != 0)
     x = tl.load(V + b * svb + h * svh + rows[:, None] * svs + cols[None, :] * svd,
                 mask=ok[:, None] & (cols[None, :] < DV), other=0.0).to(tl.float32)
+    if OUT == 4:  # E2M1_PACKED, transposed: codes along tokens (B, H, Dv, S_pad // 2), scales
+        # (B, H, Dv, S_pad // QB); S_pad is a multiple of BLOCK_S, so every program writes whole tiles
+        codes, scales = mx_pack_rows(tl.trans(x), BLOCK_DV, BLOCK_S, QB, OCP, QMAX)
+        half = pid * (BLOCK_S // 2) + tl.arange(0, BLOCK_S // 2)
+        tl.store(Out + b * sob + h * soh + cols[:, None] * sod + half[None, :], codes)
+        nb = pid * (BLOCK_S // QB) + tl.arange(0, BLOCK_S // QB)
+        tl.store(Fac + (bh * BLOCK_DV + cols)[:, None] * (sod * 2 // QB) + nb[None, :], scales)
+        return
     if FMT != 0:
         x = tl.trans(fake_quant_rows(tl.trans(x), BLOCK_DV, BLOCK_S, FMT, QB, OCP, QMAX, True))
     out_ptrs = Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :] * sod
@@ -139,6 +154,17 @@ def next_pow2(n: int, floor: int = 16) -> int:
 def prepass(q, k, v, recipe: AttentionRecipe, key_alive, work_dtype):
     """(q̂, k̂, v̂) for the attention kernel, in ``work_dtype``. ``key_alive``: (B, Sk) bool or None."""
     return _PrePass(q, k, v, recipe, key_alive).run(work_dtype)
+
+
+def prepass_packed(q, k, v, recipe: AttentionRecipe, key_alive):
+    """MXFP4 Q̂, K̂, V̂ as packed E2M1 codes (two per byte, the first in the low nibble) and E8M0
+    scales (uint8, exponent + 127), the storage ``tl.dot_scaled`` and Blackwell's FP4 MMAs take.
+
+    Returns ``(q4 (B, H, Sq, D/2), q_scale (B, H, Sq, D/32), k4, k_scale, v4t (B, H, Dv_pad,
+    Sk_pad/2), v_scale (B, H, Dv_pad, Sk_pad/32))``; V is transposed (blocks run along tokens) and
+    padded with zero codes to a multiple of 128 tokens. Requires an MXFP4 recipe.
+    """
+    return _PrePass(q, k, v, recipe, key_alive).run_packed()
 
 
 def prepass_fp8(q, k, v, recipe: AttentionRecipe, key_alive):
@@ -224,6 +250,21 @@ class _PrePass:
         self.rows(self.k, self.sk, True, 0, k_hat)
         self.values(0, v_hat)
         return q_hat, k_hat, v_hat
+
+    def run_packed(self):
+        b, h, dev, u8 = self.b, self.h, self.dev, torch.uint8
+        dvp = next_pow2(self.dv, floor=32)
+        sk_pad = -(-self.sk // self.BLOCK_S_V) * self.BLOCK_S_V
+        q4 = torch.empty(b, h, self.sq, self.d // 2, device=dev, dtype=u8)
+        k4 = torch.empty(b, h, self.sk, self.d // 2, device=dev, dtype=u8)
+        v4t = torch.empty(b, h, dvp, sk_pad // 2, device=dev, dtype=u8)
+        q_scale = torch.empty(b, h, self.sq, self.d // 32, device=dev, dtype=u8)
+        k_scale = torch.empty(b, h, self.sk, self.d // 32, device=dev, dtype=u8)
+        v_scale = torch.empty(b, h, dvp, sk_pad // 32, device=dev, dtype=u8)
+        self.rows(self.q, self.sq, False, E2M1_PACKED, q4, fac=q_scale)
+        self.rows(self.k, self.sk, True, E2M1_PACKED, k4, fac=k_scale)
+        self.values(E2M1_PACKED, v4t, fac=v_scale)
+        return q4, q_scale, k4, k_scale, v4t, v_scale
 
     def run_fp8(self):
         b, h, dev, f8 = self.b, self.h, self.dev, torch.float8_e4m3fn
