@@ -14,6 +14,8 @@ EXAMPLES = """examples:
   fp4video generate --config configs/wan22_mxattn.yaml --model /models/Wan2.2-T2V-A14B-Diffusers \\
       --output wan.mp4 --device cuda
   fp4video generate --config configs/wan22_sage3.yaml --model tiny --steps 6 --seed 3
+  torchrun --nproc-per-node 2 -m fp4video.cli.main generate --config configs/wan22_mxattn.yaml \
+      --model /models/Wan2.2-T2V-A14B-Diffusers --ulysses-degree 2     # one video on 2 GPUs
 """
 
 
@@ -34,6 +36,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "triton"],
                    help="FP4 attention backend (default auto: Triton kernels on CUDA, else the reference)")
+    p.add_argument("--ring-degree", type=int, help="under torchrun: ring attention degree (overrides the config)")
+    p.add_argument("--ulysses-degree", type=int, help="under torchrun: Ulysses degree (overrides the config)")
     return p
 
 
@@ -56,6 +60,10 @@ def resolve_config(args):
     for name in ("steps", "seed", "height", "width", "frames"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
+    if args.ring_degree is not None or args.ulysses_degree is not None:
+        base = cfg.parallel.model_dump() if cfg.parallel else {}
+        changes["parallel"] = {**base, **{k: v for k, v in (("ring_degree", args.ring_degree),
+                                                              ("ulysses_degree", args.ulysses_degree)) if v is not None}}
     # re-validate: overrides get the same checks as the YAML
     return RunConfig.model_validate({**cfg.model_dump(), **changes}) if changes else cfg
 
@@ -79,22 +87,45 @@ def run(args) -> int:
     except ValidationError as e:
         print(f"error: {format_validation_error(e, 'command line')}", file=sys.stderr)
         return 2
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from ..integration import distributed
+
+    rank, size = distributed.world()
+    if size > 1 and (cfg.parallel is None or cfg.parallel.ring_degree * cfg.parallel.ulysses_degree != size):
+        got = "none" if cfg.parallel is None else f"ring {cfg.parallel.ring_degree} × ulysses {cfg.parallel.ulysses_degree}"
+        print(f"error: launched on {size} processes, so ring_degree × ulysses_degree must be {size} (config "
+              f"`parallel:` or --ring-degree/--ulysses-degree); got {got}", file=sys.stderr)
+        return 2
+    if size == 1 and cfg.parallel is not None and cfg.parallel.ring_degree * cfg.parallel.ulysses_degree > 1:
+        print("error: context parallelism needs several processes: launch with "
+              "`torchrun --nproc-per-node N -m fp4video.cli.main generate ...`", file=sys.stderr)
+        return 2
+    device = distributed.setup_process_group(args.device) if size > 1 else \
+        torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.perf_counter()
     try:
         calls = [pipeline_kwargs(cfg, prompt, device) for prompt in cfg.prompts]  # inputs checked before loading
         pipe = load_pipeline(cfg, device)
-    except (FileNotFoundError, OSError, ValueError) as e:
+        if size > 1:
+            distributed.enable_context_parallel(pipe, ring_degree=cfg.parallel.ring_degree,
+                                                ulysses_degree=cfg.parallel.ulysses_degree, device=device)
+    except (FileNotFoundError, OSError, ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t_load = time.perf_counter() - t0
+    if rank != 0:
+        pipe.set_progress_bar_config(disable=True)
     ctx = install(pipe, cfg.policy, backend=args.backend)
 
     for i, (prompt, call) in enumerate(zip(cfg.prompts, calls)):
         out = args.output if len(cfg.prompts) == 1 else args.output.with_name(f"{args.output.stem}_{i}{args.output.suffix}")
         sidecar = generate_video(pipe, ctx, cfg, prompt, call, out, device=device, backend=args.backend,
-                                 load_seconds=t_load)
-        _summary(out, sidecar)
+                                 load_seconds=t_load, write=rank == 0, world_size=size)
+        if rank == 0:
+            _summary(out, sidecar)
+    if size > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return 0
 
 

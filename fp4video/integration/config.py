@@ -11,11 +11,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .policy import Policy, format_validation_error
 
-__all__ = ["RunConfig", "load_config", "ConfigError", "DEFAULT_CONFIG"]
+__all__ = ["RunConfig", "ParallelSettings", "load_config", "ConfigError", "DEFAULT_CONFIG"]
 
 
 class ConfigError(ValueError):
     """A config file that does not validate; the message lists every problem."""
+
+
+class ParallelSettings(BaseModel):
+    """Context parallelism over the processes of a ``torchrun`` launch (ring × ulysses = processes)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ring_degree: int = Field(1, ge=1, description="ring attention over K/V shards, merged with the LSE")
+    ulysses_degree: int = Field(1, ge=1, description="all-to-all over heads (heads must divide)")
 
 
 class RunConfig(BaseModel):
@@ -35,9 +44,10 @@ class RunConfig(BaseModel):
     negative_prompt: str = ""
     image: str | None = Field(None, description="conditioning image for i2v (a file path)")
     policy: Policy = Policy()
+    parallel: ParallelSettings | None = Field(None, description="context parallelism under torchrun")
 
 
-CONFIG_MODELS = (RunConfig,)
+CONFIG_MODELS = (RunConfig, ParallelSettings)
 
 #: The embedded default: MXAttention's Wan2.2 main-table policy on the tiny two-expert model.
 DEFAULT_CONFIG = RunConfig(

@@ -76,6 +76,9 @@ def install(pipe, policy: Policy | str | None = None, *, backend: str = "auto", 
             if refiner and policy.refiner:
                 raise NotImplementedError("quantizing HunyuanVideo's token refiner is not supported yet (refiner: false)")
         model.set_attn_processor(new)
+        parallel = getattr(model, "_parallel_config", None)  # enable_parallelism ran before install
+        if parallel is not None and getattr(parallel, "context_parallel_config", None) is not None:
+            processor._parallel_config = parallel
         hook = model.register_forward_pre_hook(_step_hook(pipe, ctx, expert))
         model._fp4video_saved = (original, hook)
     pipe._fp4video_context = ctx

@@ -93,8 +93,14 @@ class FP4Processor:
             out = self._stock(q, k, v, mask, parallel_config)
         else:
             try:
-                out = fp4_attention(q, k, v, method=method, layout="bshd", attn_mask=mask,
-                                    backend=ctx.backend)
+                if parallel_config is not None:  # context parallelism: this rank holds a shard of the tokens
+                    from .parallel import context_parallel_attention
+
+                    out = context_parallel_attention(q, k, v, method=method, parallel_config=parallel_config,
+                                                     attn_mask=mask, backend=ctx.backend)
+                else:
+                    out = fp4_attention(q, k, v, method=method, layout="bshd", attn_mask=mask,
+                                        backend=ctx.backend)
             except (ValueError, TypeError, NotImplementedError) as e:
                 if ctx.policy.fallback != "stock":
                     raise
@@ -102,7 +108,11 @@ class FP4Processor:
                 used = "stock-fallback"
                 out = self._stock(q, k, v, mask, parallel_config)
         if ctx.record:
-            ctx.calls.append({"step": ctx.step, "expert": ctx.expert, "block": block, "kind": kind, "method": used})
+            record = {"step": ctx.step, "expert": ctx.expert, "block": block, "kind": kind, "method": used}
+            if parallel_config is not None:
+                cp = parallel_config.context_parallel_config
+                record["context_parallel"] = {"ring": cp.ring_degree, "ulysses": cp.ulysses_degree}
+            ctx.calls.append(record)
         return out
 
     def _stock(self, q, k, v, mask, parallel_config):

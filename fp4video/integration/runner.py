@@ -15,23 +15,25 @@ __all__ = ["generate_video"]
 
 
 def generate_video(pipe, ctx: AttentionContext, cfg: RunConfig, prompt: str, call: dict, out: Path, *,
-                   device, backend: str, load_seconds: float = 0.0) -> dict:
+                   device, backend: str, load_seconds: float = 0.0, write: bool = True, world_size: int = 1) -> dict:
     """Run the pipeline once with ``call`` (from :func:`pipelines.pipeline_kwargs`), write ``out``
-    (mp4) and ``out.json`` (the sidecar, also returned)."""
+    (mp4) and ``out.json`` (the sidecar, also returned). Under torchrun every rank runs the
+    pipeline and only the one with ``write`` writes."""
     from diffusers.utils import export_to_video
 
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if write:
+        out.parent.mkdir(parents=True, exist_ok=True)
     ctx.calls.clear()
     ctx.fallbacks.clear()
     t0 = time.perf_counter()
     frames = pipe(**call).frames[0]
     seconds = time.perf_counter() - t0
-    export_to_video(frames, str(out), fps=cfg.fps)
     sidecar = {
         "output": str(out),
         "prompt": prompt,
         "config": cfg.model_dump(mode="json"),
         "device": str(device),
+        "processes": world_size,
         "backend": backend,
         "timings_s": {"load": round(load_seconds, 3), "generate": round(seconds, 3)},
         "frames": int(len(frames)),
@@ -39,5 +41,7 @@ def generate_video(pipe, ctx: AttentionContext, cfg: RunConfig, prompt: str, cal
         "fallbacks": dict(ctx.fallbacks),
         "attention_calls": list(ctx.calls),
     }
-    out.with_suffix(".json").write_text(json.dumps(sidecar, indent=1))
+    if write:
+        export_to_video(frames, str(out), fps=cfg.fps)
+        out.with_suffix(".json").write_text(json.dumps(sidecar, indent=1))
     return sidecar

@@ -1,0 +1,86 @@
+"""Several processes (``torchrun --nproc-per-node N fp4video generate ...``): one video spread over
+N devices with diffusers' context parallelism (Ulysses and/or ring), FP4 attention inside it.
+
+Every rank loads the pipeline and runs the same denoising loop with the same seed; the
+transformers' context-parallel plan splits the video tokens across ranks and gathers the output,
+so only rank 0 writes the video. On GPUs this is diffusers' own ``enable_parallelism``; without
+an accelerator (CPU, gloo: how the tests run it) the same configuration is applied by hand, since
+``enable_parallelism`` in diffusers 0.42 requires an accelerator.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["world", "setup_process_group", "enable_context_parallel"]
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment; (0, 1) for a plain run."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def setup_process_group(device_arg: str | None) -> torch.device:
+    """Initialise torch.distributed for this rank (nccl on CUDA, gloo on CPU); returns its device."""
+    import torch.distributed as dist
+
+    rank, size = world()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    use_cuda = (device_arg or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if use_cuda:
+        if torch.cuda.device_count() <= local:
+            raise RuntimeError(f"rank {rank} wants cuda:{local} but this host has {torch.cuda.device_count()} GPUs")
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=size)
+    return device
+
+
+def _transformers(pipe):
+    for name in ("transformer", "transformer_2"):
+        model = getattr(pipe, name, None)
+        if model is not None:
+            yield model
+
+
+def enable_context_parallel(pipe, *, ring_degree: int, ulysses_degree: int, device: torch.device) -> None:
+    """Split every transformer of ``pipe`` over the process group (call before ``fp4video.install``
+    or after it: the FP4 processors pick the configuration up either way)."""
+    import torch.distributed as dist
+    from diffusers import ContextParallelConfig
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if ring_degree * ulysses_degree != size:
+        raise ValueError(f"ring_degree × ulysses_degree = {ring_degree} × {ulysses_degree} must equal the number "
+                         f"of processes ({size})")
+    for model in _transformers(pipe):
+        if getattr(model, "_cp_plan", None) is None:
+            raise NotImplementedError(
+                f"{type(model).__name__} has no context-parallel plan (_cp_plan); fp4video runs context "
+                "parallelism for Wan transformers (HunyuanVideo's joint text tokens need a plan of their own)")
+        heads = model.config.num_attention_heads
+        if heads % ulysses_degree:
+            raise ValueError(f"Ulysses splits heads: {heads} heads are not divisible by ulysses_degree={ulysses_degree}")
+        config = ContextParallelConfig(ring_degree=ring_degree, ulysses_degree=ulysses_degree)
+        if device.type != "cpu":
+            model.enable_parallelism(config=config)
+            continue
+        # CPU (gloo): what enable_parallelism does, without its accelerator requirement
+        from diffusers.hooks.context_parallel import apply_context_parallel
+        from diffusers.models._modeling_parallel import ParallelConfig
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (ring_degree, ulysses_degree), mesh_dim_names=("ring", "ulysses"))
+        parallel = ParallelConfig(context_parallel_config=config)
+        parallel.setup(rank, size, device, mesh=mesh)
+        model._parallel_config = parallel
+        for module in model.modules():
+            processor = getattr(module, "processor", None)
+            if processor is not None and hasattr(processor, "_parallel_config"):
+                processor._parallel_config = parallel
+        apply_context_parallel(model, config, model._cp_plan)
