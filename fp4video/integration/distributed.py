@@ -48,6 +48,36 @@ def _transformers(pipe):
             yield model
 
 
+def hunyuan_video_plan() -> dict:
+    """fp4video's context-parallel plan for ``HunyuanVideoTransformer3DModel`` (diffusers has none).
+
+    The video tokens are split after the patch embedding, with their RoPE tables; the text tokens
+    (after the token refiner, 256 of them) stay whole on every rank, and the joint attention
+    treats them as replicated keys (:func:`fp4video.integration.parallel.joint_context_parallel_attention`):
+    the text mask then never has to be split or exchanged. The model's own mask construction
+    sees the local video length, so the mask it builds is the local joint mask. The output
+    projection gathers the video tokens back.
+    """
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    split_rows = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
+    return {
+        "rope": {0: split_rows, 1: split_rows},
+        "x_embedder": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+        "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+    }
+
+
+def context_parallel_plan(model) -> dict:
+    """The model's own ``_cp_plan`` (Wan), fp4video's for HunyuanVideo, else a clear error."""
+    if getattr(model, "_cp_plan", None) is not None:
+        return model._cp_plan
+    if type(model).__name__ == "HunyuanVideoTransformer3DModel":
+        return hunyuan_video_plan()
+    raise NotImplementedError(f"{type(model).__name__} has no context-parallel plan; fp4video has plans for Wan "
+                              "(diffusers' own) and HunyuanVideo transformers")
+
+
 def enable_context_parallel(pipe, *, ring_degree: int, ulysses_degree: int, device: torch.device) -> None:
     """Split every transformer of ``pipe`` over the process group (call before ``fp4video.install``
     or after it: the FP4 processors pick the configuration up either way)."""
@@ -59,16 +89,13 @@ def enable_context_parallel(pipe, *, ring_degree: int, ulysses_degree: int, devi
         raise ValueError(f"ring_degree × ulysses_degree = {ring_degree} × {ulysses_degree} must equal the number "
                          f"of processes ({size})")
     for model in _transformers(pipe):
-        if getattr(model, "_cp_plan", None) is None:
-            raise NotImplementedError(
-                f"{type(model).__name__} has no context-parallel plan (_cp_plan); fp4video runs context "
-                "parallelism for Wan transformers (HunyuanVideo's joint text tokens need a plan of their own)")
+        plan = context_parallel_plan(model)
         heads = model.config.num_attention_heads
         if heads % ulysses_degree:
             raise ValueError(f"Ulysses splits heads: {heads} heads are not divisible by ulysses_degree={ulysses_degree}")
         config = ContextParallelConfig(ring_degree=ring_degree, ulysses_degree=ulysses_degree)
         if device.type != "cpu":
-            model.enable_parallelism(config=config)
+            model.enable_parallelism(config=config, cp_plan=plan)
             continue
         # CPU (gloo): what enable_parallelism does, without its accelerator requirement
         from diffusers.hooks.context_parallel import apply_context_parallel
@@ -83,4 +110,4 @@ def enable_context_parallel(pipe, *, ring_degree: int, ulysses_degree: int, devi
             processor = getattr(module, "processor", None)
             if processor is not None and hasattr(processor, "_parallel_config"):
                 processor._parallel_config = parallel
-        apply_context_parallel(model, config, model._cp_plan)
+        apply_context_parallel(model, config, plan)

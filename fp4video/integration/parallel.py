@@ -72,3 +72,36 @@ def context_parallel_attention(q, k, v, *, method: str | AttentionRecipe, parall
         q, k, v, attn_mask, 0.0, False, scale, False, False,
         forward_op=make_forward_op(method, backend), backward_op=_no_backward, _parallel_config=parallel_config,
     )
+
+
+def joint_context_parallel_attention(q, k, v, *, n_replicated: int, method: str | AttentionRecipe, parallel_config,
+                                     attn_mask=None, scale: float | None = None, backend: str = "auto"):
+    """Joint attention whose last ``n_replicated`` tokens (HunyuanVideo's text) are the same on every
+    rank while the others (video) are this rank's shard.
+
+    The video keys go through the context-parallel attention (ring / Ulysses, no mask: video keys
+    are all valid), the replicated text keys through a local FP4 attention with their padding
+    mask (``attn_mask[..., -n_replicated:]``), and the two partial results are merged with their
+    LSE in fp32, exactly as ring attention merges its shards. Every query — the rank's video shard
+    and the replicated text — sees every key once.
+    """
+    import torch
+
+    s_local = k.shape[1] - n_replicated
+    if s_local <= 0 or n_replicated <= 0:
+        raise ValueError(f"expected video tokens followed by {n_replicated} replicated tokens, got {k.shape[1]} keys")
+    text_mask = None if attn_mask is None else attn_mask[..., s_local:]
+    if attn_mask is not None and not bool(attn_mask[..., :s_local].all()):
+        raise ValueError("joint context parallelism expects a mask over the replicated (text) tokens only")
+    cp = _templated_attention()(
+        q, k[:, :s_local], v[:, :s_local], None, 0.0, False, scale, False, True,
+        forward_op=make_forward_op(method, backend), backward_op=_no_backward, _parallel_config=parallel_config,
+    )
+    out_v, lse_v = cp[0], cp[1]
+    out_t, lse_t = fp4_attention(q, k[:, s_local:], v[:, s_local:], method=method, layout="bshd", attn_mask=text_mask,
+                                 scale=scale, return_lse=True, backend=backend)
+    lse_v, lse_t = lse_v.float(), lse_t.float()
+    lse = torch.logaddexp(lse_v, lse_t)
+    w_v = torch.exp(lse_v - lse).nan_to_num(0.0)[..., None]  # rows that see no key at all stay zero
+    w_t = torch.exp(lse_t - lse).nan_to_num(0.0)[..., None]
+    return (w_v * out_v.float() + w_t * out_t.float()).to(q.dtype)

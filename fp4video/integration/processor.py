@@ -83,13 +83,20 @@ class FP4Processor:
 
     # --- the one numerics decision -----------------------------------------------------------
 
-    def _attend(self, attn, q, k, v, mask, kind: str, parallel_config=None):
-        """q, k, v: (B, S, H, D). Returns (B, S, H, D) in q's dtype."""
+    def _attend(self, attn, q, k, v, mask, kind: str, parallel_config=None, replicated: int = 0):
+        """q, k, v: (B, S, H, D). Returns (B, S, H, D) in q's dtype. ``replicated``: under context
+        parallelism, the number of trailing tokens every rank holds in full (HunyuanVideo's text)."""
         ctx = self.context
         block = getattr(attn, "_fp4video_block", -1)
         method = ctx.method_for(block, kind)
         used = method
-        if method == "fp16":
+        if parallel_config is not None and replicated:
+            from .parallel import joint_context_parallel_attention
+
+            # stock attention has no such split; fp16 runs fp4video's unquantized attention here
+            out = joint_context_parallel_attention(q, k, v, n_replicated=replicated, method=method,
+                                                   parallel_config=parallel_config, attn_mask=mask, backend=ctx.backend)
+        elif method == "fp16":
             out = self._stock(q, k, v, mask, parallel_config)
         else:
             try:
@@ -203,7 +210,8 @@ class FP4Processor:
             if attn.norm_added_k is not None:
                 ek = attn.norm_added_k(ek)
             q, k, v = torch.cat([q, eq], 1), torch.cat([k, ek], 1), torch.cat([v, ev], 1)
-        out = self._attend(attn, q, k, v, attention_mask, "self", parallel_config=self._parallel_config)
+        out = self._attend(attn, q, k, v, attention_mask, "self", parallel_config=self._parallel_config,
+                           replicated=n_text)
         out = out.flatten(2, 3).to(q.dtype)
         if encoder_hidden_states is None:
             return out, None
