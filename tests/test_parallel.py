@@ -249,3 +249,29 @@ def test_hunyuan_transformer_under_context_parallelism(tmp_path, mode, method):
         assert (got[0]["out"] - single).abs().max() < 1e-4
     else:
         assert cossim(got[0]["out"], single) > 0.99
+
+
+def test_bench_parallel_smoke_under_torchrun(tmp_path):
+    """`bench parallel` (the 2×GPU scaling command) end to end on CPU with the tiny transformer:
+    rank 0 prints one row per method, and the split forward matches the one-process forward."""
+    import os
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun not found next to this python")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(port), "-m", "fp4video.cli.main",
+                          "bench", "parallel", "--tiny", "--methods", "fp16", "mxattn", "--reps", "1",
+                          "--out", str(tmp_path / "bench.md")], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line for line in (tmp_path / "bench.md").read_text().splitlines() if line.startswith("| fp16") or
+            line.startswith("| mxattn")]
+    assert len(rows) == 2  # written once, by rank 0
+    assert all(float(r.strip("| ").split(" | ")[-1]) > 0.999 for r in rows)

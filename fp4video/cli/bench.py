@@ -5,6 +5,8 @@
 - ``bench pipeline``: one denoising forward of a full-size Wan2.2-A14B- or HunyuanVideo-shaped
   transformer (random bf16 weights: speed does not depend on them) with diffusers' stock attention
   vs each policy.
+- ``bench parallel`` (under torchrun): the same forward on one GPU and split over N GPUs with
+  context parallelism, in one job; speed-up and the cosine between the two outputs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ EXAMPLES = """examples:
   fp4video bench kernel --seqs 8192 32760 75600 --out BENCHMARKS-run.md
   fp4video bench pipeline --resolutions 480p 720p --methods fp16 mxattn sage3
   fp4video bench pipeline --model hunyuan --layers 2 --resolutions 720p
+  torchrun --nproc-per-node 2 -m fp4video.cli.main bench parallel --layers 4 --resolution 720p
 """
 
 #: Wan2.2-T2V-A14B transformer config (each expert), from its published config.
@@ -37,7 +40,7 @@ HUNYUAN_LATENTS = {"480p": (33, 60, 104), "720p": (33, 90, 160)}
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="GPU speed: kernels and full-size transformer steps", description=__doc__,
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    which = p.add_subparsers(dest="what", required=True, metavar="{kernel,pipeline}")
+    which = p.add_subparsers(dest="what", required=True, metavar="{kernel,pipeline,parallel}")
     k = which.add_parser("kernel", help="attention kernels vs cuDNN / flash SDPA")
     k.add_argument("--seqs", type=int, nargs="+", default=[8192, 32760, 75600])
     k.add_argument("--heads", type=int, default=40)
@@ -54,16 +57,31 @@ def add_parser(sub) -> argparse.ArgumentParser:
                          "with twice as many single blocks)")
     pl.add_argument("--reps", type=int, default=2)
     pl.add_argument("--out", default=None, help="append the markdown table to this file")
+    pp = which.add_parser("parallel", help="under torchrun: one forward on 1 GPU vs split over N (context parallel)")
+    pp.add_argument("--model", choices=["wan22", "hunyuan"], default="wan22", help="transformer shape")
+    pp.add_argument("--layers", type=int, default=None, help="transformer blocks (default: the real model's)")
+    pp.add_argument("--resolution", choices=list(LATENTS), default="720p")
+    pp.add_argument("--methods", nargs="+", default=["fp16", "mxattn"], help="each fully in that method")
+    pp.add_argument("--ring-degree", type=int, default=None)
+    pp.add_argument("--ulysses-degree", type=int, default=None, help="default: all processes")
+    pp.add_argument("--reps", type=int, default=2)
+    pp.add_argument("--tiny", action="store_true", help="the tiny test transformers (CPU smoke run)")
+    pp.add_argument("--out", default=None, help="append the markdown table to this file")
     return p
 
 
 def run(args) -> int:
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not getattr(args, "tiny", False):
         print("error: fp4video bench needs a CUDA GPU", file=sys.stderr)
         return 2
-    table = bench_kernel(args) if args.what == "kernel" else bench_pipeline(args)
+    if args.what == "parallel":
+        table = bench_parallel(args)
+        if table is None:  # not rank 0
+            return 0
+    else:
+        table = bench_kernel(args) if args.what == "kernel" else bench_pipeline(args)
     print(table)
     if args.out:
         with open(args.out, "a") as f:
@@ -129,15 +147,18 @@ def bench_kernel(args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _build(args):
-    """(model, make_inputs(resolution) -> (kwargs, video tokens), description) on the GPU, random bf16."""
+def _build(args, device="cuda"):
+    """(model, make_inputs(resolution) -> (kwargs, video tokens), description), random weights:
+    bf16 full-size shapes on the GPU, or with ``args.tiny`` the tiny test transformers (CPU, fp32)."""
     import torch
 
+    if getattr(args, "tiny", False):
+        return _build_tiny(args, device)
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("cuda"):
+        with torch.device(device):
             if args.model == "wan22":
                 from diffusers import WanTransformer3DModel
 
@@ -156,23 +177,127 @@ def _build(args):
         torch.set_default_dtype(default)
 
     def inputs(res):
-        kw = {"timestep": torch.tensor([500.0], device="cuda"), "return_dict": False}
+        g = torch.Generator(device=device).manual_seed(1)  # the same inputs on every rank
+        rand = lambda *shape: torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=g)  # noqa: E731
+        kw = {"timestep": torch.tensor([500.0], device=device), "return_dict": False}
         if args.model == "wan22":
             f, h, w = LATENTS[res]
-            kw.update(hidden_states=torch.randn(1, 16, f, h, w, device="cuda", dtype=torch.bfloat16),
-                      encoder_hidden_states=torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16))
+            kw.update(hidden_states=rand(1, 16, f, h, w), encoder_hidden_states=rand(1, 512, 4096))
         else:
             f, h, w = HUNYUAN_LATENTS[res]
-            mask = torch.zeros(1, 256, device="cuda", dtype=torch.bool)
+            mask = torch.zeros(1, 256, device=device, dtype=torch.bool)
             mask[:, :200] = True
-            kw.update(hidden_states=torch.randn(1, 16, f, h, w, device="cuda", dtype=torch.bfloat16),
-                      encoder_hidden_states=torch.randn(1, 256, 4096, device="cuda", dtype=torch.bfloat16),
-                      encoder_attention_mask=mask,
-                      pooled_projections=torch.randn(1, 768, device="cuda", dtype=torch.bfloat16),
-                      guidance=torch.tensor([6000.0], device="cuda"))
+            kw.update(hidden_states=rand(1, 16, f, h, w), encoder_hidden_states=rand(1, 256, 4096),
+                      encoder_attention_mask=mask, pooled_projections=rand(1, 768),
+                      guidance=torch.tensor([6000.0], device=device))
         return kw, f * (h // 2) * (w // 2)
 
     return model, inputs, desc
+
+
+def _build_tiny(args, device):
+    """The tiny random transformers of the tests (CPU smoke runs of the bench code paths)."""
+    import torch
+
+    from ..integration.tiny import _tiny_wan_transformer, tiny_hunyuan_transformer
+
+    model = (_tiny_wan_transformer(0, 32) if args.model == "wan22" else tiny_hunyuan_transformer(0, 32)).to(device)
+
+    def inputs(res):
+        g = torch.Generator(device=device).manual_seed(1)
+        kw = {"timestep": torch.tensor([500.0], device=device), "return_dict": False,
+              "encoder_hidden_states": torch.randn(1, 24, 32 if args.model == "wan22" else 16, device=device,
+                                                   generator=g)}
+        if args.model == "wan22":
+            kw["hidden_states"] = torch.randn(1, 16, 2, 16, 16, device=device, generator=g)
+        else:
+            mask = torch.zeros(1, 24, dtype=torch.bool, device=device)
+            mask[:, :17] = True
+            kw.update(hidden_states=torch.randn(1, 4, 2, 16, 16, device=device, generator=g), encoder_attention_mask=mask,
+                      pooled_projections=torch.randn(1, 8, device=device, generator=g),
+                      guidance=torch.tensor([6000.0], device=device))
+        return kw, 2 * 8 * 8
+
+    return model, inputs, f"tiny {args.model} transformer (smoke test)"
+
+
+def _timer(device):
+    """seconds(fn) on ``device``: CUDA events on a GPU, wall clock on the CPU."""
+    import time
+
+    import torch
+
+    def seconds(fn):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1000
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    return seconds
+
+
+def bench_parallel(args) -> str | None:
+    """Under ``torchrun --nproc-per-node N``: one transformer forward per method on one GPU (every
+    rank runs it alone, concurrently) and then split over the N GPUs with context parallelism, in
+    the same job; the outputs are compared. Returns the table on rank 0, None elsewhere."""
+    import torch
+    import torch.distributed as dist
+
+    from ..integration import Policy, distributed, install, uninstall
+    from ..metrics import cossim
+
+    rank, size = distributed.world()
+    if size < 2:
+        raise SystemExit("error: bench parallel runs under torchrun with at least 2 processes "
+                         "(torchrun --nproc-per-node 2 -m fp4video.cli.main bench parallel ...)")
+    device = distributed.setup_process_group(None if torch.cuda.is_available() else "cpu")
+    ring = args.ring_degree or (size // args.ulysses_degree if args.ulysses_degree else 1)
+    ulysses = args.ulysses_degree or size // ring
+    model, inputs, desc = _build(args, device)
+    kw, tokens = inputs(args.resolution)
+    seconds = _timer(device)
+
+    def forward():
+        with torch.no_grad():
+            return model(**kw)[0]
+
+    def timed(policy):
+        install(model, policy, record=False)
+        try:
+            out = forward()  # warm-up (and compilation)
+            dist.barrier()
+            times = sorted(seconds(forward) for _ in range(args.reps))
+        finally:
+            uninstall(model)
+        return out, times[len(times) // 2]
+
+    policies = {m: Policy.model_validate({"method": m}) for m in args.methods}
+    single = {m: timed(p) for m, p in policies.items()}
+
+    class _Pipe:  # enable_context_parallel takes a pipeline
+        transformer = model
+
+    distributed.enable_context_parallel(_Pipe, ring_degree=ring, ulysses_degree=ulysses, device=device)
+    split = {m: timed(p) for m, p in policies.items()}
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    lines = [f"### bench parallel, {desc}, {args.resolution} ({tokens} video tokens), one forward, fully "
+             f"{'/'.join(args.methods)}: {size} × {name}, ring {ring} × ulysses {ulysses}, "
+             f"torch {torch.__version__}, {datetime.date.today().isoformat()}", "",
+             f"| method | 1 GPU s / forward | {size} GPUs s / forward | speed-up | cosine {size} vs 1 GPU |",
+             "| --- | --- | --- | --- | --- |"]
+    for m in args.methods:
+        (o1, t1), (on, tn) = single[m], split[m]
+        lines.append(f"| {m} | {t1:.3f} | {tn:.3f} | {t1 / tn:.2f} | {cossim(on.float(), o1.float()):.6f} |")
+    return "\n".join(lines) + "\n"
 
 
 def bench_pipeline(args) -> str:
