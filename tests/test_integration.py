@@ -363,3 +363,38 @@ def test_unsupported_input_falls_back_only_when_allowed():
         proc(attn, x, text, attention_mask=float_mask)
     assert sum(proc.context.fallbacks.values()) == 1 and "boolean" in next(iter(proc.context.fallbacks))
     assert proc.context.calls[-1]["method"] == "stock-fallback"
+
+
+def test_attention_backends_through_diffusers_dispatcher():
+    """set_attention_backend("fp4video_mxattn") runs the same FP4 attention as fp4video.install
+    (bit for bit on a tiny Wan transformer); reset brings stock attention back; unknown methods
+    and the fp16 backend behave."""
+    from fp4video.integration import install, uninstall
+    from fp4video.integration.dispatcher import register_attention_backends, reset_attention_backend
+    from fp4video.integration.tiny import _tiny_wan_transformer
+
+    names = register_attention_backends()
+    assert "fp4video_mxattn" in names and "fp4video_mxattn_sk" in names
+    assert register_attention_backends(["mxattn"]) == ["fp4video_mxattn"]  # idempotent
+    with pytest.raises(ValueError, match="unknown method"):
+        register_attention_backends(["mxfp8"])
+    model = _tiny_wan_transformer(0, 32)
+    g = torch.Generator().manual_seed(1)
+    kw = dict(hidden_states=torch.randn(1, 16, 2, 16, 16, generator=g), timestep=torch.tensor([500.0]),
+              encoder_hidden_states=torch.randn(1, 12, 32, generator=g), return_dict=False)
+    with torch.no_grad():
+        stock = model(**kw)[0]
+        install(model, "mxattn")
+        installed = model(**kw)[0]
+        uninstall(model)
+        try:
+            model.set_attention_backend("fp4video_mxattn")
+            via_backend = model(**kw)[0]
+            model.set_attention_backend("fp4video_fp16")
+            fp16 = model(**kw)[0]
+        finally:
+            reset_attention_backend(model)
+        again = model(**kw)[0]
+    assert torch.equal(via_backend, installed) and not torch.equal(via_backend, stock)
+    assert torch.equal(again, stock)
+    assert (fp16 - stock).abs().max() < 1e-5

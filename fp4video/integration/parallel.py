@@ -59,17 +59,17 @@ def _no_backward(*args, **kwargs):
 
 
 def context_parallel_attention(q, k, v, *, method: str | AttentionRecipe, parallel_config, attn_mask=None,
-                               scale: float | None = None, backend: str = "auto"):
+                               scale: float | None = None, backend: str = "auto", return_lse: bool = False):
     """FP4 attention of this rank's (B, S_local, H, D) shards under ``parallel_config`` (diffusers'
     ``ParallelConfig`` with a context-parallel part, set up on every rank). Returns this rank's
-    output shard (B, S_local, H, D)."""
+    output shard (B, S_local, H, D) (and its LSE (B, S_local, H) with ``return_lse``)."""
     cp = getattr(parallel_config, "context_parallel_config", None)
     if cp is None:
         raise ValueError("parallel_config has no context_parallel_config")
     if cp.ulysses_degree > 1 and q.shape[2] % cp.ulysses_degree:
         raise ValueError(f"Ulysses needs the head count ({q.shape[2]}) divisible by ulysses_degree ({cp.ulysses_degree})")
     return _templated_attention()(
-        q, k, v, attn_mask, 0.0, False, scale, False, False,
+        q, k, v, attn_mask, 0.0, False, scale, False, return_lse,
         forward_op=make_forward_op(method, backend), backward_op=_no_backward, _parallel_config=parallel_config,
     )
 

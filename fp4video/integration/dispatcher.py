@@ -1,0 +1,101 @@
+"""fp4video's methods as diffusers attention backends, for users of ``set_attention_backend``:
+
+    import fp4video.integration.dispatcher as fd
+    fd.register_attention_backends()                 # "fp4video_mxattn", "fp4video_sage3", ...
+    pipe.transformer.set_attention_backend("fp4video_mxattn")
+
+``reset_attention_backend(model)`` undoes it (diffusers' own ``model.reset_attention_backend()``
+leaves the process-wide active backend set, so the model would keep running fp4video's).
+
+One method everywhere the model's processors call diffusers' dispatcher (no per-block or per-step
+policy: use :func:`fp4video.install` for that), context parallelism included. diffusers 0.42 has
+no public way to add a backend: its backend names are a closed enum and the registry is private.
+This module — and only this module — extends both; it checks the internals it needs first and
+says what to do instead when a diffusers release changes them.
+"""
+
+from __future__ import annotations
+
+from ..recipe import METHODS
+
+__all__ = ["register_attention_backends", "backend_name", "reset_attention_backend"]
+
+PREFIX = "fp4video_"
+
+
+def backend_name(method: str) -> str:
+    """The diffusers backend name of a method: ``"fp4video_" + method`` with ``-`` as ``_``."""
+    return PREFIX + method.replace("-", "_")
+
+
+def _internals():
+    try:
+        import diffusers
+        from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+    except ImportError as e:
+        raise RuntimeError("fp4video's attention backends need diffusers (pip install 'fp4video[diffusers]')") from e
+    needed = [hasattr(_AttentionBackendRegistry, a) for a in
+              ("register", "_backends", "_supported_arg_names", "_supports_context_parallel")]
+    needed += [hasattr(AttentionBackendName, a) for a in ("_member_map_", "_value2member_map_", "_member_names_")]
+    if not all(needed):
+        raise RuntimeError(
+            f"diffusers {diffusers.__version__} changed the attention-backend internals fp4video extends "
+            "(checked with 0.42.1); set_attention_backend cannot offer fp4video's methods. Use "
+            "fp4video.install(pipe, policy) instead, which only uses diffusers' public processor API.")
+    return AttentionBackendName, _AttentionBackendRegistry
+
+
+def _member(enum_cls, value: str):
+    """The enum member for ``value``, added to diffusers' closed AttentionBackendName if missing."""
+    if value in enum_cls._value2member_map_:
+        return enum_cls._value2member_map_[value]
+    member = str.__new__(enum_cls, value)
+    member._name_, member._value_ = value.upper(), value
+    member.__objclass__ = enum_cls
+    enum_cls._member_map_[member._name_] = member
+    enum_cls._value2member_map_[value] = member
+    enum_cls._member_names_.append(member._name_)
+    return member
+
+
+def _backend_fn(method: str):
+    from ..attention import fp4_attention
+    from .parallel import context_parallel_attention
+
+    def attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+                  scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
+                  _parallel_config=None):
+        if dropout_p or is_causal or enable_gqa:
+            raise ValueError(f"the {backend_name(method)} backend has no dropout, causal mask or GQA "
+                             f"(got dropout_p={dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa})")
+        if _parallel_config is not None:
+            return context_parallel_attention(query, key, value, method=method, parallel_config=_parallel_config,
+                                              attn_mask=attn_mask, scale=scale, return_lse=return_lse)
+        return fp4_attention(query, key, value, method=method, layout="bshd", attn_mask=attn_mask, scale=scale,
+                             return_lse=return_lse)
+
+    attention.__name__ = attention.__qualname__ = f"{backend_name(method)}_attention"
+    return attention
+
+
+def register_attention_backends(methods=None) -> list[str]:
+    """Register ``fp4video_<method>`` diffusers attention backends (all methods by default; calling
+    again is harmless). Returns their names."""
+    enum_cls, registry = _internals()
+    names = []
+    for method in methods or list(METHODS):
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; known methods: {', '.join(METHODS)}")
+        member = _member(enum_cls, backend_name(method))
+        registry.register(member, supports_context_parallel=True)(_backend_fn(method))
+        names.append(member.value)
+    return names
+
+
+def reset_attention_backend(model) -> None:
+    """``model.reset_attention_backend()`` plus diffusers' process-wide default backend restored."""
+    import diffusers.models.attention_dispatch as dispatch
+
+    model.reset_attention_backend()
+    default = getattr(dispatch, "DIFFUSERS_ATTN_BACKEND", "native")
+    dispatch._AttentionBackendRegistry.set_active_backend(dispatch.AttentionBackendName(default))
