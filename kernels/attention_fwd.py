@@ -1,15 +1,22 @@
 """Fused FP4 attention forward (Triton): online softmax with in-loop P quantization.
 
 Numerics: exactly :mod:`fp4video.reference` (same key tile, same block rounding of P̃), except
-for the usual floating-point differences (``exp`` implementation, fp32 accumulation order),
+for the usual floating-point differences (``exp2`` implementation, fp32 accumulation order),
 which can flip the rounding of an element of P̃ that sits on a rounding boundary.
 
-The fused pre-pass (:mod:`.prepass`: smoothing, rotation, Q/K/V block quantization) writes the
-*dequantized* values in bf16, which this kernel reads: E2M1 values
-times an E8M0 or E4M3 scale need at most 6 significant bits, so bf16 holds them exactly and
-bf16 tensor-core products with fp32 accumulation are exact up to summation order. The P tile
-quantized in the loop is likewise exact in bf16. Unquantized methods (``fp16``) keep the input
-dtype (fp32 with IEEE-precision dots).
+Three loops, picked per recipe and GPU by :func:`mx_kernel` / :func:`prepare`:
+
+- ``_mx_fp8_attn_fwd`` (MXFP4 methods on sm_89+, e.g. Hopper): Q̂, K̂, V̂ and P̂ on e4m3 tensor
+  cores, block scales folded into power-of-two factors (:func:`.prepass.prepass_fp8`); exact
+  inside e4m3's window (README, ``scripts/fp8_window_report.py``).
+- :mod:`.attention_scaled` (MXFP4 methods on sm_100+): ``tl.dot_scaled`` on packed E2M1 with
+  E8M0 scales, Blackwell's native FP4 MMAs.
+- ``_fp4_attn_fwd`` (NVFP4 methods, ``fp16``, older GPUs): the pre-pass writes the dequantized
+  values in bf16 (E2M1 times an E8M0 or E4M3 scale needs at most 6 significant bits: exact), bf16
+  tensor-core products with fp32 accumulation; the P tile quantized in the loop is exact in bf16
+  too (NVFP4's element division is a multiply by the block's correctly rounded reciprocal: an
+  element within 1.5 ulp of a rounding boundary may round the other way). ``fp16`` reads the
+  inputs as they are (fp32 with IEEE-precision dots).
 
 Limits (``supports`` reports them): key-padding masks ``(B, 1, 1, Sk)`` only; P blocks whose
 maximum is below 2^-124 (weights ~1e-37 of the row maximum) are flushed to zero.

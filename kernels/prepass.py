@@ -78,23 +78,23 @@ def _prepass_rows(
         tl.store(Out + b * sob + h * soh + rows[:, None] * sos + half[None, :], codes, mask=(rows < S)[:, None])
         nb = tl.arange(0, D // QB)
         tl.store(Fac + (bh * S + rows)[:, None] * (D // QB) + nb[None, :], scales, mask=(rows < S)[:, None])
-        return
-    if FMT != 0:
-        x = fake_quant_rows(x, BLOCK_S, D, FMT, QB, OCP, QMAX, True)
-    out_ptrs = Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :]
-    if OUT == 0:
-        tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=(rows < S)[:, None])
-    elif OUT == 1:  # FP8_ROW
-        c = fp8_shift(tl.max(tl.abs(x), axis=1))
-        tl.store(out_ptrs, (x * pow2(c)[:, None]).to(tl.float8e4nv), mask=(rows < S)[:, None])
-        tl.store(Fac + bh * S + rows, pow2(-c), mask=rows < S)
-    elif OUT == 2:  # FP8_AMAX
-        tl.atomic_max(Amax + bh, tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.int32, bitcast=True))
     else:
-        c = fp8_shift(tl.load(Amax + bh).to(tl.float32, bitcast=True))
-        tl.store(out_ptrs, (x * pow2(c)).to(tl.float8e4nv), mask=(rows < S)[:, None])
-        if pid == 0:
-            tl.store(Fac + bh, pow2(-c))
+        if FMT != 0:
+            x = fake_quant_rows(x, BLOCK_S, D, FMT, QB, OCP, QMAX, True)
+        out_ptrs = Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :]
+        if OUT == 0:
+            tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=(rows < S)[:, None])
+        elif OUT == 1:  # FP8_ROW
+            c = fp8_shift(tl.max(tl.abs(x), axis=1))
+            tl.store(out_ptrs, (x * pow2(c)[:, None]).to(tl.float8e4nv), mask=(rows < S)[:, None])
+            tl.store(Fac + bh * S + rows, pow2(-c), mask=rows < S)
+        elif OUT == 2:  # FP8_AMAX
+            tl.atomic_max(Amax + bh, tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.int32, bitcast=True))
+        else:
+            c = fp8_shift(tl.load(Amax + bh).to(tl.float32, bitcast=True))
+            tl.store(out_ptrs, (x * pow2(c)).to(tl.float8e4nv), mask=(rows < S)[:, None])
+            if pid == 0:
+                tl.store(Fac + bh, pow2(-c))
 
 
 @triton.jit
@@ -131,20 +131,20 @@ def _prepass_v(
         tl.store(Out + b * sob + h * soh + cols[:, None] * sod + half[None, :], codes)
         nb = pid * (BLOCK_S // QB) + tl.arange(0, BLOCK_S // QB)
         tl.store(Fac + (bh * BLOCK_DV + cols)[:, None] * (sod * 2 // QB) + nb[None, :], scales)
-        return
-    if FMT != 0:
-        x = tl.trans(fake_quant_rows(tl.trans(x), BLOCK_DV, BLOCK_S, FMT, QB, OCP, QMAX, True))
-    out_ptrs = Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :] * sod
-    out_ok = (rows < S)[:, None] & (cols[None, :] < DV)
-    if OUT == 0:
-        tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=out_ok)
-    elif OUT == 2:  # FP8_AMAX
-        tl.atomic_max(Amax + bh * BLOCK_DV + cols, tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True))
-    else:  # padded channels are written as zeros
-        c = fp8_shift(tl.load(Amax + bh * BLOCK_DV + cols).to(tl.float32, bitcast=True))
-        tl.store(out_ptrs, (x * pow2(c)[None, :]).to(tl.float8e4nv), mask=(rows < S)[:, None])
-        if pid == 0:
-            tl.store(Fac + bh * BLOCK_DV + cols, pow2(-c))
+    else:
+        if FMT != 0:
+            x = tl.trans(fake_quant_rows(tl.trans(x), BLOCK_DV, BLOCK_S, FMT, QB, OCP, QMAX, True))
+        out_ptrs = Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :] * sod
+        out_ok = (rows < S)[:, None] & (cols[None, :] < DV)
+        if OUT == 0:
+            tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=out_ok)
+        elif OUT == 2:  # FP8_AMAX
+            tl.atomic_max(Amax + bh * BLOCK_DV + cols, tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True))
+        else:  # padded channels are written as zeros
+            c = fp8_shift(tl.load(Amax + bh * BLOCK_DV + cols).to(tl.float32, bitcast=True))
+            tl.store(out_ptrs, (x * pow2(c)[None, :]).to(tl.float8e4nv), mask=(rows < S)[:, None])
+            if pid == 0:
+                tl.store(Fac + bh * BLOCK_DV + cols, pow2(-c))
 
 
 def next_pow2(n: int, floor: int = 16) -> int:
