@@ -227,9 +227,10 @@ def _hunyuan_worker(rank, init_file, mode, method, out_dir):
 @pytest.mark.parametrize("mode", ["ulysses", "ring"])
 @pytest.mark.parametrize("method", ["fp16", "mxattn"])
 def test_hunyuan_transformer_under_context_parallelism(tmp_path, mode, method):
-    """fp4video's HunyuanVideo plan: video tokens split, text replicated and merged by LSE, the text
-    padding mask honoured. fp16 equals the single-process stock forward; FP4 is close to its
-    single-process forward (block boundaries and running maxima differ by shard)."""
+    """fp4video's HunyuanVideo plan: video tokens split, text replicated, the text padding mask
+    honoured. Ulysses (one attention over [video; text] per head shard) and fp16 equal the
+    single-process forward; FP4 under ring is close to it (merged per shard with the LSE: block
+    boundaries and running maxima differ)."""
     import torch.multiprocessing as mp
 
     from fp4video.integration import install
@@ -245,7 +246,7 @@ def test_hunyuan_transformer_under_context_parallelism(tmp_path, mode, method):
     assert got[0]["out"].shape == single.shape
     joint = [c for c in got[0]["calls"] if c["kind"] == "self" and c["block"] >= 0]
     assert joint and all(c["context_parallel"] for c in joint)
-    if method == "fp16":
+    if method == "fp16" or mode == "ulysses":  # Ulysses keeps the single-GPU key order: the same blocks
         assert (got[0]["out"] - single).abs().max() < 1e-4
     else:
         assert cossim(got[0]["out"], single) > 0.99

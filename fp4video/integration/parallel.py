@@ -77,13 +77,15 @@ def context_parallel_attention(q, k, v, *, method: str | AttentionRecipe, parall
 def joint_context_parallel_attention(q, k, v, *, n_replicated: int, method: str | AttentionRecipe, parallel_config,
                                      attn_mask=None, scale: float | None = None, backend: str = "auto"):
     """Joint attention whose last ``n_replicated`` tokens (HunyuanVideo's text) are the same on every
-    rank while the others (video) are this rank's shard.
+    rank while the others (video) are this rank's shard; ``attn_mask`` may mask only those
+    replicated tokens (the text padding).
 
-    The video keys go through the context-parallel attention (ring / Ulysses, no mask: video keys
-    are all valid), the replicated text keys through a local FP4 attention with their padding
-    mask (``attn_mask[..., -n_replicated:]``), and the two partial results are merged with their
-    LSE in fp32, exactly as ring attention merges its shards. Every query — the rank's video shard
-    and the replicated text — sees every key once.
+    Ulysses: the video tokens go from sequence shards to head shards (all-to-all), the text
+    tokens' own heads are appended, and one FP4 attention runs over [video; text] — the single-GPU
+    key order, hence the single-GPU quantization blocks and result. Ring: the video keys go
+    through the ring (no mask: all valid), the text keys through a local FP4 attention with
+    their mask, and the two partial results are merged with their LSE in fp32, as the ring merges
+    its shards. Every query sees every key once either way.
     """
     import torch
 
@@ -93,6 +95,9 @@ def joint_context_parallel_attention(q, k, v, *, n_replicated: int, method: str 
     text_mask = None if attn_mask is None else attn_mask[..., s_local:]
     if attn_mask is not None and not bool(attn_mask[..., :s_local].all()):
         raise ValueError("joint context parallelism expects a mask over the replicated (text) tokens only")
+    cp_config = parallel_config.context_parallel_config
+    if cp_config.ring_degree == 1:
+        return _joint_ulysses(q, k, v, s_local, text_mask, method, cp_config, scale, backend)
     cp = _templated_attention()(
         q, k[:, :s_local], v[:, :s_local], None, 0.0, False, scale, False, True,
         forward_op=make_forward_op(method, backend), backward_op=_no_backward, _parallel_config=parallel_config,
@@ -105,3 +110,45 @@ def joint_context_parallel_attention(q, k, v, *, n_replicated: int, method: str 
     w_v = torch.exp(lse_v - lse).nan_to_num(0.0)[..., None]  # rows that see no key at all stay zero
     w_t = torch.exp(lse_t - lse).nan_to_num(0.0)[..., None]
     return (w_v * out_v.float() + w_t * out_t.float()).to(q.dtype)
+
+
+def _joint_ulysses(q, k, v, s_local, text_mask, method, cp_config, scale, backend):
+    """Ulysses for joint attention: video tokens all-to-all'ed from sequence shards to head shards,
+    the replicated text tokens' own heads appended, one FP4 attention over [video; text] — the
+    single-GPU key order, so the single-GPU quantization blocks — then back; the text outputs
+    of the rank's heads are all-gathered."""
+    import torch
+    import torch.distributed as dist
+
+    group = cp_config._ulysses_mesh.get_group()
+    n = cp_config.ulysses_degree
+    rank = dist.get_rank(group)
+    b, _, h, d = q.shape
+    if h % n:
+        raise ValueError(f"Ulysses needs the head count ({h}) divisible by ulysses_degree ({n})")
+    hl = h // n
+
+    def to_heads(x):  # (B, s_local, H, D) -> (B, n·s_local, H/n, D), global token order
+        x = x.reshape(b, s_local, n, hl, x.shape[-1]).permute(2, 1, 0, 3, 4).contiguous()
+        y = torch.empty_like(x)
+        dist.all_to_all_single(y, x, group=group)
+        return y.flatten(0, 1).permute(1, 0, 2, 3)
+
+    def own_heads(x):
+        return x[:, :, rank * hl:(rank + 1) * hl]
+
+    qf, kf, vf = (torch.cat([to_heads(x[:, :s_local]), own_heads(x[:, s_local:])], dim=1) for x in (q, k, v))
+    mask = None
+    if text_mask is not None:
+        video = torch.ones(*text_mask.shape[:-1], n * s_local, dtype=torch.bool, device=text_mask.device)
+        mask = torch.cat([video, text_mask], dim=-1)
+    out = fp4_attention(qf, kf, vf, method=method, layout="bshd", attn_mask=mask, scale=scale, backend=backend)
+    video, text = out[:, :n * s_local], out[:, n * s_local:]
+    # back: (B, n·s_local, H/n, Dv) -> this rank's tokens, all heads
+    video = video.reshape(b, n, s_local, hl, -1).permute(1, 2, 0, 3, 4).contiguous()
+    back = torch.empty_like(video)
+    dist.all_to_all_single(back, video, group=group)
+    video = back.permute(2, 1, 0, 3, 4).reshape(b, s_local, h, -1)
+    parts = [torch.empty_like(text) for _ in range(n)]
+    dist.all_gather(parts, text.contiguous(), group=group)
+    return torch.cat([video, torch.cat(parts, dim=2)], dim=1)
