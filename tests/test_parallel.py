@@ -276,3 +276,36 @@ def test_bench_parallel_smoke_under_torchrun(tmp_path):
             line.startswith("| mxattn")]
     assert len(rows) == 2  # written once, by rank 0
     assert all(float(r.strip("| ").split(" | ")[-1]) > 0.999 for r in rows)
+
+
+def test_generate_hunyuan_under_torchrun_ulysses_equals_single_process(tmp_path):
+    """The HunyuanVideo plan end to end (text encoders, refiner, VAE): with Ulysses the 2-process
+    video is the 1-process video (fully 4-bit mxattn config; equal here, up to 2/255 allowed for
+    thread-count-dependent float summation in the rest of the model)."""
+    import os
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    import imageio.v3 as iio
+    import numpy as np
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun not found next to this python")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "hunyuan_mxattn.yaml")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    common = ["generate", "--config", config, "--model", "tiny"]
+    two = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(port), "-m", "fp4video.cli.main",
+                          *common, "--ulysses-degree", "2", "--output", str(tmp_path / "two.mp4")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert two.returncode == 0, two.stderr[-2000:]
+    one = subprocess.run([sys.executable, "-m", "fp4video.cli.main", *common, "--output", str(tmp_path / "one.mp4")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert one.returncode == 0, one.stderr[-2000:]
+    a, b = iio.imread(tmp_path / "two.mp4").astype(np.int16), iio.imread(tmp_path / "one.mp4").astype(np.int16)
+    assert a.shape == b.shape and np.abs(a - b).max() <= 2
