@@ -309,3 +309,38 @@ def test_generate_hunyuan_under_torchrun_ulysses_equals_single_process(tmp_path)
     assert one.returncode == 0, one.stderr[-2000:]
     a, b = iio.imread(tmp_path / "two.mp4").astype(np.int16), iio.imread(tmp_path / "one.mp4").astype(np.int16)
     assert a.shape == b.shape and np.abs(a - b).max() <= 2
+
+
+def _hunyuan_stock_worker(rank, init_file, out_dir):
+    import torch.distributed as dist
+
+    from fp4video.integration import distributed
+    from fp4video.integration.tiny import tiny_hunyuan_transformer
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        model = tiny_hunyuan_transformer(0, 32)
+
+        class Pipe:
+            transformer = model
+
+        distributed.enable_context_parallel(Pipe, ring_degree=1, ulysses_degree=WORLD, device=torch.device("cpu"))
+        try:
+            with torch.no_grad():
+                model(**_hunyuan_inputs())
+            message = "ran"
+        except RuntimeError as e:
+            message = str(e)
+        torch.save(message, f"{out_dir}/msg{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hunyuan_plan_refuses_stock_processors(tmp_path):
+    """Stock joint attention under fp4video's HunyuanVideo plan would count the replicated text
+    once per rank: the forward stops with an error that says to install fp4video's processors."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_hunyuan_stock_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD)
+    message = torch.load(tmp_path / "msg0.pt")
+    assert "fp4video.install" in message, message

@@ -68,6 +68,20 @@ def hunyuan_video_plan() -> dict:
     }
 
 
+def _require_fp4_processors(model, args):
+    """Under fp4video's HunyuanVideo plan the text tokens are replicated on every rank; diffusers'
+    stock joint-attention processor would count them once per rank. Refuse to run with it."""
+    from .processor import FP4Processor
+
+    stock = [name for name, proc in model.attn_processors.items()
+             if "token_refiner" not in name and not isinstance(proc, FP4Processor)]
+    if stock:
+        raise RuntimeError(
+            f"{type(model).__name__} runs context parallelism with fp4video's plan, which needs fp4video's "
+            f"processors on its joint attention ({len(stock)} modules have others, e.g. {stock[0]}): call "
+            "fp4video.install(pipe, policy) (method 'fp16' keeps full precision)")
+
+
 def context_parallel_plan(model) -> dict:
     """The model's own ``_cp_plan`` (Wan), fp4video's for HunyuanVideo, else a clear error."""
     if getattr(model, "_cp_plan", None) is not None:
@@ -94,6 +108,8 @@ def enable_context_parallel(pipe, *, ring_degree: int, ulysses_degree: int, devi
         if heads % ulysses_degree:
             raise ValueError(f"Ulysses splits heads: {heads} heads are not divisible by ulysses_degree={ulysses_degree}")
         config = ContextParallelConfig(ring_degree=ring_degree, ulysses_degree=ulysses_degree)
+        if getattr(model, "_cp_plan", None) is None:  # fp4video's plan: only its processors handle it
+            model.register_forward_pre_hook(_require_fp4_processors)
         if device.type != "cpu":
             model.enable_parallelism(config=config, cp_plan=plan)
             continue
