@@ -30,7 +30,7 @@ def attention(q, k, v, *, recipe, mask, scale):
     ok, why = supports(recipe, q, mask)
     if not ok:
         raise NotImplementedError(why)
+    from .attention_fwd import key_padding
     from .ops import attention_op
 
-    key_alive = None if mask is None else mask.expand(q.shape[0], 1, 1, k.shape[-2])[:, 0, 0, :]
-    return attention_op(q, k, v, key_alive, recipe.to_spec(), scale)
+    return attention_op(q, k, v, key_padding(mask, q.shape[0], k.shape[-2]), recipe.to_spec(), scale)

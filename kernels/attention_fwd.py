@@ -319,9 +319,13 @@ def prepare(q, k, v, recipe: AttentionRecipe, key_alive):
 
 def attention(q, k, v, *, recipe: AttentionRecipe, mask, scale: float, **launch):
     """q, k, v: (B, H, S, D) views, any strides. Returns (out (B, H, Sq, Dv) in q's dtype, lse fp32)."""
-    b, sk = q.shape[0], k.shape[-2]
-    key_alive = None if mask is None else mask.expand(b, 1, 1, sk)[:, 0, 0, :]
-    return attention_with_key_alive(q, k, v, recipe=recipe, key_alive=key_alive, scale=scale, **launch)
+    return attention_with_key_alive(q, k, v, recipe=recipe, key_alive=key_padding(mask, q.shape[0], k.shape[-2]),
+                                    scale=scale, **launch)
+
+
+def key_padding(mask, b: int, sk: int):
+    """A key-padding mask (B|1, 1, 1, Sk) as the kernels' ``key_alive`` (B, Sk), or None."""
+    return None if mask is None else mask.expand(b, 1, 1, sk)[:, 0, 0, :]
 
 
 def attention_with_key_alive(q, k, v, *, recipe: AttentionRecipe, key_alive, scale: float, **launch):

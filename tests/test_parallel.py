@@ -20,20 +20,19 @@ def _inputs():
     return tuple(torch.randn(B, S, H, D, generator=g) for _ in range(3))
 
 
+def _degrees(mode):
+    return dict(ring_degree=WORLD, ulysses_degree=1) if mode == "ring" else dict(ring_degree=1, ulysses_degree=WORLD)
+
+
 def _worker(rank, init_file, mode, method, backend, out_dir):
     import torch.distributed as dist
-    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
-    from torch.distributed.device_mesh import init_device_mesh
 
+    from fp4video.integration.distributed import cpu_parallel_config
     from fp4video.integration.parallel import context_parallel_attention
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        degrees = (WORLD, 1) if mode == "ring" else (1, WORLD)
-        mesh = init_device_mesh("cpu", degrees, mesh_dim_names=("ring", "ulysses"))
-        config = ParallelConfig(context_parallel_config=ContextParallelConfig(ring_degree=degrees[0],
-                                                                               ulysses_degree=degrees[1]))
-        config.setup(rank, WORLD, torch.device("cpu"), mesh=mesh)
+        config = cpu_parallel_config(**_degrees(mode))
         q, k, v = (x.chunk(WORLD, dim=1)[rank] for x in _inputs())  # as diffusers' _cp_plan splits tokens
         out = context_parallel_attention(q, k, v, method=method, parallel_config=config, backend=backend)
         torch.save(out, f"{out_dir}/out{rank}.pt")
@@ -83,21 +82,16 @@ def _wan_inputs():
                 return_dict=False)
 
 
-def _wan_forward(method, parallel=None):
-    """A tiny Wan transformer with fp4video installed; ``parallel``: diffusers ParallelConfig, applied
-    as ``enable_parallelism`` does (config recorded on the model before install, context-parallel
-    hooks from the model's own _cp_plan)."""
-    from fp4video.integration import install
+def _wan_forward(method, degrees=None):
+    """A tiny Wan transformer with fp4video installed after context parallelism was enabled with
+    ``degrees`` (the config reaches the processors through install; diffusers' own _cp_plan)."""
+    from fp4video.integration import distributed, install
     from fp4video.integration.tiny import _tiny_wan_transformer
 
     model = _tiny_wan_transformer(0, 32)
-    if parallel is not None:
-        from diffusers.hooks.context_parallel import apply_context_parallel
-
-        model._parallel_config = parallel
+    if degrees is not None:
+        distributed.enable_context_parallel(model, **degrees, device=torch.device("cpu"))
     ctx = install(model, method, backend="reference")
-    if parallel is not None:
-        apply_context_parallel(model, parallel.context_parallel_config, model._cp_plan)
     with torch.no_grad():
         out = model(**_wan_inputs())[0]
     return out, ctx
@@ -105,17 +99,10 @@ def _wan_forward(method, parallel=None):
 
 def _wan_worker(rank, init_file, mode, method, out_dir):
     import torch.distributed as dist
-    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
-    from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        degrees = (WORLD, 1) if mode == "ring" else (1, WORLD)
-        mesh = init_device_mesh("cpu", degrees, mesh_dim_names=("ring", "ulysses"))
-        config = ParallelConfig(context_parallel_config=ContextParallelConfig(ring_degree=degrees[0],
-                                                                               ulysses_degree=degrees[1]))
-        config.setup(rank, WORLD, torch.device("cpu"), mesh=mesh)
-        out, ctx = _wan_forward(method, config)
+        out, ctx = _wan_forward(method, _degrees(mode))
         torch.save({"out": out, "calls": ctx.calls}, f"{out_dir}/wan{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -208,14 +195,8 @@ def _hunyuan_worker(rank, init_file, mode, method, out_dir):
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        degrees = (WORLD, 1) if mode == "ring" else (1, WORLD)
         model = tiny_hunyuan_transformer(0, 32)
-
-        class Pipe:  # enable_context_parallel takes a pipeline; a bare transformer in one here
-            transformer = model
-
-        distributed.enable_context_parallel(Pipe, ring_degree=degrees[0], ulysses_degree=degrees[1],
-                                            device=torch.device("cpu"))
+        distributed.enable_context_parallel(model, **_degrees(mode), device=torch.device("cpu"))
         ctx = install(model, method, backend="reference")
         with torch.no_grad():
             out = model(**_hunyuan_inputs())[0]
@@ -320,11 +301,7 @@ def _hunyuan_stock_worker(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         model = tiny_hunyuan_transformer(0, 32)
-
-        class Pipe:
-            transformer = model
-
-        distributed.enable_context_parallel(Pipe, ring_degree=1, ulysses_degree=WORLD, device=torch.device("cpu"))
+        distributed.enable_context_parallel(model, ring_degree=1, ulysses_degree=WORLD, device=torch.device("cpu"))
         try:
             with torch.no_grad():
                 model(**_hunyuan_inputs())

@@ -298,10 +298,7 @@ def bench_parallel(args) -> str | None:
     policies = {m: Policy.model_validate({"method": m}) for m in args.methods}
     single = {m: timed(p) for m, p in policies.items()}
 
-    class _Pipe:  # enable_context_parallel takes a pipeline
-        transformer = model
-
-    distributed.enable_context_parallel(_Pipe, ring_degree=ring, ulysses_degree=ulysses, device=device)
+    distributed.enable_context_parallel(model, ring_degree=ring, ulysses_degree=ulysses, device=device)
     split = {m: timed(p) for m, p in policies.items()}
     dist.destroy_process_group()
     if rank != 0:

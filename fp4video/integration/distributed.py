@@ -41,13 +41,6 @@ def setup_process_group(device_arg: str | None) -> torch.device:
     return device
 
 
-def _transformers(pipe):
-    for name in ("transformer", "transformer_2"):
-        model = getattr(pipe, name, None)
-        if model is not None:
-            yield model
-
-
 def hunyuan_video_plan() -> dict:
     """fp4video's context-parallel plan for ``HunyuanVideoTransformer3DModel`` (diffusers has none).
 
@@ -92,38 +85,53 @@ def context_parallel_plan(model) -> dict:
                               "(diffusers' own) and HunyuanVideo transformers")
 
 
+def cpu_parallel_config(*, ring_degree: int, ulysses_degree: int):
+    """diffusers' ``ParallelConfig`` for a CPU (gloo) process group, set up on this rank — what
+    ``enable_parallelism`` builds on GPUs (it requires an accelerator in diffusers 0.42)."""
+    import torch.distributed as dist
+    from diffusers import ContextParallelConfig
+    from diffusers.models._modeling_parallel import ParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ring_degree, ulysses_degree), mesh_dim_names=("ring", "ulysses"))
+    parallel = ParallelConfig(context_parallel_config=ContextParallelConfig(ring_degree=ring_degree,
+                                                                           ulysses_degree=ulysses_degree))
+    parallel.setup(dist.get_rank(), dist.get_world_size(), torch.device("cpu"), mesh=mesh)
+    return parallel
+
+
 def enable_context_parallel(pipe, *, ring_degree: int, ulysses_degree: int, device: torch.device) -> None:
-    """Split every transformer of ``pipe`` over the process group (call before ``fp4video.install``
-    or after it: the FP4 processors pick the configuration up either way)."""
+    """Split every transformer of ``pipe`` (a pipeline, both Wan2.2 experts, or a bare transformer)
+    over the process group (call before ``fp4video.install`` or after it: the FP4 processors pick
+    the configuration up either way)."""
     import torch.distributed as dist
     from diffusers import ContextParallelConfig
 
-    rank, size = dist.get_rank(), dist.get_world_size()
+    size = dist.get_world_size()
     if ring_degree * ulysses_degree != size:
         raise ValueError(f"ring_degree × ulysses_degree = {ring_degree} × {ulysses_degree} must equal the number "
                          f"of processes ({size})")
-    for model in _transformers(pipe):
+    parallel = cpu_parallel_config(ring_degree=ring_degree, ulysses_degree=ulysses_degree) if device.type == "cpu" \
+        else None
+    from .install import _transformers
+
+    for _, model in _transformers(pipe):
         plan = context_parallel_plan(model)
         heads = model.config.num_attention_heads
         if heads % ulysses_degree:
             raise ValueError(f"Ulysses splits heads: {heads} heads are not divisible by ulysses_degree={ulysses_degree}")
-        config = ContextParallelConfig(ring_degree=ring_degree, ulysses_degree=ulysses_degree)
         if getattr(model, "_cp_plan", None) is None:  # fp4video's plan: only its processors handle it
             model.register_forward_pre_hook(_require_fp4_processors)
-        if device.type != "cpu":
-            model.enable_parallelism(config=config, cp_plan=plan)
+        if parallel is None:
+            model.enable_parallelism(config=ContextParallelConfig(ring_degree=ring_degree, ulysses_degree=ulysses_degree),
+                                     cp_plan=plan)
             continue
         # CPU (gloo): what enable_parallelism does, without its accelerator requirement
         from diffusers.hooks.context_parallel import apply_context_parallel
-        from diffusers.models._modeling_parallel import ParallelConfig
-        from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (ring_degree, ulysses_degree), mesh_dim_names=("ring", "ulysses"))
-        parallel = ParallelConfig(context_parallel_config=config)
-        parallel.setup(rank, size, device, mesh=mesh)
         model._parallel_config = parallel
         for module in model.modules():
             processor = getattr(module, "processor", None)
             if processor is not None and hasattr(processor, "_parallel_config"):
                 processor._parallel_config = parallel
-        apply_context_parallel(model, config, plan)
+        apply_context_parallel(model, parallel.context_parallel_config, plan)
