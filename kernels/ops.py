@@ -5,6 +5,8 @@ fake (meta) implementation only describes the outputs, and the real one launches
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fp4video.recipe import AttentionRecipe
@@ -20,8 +22,13 @@ def attention_op(
     """
     from .attention_fwd import attention_with_key_alive
 
-    return attention_with_key_alive(q, k, v, recipe=AttentionRecipe.from_spec(recipe), key_alive=key_alive,
-                                    scale=scale)
+    return attention_with_key_alive(q, k, v, recipe=_recipe(recipe), key_alive=key_alive, scale=scale)
+
+
+@functools.lru_cache(maxsize=64)
+def _recipe(spec: str) -> AttentionRecipe:
+    """The spec parsed once, not on every attention call."""
+    return AttentionRecipe.from_spec(spec)
 
 
 @attention_op.register_fake
