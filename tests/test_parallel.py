@@ -36,6 +36,7 @@ def _worker(rank, init_file, mode, method, backend, out_dir):
         q, k, v = (x.chunk(WORLD, dim=1)[rank] for x in _inputs())  # as diffusers' _cp_plan splits tokens
         out = context_parallel_attention(q, k, v, method=method, parallel_config=config, backend=backend)
         torch.save(out, f"{out_dir}/out{rank}.pt")
+        dist.barrier()  # both ranks done before the group goes
     finally:
         dist.destroy_process_group()
 
@@ -104,6 +105,7 @@ def _wan_worker(rank, init_file, mode, method, out_dir):
     try:
         out, ctx = _wan_forward(method, _degrees(mode))
         torch.save({"out": out, "calls": ctx.calls}, f"{out_dir}/wan{rank}.pt")
+        dist.barrier()  # both ranks done before the group goes
     finally:
         dist.destroy_process_group()
 
@@ -201,6 +203,7 @@ def _hunyuan_worker(rank, init_file, mode, method, out_dir):
         with torch.no_grad():
             out = model(**_hunyuan_inputs())[0]
         torch.save({"out": out, "calls": ctx.calls}, f"{out_dir}/hy{rank}.pt")
+        dist.barrier()  # both ranks done before the group goes
     finally:
         dist.destroy_process_group()
 
@@ -309,6 +312,7 @@ def _hunyuan_stock_worker(rank, init_file, out_dir):
         except RuntimeError as e:
             message = str(e)
         torch.save(message, f"{out_dir}/msg{rank}.pt")
+        dist.barrier()  # both ranks done before the group goes
     finally:
         dist.destroy_process_group()
 

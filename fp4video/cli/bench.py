@@ -300,6 +300,7 @@ def bench_parallel(args) -> str | None:
 
     distributed.enable_context_parallel(model, ring_degree=ring, ulysses_degree=ulysses, device=device)
     split = {m: timed(p) for m, p in policies.items()}
+    dist.barrier()  # every rank done with its collectives before the group goes
     dist.destroy_process_group()
     if rank != 0:
         return None

@@ -125,6 +125,7 @@ def run(args) -> int:
     if size > 1:
         import torch.distributed as dist
 
+        dist.barrier()  # every rank done with its collectives before the group goes
         dist.destroy_process_group()
     return 0
 
