@@ -12,8 +12,13 @@ import importlib.util
 __all__ = ["supports", "attention", "triton_available"]
 
 
+#: looked up once at import: torch.compile cannot trace importlib (a graph break inside
+#: fp4_attention's backend choice, found on the H200)
+_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_AVAILABLE
 
 
 def supports(recipe, q, mask=None) -> tuple[bool, str]:

@@ -9,6 +9,8 @@ Outputs hold the dequantized values in bf16 (exact for E2M1 × E8M0/E4M3 scales)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -179,6 +181,16 @@ def prepass_fp8(q, k, v, recipe: AttentionRecipe, key_alive):
     return _PrePass(q, k, v, recipe, key_alive).run_fp8()
 
 
+@functools.lru_cache(maxsize=32)
+def _sign_hadamard(dp: int, d: int, device: torch.device) -> torch.Tensor:
+    """The ±1 Hadamard matrix of order ``dp``, zero-padded to ``d``, built once per device: a
+    host-to-device copy on every call would cost time and cannot be captured in a CUDA graph.
+    Shared between calls: read it, never write it."""
+    hm = torch.zeros(d, d, device=device)
+    hm[:dp, :dp] = torch.sign(hadamard_matrix(dp, device=device))
+    return hm
+
+
 class _PrePass:
     """Launches of the row (Q, K) and V pre-pass kernels for one attention call."""
 
@@ -198,8 +210,7 @@ class _PrePass:
         self.none = torch.empty(1, 1, device=dev)
         self.d = next_pow2(dp, floor=32 if recipe.qk_format is Format.MXFP4 else 16)
         if recipe.hadamard:
-            self.hm = torch.zeros(self.d, self.d, device=dev)
-            self.hm[:dp, :dp] = torch.sign(hadamard_matrix(dp, device=dev))
+            self.hm = _sign_hadamard(dp, self.d, dev)
         else:
             self.hm = torch.empty(1, device=dev)
         self.mean = self.none
