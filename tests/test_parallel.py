@@ -76,6 +76,10 @@ def test_ring_equals_lse_merge_of_shards(tmp_path, method, backend):
     assert cossim(got, single) > 0.995
 
 
+#: MXAttention's policy shape: FP16 in block 0 (stock attention, except under ring: see the test)
+BLOCK0_FP16 = {"method": "mxattn", "rules": [{"method": "fp16", "blocks": [0]}]}
+
+
 def _wan_inputs():
     g = torch.Generator().manual_seed(1)
     return dict(hidden_states=torch.randn(1, 16, 2, 16, 16, generator=g),  # 2·8·8 = 128 video tokens
@@ -92,7 +96,10 @@ def _wan_forward(method, degrees=None):
     model = _tiny_wan_transformer(0, 32)
     if degrees is not None:
         distributed.enable_context_parallel(model, **degrees, device=torch.device("cpu"))
-    ctx = install(model, method, backend="reference")
+    from fp4video.integration import Policy
+
+    policy = Policy.model_validate(BLOCK0_FP16) if method == "block0-fp16" else method
+    ctx = install(model, policy, backend="reference")
     with torch.no_grad():
         out = model(**_wan_inputs())[0]
     return out, ctx
@@ -110,21 +117,26 @@ def _wan_worker(rank, init_file, mode, method, out_dir):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mode", ["ulysses", "ring"])
-def test_wan_transformer_under_context_parallelism(tmp_path, mode):
+@pytest.mark.parametrize("mode,method", [("ulysses", "mxattn"), ("ring", "mxattn"), ("ulysses", "block0-fp16"),
+                                         ("ring", "block0-fp16")])
+def test_wan_transformer_under_context_parallelism(tmp_path, mode, method):
     """Both ranks get the whole output (the plan gathers it); Ulysses equals the single-process
-    forward, ring is close (shard-wise P quantization; see fp4video.integration.parallel)."""
+    forward, ring is close (shard-wise P quantization; see fp4video.integration.parallel). With an
+    FP16 block under ring (diffusers' native attention cannot return the LSE the ring merge
+    needs), fp4video's unquantized attention runs it."""
     import torch.multiprocessing as mp
 
     from fp4video.metrics import cossim
 
-    mp.spawn(_wan_worker, args=(str(tmp_path / "init"), mode, "mxattn", str(tmp_path)), nprocs=WORLD)
+    mp.spawn(_wan_worker, args=(str(tmp_path / "init"), mode, method, str(tmp_path)), nprocs=WORLD)
     results = [torch.load(tmp_path / f"wan{r}.pt") for r in range(WORLD)]
-    single, _ = _wan_forward("mxattn")
+    single, _ = _wan_forward(method)
     assert torch.equal(results[0]["out"], results[1]["out"])
     calls = results[0]["calls"]
     degrees = {"ring": WORLD, "ulysses": 1} if mode == "ring" else {"ring": 1, "ulysses": WORLD}
-    assert {c["method"] for c in calls} == {"mxattn"}
+    assert {c["method"] for c in calls} == ({"mxattn"} if method == "mxattn" else {"mxattn", "fp16"})
+    if method != "mxattn":
+        assert {c["method"] for c in calls if c["block"] == 0} == {"fp16"}
     # self-attention ran context-parallel; cross-attention (local queries, whole text) did not
     assert all(c.get("context_parallel") == (degrees if c["kind"] == "self" else None) for c in calls)
     if mode == "ulysses":

@@ -60,6 +60,11 @@ def _is_hunyuan_joint(attn, encoder_hidden_states, image_rotary_emb) -> bool:
         image_rotary_emb is not None)
 
 
+def _ring(parallel_config) -> bool:
+    cp = getattr(parallel_config, "context_parallel_config", None)
+    return cp is not None and cp.ring_degree > 1
+
+
 class FP4Processor:
     """FP4 attention for every attention module of Wan and HunyuanVideo transformers.
 
@@ -96,11 +101,13 @@ class FP4Processor:
             # stock attention has no such split; fp16 runs fp4video's unquantized attention here
             out = joint_context_parallel_attention(q, k, v, n_replicated=replicated, method=method,
                                                    parallel_config=parallel_config, attn_mask=mask, backend=ctx.backend)
-        elif method == "fp16":
+        elif method == "fp16" and not _ring(parallel_config):
             out = self._stock(q, k, v, mask, parallel_config)
         else:
             try:
                 if parallel_config is not None:  # context parallelism: this rank holds a shard of the tokens
+                    # (fp16 under ring too: the ring merges partial results by their LSE, which
+                    # diffusers' default native attention cannot return; fp4video's can)
                     from .parallel import context_parallel_attention
 
                     out = context_parallel_attention(q, k, v, method=method, parallel_config=parallel_config,
