@@ -139,16 +139,12 @@ TILE_EXP_FLOOR = -60
 
 
 @triton.jit
-def _mx_fp8_tile(q, q_scale, m_i, k_i, l_i, acc, K_base, V_base, M_base, start, SK, SK_PAD, sks, svd, sms,
-                 HAS_MASK: tl.constexpr, TAIL: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
-                 PNQ: tl.constexpr, D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr,
-                 PRECISE_QK: tl.constexpr, PRECISE_PV: tl.constexpr):
-    """One key tile of :func:`_mx_fp8_attn_fwd`: returns the updated (m, k, l, acc)."""
-    NB: tl.constexpr = BLOCK_N // QB
+def _mx_fp8_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK: tl.constexpr, TAIL: tl.constexpr,
+                   D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE_QK: tl.constexpr):
+    """Q̂·K̂ᵀ of one key tile (e4m3 MMA), masked keys at -inf. The logit in log2 units is
+    qk · q_scale, q_scale > 0 per row."""
     keys = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     if TAIL:
         k = tl.load(K_base + keys[:, None] * sks + offs_d[None, :], mask=(keys < SK)[:, None], other=0.0)
     else:
@@ -156,12 +152,26 @@ def _mx_fp8_tile(q, q_scale, m_i, k_i, l_i, acc, K_base, V_base, M_base, start, 
     if PRECISE_QK:
         qk = tl.dot(q, tl.trans(k), max_num_imprecise_acc=32)
     else:
-        qk = tl.dot(q, tl.trans(k))  # the logit (log2 units) is qk · q_scale, q_scale > 0 per row
+        qk = tl.dot(q, tl.trans(k))
     if HAS_MASK:
         km = tl.load(M_base + keys * sms, mask=keys < SK, other=0)
         qk = tl.where((km != 0)[None, :], qk, float("-inf"))
     elif TAIL:
         qk = tl.where((keys < SK)[None, :], qk, float("-inf"))
+    return qk
+
+
+@triton.jit
+def _mx_fp8_tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, SK_PAD, svd,
+                 TAIL: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
+                 PNQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr,
+                 PRECISE_PV: tl.constexpr):
+    """Softmax, P quantization and P̂·V̂ of one key tile of :func:`_mx_fp8_attn_fwd`, given its
+    logits from :func:`_mx_fp8_logits`: returns the updated (m, k, l, acc)."""
+    NB: tl.constexpr = BLOCK_N // QB
+    keys = start + tl.arange(0, BLOCK_N)
+    offs_dv = tl.arange(0, BLOCK_DV)
     block_max = tl.max(tl.reshape(qk, (BLOCK_M, NB, QB)), axis=2) * q_scale[:, None]
     m_new = tl.maximum(m_i, tl.max(block_max, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -179,6 +189,7 @@ def _mx_fp8_tile(q, q_scale, m_i, k_i, l_i, acc, K_base, V_base, M_base, start, 
                            (BLOCK_M, BLOCK_N))
     else:
         p_hat = p
+    p8 = p_hat.to(tl.float8e4nv)
     alpha = tl.exp2(m_i - m_safe + (k_new - k_i).to(tl.float32))
     if PNQ:
         l_i = tl.fma(alpha, l_i, tl.sum(p_hat, axis=1))
@@ -190,9 +201,9 @@ def _mx_fp8_tile(q, q_scale, m_i, k_i, l_i, acc, K_base, V_base, M_base, start, 
     else:
         vt = tl.load(V_base + offs_dv[:, None] * svd + keys[None, :])
     if PRECISE_PV:  # promote the fp8 MMA's partial sums to fp32 every 32 keys
-        acc = tl.dot(p_hat.to(tl.float8e4nv), tl.trans(vt), acc * alpha[:, None], max_num_imprecise_acc=32)
+        acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None], max_num_imprecise_acc=32)
     else:
-        acc = tl.dot(p_hat.to(tl.float8e4nv), tl.trans(vt), acc * alpha[:, None])
+        acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
     return m_new, k_new, l_i, acc
 
 
@@ -246,13 +257,15 @@ def _mx_fp8_attn_fwd(
     # tile), then the partial last tile
     n_full = (SK // BLOCK_N) * BLOCK_N
     for start in tl.range(0, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
+        qk = _mx_fp8_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, PRECISE_QK)
         m_i, k_i, l_i, acc = _mx_fp8_tile(
-            q, q_scale, m_i, k_i, l_i, acc, K_base, V_base, M_base, start, SK, SK_PAD, sks, svd, sms,
-            HAS_MASK, False, OCP, QMAX, PNQ, D, BLOCK_DV, BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_QK, PRECISE_PV)
+            qk, q_scale, m_i, k_i, l_i, acc, V_base, start, SK_PAD, svd, False, OCP, QMAX, PNQ, BLOCK_DV,
+            BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV)
     if n_full < SK:
+        qk = _mx_fp8_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, PRECISE_QK)
         m_i, k_i, l_i, acc = _mx_fp8_tile(
-            q, q_scale, m_i, k_i, l_i, acc, K_base, V_base, M_base, n_full, SK, SK_PAD, sks, svd, sms,
-            HAS_MASK, True, OCP, QMAX, PNQ, D, BLOCK_DV, BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_QK, PRECISE_PV)
+            qk, q_scale, m_i, k_i, l_i, acc, V_base, n_full, SK_PAD, svd, True, OCP, QMAX, PNQ, BLOCK_DV,
+            BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV)
 
     live = l_i > 0
     l_safe = tl.where(live, l_i, 1.0)
