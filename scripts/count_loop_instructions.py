@@ -1,31 +1,31 @@
 #!/usr/bin/env python3
-"""Instructions per element of S in the e4m3 MXFP4 attention loop, read from its sm_90 PTX,
+"""Instructions per element of S in the e4m3 MXFP4 attention loop, read from its sm_90 code,
 compiled offline (no GPU needed): the ALU budget BENCHMARKS.md discusses.
 
-    python scripts/count_loop_instructions.py [--no-quantize-p] [--ocp]
+    python scripts/count_loop_instructions.py [--no-quantize-p] [--ocp] [--precise]
 
 Compiles ``_mx_fp8_attn_fwd`` as it is launched on Hopper (BLOCK_M 128, 8 warps, 3 stages, no FMA
-contraction, head dim 128, no mask), takes the largest basic block of the PTX (the main loop over
-full key tiles) and divides its instruction count by the elements of S each thread owns
-(128 × 128 / 256 = 64). Counts are per thread, so per element of S.
+contraction, head dim 128, no mask), disassembles the cubin with the nvdisasm that ships with
+Triton and takes the main loop: the code from the label that a later branch jumps back to, up to
+that branch, containing the MMAs. Its instruction count divided by the elements of S each thread
+owns per key tile (128 × 128 / 256 = 64) is the count per element. Also prints the PTX count of the
+same loop body (what Triton emits, before ptxas).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
+import subprocess
 import sys
+import tempfile
+
+PER_THREAD = 128 * 128 // (8 * 32)  # elements of one 128 × 128 tile of S per thread (8 warps)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--no-quantize-p", action="store_true", help="the floor variant: P only cast to e4m3")
-    ap.add_argument("--ocp", action="store_true", help="OCP scale rule instead of UOS")
-    ap.add_argument("--precise", action="store_true", help="max_num_imprecise_acc=32 on both MMAs (PRECISE_QK/PV)")
-    ap.add_argument("--top", type=int, default=14, help="opcodes to list")
-    args = ap.parse_args(argv)
-
+def compile_loop_kernel(args):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -36,8 +36,12 @@ def main(argv=None) -> int:
     ptr = {"Q8": "*fp8e4nv", "QFac": "*fp32", "K8": "*fp8e4nv", "KFac": "*fp32", "V8T": "*fp8e4nv", "VFac": "*fp32",
            "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
     consts = dict(HAS_MASK=False, OCP=args.ocp, QMAX=7.25, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=128, BLOCK_N=128,
-                  QB=32, EXP_FLOOR=TILE_EXP_FLOOR, QUANTIZE_P=not args.no_quantize_p,
+                  QB=32, EXP_FLOOR=TILE_EXP_FLOOR, QUANTIZE_P=not args.no_quantize_p, WARP_SPEC=False,
                   PRECISE_QK=args.precise, PRECISE_PV=args.precise)
+    missing = [n for n in names if n.isupper() and "_" not in n[:1] and n not in consts and n not in ptr
+               and n not in ("H", "SQ", "SK", "SK_PAD", "DV")]
+    if missing:  # every constexpr must be fixed here, or Triton makes it a runtime argument
+        raise SystemExit(f"error: constexpr arguments not set by this script: {missing}")
     sig = {n: "constexpr" if n in consts else ptr.get(n, "fp32" if n == "scale_log2" else "i32") for n in names}
     # as Triton specializes a Wan-480p launch (S = 32,760, H = 40): pointers, and every stride that
     # is a multiple of 16 there, are marked 16-divisible
@@ -46,28 +50,60 @@ def main(argv=None) -> int:
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     options = dict(num_warps=8, num_stages=3, enable_fp_fusion=False)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
-    blocks = re.split(r"\n\$L__BB\d+_\d+:", ptx)[1:]
-    counts = []
-    for body in blocks:
-        ops = collections.Counter()
-        for line in body.splitlines():
-            line = line.strip()
-            if not line or line.startswith(("//", "{", "}", ".", "$")):
-                continue
-            if line.startswith("@"):
-                line = line.split(None, 1)[1]
-            ops[line.split()[0].rstrip(";")] += 1
-        counts.append(ops)
-    # the main loop: the largest block that issues the MMAs and loads its tiles asynchronously
-    loop = max((c for c in counts if c["cp.async.cg.shared.global"] and any(k.startswith("wgmma.mma") for k in c)),
-               key=lambda c: sum(c.values()))
-    per_thread = 128 * 128 // (8 * 32)
-    print(f"Triton {triton.__version__}, sm_90, main loop: {sum(loop.values())} instructions per thread per key "
-          f"tile = {sum(loop.values()) / per_thread:.1f} per element of S")
-    for op, n in loop.most_common(args.top):
-        print(f"  {n / per_thread:5.2f}  {op}")
+
+def loop_opcodes(lines, label_re, branch_re, op_re, is_mma):
+    """Opcode counts of the last loop (label ... backward branch to it) that issues MMAs."""
+    labels, best = {}, None
+    for i, line in enumerate(lines):
+        m = re.match(label_re, line.strip())
+        if m:
+            labels[m.group(1)] = i
+        m = re.search(branch_re, line)
+        if m and labels.get(m.group(1), i) < i:
+            ops = collections.Counter()
+            for body_line in lines[labels[m.group(1)]:i + 1]:
+                mm = re.match(op_re, body_line)
+                if mm:
+                    ops[mm.group(1)] += 1
+            if any(is_mma(op) for op in ops):
+                best = ops
+    if best is None:
+        raise SystemExit("error: no loop with MMAs found")
+    return best
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--no-quantize-p", action="store_true", help="the floor variant: P only cast to e4m3")
+    ap.add_argument("--ocp", action="store_true", help="OCP scale rule instead of UOS")
+    ap.add_argument("--precise", action="store_true", help="max_num_imprecise_acc=32 on both MMAs (PRECISE_QK/PV)")
+    ap.add_argument("--top", type=int, default=16, help="opcodes to list")
+    args = ap.parse_args(argv)
+
+    import triton
+
+    kernel = compile_loop_kernel(args)
+    ptx_loop = loop_opcodes(kernel.asm["ptx"].splitlines(), r"^(\$L__BB\d+_\d+):", r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+)",
+                            r"^\s*(?:@%?!?\w+\s+)?([a-z][\w.]*)", lambda op: op.startswith("wgmma.mma"))
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "loop.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+    sass_loop = loop_opcodes(sass.splitlines(), r"^(\.L_x_\d+):", r"BRA\s+`?\(?(\.L_x_\d+)",
+                             r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", lambda op: "GMMA" in op)
+    n_sass, n_ptx = sum(sass_loop.values()), sum(ptx_loop.values())
+    print(f"Triton {triton.__version__}, sm_90, main loop of _mx_fp8_attn_fwd: "
+          f"{n_sass / PER_THREAD:.1f} SASS instructions per element of S ({n_sass} per thread per key tile), "
+          f"{n_ptx / PER_THREAD:.1f} in PTX")
+    by_unit = collections.Counter()
+    for op, n in sass_loop.items():
+        by_unit[op.split(".")[0]] += n
+    for op, n in by_unit.most_common(args.top):
+        print(f"  {n / PER_THREAD:5.2f}  {op}")
     return 0
 
 

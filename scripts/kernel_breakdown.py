@@ -30,50 +30,8 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=20, rep=80, return_mode="median")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq", type=int, default=32760)
-    ap.add_argument("--heads", type=int, default=40)
-    ap.add_argument("--method", default="mxattn")
-    ap.add_argument("--configs", default="128x8x2,128x8x3,128x8x4,128x4x3,64x4x3",
-                    help="BLOCK_MxWARPSxSTAGES list for the loop")
-    ap.add_argument("--warp-specialize", action="store_true", help="also try tl.range(warp_specialize=True)")
-    args = ap.parse_args(argv)
-    recipe = METHODS[args.method]
-    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    # correctness of every loop variant on a smaller problem (against the reference backend)
-    q, k, v = (torch.randn(1, 4, 4000, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    ref = fp4_attention(q, k, v, method=args.method, backend="reference").float()
-    prepared = prepare(q, k, v, recipe, None)
-    print(f"| check (S=4000, H=4) | config | cosine to reference |\n| --- | --- | --- |")
-    for bm, nw, ns in configs:
-        out, _ = attention_prepared(prepared, None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype, dv=128,
-                                    block_m=bm, num_warps=nw, num_stages=ns)
-        print(f"| {args.method} | {bm}x{nw}x{ns} | {cossim(out.float(), ref):.6f} |", flush=True)
-
-    # long rows: the fp8 MMAs accumulate over every key tile
-    ql, kl, vl = (torch.randn(1, 1, args.seq, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    ref = fp4_attention(ql[:, :, :2048], kl, vl, method=args.method, backend="reference").float()
-    for ws in (False, True) if args.warp_specialize else (False,):
-        prepared = prepare(ql[:, :, :2048], kl, vl, recipe, None)
-        out, _ = attention_prepared(prepared, None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype, dv=128,
-                                    warp_specialize=ws)
-        print(f"| {args.method}, Sk={args.seq}{', warp-specialized' if ws else ''} | default | "
-              f"{cossim(out.float(), ref):.6f} |", flush=True)
-    del ql, kl, vl, ref
-
-    q, k, v = (torch.randn(1, args.heads, args.seq, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-               for _ in range(3))
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        t_ref = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
-    copy = torch.empty_like(q)
-    t_copy = bench(lambda: copy.copy_(q))
-    gbps = 2 * q.numel() * 2 / t_copy / 1e6
-    print(f"\n{torch.cuda.get_device_name()}, S={args.seq}, H={args.heads}, D=128: cuDNN SDPA {t_ref:.2f} ms; "
-          f"bf16 copy of Q {t_copy:.3f} ms = {gbps:.0f} GB/s")
-
+def prepass_tables(args, recipe, q, k, v, gbps):
+    """The pre-pass variants and each launch of the fp8 pre-pass, against the copy bandwidth."""
     # pre-pass: bytes moved at the copy bandwidth is the floor
     print("\n| pre-pass | rows/program | rotation | ms | × copy-bandwidth floor |\n| --- | --- | --- | --- | --- |")
     n = q.numel()
@@ -104,6 +62,55 @@ def main(argv=None) -> int:
             t = bench(fn)
             nbytes = n * (2 + (1 if "amax" not in name else 0))
             print(f"| {name} | {t:.3f} | {nbytes / (gbps * 1e6) / t:.2f} |", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seq", type=int, default=32760)
+    ap.add_argument("--heads", type=int, default=40)
+    ap.add_argument("--method", default="mxattn")
+    ap.add_argument("--configs", default="128x8x2,128x8x3,128x8x4,128x4x3,64x4x3",
+                    help="BLOCK_MxWARPSxSTAGES list for the loop")
+    ap.add_argument("--warp-specialize", action="store_true", help="also try tl.range(warp_specialize=True)")
+    ap.add_argument("--skip-prepass", action="store_true", help="time the attention loop only")
+    args = ap.parse_args(argv)
+    recipe = METHODS[args.method]
+    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    # correctness of every loop variant on a smaller problem (against the reference backend)
+    q, k, v = (torch.randn(1, 4, 4000, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    ref = fp4_attention(q, k, v, method=args.method, backend="reference").float()
+    prepared = prepare(q, k, v, recipe, None)
+    print(f"| check (S=4000, H=4) | config | cosine to reference |\n| --- | --- | --- |")
+    for bm, nw, ns in configs:
+        out, _ = attention_prepared(prepared, None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype, dv=128,
+                                    block_m=bm, num_warps=nw, num_stages=ns)
+        print(f"| {args.method} | {bm}x{nw}x{ns} | {cossim(out.float(), ref):.6f} |", flush=True)
+
+    # long rows: the fp8 MMAs accumulate over every key tile
+    ql, kl, vl = (torch.randn(1, 1, args.seq, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    ref = fp4_attention(ql[:, :, :2048], kl, vl, method=args.method, backend="reference").float()
+    prepared = prepare(ql[:, :, :2048], kl, vl, recipe, None)
+    for ws in (False, True) if args.warp_specialize else (False,):
+        out, _ = attention_prepared(prepared, None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype, dv=128,
+                                    warp_specialize=ws)
+        print(f"| {args.method}, Sk={args.seq}{', warp-specialized' if ws else ''} | default | "
+              f"{cossim(out.float(), ref):.6f} |", flush=True)
+    del ql, kl, vl, ref
+
+    q, k, v = (torch.randn(1, args.heads, args.seq, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+               for _ in range(3))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        t_ref = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    copy = torch.empty_like(q)
+    t_copy = bench(lambda: copy.copy_(q))
+    gbps = 2 * q.numel() * 2 / t_copy / 1e6
+    print(f"\n{torch.cuda.get_device_name()}, S={args.seq}, H={args.heads}, D=128: cuDNN SDPA {t_ref:.2f} ms; "
+          f"bf16 copy of Q {t_copy:.3f} ms = {gbps:.0f} GB/s")
+
+    if not args.skip_prepass:
+        prepass_tables(args, recipe, q, k, v, gbps)
 
     prepared = prepare(q, k, v, recipe, None)
     print("\n| loop | config | ms | TFLOP/s | × cuDNN |\n| --- | --- | --- | --- | --- |")
