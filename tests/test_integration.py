@@ -180,6 +180,28 @@ def test_generate_embedded_default(tmp_path):
     assert "wrote" in proc.stderr
 
 
+def test_generate_frames_script_saves_the_decoded_frames(tmp_path):
+    """scripts/generate_frames.py (the CLI, frames saved as .npy: the 2xH200 video comparison in
+    BENCHMARKS.md) and scripts/compare_frames.py."""
+    import numpy as np
+
+    root = Path(__file__).resolve().parents[1] / "scripts"
+    out = tmp_path / "f.mp4"
+    proc = subprocess.run([sys.executable, str(root / "generate_frames.py"), "generate", "--steps", "2",
+                           "--output", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    frames = np.load(f"{out}.npy")
+    assert frames.shape == (TINY_SIZES["frames"], TINY_SIZES["height"], TINY_SIZES["width"], 3)
+    assert frames.dtype == np.float32 and 0 <= frames.min() and frames.max() <= 1 and frames.std() > 0
+    assert not out.exists() and out.with_suffix(".json").exists()  # no mp4 encoded; the sidecar as usual
+    other = frames.copy()
+    other[3, 5, 7, 1] = np.clip(other[3, 5, 7, 1] + 9 / 255, 0, 1) if other[3, 5, 7, 1] < 0.5 else other[3, 5, 7, 1] - 9 / 255
+    np.save(tmp_path / "other.npy", other)
+    cmp = subprocess.run([sys.executable, str(root / "compare_frames.py"), f"{out}.npy", str(tmp_path / "other.npy")],
+                         capture_output=True, text=True, timeout=60)
+    assert cmp.returncode == 0 and "max |diff| 9/255" in cmp.stdout, cmp.stdout + cmp.stderr
+
+
 def test_generate_loads_a_saved_pipeline(tmp_path):
     tiny_wan_pipeline(two_experts=True).save_pretrained(tmp_path / "tiny")
     out = tmp_path / "saved.mp4"
