@@ -9,7 +9,7 @@ contraction, head dim 128, no mask), disassembles the cubin with the nvdisasm th
 Triton and takes the main loop: the code from the label that a later branch jumps back to, up to
 that branch, containing the MMAs. Its instruction count divided by the elements of S each thread
 owns per key tile (128 × 128 / 256 = 64) is the count per element. Also prints the PTX count of the
-same loop body (what Triton emits, before ptxas).
+same loop body (what Triton emits, before ptxas) and ptxas's register and spill report.
 """
 
 from __future__ import annotations
@@ -74,6 +74,25 @@ def loop_opcodes(lines, label_re, branch_re, op_re, is_mma):
     return best
 
 
+def ptxas_registers(ptx: str, bin_dir: str, tmp: str) -> str:
+    """Registers and spills as ``ptxas -v`` reports them (the first of Triton's ptxas that takes
+    this PTX version)."""
+    path = os.path.join(tmp, "loop.ptx")
+    with open(path, "w") as f:
+        f.write(ptx)
+    for name in ("ptxas-blackwell", "ptxas"):
+        exe = os.path.join(bin_dir, name)
+        if not os.path.exists(exe):
+            continue
+        run = subprocess.run([exe, "-v", "--gpu-name", "sm_90a", path, "-o", os.path.join(tmp, "loop.o")],
+                             capture_output=True, text=True)
+        regs = re.search(r"Used (\d+) registers", run.stderr + run.stdout)
+        spills = re.search(r"(\d+) bytes spill stores", run.stderr + run.stdout)
+        if run.returncode == 0 and regs:
+            return f"{regs.group(1)} registers, {spills.group(1) if spills else '?'} bytes spill stores"
+    return "registers: no ptxas here took this PTX"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-quantize-p", action="store_true", help="the floor variant: P only cast to e4m3")
@@ -95,10 +114,11 @@ def main(argv=None) -> int:
         sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
     sass_loop = loop_opcodes(sass.splitlines(), r"^(\.L_x_\d+):", r"BRA\s+`?\(?(\.L_x_\d+)",
                              r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", lambda op: "GMMA" in op)
+        registers = ptxas_registers(kernel.asm["ptx"], os.path.dirname(nvdisasm), tmp)
     n_sass, n_ptx = sum(sass_loop.values()), sum(ptx_loop.values())
     print(f"Triton {triton.__version__}, sm_90, main loop of _mx_fp8_attn_fwd: "
           f"{n_sass / PER_THREAD:.1f} SASS instructions per element of S ({n_sass} per thread per key tile), "
-          f"{n_ptx / PER_THREAD:.1f} in PTX")
+          f"{n_ptx / PER_THREAD:.1f} in PTX; {registers}")
     by_unit = collections.Counter()
     for op, n in sass_loop.items():
         by_unit[op.split(".")[0]] += n
