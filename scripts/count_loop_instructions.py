@@ -112,9 +112,9 @@ def main(argv=None) -> int:
         with open(path, "wb") as f:
             f.write(kernel.asm["cubin"])
         sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+        registers = ptxas_registers(kernel.asm["ptx"], os.path.dirname(nvdisasm), tmp)
     sass_loop = loop_opcodes(sass.splitlines(), r"^(\.L_x_\d+):", r"BRA\s+`?\(?(\.L_x_\d+)",
                              r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", lambda op: "GMMA" in op)
-        registers = ptxas_registers(kernel.asm["ptx"], os.path.dirname(nvdisasm), tmp)
     n_sass, n_ptx = sum(sass_loop.values()), sum(ptx_loop.values())
     print(f"Triton {triton.__version__}, sm_90, main loop of _mx_fp8_attn_fwd: "
           f"{n_sass / PER_THREAD:.1f} SASS instructions per element of S ({n_sass} per thread per key tile), "
