@@ -401,7 +401,8 @@ def _key_mask(key_alive, dev):
 
 
 def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, key_alive, *, recipe, scale, out_dtype, dv,
-                   block_m, num_warps, num_stages, quantize_p=True, warp_specialize=False):
+                   block_m, num_warps, num_stages, quantize_p=True, warp_specialize=False, precise_qk=False,
+                   precise_pv=False):
     b, h, sq, d = q8.shape
     sk, dvp = k8.shape[-2], v8t.shape[-2]
     dev = q8.device
@@ -420,6 +421,7 @@ def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, key_alive, *, recipe, scale
         HAS_MASK=key_alive is not None, OCP=recipe.scale_rule is ScaleRule.OCP, QMAX=recipe.scale_rule.qmax,
         PNQ=recipe.row_sum is RowSum.QUANTIZED, D=d, BLOCK_DV=dvp, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
         QB=recipe.pv_format.block, EXP_FLOOR=TILE_EXP_FLOOR, QUANTIZE_P=quantize_p, WARP_SPEC=warp_specialize,
+        PRECISE_QK=precise_qk, PRECISE_PV=precise_pv,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
     )
     return out, lse
