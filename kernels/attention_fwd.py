@@ -139,11 +139,25 @@ TILE_EXP_FLOOR = -60
 
 
 @triton.jit
+def mma_key_order(cols, NB: tl.constexpr, QB: tl.constexpr):
+    """The key (within its tile) that column ``cols`` of the e4m3 kernel's S tile holds.
+
+    Hopper's MMA gives each lane of a quad the columns 8j + 2t + {0, 1} of its rows (t: the lane
+    in the quad). Loading keys QB·t + 2j + {0, 1} there puts every P-quantization block (QB
+    consecutive keys) in one lane: block maxima, scales and rounding units are computed once per
+    lane, with no cross-lane reduction and no replicated per-block work. In general: column
+    c = 2·NB·j + 2·t + e holds key QB·t + 2·j + e (NB = BLOCK_N // QB blocks per tile).
+    :func:`fp4video.kernels.prepass.v8t_key_order` is the same map for V's stored columns.
+    """
+    return QB * ((cols // 2) % NB) + 2 * (cols // (2 * NB)) + cols % 2
+
+
+@triton.jit
 def _mx_fp8_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK: tl.constexpr, TAIL: tl.constexpr,
-                   D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE_QK: tl.constexpr):
-    """Q̂·K̂ᵀ of one key tile (e4m3 MMA), masked keys at -inf. The logit in log2 units is
-    qk · q_scale, q_scale > 0 per row."""
-    keys = start + tl.arange(0, BLOCK_N)
+                   D: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr, PRECISE_QK: tl.constexpr):
+    """Q̂·K̂ᵀ of one key tile (e4m3 MMA) with its keys in :func:`mma_key_order`, masked keys at
+    -inf. The logit in log2 units is qk · q_scale, q_scale > 0 per row."""
+    keys = start + mma_key_order(tl.arange(0, BLOCK_N), BLOCK_N // QB, QB)
     offs_d = tl.arange(0, D)
     if TAIL:
         k = tl.load(K_base + keys[:, None] * sks + offs_d[None, :], mask=(keys < SK)[:, None], other=0.0)
@@ -162,17 +176,22 @@ def _mx_fp8_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK: tl.constexp
 
 
 @triton.jit
-def _mx_fp8_tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, SK_PAD, svd,
-                 TAIL: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
+def _mx_fp8_tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd,
+                 OCP: tl.constexpr, QMAX: tl.constexpr,
                  PNQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr,
                  PRECISE_PV: tl.constexpr):
     """Softmax, P quantization and P̂·V̂ of one key tile of :func:`_mx_fp8_attn_fwd`, given its
-    logits from :func:`_mx_fp8_logits`: returns the updated (m, k, l, acc)."""
+    logits from :func:`_mx_fp8_logits`: returns the updated (m, k, l, acc).
+
+    Column c = 2·NB·j + 2·t + e holds key QB·t + 2·j + e of the tile (:func:`mma_key_order`),
+    so P block t is the columns with that t: shape (BLOCK_M, QB/2, NB, 2), reduced over axes 1, 3.
+    """
     NB: tl.constexpr = BLOCK_N // QB
-    keys = start + tl.arange(0, BLOCK_N)
+    BLOCKS: tl.constexpr = (BLOCK_M, QB // 2, NB, 2)
+    cols = start + tl.arange(0, BLOCK_N)
     offs_dv = tl.arange(0, BLOCK_DV)
-    block_max = tl.max(tl.reshape(qk, (BLOCK_M, NB, QB)), axis=2) * q_scale[:, None]
+    block_max = tl.max(tl.max(tl.reshape(qk, BLOCKS), axis=3), axis=1) * q_scale[:, None]
     m_new = tl.maximum(m_i, tl.max(block_max, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     # block exponents of P̃ = exp2(s - m) from the block maxima (exp2 is monotonic); the block
@@ -185,8 +204,7 @@ def _mx_fp8_tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, SK_PAD, svd,
     p = tl.exp2(tl.fma(qk, q_scale[:, None], (k_new.to(tl.float32) - m_safe)[:, None]))  # P̃ · 2^k_new
     if QUANTIZE_P:
         unit = pow2(tl.maximum(e_blk + k_new[:, None], -126))
-        p_hat = tl.reshape(round_e2m1_at_scale(tl.reshape(p, (BLOCK_M, NB, QB)), unit[:, :, None]),
-                           (BLOCK_M, BLOCK_N))
+        p_hat = tl.reshape(round_e2m1_at_scale(tl.reshape(p, BLOCKS), unit[:, None, :, None]), (BLOCK_M, BLOCK_N))
     else:
         p_hat = p
     p8 = p_hat.to(tl.float8e4nv)
@@ -195,11 +213,8 @@ def _mx_fp8_tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, SK_PAD, svd,
         l_i = tl.fma(alpha, l_i, tl.sum(p_hat, axis=1))
     else:
         l_i = tl.fma(alpha, l_i, tl.sum(p, axis=1))
-    # V is bounded by its padded length (a multiple of 16, zeros past SK): vectorized loads
-    if TAIL:
-        vt = tl.load(V_base + offs_dv[:, None] * svd + keys[None, :], mask=(keys < SK_PAD)[None, :], other=0.0)
-    else:
-        vt = tl.load(V_base + offs_dv[:, None] * svd + keys[None, :])
+    # V̂ᵀ is stored in the same key order and padded with zeros to whole tiles: plain loads
+    vt = tl.load(V_base + offs_dv[:, None] * svd + cols[None, :])
     if PRECISE_PV:  # promote the fp8 MMA's partial sums to fp32 every 32 keys
         acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None], max_num_imprecise_acc=32)
     else:
@@ -210,7 +225,7 @@ def _mx_fp8_tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, SK_PAD, svd,
 @triton.jit
 def _mx_fp8_attn_fwd(
     Q8, QFac, K8, KFac, V8T, VFac, KeyMask, Out, Lse,
-    H, SQ, SK, SK_PAD, DV,
+    H, SQ, SK, DV,
     sqb, sqh, sqs,
     skb, skh, sks,
     svb, svh, svd,
@@ -231,8 +246,11 @@ def _mx_fp8_attn_fwd(
     2^k per row and tile, k = 6 - (the tile's largest block exponent), folded into the exp2
     argument: the largest P̂ value is then 6·2^6 = 384 < 448, and every block whose scale is
     within 2^14 of the tile's largest block scale is exact in e4m3 (smaller ones lose low bits to
-    e4m3's subnormals; their weights are below 2^-14·7.25 of the tile's largest). ``acc`` and ``l`` are kept in the current tile's units
-    (their rescale factor is one exp2 per row), so no per-element scaling is added.
+    e4m3's subnormals; their weights are below 2^-14·7.25 of the tile's largest). ``acc`` and
+    ``l`` are kept in the current tile's units (their rescale factor is one exp2 per row), so no
+    per-element scaling is added. Within a tile, keys sit in :func:`mma_key_order` (K̂ rows are
+    loaded in that order, V̂ᵀ is stored in it), so each P block lives in one lane; P̂·V̂ sums the
+    same products as in key order.
     """
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -257,14 +275,14 @@ def _mx_fp8_attn_fwd(
     # tile), then the partial last tile
     n_full = (SK // BLOCK_N) * BLOCK_N
     for start in tl.range(0, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
-        qk = _mx_fp8_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, PRECISE_QK)
+        qk = _mx_fp8_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB, PRECISE_QK)
         m_i, k_i, l_i, acc = _mx_fp8_tile(
-            qk, q_scale, m_i, k_i, l_i, acc, V_base, start, SK_PAD, svd, False, OCP, QMAX, PNQ, BLOCK_DV,
+            qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV,
             BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV)
     if n_full < SK:
-        qk = _mx_fp8_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, PRECISE_QK)
+        qk = _mx_fp8_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, QB, PRECISE_QK)
         m_i, k_i, l_i, acc = _mx_fp8_tile(
-            qk, q_scale, m_i, k_i, l_i, acc, V_base, n_full, SK_PAD, svd, True, OCP, QMAX, PNQ, BLOCK_DV,
+            qk, q_scale, m_i, k_i, l_i, acc, V_base, n_full, svd, OCP, QMAX, PNQ, BLOCK_DV,
             BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV)
 
     live = l_i > 0
@@ -405,6 +423,8 @@ def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, key_alive, *, recipe, scale
                    precise_pv=False):
     b, h, sq, d = q8.shape
     sk, dvp = k8.shape[-2], v8t.shape[-2]
+    if v8t.shape[-1] % KEY_TILE:
+        raise ValueError(f"V̂ᵀ must be padded to whole key tiles of {KEY_TILE} (prepass_fp8 does), got {v8t.shape[-1]}")
     dev = q8.device
     out = torch.empty(b, h, sq, dv, device=dev, dtype=out_dtype)
     lse = torch.empty(b, h, sq, device=dev, dtype=torch.float32)
@@ -413,7 +433,7 @@ def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, key_alive, *, recipe, scale
     block_m, num_warps, num_stages = block_m or bm, num_warps or nw, num_stages or ns
     _mx_fp8_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
         q8, q_fac, k8, k_fac, v8t, v_fac, km, out, lse,
-        h, sq, sk, v8t.shape[-1], dv,
+        h, sq, sk, dv,
         *q8.stride()[:3], *k8.stride()[:3], *v8t.stride()[:3],
         km.stride(0), km.stride(1),
         *out.stride(), *lse.stride(),

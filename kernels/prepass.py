@@ -17,7 +17,7 @@ import triton.language as tl
 
 from fp4video.formats import Format, ScaleRule
 from fp4video.recipe import AttentionRecipe
-from fp4video.reference import qk_padded_dim, smoothing_mean
+from fp4video.reference import KEY_TILE, qk_padded_dim, smoothing_mean
 from fp4video.rotation import hadamard_matrix
 
 from .fp4_math import fake_quant_rows, fp8_shift, mx_pack_rows, pow2
@@ -142,9 +142,14 @@ def _prepass_v(
             tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=out_ok)
         elif OUT == 2:  # FP8_AMAX
             tl.atomic_max(Amax + bh * BLOCK_DV + cols, tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True))
-        else:  # padded channels are written as zeros
+        else:  # padded channels and tokens (up to whole tiles of BLOCK_S) are written as zeros
             c = fp8_shift(tl.load(Amax + bh * BLOCK_DV + cols).to(tl.float32, bitcast=True))
-            tl.store(out_ptrs, (x * pow2(c)[None, :]).to(tl.float8e4nv), mask=(rows < S)[:, None])
+            y = (x * pow2(c)[None, :]).to(tl.float8e4nv)
+            # tokens in the attention loop's MMA column order (attention_fwd.mma_key_order): the
+            # key QB·t + 2j + e of this tile goes to column 2·NB·j + 2·t + e
+            NB: tl.constexpr = BLOCK_S // QB
+            y = tl.reshape(tl.permute(tl.reshape(y, (NB, QB // 2, 2, BLOCK_DV)), (1, 0, 2, 3)), (BLOCK_S, BLOCK_DV))
+            tl.store(out_ptrs, y)
             if pid == 0:
                 tl.store(Fac + bh * BLOCK_DV + cols, pow2(-c))
 
@@ -174,11 +179,30 @@ def prepass_fp8(q, k, v, recipe: AttentionRecipe, key_alive):
 
     Returns ``(q8, q_fac (B, H, Sq), k8, k_fac (B, H), v8t, v_fac (B, H, Dv_padded))``: the
     dequantized value is ``q8 · q_fac`` (per query row), ``k8 · k_fac`` (per head), ``v8t · v_fac``
-    (per channel; ``v8t`` is (B, H, Dv_padded, Sk rounded up to 16), V transposed). E2M1 × 2^e is exact in e4m3 when the block's exponent is within 16 of the
+    (per channel; ``v8t`` is (B, H, Dv_padded, Sk rounded up to whole key tiles of 128), V
+    transposed, its tokens within each tile in the attention loop's MMA column order:
+    :func:`v8t_key_order` / :func:`v8t_in_key_order`). E2M1 × 2^e is exact in e4m3 when the block's exponent is within 16 of the
     row's / head's / channel's largest value exponent (see :func:`.fp4_math.fp8_shift`); blocks
     further below lose low bits (e4m3 subnormals) or flush to zero.
     """
     return _PrePass(q, k, v, recipe, key_alive).run_fp8()
+
+
+def v8t_key_order(n: int, qb: int = 32, tile: int = KEY_TILE) -> torch.Tensor:
+    """The token each of the ``n`` stored columns of :func:`prepass_fp8`'s ``v8t`` holds (within a
+    tile of ``tile`` tokens, column 2·NB·j + 2·t + e holds token qb·t + 2·j + e; NB = tile // qb):
+    the map of ``attention_fwd.mma_key_order``, tile by tile."""
+    c = torch.arange(n)
+    cc, nb = c % tile, tile // qb
+    return c - cc + qb * ((cc // 2) % nb) + 2 * (cc // (2 * nb)) + cc % 2
+
+
+def v8t_in_key_order(v8t: torch.Tensor, qb: int = 32) -> torch.Tensor:
+    """``v8t`` (…, Dv, Sk_pad) from :func:`prepass_fp8` with its tokens back in order (a copy)."""
+    order = v8t_key_order(v8t.shape[-1], qb).to(v8t.device)
+    out = torch.empty_like(v8t)
+    out[..., order] = v8t
+    return out
 
 
 @functools.lru_cache(maxsize=32)
@@ -195,7 +219,7 @@ class _PrePass:
     """Launches of the row (Q, K) and V pre-pass kernels for one attention call."""
 
     BLOCK_S = 64
-    BLOCK_S_V = 128  # the transposed e4m3 V store writes runs of BLOCK_S_V bytes per channel
+    BLOCK_S_V = KEY_TILE  # the transposed V stores write whole key tiles (fp8: in the loop's MMA column order)
     ROTATION = "split3"  # or "tf32x3" (BENCHMARKS.md compares them)
 
     def __init__(self, q, k, v, recipe, key_alive):
@@ -282,8 +306,8 @@ class _PrePass:
         dvp = next_pow2(self.dv, floor=32)
         q8 = torch.empty(b, h, self.sq, self.d, device=dev, dtype=f8)
         k8 = torch.empty(b, h, self.sk, self.d, device=dev, dtype=f8)
-        v8 = torch.empty(b, h, dvp, -(-self.sk // 16) * 16, device=dev, dtype=f8)  # transposed, rows 16-byte aligned
-        v8[..., self.sk:] = 0  # the alignment padding holds zeros, not garbage
+        # transposed, padded with zeros (written by the kernel) to whole key tiles, in MMA column order
+        v8 = torch.empty(b, h, dvp, -(-self.sk // KEY_TILE) * KEY_TILE, device=dev, dtype=f8)
         q_fac = torch.empty(b, h, self.sq, device=dev)
         k_fac = torch.empty(b, h, device=dev)
         v_fac = torch.empty(b, h, dvp, device=dev)

@@ -147,7 +147,7 @@ def test_round_e2m1_at_scale_matches_reference_rounding():
 def test_prepass_fp8_is_exact_and_in_e4m3_range():
     """q8·q_fac, k8·k_fac, v8·v_fac equal the reference's dequantized Q̂, K̂, V̂ (no rotation: bit
     for bit), and the scaled values use e4m3's range: largest at most 384, none saturated."""
-    from fp4video.kernels.prepass import prepass_fp8
+    from fp4video.kernels.prepass import prepass_fp8, v8t_in_key_order
     from fp4video.reference import prepare_qkv
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -160,13 +160,30 @@ def test_prepass_fp8_is_exact_and_in_e4m3_range():
     assert q8.dtype == k8.dtype == v8.dtype == torch.float8_e4m3fn
     got_q = q8.float() * q_fac[..., None]
     got_k = k8.float() * k_fac[..., None, None]
-    got_v = v8.float().transpose(-1, -2)[..., :150, :] * v_fac[..., None, :]
+    got_v = v8t_in_key_order(v8).float().transpose(-1, -2)[..., :150, :] * v_fac[..., None, :]
     assert torch.equal(got_q[..., :80], rq[..., :45, :80]) and not got_q[..., 80:].any()
     assert torch.equal(got_k[..., :80], rk[..., :150, :80]) and not got_k[..., 80:].any()
     assert torch.equal(got_v[..., :48], rv[..., :150, :48]) and not got_v[..., 48:].any()
+    assert v8.shape[-1] == 256 and not v8t_in_key_order(v8)[..., 150:].float().any()  # zeros to whole tiles
     for x in (q8, k8, v8):
         assert x.float().abs().max() <= 384
     assert k8.float().abs().amax(dim=(-1, -2)).min() >= 256  # the head's largest value uses the top binade
+
+
+def test_v8t_key_order_puts_each_p_block_in_one_lane_group():
+    """The stored order of the e4m3 V̂ᵀ (the loop loads K̂ in the same order): a permutation of
+    every 128-token tile, in which the columns 8j + 2t + {0, 1} (one lane t of an MMA quad) hold
+    exactly the 32 consecutive tokens of P block t."""
+    from fp4video.kernels.prepass import v8t_key_order
+
+    order = v8t_key_order(384)
+    for tile in range(3):
+        cols = torch.arange(128) + 128 * tile
+        assert torch.equal(order[cols].sort().values, cols)
+        lane = (torch.arange(128) // 2) % 4
+        for t in range(4):
+            assert torch.equal(order[cols[lane == t]].sort().values, 128 * tile + 32 * t + torch.arange(32))
+    assert order[:6].tolist() == [0, 1, 32, 33, 64, 65] and order[8:10].tolist() == [2, 3]
 
 
 def test_prepass_fp8_window_is_16_binades():
