@@ -113,7 +113,9 @@ def _prepass_v(
 
     OUT: 0 writes Out's dtype; FP8_AMAX folds each channel's |max| into Amax[b, h, :];
     FP8_HEAD writes e4m3 values shifted per channel (factors into Fac[b, h, :]); the fp8 output
-    is (B, H, Dv, S) — transposed, as Hopper's fp8 MMA wants its B operand K-major.
+    is (B, H, Dv, S_pad) — transposed, as Hopper's fp8 MMA wants its B operand K-major, padded with
+    zeros to whole tiles of BLOCK_S (= the loop's key tile) and ordered within each tile as the
+    loop's MMA columns (:func:`v8t_key_order`).
     """
     pid = tl.program_id(0)
     bh = tl.program_id(1)
