@@ -38,8 +38,7 @@ def compile_loop_kernel(args):
     consts = dict(HAS_MASK=False, OCP=args.ocp, QMAX=7.25, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=128, BLOCK_N=128,
                   QB=32, EXP_FLOOR=TILE_EXP_FLOOR, QUANTIZE_P=not args.no_quantize_p, WARP_SPEC=False,
                   PRECISE_QK=args.precise, PRECISE_PV=args.precise)
-    missing = [n for n in names if n.isupper() and "_" not in n[:1] and n not in consts and n not in ptr
-               and n not in ("H", "SQ", "SK", "SK_PAD", "DV")]
+    missing = [names[i] for i in fn.constexprs if names[i] not in consts]
     if missing:  # every constexpr must be fixed here, or Triton makes it a runtime argument
         raise SystemExit(f"error: constexpr arguments not set by this script: {missing}")
     sig = {n: "constexpr" if n in consts else ptr.get(n, "fp32" if n == "scale_log2" else "i32") for n in names}

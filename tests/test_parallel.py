@@ -15,6 +15,37 @@ WORLD = 2
 B, S, H, D = 1, 256, 4, 64
 
 
+def _cli(*args, cwd=None):
+    """``python -m fp4video.cli.main ARGS`` in one process (compiled kernels, not the interpreter)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-m", "fp4video.cli.main", *args], capture_output=True, text=True,
+                          env=env, timeout=600, cwd=cwd)
+
+
+def _cli_under_torchrun(*args, cwd=None):
+    """``torchrun --nproc-per-node 2 -m fp4video.cli.main ARGS`` on a free rendezvous port; skips
+    the test when no torchrun sits next to this python."""
+    import os
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun not found next to this python")
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([torchrun, "--nproc-per-node", str(WORLD), "--master-port", str(port), "-m",
+                           "fp4video.cli.main", *args], capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
+
+
 def _inputs():
     g = torch.Generator().manual_seed(0)
     return tuple(torch.randn(B, S, H, D, generator=g) for _ in range(3))
@@ -150,28 +181,13 @@ def test_generate_under_torchrun_equals_single_process(tmp_path):
     sidecar (rank 0), the FP4 self-attention context-parallel, frames equal to a one-process run
     up to uint8 rounding."""
     import json
-    import os
-    import shutil
-    import socket
-    import subprocess
-    import sys
 
     import imageio.v3 as iio
     import numpy as np
 
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    if torchrun is None:
-        pytest.skip("torchrun not found next to this python")
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    two = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(port), "-m", "fp4video.cli.main",
-                          "generate", "--ulysses-degree", "2", "--output", str(tmp_path / "two.mp4")],
-                         capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    two = _cli_under_torchrun("generate", "--ulysses-degree", "2", "--output", str(tmp_path / "two.mp4"), cwd=tmp_path)
     assert two.returncode == 0, two.stderr[-2000:]
-    one = subprocess.run([sys.executable, "-m", "fp4video.cli.main", "generate", "--output", str(tmp_path / "one.mp4")],
-                         capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    one = _cli("generate", "--output", str(tmp_path / "one.mp4"), cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-2000:]
     sidecar = json.loads((tmp_path / "two.json").read_text())
     assert sidecar["processes"] == 2 and sidecar["config"]["parallel"] == {"ring_degree": 1, "ulysses_degree": 2}
@@ -251,22 +267,8 @@ def test_hunyuan_transformer_under_context_parallelism(tmp_path, mode, method):
 def test_bench_parallel_smoke_under_torchrun(tmp_path):
     """`bench parallel` (the 2×GPU scaling command) end to end on CPU with the tiny transformer:
     rank 0 prints one row per method, and the split forward matches the one-process forward."""
-    import os
-    import shutil
-    import socket
-    import subprocess
-    import sys
-
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    if torchrun is None:
-        pytest.skip("torchrun not found next to this python")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(port), "-m", "fp4video.cli.main",
-                          "bench", "parallel", "--tiny", "--methods", "fp16", "mxattn", "--reps", "1",
-                          "--out", str(tmp_path / "bench.md")], capture_output=True, text=True, env=env, timeout=600)
+    run = _cli_under_torchrun("bench", "parallel", "--tiny", "--methods", "fp16", "mxattn", "--reps", "1",
+                              "--out", str(tmp_path / "bench.md"))
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line for line in (tmp_path / "bench.md").read_text().splitlines() if line.startswith("| fp16") or
             line.startswith("| mxattn")]
@@ -279,29 +281,15 @@ def test_generate_hunyuan_under_torchrun_ulysses_equals_single_process(tmp_path)
     video is the 1-process video (fully 4-bit mxattn config; equal here, up to 2/255 allowed for
     thread-count-dependent float summation in the rest of the model)."""
     import os
-    import shutil
-    import socket
-    import subprocess
-    import sys
 
     import imageio.v3 as iio
     import numpy as np
 
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    if torchrun is None:
-        pytest.skip("torchrun not found next to this python")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     config = os.path.join(os.path.dirname(__file__), "..", "configs", "hunyuan_mxattn.yaml")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     common = ["generate", "--config", config, "--model", "tiny"]
-    two = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(port), "-m", "fp4video.cli.main",
-                          *common, "--ulysses-degree", "2", "--output", str(tmp_path / "two.mp4")],
-                         capture_output=True, text=True, env=env, timeout=600)
+    two = _cli_under_torchrun(*common, "--ulysses-degree", "2", "--output", str(tmp_path / "two.mp4"))
     assert two.returncode == 0, two.stderr[-2000:]
-    one = subprocess.run([sys.executable, "-m", "fp4video.cli.main", *common, "--output", str(tmp_path / "one.mp4")],
-                         capture_output=True, text=True, env=env, timeout=600)
+    one = _cli(*common, "--output", str(tmp_path / "one.mp4"))
     assert one.returncode == 0, one.stderr[-2000:]
     a, b = iio.imread(tmp_path / "two.mp4").astype(np.int16), iio.imread(tmp_path / "one.mp4").astype(np.int16)
     assert a.shape == b.shape and np.abs(a - b).max() <= 2
