@@ -153,6 +153,23 @@ def mma_key_order(cols, NB: tl.constexpr, QB: tl.constexpr):
 
 
 @triton.jit
+def as_mma_operand(p8, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """P̂ (e4m3, laid out as the Q̂·K̂ᵀ accumulator) with its columns relabelled so that it is
+    already where Hopper's 8-bit MMA wants its A operand: no data moves.
+
+    Within each 32-key slice of the MMA's reduction, lane t of a quad holds the accumulator's
+    columns 8b + 2t + e (b < 4, e < 2) but feeds the A operand's k = 4t + u and 16 + 4t + u
+    (u < 4). Relabelling column 16a + 8b + 2t + e as k = 16a + 4t + 2b + e (a swap of two index
+    digits, free in registers) makes every lane's values its own operand slots; Triton otherwise
+    exchanges them between lanes (0.25 shuffles and 0.3 selects per element of S, measured with
+    ``scripts/count_loop_instructions.py``). P̂·V̂ only needs V̂'s rows in the same relabelled
+    order, which the pre-pass stores (:func:`fp4video.kernels.prepass.v8t_key_order`).
+    """
+    x = tl.reshape(p8, (BLOCK_M, BLOCK_N // 32, 2, 2, 4, 2))  # column digits (slice, a, b, t, e)
+    return tl.reshape(tl.permute(x, (0, 1, 2, 4, 3, 5)), (BLOCK_M, BLOCK_N))  # -> (slice, a, t, b, e)
+
+
+@triton.jit
 def _mx_fp8_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK: tl.constexpr, TAIL: tl.constexpr,
                    D: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr, PRECISE_QK: tl.constexpr):
     """Q̂·K̂ᵀ of one key tile (e4m3 MMA) with its keys in :func:`mma_key_order`, masked keys at
@@ -207,13 +224,14 @@ def _mx_fp8_tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd,
         p_hat = tl.reshape(round_e2m1_at_scale(tl.reshape(p, BLOCKS), unit[:, None, :, None]), (BLOCK_M, BLOCK_N))
     else:
         p_hat = p
-    p8 = p_hat.to(tl.float8e4nv)
+    p8 = as_mma_operand(p_hat.to(tl.float8e4nv), BLOCK_M, BLOCK_N)
     alpha = tl.exp2(m_i - m_safe + (k_new - k_i).to(tl.float32))
     if PNQ:
         l_i = tl.fma(alpha, l_i, tl.sum(p_hat, axis=1))
     else:
         l_i = tl.fma(alpha, l_i, tl.sum(p, axis=1))
-    # V̂ᵀ is stored in the same key order and padded with zeros to whole tiles: plain loads
+    # V̂ᵀ is stored in P̂'s operand order (prepass.v8t_key_order), padded with zeros to whole tiles:
+    # plain loads
     vt = tl.load(V_base + offs_dv[:, None] * svd + cols[None, :])
     if PRECISE_PV:  # promote the fp8 MMA's partial sums to fp32 every 32 keys
         acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None], max_num_imprecise_acc=32)

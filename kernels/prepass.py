@@ -115,7 +115,7 @@ def _prepass_v(
     FP8_HEAD writes e4m3 values shifted per channel (factors into Fac[b, h, :]); the fp8 output
     is (B, H, Dv, S_pad) — transposed, as Hopper's fp8 MMA wants its B operand K-major, padded with
     zeros to whole tiles of BLOCK_S (= the loop's key tile) and ordered within each tile as the
-    loop's MMA columns (:func:`v8t_key_order`).
+    loop's P̂ operand holds the keys (:func:`v8t_key_order`).
     """
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -147,10 +147,10 @@ def _prepass_v(
         else:  # padded channels and tokens (up to whole tiles of BLOCK_S) are written as zeros
             c = fp8_shift(tl.load(Amax + bh * BLOCK_DV + cols).to(tl.float32, bitcast=True))
             y = (x * pow2(c)[None, :]).to(tl.float8e4nv)
-            # tokens in the attention loop's MMA column order (attention_fwd.mma_key_order): the
-            # key QB·t + 2j + e of this tile goes to column 2·NB·j + 2·t + e
-            NB: tl.constexpr = BLOCK_S // QB
-            y = tl.reshape(tl.permute(tl.reshape(y, (NB, QB // 2, 2, BLOCK_DV)), (1, 0, 2, 3)), (BLOCK_S, BLOCK_DV))
+            # tokens in the order the attention loop's P̂ operand holds them (v8t_key_order): with
+            # QB = 32 and 128-token tiles, token 32t + 8i + 4a + 2b + e goes to 32i + 16a + 4t + 2b + e
+            y = tl.reshape(tl.permute(tl.reshape(y, (BLOCK_S // QB, QB // 8, 2, 2, 2, BLOCK_DV)), (1, 2, 0, 3, 4, 5)),
+                           (BLOCK_S, BLOCK_DV))
             tl.store(out_ptrs, y)
             if pid == 0:
                 tl.store(Fac + bh * BLOCK_DV + cols, pow2(-c))
@@ -182,7 +182,7 @@ def prepass_fp8(q, k, v, recipe: AttentionRecipe, key_alive):
     Returns ``(q8, q_fac (B, H, Sq), k8, k_fac (B, H), v8t, v_fac (B, H, Dv_padded))``: the
     dequantized value is ``q8 · q_fac`` (per query row), ``k8 · k_fac`` (per head), ``v8t · v_fac``
     (per channel; ``v8t`` is (B, H, Dv_padded, Sk rounded up to whole key tiles of 128), V
-    transposed, its tokens within each tile in the attention loop's MMA column order:
+    transposed, its tokens within each tile in the order the attention loop's P̂ operand holds them:
     :func:`v8t_key_order` / :func:`v8t_in_key_order`). E2M1 × 2^e is exact in e4m3 when the block's exponent is within 16 of the
     row's / head's / channel's largest value exponent (see :func:`.fp4_math.fp8_shift`); blocks
     further below lose low bits (e4m3 subnormals) or flush to zero.
@@ -191,12 +191,21 @@ def prepass_fp8(q, k, v, recipe: AttentionRecipe, key_alive):
 
 
 def v8t_key_order(n: int, qb: int = 32, tile: int = KEY_TILE) -> torch.Tensor:
-    """The token each of the ``n`` stored columns of :func:`prepass_fp8`'s ``v8t`` holds (within a
-    tile of ``tile`` tokens, column 2·NB·j + 2·t + e holds token qb·t + 2·j + e; NB = tile // qb):
-    the map of ``attention_fwd.mma_key_order``, tile by tile."""
-    c = torch.arange(n)
-    cc, nb = c % tile, tile // qb
-    return c - cc + qb * ((cc // 2) % nb) + 2 * (cc // (2 * nb)) + cc % 2
+    """The token each of the ``n`` stored columns of :func:`prepass_fp8`'s ``v8t`` holds: the
+    order in which the attention loop's P̂ operand holds the keys, tile by tile.
+
+    Two maps of ``attention_fwd`` composed: stored column k is the operand slot that
+    ``as_mma_operand`` fills from S column c (k = 16a + 4t + 2b + e ← c = 16a + 8b + 2t + e
+    within each 32-key slice), and S column c holds key qb·t + 2·j + e (``mma_key_order``:
+    c = 2·NB·j + 2·t + e, NB = tile // qb). Only tiles of 128 tokens with qb = 32 (the kernel's)."""
+    if (qb, tile) != (32, 128):
+        raise ValueError(f"the e4m3 loop's key order is defined for qb=32, tile=128, got qb={qb}, tile={tile}")
+    k = torch.arange(n)
+    kk = k % tile
+    a, t, b, e = (kk // 16) % 2, (kk // 4) % 4, (kk // 2) % 2, kk % 2
+    c = kk - kk % 32 + 16 * a + 8 * b + 2 * t + e  # the S column operand slot k takes
+    nb = tile // qb
+    return k - kk + qb * ((c // 2) % nb) + 2 * (c // (2 * nb)) + c % 2
 
 
 def v8t_in_key_order(v8t: torch.Tensor, qb: int = 32) -> torch.Tensor:
@@ -221,7 +230,7 @@ class _PrePass:
     """Launches of the row (Q, K) and V pre-pass kernels for one attention call."""
 
     BLOCK_S = 64
-    BLOCK_S_V = KEY_TILE  # the transposed V stores write whole key tiles (fp8: in the loop's MMA column order)
+    BLOCK_S_V = KEY_TILE  # the transposed V stores write whole key tiles (fp8: in the loop's P̂ operand order)
     ROTATION = "split3"  # or "tf32x3" (BENCHMARKS.md compares them)
 
     def __init__(self, q, k, v, recipe, key_alive):
@@ -308,7 +317,7 @@ class _PrePass:
         dvp = next_pow2(self.dv, floor=32)
         q8 = torch.empty(b, h, self.sq, self.d, device=dev, dtype=f8)
         k8 = torch.empty(b, h, self.sk, self.d, device=dev, dtype=f8)
-        # transposed, padded with zeros (written by the kernel) to whole key tiles, in MMA column order
+        # transposed, padded with zeros (written by the kernel) to whole key tiles, in the loop's P̂ operand order
         v8 = torch.empty(b, h, dvp, -(-self.sk // KEY_TILE) * KEY_TILE, device=dev, dtype=f8)
         q_fac = torch.empty(b, h, self.sq, device=dev)
         k_fac = torch.empty(b, h, device=dev)

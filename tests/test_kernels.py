@@ -170,20 +170,24 @@ def test_prepass_fp8_is_exact_and_in_e4m3_range():
     assert k8.float().abs().amax(dim=(-1, -2)).min() >= 256  # the head's largest value uses the top binade
 
 
-def test_v8t_key_order_puts_each_p_block_in_one_lane_group():
-    """The stored order of the e4m3 V̂ᵀ (the loop loads K̂ in the same order): a permutation of
-    every 128-token tile, in which the columns 8j + 2t + {0, 1} (one lane t of an MMA quad) hold
-    exactly the 32 consecutive tokens of P block t."""
+def test_v8t_key_order_puts_each_p_block_in_one_lane():
+    """The stored order of the e4m3 V̂ᵀ: a permutation of every 128-token tile in which the
+    operand slots of lane t of an MMA quad (k = 4t + u and 16 + 4t + u of each 32-key slice,
+    u < 4) hold exactly the 32 consecutive tokens of P block t, the block the loop's key order
+    (K̂ rows loaded in ``mma_key_order``) puts in that lane's accumulator columns."""
     from fp4video.kernels.prepass import v8t_key_order
 
     order = v8t_key_order(384)
     for tile in range(3):
         cols = torch.arange(128) + 128 * tile
         assert torch.equal(order[cols].sort().values, cols)
-        lane = (torch.arange(128) // 2) % 4
+        lane = (torch.arange(128) // 4) % 4
         for t in range(4):
             assert torch.equal(order[cols[lane == t]].sort().values, 128 * tile + 32 * t + torch.arange(32))
-    assert order[:6].tolist() == [0, 1, 32, 33, 64, 65] and order[8:10].tolist() == [2, 3]
+    assert order[:8].tolist() == [0, 1, 2, 3, 32, 33, 34, 35]
+    assert order[16:18].tolist() == [4, 5] and order[32:34].tolist() == [8, 9]
+    with pytest.raises(ValueError, match="qb=32, tile=128"):
+        v8t_key_order(128, qb=16)
 
 
 def test_prepass_fp8_window_is_16_binades():
