@@ -173,7 +173,8 @@ def as_mma_operand(p8, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 def _mx_fp8_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK: tl.constexpr, TAIL: tl.constexpr,
                    D: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr, PRECISE_QK: tl.constexpr):
     """Q̂·K̂ᵀ of one key tile (e4m3 MMA) with its keys in :func:`mma_key_order`, masked keys at
-    -inf. The logit in log2 units is qk · q_scale, q_scale > 0 per row."""
+    -inf. The logit in log2 units is qk · q_scale, q_scale > 0 per row (Q̂'s row factor times
+    this tile's K̂ factor, scale and log2(e))."""
     keys = start + mma_key_order(tl.arange(0, BLOCK_N), BLOCK_N // QB, QB)
     offs_d = tl.arange(0, D)
     if TAIL:
@@ -259,7 +260,7 @@ def _mx_fp8_attn_fwd(
     """MXFP4 attention on e4m3 tensor cores (Hopper/Ada fp8 MMA).
 
     Q̂, K̂, V̂ come from :func:`.prepass.prepass_fp8` (e4m3 values, power-of-two factors per query
-    row / head / value channel). P̃ is quantized per block of QB keys exactly as the reference
+    row / key tile / value channel). P̃ is quantized per block of QB keys exactly as the reference
     does (block exponent from the block maximum, E2M1 rounding), but computed in units of
     2^k per row and tile, k = 6 - (the tile's largest block exponent), folded into the exp2
     argument: the largest P̂ value is then 6·2^6 = 384 < 448, and every block whose scale is
@@ -279,8 +280,9 @@ def _mx_fp8_attn_fwd(
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < SQ
     q = tl.load(Q8 + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    # logits in log2 units: dot(q8, k8) · q_fac · k_fac · scale · log2(e)
-    q_scale = tl.load(QFac + bh * SQ + offs_m, mask=row_ok, other=1.0) * (tl.load(KFac + bh) * scale_log2)
+    # logits in log2 units: dot(q8, k8) · q_fac · k_fac · scale · log2(e), k_fac per key tile (all
+    # factors powers of two: the products are exact)
+    q_scale = tl.load(QFac + bh * SQ + offs_m, mask=row_ok, other=1.0) * scale_log2
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     k_i = tl.zeros((BLOCK_M,), tl.int32)  # units of acc and l: 2^k_i
@@ -289,18 +291,21 @@ def _mx_fp8_attn_fwd(
     K_base = K8 + b * skb + h * skh
     V_base = V8T + b * svb + h * svh
     M_base = KeyMask + b * smb
+    KF_base = KFac + bh * tl.cdiv(SK, BLOCK_N)
     # full key tiles without a bounds mask (the key-padding mask, if any, applies to every
     # tile), then the partial last tile
     n_full = (SK // BLOCK_N) * BLOCK_N
     for start in tl.range(0, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
+        qk_scale = q_scale * tl.load(KF_base + start // BLOCK_N)
         qk = _mx_fp8_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB, PRECISE_QK)
         m_i, k_i, l_i, acc = _mx_fp8_tile(
-            qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV,
+            qk, qk_scale, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV,
             BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV)
     if n_full < SK:
+        qk_scale = q_scale * tl.load(KF_base + n_full // BLOCK_N)
         qk = _mx_fp8_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, QB, PRECISE_QK)
         m_i, k_i, l_i, acc = _mx_fp8_tile(
-            qk, q_scale, m_i, k_i, l_i, acc, V_base, n_full, svd, OCP, QMAX, PNQ, BLOCK_DV,
+            qk, qk_scale, m_i, k_i, l_i, acc, V_base, n_full, svd, OCP, QMAX, PNQ, BLOCK_DV,
             BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV)
 
     live = l_i > 0

@@ -31,6 +31,19 @@ def fp8_shift(amax):
 
 
 @triton.jit
+def fp8_shift_from_raw_max(amax, OCP: tl.constexpr, QMAX: tl.constexpr):
+    """:func:`fp8_shift` of MXFP4-quantized blocks, from the largest |x| before quantization.
+
+    A block's largest quantized value is 4 or 6 times its scale 2^e (the rules put amax / 2^e in
+    (3.625, 7.25] or [4, 8), which rounds to 4 or 6, saturating), so it lies in binade e + 2; and
+    e grows with the block's amax. The largest of many blocks is then in binade e(amax) + 2, with
+    amax the largest raw |x| of all of them: the shift needs no quantization (bit for bit equal).
+    """
+    e = tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126)
+    return tl.where(amax > 0, tl.minimum(tl.maximum(6 - e, -126), 126), 126)
+
+
+@triton.jit
 def exponent_and_mantissa(x):
     """floor(log2 x) and the mantissa in [1, 2) of positive normal fp32 x, from the bits."""
     bits = x.to(tl.int32, bitcast=True)
@@ -59,6 +72,7 @@ def round_e2m1_at_scale(p, unit):
     E2M1 has one mantissa bit, so the grid step is half the binade of max(p, unit); adding
     2^22 times that binade's power of two (read from the bits) leaves exactly one fraction bit,
     rounded to nearest even by the fp32 addition. Six operations, no division, no conversion.
+    Needs max(p, unit) < 2^105 (the magic number must be finite): far beyond any activation.
     """
     binade = (tl.maximum(p, unit).to(tl.int32, bitcast=True) & 0x7F800000) + (22 << 23)
     magic = binade.to(tl.float32, bitcast=True)

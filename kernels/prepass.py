@@ -20,30 +20,31 @@ from fp4video.recipe import AttentionRecipe
 from fp4video.reference import KEY_TILE, qk_padded_dim, smoothing_mean
 from fp4video.rotation import hadamard_matrix
 
-from .fp4_math import fake_quant_rows, fp8_shift, mx_pack_rows, pow2
+from .fp4_math import fake_quant_rows, fp8_shift, fp8_shift_from_raw_max, mx_pack_rows, pow2
 
 FMT_CODE = {None: 0, Format.MXFP4: 1, Format.NVFP4: 2}
 #: output modes of the pre-pass kernels (0: the work dtype)
-FP8_ROW, FP8_AMAX, FP8_HEAD, E2M1_PACKED = 1, 2, 3, 4
+FP8_ROW, FP8_AMAX, FP8_HEAD, E2M1_PACKED, FP8_TILE = 1, 2, 3, 4, 5
 
 
 @triton.jit
 def _prepass_rows(
-    X, Alive, Mean, Hm, Out, Amax, Fac,
+    X, Alive, Mean, Hm, Out, Fac,
     H, S, D_IN, h_norm,
     sxb, sxh, sxs, sxd,
     sab, sas,
     smb, smh,
     sob, soh, sos,
     HAS_ALIVE: tl.constexpr, SMOOTH: tl.constexpr, ROTATE: tl.constexpr, ROT_PRECISION: tl.constexpr,
+    ROT_PARTS: tl.constexpr,
     FMT: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
     D: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr,
 ):
     """Q or K: rows of D channels, quantized along D.
 
     OUT: 0 writes the values in Out's dtype; FP8_ROW writes e4m3 values shifted per row (factor
-    2^-c per row into Fac); FP8_AMAX only folds the tile's |max| into Amax[b, h] (int32 bits);
-    FP8_HEAD writes e4m3 values with the head's shift from Amax (factor into Fac[b, h]).
+    2^-c per row into Fac[b, h, row]); FP8_TILE shifted per program's BLOCK_S rows (one key tile
+    of the attention loop; factor into Fac[b, h, tile]); E2M1_PACKED packed codes and scales.
     """
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -61,16 +62,19 @@ def _prepass_rows(
         x = tl.where(ok[:, None], x - mean[None, :], 0.0)
     if ROTATE:
         hm = tl.load(Hm + cols[:, None] * D + cols[None, :])  # entries ±1 (0 in the padding)
-        if ROT_PRECISION == "split3":
-            # x = x1 + x2 + x3 exactly in three bf16 parts; ±1 is exact in bf16, so three bf16 MMAs
-            # with fp32 accumulation give the fp32 product (up to summation order)
+        if ROT_PRECISION == "bf16":
+            # x = x1 + … + x_ROT_PARTS exactly in bf16 parts (one for bf16 inputs, two for fp16,
+            # three for fp32); ±1 is exact in bf16, so bf16 MMAs with fp32 accumulation give the
+            # fp32 product (up to summation order)
             hb = hm.to(tl.bfloat16)
             x1 = x.to(tl.bfloat16)
-            r1 = x - x1.to(tl.float32)
-            x2 = r1.to(tl.bfloat16)
-            x3 = (r1 - x2.to(tl.float32)).to(tl.bfloat16)
-            y = tl.dot(x3, hb)
-            y = tl.dot(x2, hb, y)
+            y = tl.zeros((BLOCK_S, D), tl.float32)
+            if ROT_PARTS > 1:
+                r1 = x - x1.to(tl.float32)
+                x2 = r1.to(tl.bfloat16)
+                if ROT_PARTS > 2:
+                    y = tl.dot((r1 - x2.to(tl.float32)).to(tl.bfloat16), hb)
+                y = tl.dot(x2, hb, y)
             x = tl.dot(x1, hb, y) * h_norm
         else:
             x = tl.dot(x, hm, input_precision=ROT_PRECISION) * h_norm
@@ -90,13 +94,10 @@ def _prepass_rows(
             c = fp8_shift(tl.max(tl.abs(x), axis=1))
             tl.store(out_ptrs, (x * pow2(c)[:, None]).to(tl.float8e4nv), mask=(rows < S)[:, None])
             tl.store(Fac + bh * S + rows, pow2(-c), mask=rows < S)
-        elif OUT == 2:  # FP8_AMAX
-            tl.atomic_max(Amax + bh, tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.int32, bitcast=True))
-        else:
-            c = fp8_shift(tl.load(Amax + bh).to(tl.float32, bitcast=True))
+        else:  # FP8_TILE
+            c = fp8_shift(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
             tl.store(out_ptrs, (x * pow2(c)).to(tl.float8e4nv), mask=(rows < S)[:, None])
-            if pid == 0:
-                tl.store(Fac + bh, pow2(-c))
+            tl.store(Fac + bh * tl.num_programs(0) + pid, pow2(-c))
 
 
 @triton.jit
@@ -111,7 +112,8 @@ def _prepass_v(
 ):
     """V: quantized along tokens (blocks of QB consecutive keys per channel).
 
-    OUT: 0 writes Out's dtype; FP8_AMAX folds each channel's |max| into Amax[b, h, :];
+    OUT: 0 writes Out's dtype; FP8_AMAX folds each channel's largest |v| (before quantization:
+    the shift follows from it, :func:`.fp4_math.fp8_shift_from_raw_max`) into Amax[b, h, :];
     FP8_HEAD writes e4m3 values shifted per channel (factors into Fac[b, h, :]); the fp8 output
     is (B, H, Dv, S_pad) — transposed, as Hopper's fp8 MMA wants its B operand K-major, padded with
     zeros to whole tiles of BLOCK_S (= the loop's key tile) and ordered within each tile as the
@@ -135,6 +137,8 @@ def _prepass_v(
         tl.store(Out + b * sob + h * soh + cols[:, None] * sod + half[None, :], codes)
         nb = pid * (BLOCK_S // QB) + tl.arange(0, BLOCK_S // QB)
         tl.store(Fac + (bh * BLOCK_DV + cols)[:, None] * (sod * 2 // QB) + nb[None, :], scales)
+    elif OUT == 2:  # FP8_AMAX: a plain read, no quantization
+        tl.atomic_max(Amax + bh * BLOCK_DV + cols, tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True))
     else:
         if FMT != 0:
             x = tl.trans(fake_quant_rows(tl.trans(x), BLOCK_DV, BLOCK_S, FMT, QB, OCP, QMAX, True))
@@ -142,10 +146,8 @@ def _prepass_v(
         out_ok = (rows < S)[:, None] & (cols[None, :] < DV)
         if OUT == 0:
             tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=out_ok)
-        elif OUT == 2:  # FP8_AMAX
-            tl.atomic_max(Amax + bh * BLOCK_DV + cols, tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True))
         else:  # padded channels and tokens (up to whole tiles of BLOCK_S) are written as zeros
-            c = fp8_shift(tl.load(Amax + bh * BLOCK_DV + cols).to(tl.float32, bitcast=True))
+            c = fp8_shift_from_raw_max(tl.load(Amax + bh * BLOCK_DV + cols).to(tl.float32, bitcast=True), OCP, QMAX)
             y = (x * pow2(c)[None, :]).to(tl.float8e4nv)
             # tokens in the order the attention loop's P̂ operand holds them (v8t_key_order): with
             # QB = 32 and 128-token tiles, token 32t + 8i + 4a + 2b + e goes to 32i + 16a + 4t + 2b + e
@@ -179,12 +181,13 @@ def prepass_packed(q, k, v, recipe: AttentionRecipe, key_alive):
 def prepass_fp8(q, k, v, recipe: AttentionRecipe, key_alive):
     """MXFP4 Q̂, K̂, V̂ as e4m3 for fp8 tensor cores, with power-of-two factors.
 
-    Returns ``(q8, q_fac (B, H, Sq), k8, k_fac (B, H), v8t, v_fac (B, H, Dv_padded))``: the
-    dequantized value is ``q8 · q_fac`` (per query row), ``k8 · k_fac`` (per head), ``v8t · v_fac``
+    Returns ``(q8, q_fac (B, H, Sq), k8, k_fac (B, H, Sk / 128 rounded up), v8t, v_fac (B, H,
+    Dv_padded))``: the dequantized value is ``q8 · q_fac`` (per query row), ``k8 · k_fac`` (per
+    key tile of 128, the attention loop's: one factor per tile of S), ``v8t · v_fac``
     (per channel; ``v8t`` is (B, H, Dv_padded, Sk rounded up to whole key tiles of 128), V
     transposed, its tokens within each tile in the order the attention loop's P̂ operand holds them:
     :func:`v8t_key_order` / :func:`v8t_in_key_order`). E2M1 × 2^e is exact in e4m3 when the block's exponent is within 16 of the
-    row's / head's / channel's largest value exponent (see :func:`.fp4_math.fp8_shift`); blocks
+    row's / key tile's / channel's largest value exponent (see :func:`.fp4_math.fp8_shift`); blocks
     further below lose low bits (e4m3 subnormals) or flush to zero.
     """
     return _PrePass(q, k, v, recipe, key_alive).run_fp8()
@@ -206,6 +209,11 @@ def v8t_key_order(n: int, qb: int = 32, tile: int = KEY_TILE) -> torch.Tensor:
     c = kk - kk % 32 + 16 * a + 8 * b + 2 * t + e  # the S column operand slot k takes
     nb = tile // qb
     return k - kk + qb * ((c // 2) % nb) + 2 * (c // (2 * nb)) + c % 2
+
+
+def k_fac_per_key(k_fac: torch.Tensor, sk: int) -> torch.Tensor:
+    """:func:`prepass_fp8`'s K̂ factors (one per key tile) repeated for each of the ``sk`` keys."""
+    return k_fac.repeat_interleave(KEY_TILE, dim=-1)[..., :sk]
 
 
 def v8t_in_key_order(v8t: torch.Tensor, qb: int = 32) -> torch.Tensor:
@@ -231,7 +239,9 @@ class _PrePass:
 
     BLOCK_S = 64
     BLOCK_S_V = KEY_TILE  # the transposed V stores write whole key tiles (fp8: in the loop's P̂ operand order)
-    ROTATION = "split3"  # or "tf32x3" (BENCHMARKS.md compares them)
+    ROTATION = "bf16"  # or "tf32x3" (BENCHMARKS.md compares them)
+    TILE_WARPS = 4  # warps per key tile of K (FP8_TILE; 4 measured faster than 8 on the H200)
+    V_WARPS = 4
 
     def __init__(self, q, k, v, recipe, key_alive):
         self.q, self.k, self.v, self.recipe = q, k, v, recipe
@@ -255,11 +265,22 @@ class _PrePass:
                 kf = torch.where(key_alive[:, None, :, None], kf, 0.0)
             self.mean = smoothing_mean(kf, key_alive[:, None, :] if key_alive is not None else None)[..., 0, :].contiguous()
 
-    def rows(self, x, s, is_k, out_mode, out, amax=None, fac=None):
+    @staticmethod
+    def rotation_parts(x, smooth: bool) -> int:
+        """bf16 parts that hold the rotated rows exactly: the input's own precision (bf16: 8
+        significant bits, fp16: 11), or fp32 (three parts) once the smoothing mean is subtracted."""
+        if smooth:
+            return 3
+        return {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 3)
+
+    def rows(self, x, s, is_k, out_mode, out, fac=None):
         rule, fmt = self.recipe.scale_rule, self.recipe.qk_format
         mean = self.mean if is_k else self.none
-        _prepass_rows[(triton.cdiv(s, self.BLOCK_S), self.b * self.h)](
-            x, self.alive, mean, self.hm, out, amax if amax is not None else self.none, fac if fac is not None else self.none,
+        # FP8_TILE: one program per key tile of the attention loop (as many rows per thread as
+        # BLOCK_S rows with 4 warps)
+        block_s, warps = (KEY_TILE, self.TILE_WARPS) if out_mode == FP8_TILE else (self.BLOCK_S, 4)
+        _prepass_rows[(triton.cdiv(s, block_s), self.b * self.h)](
+            x, self.alive, mean, self.hm, out, fac if fac is not None else self.none,
             self.h, s, self.d_in, self.dp ** -0.5 if self.recipe.hadamard else 1.0,
             *x.stride(),
             self.alive.stride(0), self.alive.stride(1),
@@ -269,8 +290,9 @@ class _PrePass:
             # fp32-accurate rotation on tensor cores on the GPU (ieee fp32 dots spill at D=128 and
             # ran 10x slower on the H200); exact fp32 in the interpreter
             ROT_PRECISION=self.ROTATION if self.dev.type == "cuda" else "ieee",
+            ROT_PARTS=self.rotation_parts(x, smooth=mean.dim() == 3),
             FMT=FMT_CODE[fmt], QB=fmt.block if fmt else 32, OCP=rule is ScaleRule.OCP, QMAX=rule.qmax,
-            D=self.d, BLOCK_S=self.BLOCK_S, OUT=out_mode,
+            D=self.d, BLOCK_S=block_s, OUT=out_mode, num_warps=warps,
         )
 
     def values(self, out_mode, out, amax=None, fac=None):
@@ -284,7 +306,7 @@ class _PrePass:
             *((out.stride(0), out.stride(1), 1, out.stride(2)) if out_mode else (*out.stride()[:3], 1)),
             HAS_ALIVE=self.key_alive is not None, FMT=FMT_CODE[fmt], QB=fmt.block if fmt else 32,
             OCP=rule is ScaleRule.OCP, QMAX=rule.qmax, BLOCK_DV=out.shape[-2] if out_mode else next_pow2(dv),
-            BLOCK_S=block_s, OUT=out_mode,
+            BLOCK_S=block_s, OUT=out_mode, num_warps=self.V_WARPS,
         )
 
     def run(self, work_dtype):
@@ -320,13 +342,11 @@ class _PrePass:
         # transposed, padded with zeros (written by the kernel) to whole key tiles, in the loop's P̂ operand order
         v8 = torch.empty(b, h, dvp, -(-self.sk // KEY_TILE) * KEY_TILE, device=dev, dtype=f8)
         q_fac = torch.empty(b, h, self.sq, device=dev)
-        k_fac = torch.empty(b, h, device=dev)
+        k_fac = torch.empty(b, h, triton.cdiv(self.sk, KEY_TILE), device=dev)
         v_fac = torch.empty(b, h, dvp, device=dev)
-        k_amax = torch.zeros(b, h, device=dev, dtype=torch.int32)
         v_amax = torch.zeros(b, h, dvp, device=dev, dtype=torch.int32)
         self.rows(self.q, self.sq, False, FP8_ROW, q8, fac=q_fac)
-        self.rows(self.k, self.sk, True, FP8_AMAX, k8, amax=k_amax)
-        self.rows(self.k, self.sk, True, FP8_HEAD, k8, amax=k_amax, fac=k_fac)
+        self.rows(self.k, self.sk, True, FP8_TILE, k8, fac=k_fac)
         self.values(FP8_AMAX, v8, amax=v_amax)
         self.values(FP8_HEAD, v8, amax=v_amax, fac=v_fac)
         return q8, q_fac, k8, k_fac, v8, v_fac

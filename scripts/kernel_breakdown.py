@@ -13,6 +13,7 @@ output against the reference on a smaller problem first. Prints markdown tables
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 
@@ -36,32 +37,47 @@ def prepass_tables(args, recipe, q, k, v, gbps):
     print("\n| pre-pass | rows/program | rotation | ms | × copy-bandwidth floor |\n| --- | --- | --- | --- | --- |")
     n = q.numel()
     floor_ms = (3 * n * 2 + 3 * n * 1) / (gbps * 1e6)  # read bf16 Q,K,V once, write e4m3 once
-    for block_s, rot in itertools.product((64, 128), ("split3", "tf32x3")):
+    for block_s, rot in itertools.product((64, 128), ("bf16", "tf32x3")):
         pp._PrePass.BLOCK_S, pp._PrePass.ROTATION = block_s, rot
         try:
             t = bench(lambda: prepare(q, k, v, recipe, None))
             print(f"| {args.method} | {block_s} | {rot} | {t:.2f} | {floor_ms / t:.2f} |", flush=True)
         except Exception as e:  # noqa: BLE001  (out of resources: report, go on)
             print(f"| {args.method} | {block_s} | {rot} | failed: {type(e).__name__} | |", flush=True)
-    pp._PrePass.BLOCK_S, pp._PrePass.ROTATION = 64, "split3"
+    pp._PrePass.BLOCK_S, pp._PrePass.ROTATION = 64, "bf16"
     if recipe.qk_format is not None and recipe.qk_format.name == "MXFP4":
-        # each launch of the fp8 pre-pass alone
+        # each launch of the fp8 pre-pass alone, and the Q launch without its rotation and/or its
+        # quantization (what they cost)
         run = pp._PrePass(q, k, v, recipe, None)
         q8, q_fac, k8, k_fac, v8, v_fac = run.run_fp8()
-        k_amax = torch.zeros(1, args.heads, device="cuda", dtype=torch.int32)
         v_amax = torch.zeros_like(v_fac, dtype=torch.int32)
+        def k_tile_warps(n):
+            run.TILE_WARPS = n
+            run.rows(k, args.seq, True, pp.FP8_TILE, k8, fac=k_fac)
+            del run.TILE_WARPS
+
+        def v_warps(n):
+            run.V_WARPS = n
+            run.values(pp.FP8_HEAD, v8, amax=v_amax, fac=v_fac)
+            del run.V_WARPS
+
+        no_rot = pp._PrePass(q, k, v, dataclasses.replace(recipe, hadamard=False), None)
+        copy_only = pp._PrePass(q, k, v, dataclasses.replace(recipe, hadamard=False, qk_format=None), None)
         parts = {
-            "Q (rotate, quantize, e4m3 per row)": lambda: run.rows(q, args.seq, False, pp.FP8_ROW, q8, fac=q_fac),
-            "K amax": lambda: run.rows(k, args.seq, True, pp.FP8_AMAX, k8, amax=k_amax),
-            "K write": lambda: run.rows(k, args.seq, True, pp.FP8_HEAD, k8, amax=k_amax, fac=k_fac),
-            "V amax": lambda: run.values(pp.FP8_AMAX, v8, amax=v_amax),
-            "V write (transposed)": lambda: run.values(pp.FP8_HEAD, v8, amax=v_amax, fac=v_fac),
+            "Q (rotate, quantize, e4m3 per row)": (3, lambda: run.rows(q, args.seq, False, pp.FP8_ROW, q8, fac=q_fac)),
+            "Q without the rotation": (3, lambda: no_rot.rows(q, args.seq, False, pp.FP8_ROW, q8, fac=q_fac)),
+            "Q without rotation or quantization (e4m3 copy)":
+                (3, lambda: copy_only.rows(q, args.seq, False, pp.FP8_ROW, q8, fac=q_fac)),
+            "K (rotate, quantize, e4m3 per key tile)": (3, lambda: run.rows(k, args.seq, True, pp.FP8_TILE, k8, fac=k_fac)),
+            "K with 4 warps per tile": (3, lambda: k_tile_warps(4)),
+            "V amax (per channel, before quantization)": (2, lambda: run.values(pp.FP8_AMAX, v8, amax=v_amax)),
+            "V write (quantize, e4m3, transposed)": (3, lambda: run.values(pp.FP8_HEAD, v8, amax=v_amax, fac=v_fac)),
+            "V write with 8 warps": (3, lambda: v_warps(8)),
         }
         print("\n| pre-pass launch | ms | × copy-bandwidth floor of its bytes |\n| --- | --- | --- |")
-        for name, fn in parts.items():
+        for name, (bytes_per_element, fn) in parts.items():
             t = bench(fn)
-            nbytes = n * (2 + (1 if "amax" not in name else 0))
-            print(f"| {name} | {t:.3f} | {nbytes / (gbps * 1e6) / t:.2f} |", flush=True)
+            print(f"| {name} | {t:.3f} | {n * bytes_per_element / (gbps * 1e6) / t:.2f} |", flush=True)
 
 
 def main(argv=None) -> int:

@@ -110,7 +110,8 @@ def test_prepass_matches_reference_prepare(method):
 import triton  # noqa: E402  (after the importorskip above)
 import triton.language as tl  # noqa: E402
 
-from fp4video.kernels.fp4_math import round_e2m1_at_scale  # noqa: E402
+from fp4video.kernels.fp4_math import (  # noqa: E402
+    fake_quant_rows, fp8_shift, fp8_shift_from_raw_max, round_e2m1_at_scale)
 
 
 @triton.jit
@@ -144,10 +145,44 @@ def test_round_e2m1_at_scale_matches_reference_rounding():
     assert len(bad) == 0, [(a[i].item(), e[i].item(), out[i].item() / unit[i].item()) for i in bad]
 
 
+@triton.jit
+def _shift_kernel(A, Raw, Quantized, N: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr):
+    i = tl.arange(0, N)
+    amax = tl.load(A + i)
+    tl.store(Raw + i, fp8_shift_from_raw_max(amax, OCP, QMAX))
+    # a block of 32 holding amax and smaller values: its largest quantized value
+    block = amax[:, None] * (1.0 - tl.arange(0, 32)[None, :] / 64.0)
+    q = fake_quant_rows(block, N, 32, 1, 32, OCP, QMAX, True)
+    tl.store(Quantized + i, fp8_shift(tl.max(tl.abs(q), axis=1)))
+
+
+@pytest.mark.parametrize("rule", ["uos", "ocp"])
+def test_fp8_shift_from_raw_max_equals_shift_of_quantized_max(rule):
+    """The V pre-pass takes its e4m3 shift from the channel's largest |v| before quantization;
+    it equals the shift of the largest quantized value, for every rounding boundary of both scale
+    rules, their float neighbours, zero and subnormals, up to 2^100 (the in-kernel rounding's
+    magic number 2^22 times the value's binade must stay finite: values below 2^105)."""
+    from fp4video.formats import ScaleRule
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    r = ScaleRule(rule)
+    m = torch.tensor([1.0, 3.5, 3.625, 4.0, 5.0, 6.0, 7.0, 7.25, 7.5])
+    e = torch.arange(-140, 100, 3)
+    a = torch.ldexp(m.repeat(len(e)), e.repeat_interleave(len(m)))
+    a = torch.cat([a, torch.nextafter(a, torch.tensor(0.0)), torch.nextafter(a, torch.tensor(1e38)),
+                   torch.tensor([0.0, 1e-45, 1e-40])])
+    n = 1 << (len(a) - 1).bit_length()
+    a = torch.nn.functional.pad(a, (0, n - len(a)), value=1.0).to(dev)
+    raw, quantized = (torch.empty(n, dtype=torch.int32, device=dev) for _ in range(2))
+    _shift_kernel[(1,)](a, raw, quantized, N=n, OCP=r is ScaleRule.OCP, QMAX=r.qmax)
+    bad = (raw != quantized).nonzero()[:5, 0]
+    assert len(bad) == 0, [(a[i].item(), raw[i].item(), quantized[i].item()) for i in bad]
+
+
 def test_prepass_fp8_is_exact_and_in_e4m3_range():
     """q8·q_fac, k8·k_fac, v8·v_fac equal the reference's dequantized Q̂, K̂, V̂ (no rotation: bit
     for bit), and the scaled values use e4m3's range: largest at most 384, none saturated."""
-    from fp4video.kernels.prepass import prepass_fp8, v8t_in_key_order
+    from fp4video.kernels.prepass import k_fac_per_key, prepass_fp8, v8t_in_key_order
     from fp4video.reference import prepare_qkv
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -159,7 +194,8 @@ def test_prepass_fp8_is_exact_and_in_e4m3_range():
     q8, q_fac, k8, k_fac, v8, v_fac = prepass_fp8(q, k, v, recipe, alive)
     assert q8.dtype == k8.dtype == v8.dtype == torch.float8_e4m3fn
     got_q = q8.float() * q_fac[..., None]
-    got_k = k8.float() * k_fac[..., None, None]
+    assert k_fac.shape == (2, 2, 2)  # one factor per key tile of 128
+    got_k = k8.float() * k_fac_per_key(k_fac, 150)[..., None]
     got_v = v8t_in_key_order(v8).float().transpose(-1, -2)[..., :150, :] * v_fac[..., None, :]
     assert torch.equal(got_q[..., :80], rq[..., :45, :80]) and not got_q[..., 80:].any()
     assert torch.equal(got_k[..., :80], rk[..., :150, :80]) and not got_k[..., 80:].any()
@@ -167,7 +203,8 @@ def test_prepass_fp8_is_exact_and_in_e4m3_range():
     assert v8.shape[-1] == 256 and not v8t_in_key_order(v8)[..., 150:].float().any()  # zeros to whole tiles
     for x in (q8, k8, v8):
         assert x.float().abs().max() <= 384
-    assert k8.float().abs().amax(dim=(-1, -2)).min() >= 256  # the head's largest value uses the top binade
+    for tile in (k8[..., :128, :], k8[..., 128:, :]):  # each key tile's largest value uses the top binade
+        assert tile.float().abs().amax(dim=(-1, -2)).min() >= 256
 
 
 def test_v8t_key_order_puts_each_p_block_in_one_lane():
@@ -193,7 +230,7 @@ def test_v8t_key_order_puts_each_p_block_in_one_lane():
 def test_prepass_fp8_window_is_16_binades():
     """A block whose scale 2^e is 2^-16 of the binade of the head's largest value (6 = 1.5·2^2, so
     e = -14) stays exact in e4m3; one binade lower loses its smallest values (e4m3 subnormals end
-    at 2^-9): the documented limit of the per-head shift."""
+    at 2^-9): the documented limit of the per-key-tile shift."""
     from fp4video.kernels.prepass import prepass_fp8
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -201,11 +238,11 @@ def test_prepass_fp8_window_is_16_binades():
     grid = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0] * 4 + [0.5] * 4, device=dev)  # one block of 32
     for shift, exact in ((14, True), (15, False)):
         k = torch.zeros(1, 1, 2, 32, device=dev)
-        k[0, 0, 0] = 6.0  # the head's largest value: 6 = 1.5·2^2
+        k[0, 0, 0] = 6.0  # the key tile's largest value: 6 = 1.5·2^2
         k[0, 0, 1] = grid * 2.0 ** -shift  # block exponent -shift, smallest value 0.5·2^-shift
         q = v = torch.ones(1, 1, 2, 32, device=dev)
         _, _, k8, k_fac, _, _ = prepass_fp8(q, k, v, recipe, None)
-        back = k8[0, 0, 1].float() * k_fac[0, 0]
+        back = k8[0, 0, 1].float() * k_fac[0, 0, 0]
         assert torch.equal(back, k[0, 0, 1]) is exact, shift
 
 
@@ -373,6 +410,12 @@ def test_instruction_count_script_reads_the_fp8_loop():
         m = re.search(r"([\d.]+) SASS instructions per element of S", run.stdout)
         assert m and "QGMMA" in run.stdout, run.stdout
         counts[bool(flag)] = float(m.group(1))
+        if not flag:
+            # P̂ reaches the P̂·V̂ MMA without lane exchanges (attention_fwd.as_mma_operand): the
+            # only shuffles left are the three row reductions (max, block exponent, sum), 2 rows
+            # per thread × 2 steps each = 12 per thread per tile = 0.19 per element (0.44 before)
+            shfl = re.search(r"^\s*([\d.]+)\s+SHFL$", run.stdout, re.M)
+            assert shfl and float(shfl.group(1)) <= 0.19, run.stdout
     assert 4 < counts[True] < counts[False] < 40, counts
 
 
@@ -386,6 +429,42 @@ def test_scaled_kernel_matches_reference_gpu(method, monkeypatch):
     a, la = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="reference")
     b, lb = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="triton")
     assert cossim(a.float(), b.float()) >= 0.9999 and (la - lb).abs().max() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["mxattn", "mxattn-sk"])
+def test_prepass_rotation_in_bf16_parts_is_exact_gpu(method):
+    """The pre-pass rotates in as many bf16 MMAs as the input needs (bf16: one, fp16: two, fp32 or
+    after K smoothing: three): the e4m3 outputs for bf16 and fp16 inputs equal those of the same
+    values given in fp32, bit for bit."""
+    from fp4video.kernels.prepass import prepass_fp8
+
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k, v = (rand(2, 3, 700, 128, seed=s, device="cuda", dtype=dtype) * 3 for s in (80, 81, 82))
+        got = prepass_fp8(q, k, v, METHODS[method], None)
+        want = prepass_fp8(q.float(), k.float(), v.float(), METHODS[method], None)
+        for name, a, b in zip(("q8", "q_fac", "k8", "k_fac", "v8t", "v_fac"), got, want):
+            assert torch.equal(a.float(), b.float()), (dtype, name)
+
+
+@pytest.mark.gpu
+def test_compare_kernel_revisions_script_gpu():
+    """scripts/compare_kernel_revisions.py (the before/after rows in BENCHMARKS.md) loads a second
+    copy of the kernels as its own package and times it next to the current one: the same kernels
+    give the same output."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "scripts" / "compare_kernel_revisions.py"), "--rev",
+                          f"copy={root / 'kernels'}", "--seqs", "1000", "--heads", "2", "--rep-ms", "20"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = re.findall(r"^\| 1000 \| (current|copy) \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| ([\d.]+) \|$",
+                      run.stdout, re.M)
+    assert [r[0] for r in rows] == ["current", "copy"] and all(float(c) > 0.999999 for _, c in rows), run.stdout
 
 
 @pytest.mark.gpu
