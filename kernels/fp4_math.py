@@ -89,13 +89,20 @@ def round_e4m3_abs(x):
 
 @triton.jit
 def mx_block_exponent(amax, OCP: tl.constexpr, QMAX: tl.constexpr):
-    """E8M0 exponent of a block with maximum ``amax > 0`` (normal fp32): the OCP rule
-    floor(log2 amax) - 2, or the smallest e with amax <= QMAX · 2^e (UOS: QMAX = 7.25), exactly."""
-    e0, m = exponent_and_mantissa(amax)
+    """E8M0 exponent of a block with maximum ``amax > 0``: the OCP rule floor(log2 amax) - 2, or
+    the smallest e with amax <= QMAX · 2^e (UOS: QMAX = 7.25), exactly, from the bits.
+
+    With QMAX / 4 = 2^s · (1 + f*) (f* its 23 mantissa bits as an integer), the ceiling rule is
+    floor(log2 amax) - 2 - s, plus one when amax's mantissa bits exceed f*: adding 2^23 - 1 - f*
+    to amax's bits carries into the exponent field exactly then. Two integer operations, as
+    cheap as the OCP rule (this sits on the attention loop's critical path, once per P block).
+    """
+    bits = amax.to(tl.int32, bitcast=True)  # amax >= 0: no sign bit
     if OCP:
-        return e0 - 2
+        return (bits >> 23) - 129
     else:
-        return tl.where(m * 4.0 <= QMAX, e0 - 2, e0 - 1)
+        qbits = tl.full([], QMAX * 0.25, tl.float32).to(tl.int32, bitcast=True)
+        return ((bits + (0x7FFFFF - (qbits & 0x7FFFFF))) >> 23) - 129 - ((qbits >> 23) - 127)
 
 
 @triton.jit

@@ -111,7 +111,7 @@ import triton  # noqa: E402  (after the importorskip above)
 import triton.language as tl  # noqa: E402
 
 from fp4video.kernels.fp4_math import (  # noqa: E402
-    fake_quant_rows, fp8_shift, fp8_shift_from_raw_max, round_e2m1_at_scale)
+    fake_quant_rows, fp8_shift, fp8_shift_from_raw_max, mx_block_exponent, round_e2m1_at_scale)
 
 
 @triton.jit
@@ -143,6 +143,38 @@ def test_round_e2m1_at_scale_matches_reference_rounding():
     want = round_e2m1(a) * unit
     bad = (out[: len(p)].cpu() != want).nonzero()[:5, 0]
     assert len(bad) == 0, [(a[i].item(), e[i].item(), out[i].item() / unit[i].item()) for i in bad]
+
+
+@triton.jit
+def _block_exponent_kernel(A, Out, N: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Out + i, mx_block_exponent(tl.load(A + i), OCP, QMAX))
+
+
+@pytest.mark.parametrize("rule", ["ocp", "tfs", "uos", 5.0, 6.5, 8.0, 12.0, 3.0])
+def test_mx_block_exponent_matches_reference(rule):
+    """The in-kernel block exponent (two integer operations on the bits) equals
+    formats.mx_exponent (exact fp64 ceiling) for every rule and other Qmax values, at each
+    boundary Q·2^e, its float neighbours, random values and subnormals (both clamped to the
+    kernels' [-126, 126])."""
+    from fp4video.formats import ScaleRule, mx_exponent
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    qmax = ScaleRule(rule).qmax if isinstance(rule, str) else rule
+    e = torch.arange(-128, 120, 7, dtype=torch.float64)
+    edges = torch.cat([torch.ldexp(torch.full_like(e, qmax), e.int()), torch.ldexp(torch.full_like(e, 1.0), e.int())]).float()
+    a = torch.cat([edges, torch.nextafter(edges, torch.tensor(0.0)), torch.nextafter(edges, torch.tensor(1e38)),
+                   torch.rand(2000, generator=torch.Generator().manual_seed(3)).mul(60).sub(30).exp2(),
+                   torch.tensor([1e-45, 1e-40, 5e-39])])
+    a = a[(a > 0) & torch.isfinite(a)]
+    n = 1 << (len(a) - 1).bit_length()
+    a = torch.nn.functional.pad(a, (0, n - len(a)), value=1.0)
+    out = torch.empty(n, dtype=torch.int32, device=dev)
+    _block_exponent_kernel[(1,)](a.to(dev), out, N=n, OCP=rule == "ocp", QMAX=qmax)
+    want = mx_exponent(a, rule).clamp(-126, 126)
+    got = out.cpu().clamp(-126, 126)
+    bad = (got != want).nonzero()[:5, 0]
+    assert len(bad) == 0, [(a[i].item(), got[i].item(), want[i].item()) for i in bad]
 
 
 @triton.jit

@@ -49,6 +49,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     k.add_argument("--methods", nargs="+", default=["fp16", "mxattn", "mxattn-sk", "sage3", "nvfp4", "mxfp4-ocp"])
     k.add_argument("--masked-keys", type=int, default=0,
                    help="mask the last N keys (key padding; HunyuanVideo 720p: --heads 24 --seqs 119056 --masked-keys 56)")
+    k.add_argument("--layout", choices=["bhsd", "bshd"], default="bhsd",
+                   help="bshd: (B, S, H, D) tensors as diffusers holds them (SDPA gets transposed views)")
     k.add_argument("--out", default=None, help="append the markdown table to this file")
     pl = which.add_parser("pipeline", help="Wan2.2-A14B-shaped transformer forward: stock vs policies")
     pl.add_argument("--resolutions", nargs="+", default=["480p", "720p"], choices=list(LATENTS))
@@ -111,8 +113,8 @@ def bench_kernel(args) -> str:
     from ..kernels.attention_fwd import attention_prepared, prepare
     from ..metrics import cossim
 
-    def bench(fn, rep=200):
-        return triton.testing.do_bench(fn, warmup=50, rep=rep, return_mode="median")
+    def bench(fn):  # ~1.5 s per measurement: at least 7 calls of the longest shapes
+        return triton.testing.do_bench(fn, warmup=100, rep=1500, return_mode="median")
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     baselines = (("cuDNN SDPA bf16", SDPBackend.CUDNN_ATTENTION), ("flash SDPA bf16", SDPBackend.FLASH_ATTENTION),
@@ -120,8 +122,10 @@ def bench_kernel(args) -> str:
     rows = []
     for s in args.seqs:
         g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn((1, args.heads, s, args.head_dim), device="cuda", dtype=torch.bfloat16, generator=g)
-                   for _ in range(3))
+        shape = (1, args.heads, s, args.head_dim) if args.layout == "bhsd" else (1, s, args.heads, args.head_dim)
+        q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+        if args.layout == "bshd":  # (B, H, S, D) views of (B, S, H, D) storage
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         mask = key_alive = None
         if args.masked_keys:  # key padding at the end, as HunyuanVideo's padded text tokens
             mask = torch.ones(1, 1, 1, s, device="cuda", dtype=torch.bool)
@@ -143,18 +147,19 @@ def bench_kernel(args) -> str:
         for m in args.methods:
             recipe = METHODS[m]
             out = fp4_attention(q, k, v, method=m, attn_mask=mask, backend="triton")
-            t_total = bench(lambda: fp4_attention(q, k, v, method=m, attn_mask=mask, backend="triton"), rep=100)
-            t_pre = bench(lambda: prepare(q, k, v, recipe, key_alive), rep=100) if recipe.quantized else None
+            t_total = bench(lambda: fp4_attention(q, k, v, method=m, attn_mask=mask, backend="triton"))
+            t_pre = bench(lambda: prepare(q, k, v, recipe, key_alive)) if recipe.quantized else None
             prepared = prepare(q, k, v, recipe, key_alive)
             t_loop = bench(lambda: attention_prepared(prepared, key_alive, recipe=recipe, scale=args.head_dim**-0.5,
-                                                      out_dtype=q.dtype, dv=v.shape[-1]), rep=100)
+                                                      out_dtype=q.dtype, dv=v.shape[-1]))
             rows.append((s, f"fp4video {m}", t_total, t_pre, t_loop, t_best / t_total, cossim(out.float(), ref.float())))
             print(f"  S={s} {m}: {t_total:.2f} ms", file=sys.stderr, flush=True)
             del prepared
         del q, k, v, ref
         torch.cuda.empty_cache()
     masked = f", last {args.masked_keys} keys masked (key padding)" if args.masked_keys else ""
-    lines = [_header(f"bench kernel, B=1 H={args.heads} D={args.head_dim}, bf16{masked}"), "",
+    layout = ", (B, S, H, D) storage as in diffusers" if args.layout == "bshd" else ""
+    lines = [_header(f"bench kernel, B=1 H={args.heads} D={args.head_dim}, bf16{masked}{layout}"), "",
              "| S | kernel | ms (total) | TFLOP/s | pre-pass ms | loop ms | × best baseline | cosine to best baseline |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     fmt = lambda x: "" if x is None else f"{x:.2f}"  # noqa: E731
