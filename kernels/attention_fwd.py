@@ -4,19 +4,19 @@ Numerics: exactly :mod:`fp4video.reference` (same key tile, same block rounding 
 for the usual floating-point differences (``exp2`` implementation, fp32 accumulation order),
 which can flip the rounding of an element of P̃ that sits on a rounding boundary.
 
-Three loops, picked per recipe and GPU by :func:`mx_kernel` / :func:`prepare`:
+Four loops, picked per recipe and GPU by :func:`mx_kernel` / :func:`prepare`:
 
 - ``_mx_fp8_attn_fwd`` (MXFP4 methods on sm_89+, e.g. Hopper): Q̂, K̂, V̂ and P̂ on e4m3 tensor
   cores, block scales folded into power-of-two factors (:func:`.prepass.prepass_fp8`); exact
   inside e4m3's window (README, ``scripts/fp8_window_report.py``).
 - :mod:`.attention_scaled` (MXFP4 methods on sm_100+): ``tl.dot_scaled`` on packed E2M1 with
   E8M0 scales, Blackwell's native FP4 MMAs.
-- ``_fp4_attn_fwd`` (NVFP4 methods, ``fp16``, older GPUs): the pre-pass writes the dequantized
-  values in bf16 (E2M1 times an E8M0 or E4M3 scale needs at most 6 significant bits: exact), bf16
-  tensor-core products with fp32 accumulation; the P tile quantized in the loop is exact in bf16
-  too (NVFP4's element division is a multiply by the block's correctly rounded reciprocal: an
-  element within 1.5 ulp of a rounding boundary may round the other way). ``fp16`` reads the
-  inputs as they are (fp32 with IEEE-precision dots).
+- :mod:`.attention_nvfp4` (NVFP4 methods): the pre-pass writes the dequantized values in bf16
+  (E2M1 times an E4M3 scale needs at most 6 significant bits: exact), bf16 tensor-core products
+  with fp32 accumulation, P blocks laid out one per lane as in the e4m3 loop.
+- ``_fp4_attn_fwd`` (``fp16``; MXFP4 methods on GPUs older than sm_89): the same bf16 pre-pass,
+  the P tile quantized in the loop (exact in bf16). ``fp16`` reads the inputs as they are (fp32
+  with IEEE-precision dots).
 
 Limits (``supports`` reports them): key-padding masks ``(B, 1, 1, Sk)`` only; P blocks whose
 maximum is below 2^-124 (weights ~1e-37 of the row maximum) are flushed to zero.
@@ -30,20 +30,20 @@ import triton.language as tl
 
 from fp4video.formats import Format, ScaleRule
 from fp4video.recipe import AttentionRecipe, PScale, RowSum
-from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
+from fp4video.reference import KEY_TILE
 
 from .fp4_math import fake_quant_rows, mx_block_exponent, pow2, round_e2m1_at_scale
 from .prepass import next_pow2, prepass, prepass_fp8, prepass_packed
 
 # P quantization modes (constexpr)
-P_NONE, P_MX, P_NV = 0, 1, 2
+P_NONE, P_MX = 0, 1
 
 
 @triton.jit
 def _quantize_p(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, P_MODE: tl.constexpr,
                 QB: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr):
     """Quantize-dequantize p >= 0 ([BLOCK_M, BLOCK_N]) in blocks of QB along keys."""
-    return fake_quant_rows(p, BLOCK_M, BLOCK_N, P_MODE, QB, OCP, QMAX, False, FAST_DIV=True)
+    return fake_quant_rows(p, BLOCK_M, BLOCK_N, P_MODE, QB, OCP, QMAX, False)
 
 
 @triton.jit
@@ -62,7 +62,7 @@ def _fp4_attn_fwd(
     scale,
     # meta
     HAS_MASK: tl.constexpr, P_MODE: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr,
-    QMAX: tl.constexpr, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr, IEEE: tl.constexpr,
+    QMAX: tl.constexpr, PNQ: tl.constexpr, IEEE: tl.constexpr,
     D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -97,30 +97,17 @@ def _fp4_attn_fwd(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
-        if P_MODE == 0:
-            p_hat = p
-            row_factor = tl.full((BLOCK_M,), 1.0, tl.float32)
-        elif TWO_LEVEL:
-            rmax = tl.max(p, axis=1)
-            live = rmax > 0
-            inv_s1 = tl.where(live, tl.math.div_rn(tl.full((BLOCK_M,), P_RANGE, tl.float32),
-                                                   tl.where(live, rmax, 1.0)), 0.0)
-            p_hat = _quantize_p(p * inv_s1[:, None], BLOCK_M, BLOCK_N, P_MODE, QB, OCP, QMAX)
-            row_factor = tl.math.div_rn(rmax, tl.full((BLOCK_M,), P_RANGE, tl.float32))
-        else:
-            p_hat = _quantize_p(p, BLOCK_M, BLOCK_N, P_MODE, QB, OCP, QMAX)
-            row_factor = tl.full((BLOCK_M,), 1.0, tl.float32)
+        p_hat = p if P_MODE == 0 else _quantize_p(p, BLOCK_M, BLOCK_N, P_MODE, QB, OCP, QMAX)
         if PNQ:
-            l_i = alpha * l_i + tl.sum(p_hat, axis=1) * row_factor
+            l_i = alpha * l_i + tl.sum(p_hat, axis=1)
         else:
             l_i = alpha * l_i + tl.sum(p, axis=1)
         v = tl.load(V + b * svb + h * svh + keys[:, None] * svs + offs_dv[None, :] * svd,
                     mask=(keys < SK)[:, None] & (offs_dv[None, :] < DV), other=0.0)
         if IEEE:
-            pv = tl.dot(p_hat, v, input_precision="ieee")
+            acc = tl.dot(p_hat, v, acc * alpha[:, None], input_precision="ieee")
         else:
-            pv = tl.dot(p_hat.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv * row_factor[:, None]
+            acc = tl.dot(p_hat.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
     live = l_i > 0
@@ -170,11 +157,14 @@ def as_mma_operand(p8, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _mx_fp8_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK: tl.constexpr, TAIL: tl.constexpr,
-                   D: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr, PRECISE_QK: tl.constexpr):
-    """Q̂·K̂ᵀ of one key tile (e4m3 MMA) with its keys in :func:`mma_key_order`, masked keys at
-    -inf. The logit in log2 units is qk · q_scale, q_scale > 0 per row (Q̂'s row factor times
-    this tile's K̂ factor, scale and log2(e))."""
+def _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK: tl.constexpr, TAIL: tl.constexpr,
+                 D: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr, PRECISE_QK: tl.constexpr,
+                 IEEE: tl.constexpr = False):
+    """Q̂·K̂ᵀ of one key tile with its keys in :func:`mma_key_order`, masked keys at -inf (the e4m3
+    MXFP4 loop and the bf16 NVFP4 loop of :mod:`.attention_nvfp4`). In the e4m3 loop the logit in
+    log2 units is qk · q_scale, q_scale > 0 per row (Q̂'s row factor times this tile's K̂ factor,
+    scale and log2(e)). PRECISE_QK: fp8 partial sums promoted to fp32 every 32; IEEE: fp32 operands
+    multiplied exactly (the CPU interpreter's work dtype)."""
     keys = start + mma_key_order(tl.arange(0, BLOCK_N), BLOCK_N // QB, QB)
     offs_d = tl.arange(0, D)
     if TAIL:
@@ -183,6 +173,8 @@ def _mx_fp8_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK: tl.constexp
         k = tl.load(K_base + keys[:, None] * sks + offs_d[None, :])
     if PRECISE_QK:
         qk = tl.dot(q, tl.trans(k), max_num_imprecise_acc=32)
+    elif IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
     if HAS_MASK:
@@ -200,7 +192,7 @@ def _mx_fp8_tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd,
                  BLOCK_N: tl.constexpr, QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr,
                  PRECISE_PV: tl.constexpr):
     """Softmax, P quantization and P̂·V̂ of one key tile of :func:`_mx_fp8_attn_fwd`, given its
-    logits from :func:`_mx_fp8_logits`: returns the updated (m, k, l, acc).
+    logits from :func:`_tile_logits`: returns the updated (m, k, l, acc).
 
     Column c = 2·NB·j + 2·t + e holds key QB·t + 2·j + e of the tile (:func:`mma_key_order`),
     so P block t is the columns with that t: shape (BLOCK_M, QB/2, NB, 2), reduced over axes 1, 3.
@@ -299,13 +291,13 @@ def _mx_fp8_attn_fwd(
     n_full = (SK // BLOCK_N) * BLOCK_N
     for start in tl.range(0, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
         qk_scale = q_scale * tl.load(KF_base + start // BLOCK_N)
-        qk = _mx_fp8_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB, PRECISE_QK)
+        qk = _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB, PRECISE_QK)
         m_i, k_i, l_i, acc = _mx_fp8_tile(
             qk, qk_scale, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV,
             BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV)
     if n_full < SK:
         qk_scale = q_scale * tl.load(KF_base + n_full // BLOCK_N)
-        qk = _mx_fp8_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, QB, PRECISE_QK)
+        qk = _tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, QB, PRECISE_QK)
         m_i, k_i, l_i, acc = _mx_fp8_tile(
             qk, qk_scale, m_i, k_i, l_i, acc, V_base, n_full, svd, OCP, QMAX, PNQ, BLOCK_DV,
             BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV)
@@ -331,9 +323,9 @@ def supports(recipe: AttentionRecipe, q: torch.Tensor, mask: torch.Tensor | None
 
 
 #: Launch configuration per P mode, from scripts/sweep_kernel_configs.py on an H200 (2026-11-29,
-#: S=32,760, H=40, D=128; BENCHMARKS.md): fp16/MXFP4 best at 128/8/3, NVFP4 (E4M3 rounding of the
-#: block scales in the loop, register-heavy) at 128/8/1. ``"fp8"``: the MXFP4 e4m3 kernel.
-LAUNCH = {P_NONE: (128, 8, 3), P_MX: (128, 8, 3), P_NV: (128, 8, 1), "fp8": (128, 8, 3)}
+#: S=32,760, H=40, D=128; BENCHMARKS.md): fp16/MXFP4 best at 128/8/3. ``"fp8"``: the MXFP4 e4m3
+#: kernel (NVFP4: ``attention_nvfp4.LAUNCH``).
+LAUNCH = {P_NONE: (128, 8, 3), P_MX: (128, 8, 3), "fp8": (128, 8, 3)}
 
 
 def mx_kernel(recipe: AttentionRecipe, device: torch.device) -> str | None:
@@ -401,6 +393,8 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
                        **fp8_options):
     """The attention loop alone, on :func:`prepare`'s output; ``dv``: the value head dim."""
     path, tensors = prepared
+    if fp8_options and path != "fp8":
+        raise ValueError(f"{sorted(fp8_options)}: options of the e4m3 MXFP4 loop, not of the {path!r} path")
     if path == "scaled":
         from .attention_scaled import attention_packed
 
@@ -410,13 +404,18 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
         return _attention_fp8(*tensors, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv,
                               block_m=block_m, num_warps=num_warps, num_stages=num_stages, **fp8_options)
     qh, kh, vh = tensors
+    if recipe.pv_format is Format.NVFP4:
+        from .attention_nvfp4 import attention_nvfp4
+
+        return attention_nvfp4(qh, kh, vh, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype,
+                               block_m=block_m, num_warps=num_warps, num_stages=num_stages)
     b, h, sq, dqk = qh.shape
     sk, dv = kh.shape[-2], vh.shape[-1]
     dev = qh.device
     out = torch.empty(b, h, sq, dv, device=dev, dtype=out_dtype)
     lse = torch.empty(b, h, sq, device=dev, dtype=torch.float32)
     km = _key_mask(key_alive, dev)
-    p_mode = {None: P_NONE, Format.MXFP4: P_MX, Format.NVFP4: P_NV}[recipe.pv_format]
+    p_mode = {None: P_NONE, Format.MXFP4: P_MX}[recipe.pv_format]
     qb = recipe.pv_format.block if recipe.pv_format else 32
     bm, nw, ns = LAUNCH[p_mode]
     block_m, num_warps, num_stages = block_m or bm, num_warps or nw, num_stages or ns
@@ -429,7 +428,7 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
         *out.stride(), *lse.stride(),
         scale,
         HAS_MASK=key_alive is not None, P_MODE=p_mode, QB=qb, OCP=recipe.scale_rule is ScaleRule.OCP,
-        QMAX=recipe.scale_rule.qmax, TWO_LEVEL=recipe.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
+        QMAX=recipe.scale_rule.qmax,
         PNQ=recipe.row_sum is RowSum.QUANTIZED, IEEE=qh.dtype == torch.float32,
         D=next_pow2(dqk), BLOCK_DV=next_pow2(dv), BLOCK_M=block_m, BLOCK_N=KEY_TILE,
         num_warps=num_warps, num_stages=num_stages,

@@ -144,18 +144,21 @@ def mx_pack_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, QB: tl.constexpr, OC
 
 
 @triton.jit
+def nvfp4_block_scale(amax):
+    """NVFP4's E4M3 block scale round_e4m3(amax / 6), the division correctly rounded in fp32 (as
+    the reference's); 0 for blocks too small for E4M3 (they quantize to 0)."""
+    return round_e4m3_abs(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)))
+
+
+@triton.jit
 def fake_quant_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr,
-                    OCP: tl.constexpr, QMAX: tl.constexpr, SIGNED: tl.constexpr, FAST_DIV: tl.constexpr = False):
+                    OCP: tl.constexpr, QMAX: tl.constexpr, SIGNED: tl.constexpr):
     """Quantize-dequantize ``x`` ([ROWS, COLS] fp32) in blocks of QB along the last axis.
 
     FMT 1: MXFP4 (E8M0 scale, OCP floor rule or ceil(log2(amax / QMAX))); FMT 2: NVFP4
-    (scale round_e4m3(amax / 6); a block whose scale rounds to 0 becomes 0). All-zero blocks
+    (:func:`nvfp4_block_scale`; a block whose scale rounds to 0 becomes 0). All-zero blocks
     stay zero. Exponents are kept in [-126, 126] (the reference allows ±127: only blocks with
     amax below 2^-124 or above 2^126 differ).
-
-    FAST_DIV (NVFP4): multiply by the block's correctly rounded reciprocal instead of dividing
-    each element (``a · rn(1/s)`` is within 1.5 ulp of ``rn(a / s)``, so only elements that close
-    to an E2M1 rounding boundary can round the other way; used in the attention loop).
     """
     xb = tl.reshape(x, (ROWS, COLS // QB, QB))
     a = tl.abs(xb) if SIGNED else xb
@@ -164,14 +167,10 @@ def fake_quant_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr
         e = tl.where(amax > 0, tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126), 0)
         q = round_e2m1_at_scale(a, pow2(e)[:, :, None])  # exact: the grid scales with 2^e
     else:
-        s = round_e4m3_abs(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)))
+        s = nvfp4_block_scale(amax)
         live = s > 0
         s_safe = tl.where(live, s, 1.0)
-        if FAST_DIV:
-            inv = tl.math.div_rn(tl.full(s_safe.shape, 1.0, tl.float32), s_safe)
-            q = round_e2m1_abs(a * inv[:, :, None]) * s_safe[:, :, None]
-        else:
-            q = round_e2m1_abs(tl.math.div_rn(a, s_safe[:, :, None] + tl.zeros_like(a))) * s_safe[:, :, None]
+        q = round_e2m1_abs(tl.math.div_rn(a, s_safe[:, :, None] + tl.zeros_like(a))) * s_safe[:, :, None]
         q = tl.where(live[:, :, None], q, 0.0)
     if SIGNED:
         q = tl.where(xb < 0, -q, q)

@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     prepared = prepare(ql[:, :, :2048], kl, vl, recipe, None)
     for ws in (False, True) if args.warp_specialize else (False,):
         out, _ = attention_prepared(prepared, None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype, dv=128,
-                                    warp_specialize=ws)
+                                    **({"warp_specialize": True} if ws else {}))
         print(f"| {args.method}, Sk={args.seq}{', warp-specialized' if ws else ''} | default | "
               f"{cossim(out.float(), ref):.6f} |", flush=True)
     del ql, kl, vl, ref
@@ -131,12 +131,14 @@ def main(argv=None) -> int:
     prepared = prepare(q, k, v, recipe, None)
     print("\n| loop | config | ms | TFLOP/s | × cuDNN |\n| --- | --- | --- | --- | --- |")
     flops = 4 * args.heads * args.seq**2 * 128
-    variants = [(True, False), (False, False)] + ([(True, True)] if args.warp_specialize else [])
+    # the floor (P only cast to e4m3) and warp specialization exist in the e4m3 MXFP4 loop only
+    fp8 = prepared[0] == "fp8"
+    variants = [(True, False)] + ([(False, False)] if fp8 else []) + ([(True, True)] if args.warp_specialize and fp8 else [])
     for (quant, ws), (bm, nw, ns) in itertools.product(variants, configs):
         try:
+            opts = dict(quantize_p=quant, warp_specialize=ws) if fp8 else {}
             t = bench(lambda: attention_prepared(prepared, None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype,
-                                                 dv=128, block_m=bm, num_warps=nw, num_stages=ns, quantize_p=quant,
-                                                 warp_specialize=ws))
+                                                 dv=128, block_m=bm, num_warps=nw, num_stages=ns, **opts))
             what = (args.method if quant else "P cast to e4m3 (floor)") + (", warp-specialized" if ws else "")
             print(f"| {what} | {bm}x{nw}x{ns} | {t:.2f} | {flops / t / 1e9:.0f} | {t_ref / t:.2f} |", flush=True)
         except Exception as e:  # noqa: BLE001

@@ -29,12 +29,13 @@ def test_kernel_matches_reference_interpreter(method):
     assert (a - b).abs().max() < 1e-5 and (la - lb).abs().max() < 1e-5
 
 
-def test_kernel_bshd_and_unpadded_head_dim_interpreter():
+@pytest.mark.parametrize("method", ["mxattn", "sage3"])
+def test_kernel_bshd_and_unpadded_head_dim_interpreter(method):
     if torch.cuda.is_available():
         pytest.skip("interpreter test")
     q, k, v = rand(1, 33, 2, 40, seed=5), rand(1, 130, 2, 40, seed=6), rand(1, 130, 2, 24, seed=7)
-    a = fp4_attention(q, k, v, method="mxattn", layout="bshd", backend="reference")
-    b = fp4_attention(q, k, v, method="mxattn", layout="bshd", backend="triton")
+    a = fp4_attention(q, k, v, method=method, layout="bshd", backend="reference")
+    b = fp4_attention(q, k, v, method=method, layout="bshd", backend="triton")
     assert b.shape == (1, 33, 2, 24) and (a - b).abs().max() < 1e-5
 
 

@@ -1,0 +1,172 @@
+"""NVFP4 attention (``nvfp4``, ``sage3``, ``sage3-hpnq``) on bf16 tensor cores.
+
+Q̂, K̂, V̂ come from the bf16 pre-pass (:func:`.prepass.prepass`): NVFP4 values (E2M1 times an
+E4M3 scale: at most 6 significant bits) are exact in bf16, and so is every P̂ value. NVFP4 cannot
+use the e4m3 tensor cores the MXFP4 methods use: its products need more bits than e4m3 has.
+
+The loop is laid out like the e4m3 MXFP4 loop of :mod:`.attention_fwd`: K̂ and V̂ rows are loaded
+in ``mma_key_order`` (QB = 32), so each lane of an MMA quad holds 32 consecutive keys of every
+row, i.e. two whole NVFP4 blocks of 16. Block maxima, E4M3 scales and their reciprocals are then
+computed once per lane and block, with no cross-lane work. For 16-bit operands the accumulator
+layout of Q̂·K̂ᵀ is already the A-operand layout of P̂·V̂, so P̂ needs no relabelling, only V̂'s
+rows in the same key order.
+
+Numerics: those of the reference (:func:`fp4video.reference.quantize_p`), as the generic loop
+computes them: E2M1 rounding of P̃ (or of P̃ · 448·6 / rowmax P̃ for the two-level scale) times
+the block's correctly rounded reciprocal scale (within 1.5 ulp of the division: an element that
+close to a rounding boundary may round the other way), fp32 accumulation in another order. The
+two-level row factor is folded into the accumulator's units (one per-row rescale per tile, like
+the softmax's), so the P̂·V̂ MMA accumulates in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4video.recipe import AttentionRecipe, PScale, RowSum
+from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
+
+from .attention_fwd import LOG2E, _key_mask, _tile_logits, mma_key_order
+from .fp4_math import nvfp4_block_scale, round_e2m1_at_scale
+
+#: BLOCK_M, warps, stages (scripts/kernel_breakdown.py --method sage3 sweeps them)
+LAUNCH = (128, 8, 2)
+
+
+@triton.jit
+def _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV,
+             TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr, TAIL: tl.constexpr,
+             IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+             DV_PAD: tl.constexpr):
+    """Softmax, NVFP4 quantization of P̃ and P̂·V̂ for one key tile of logits ``qk`` (keys in
+    ``mma_key_order`` with QB = 32). Returns the updated (m, r, l, acc): m in log2 units, acc in
+    units of r (the last tile's two-level row factor; 1 without two-level scaling)."""
+    # column c = 8j + 2t + e holds key 32t + 2j + e: the NVFP4 block (16 keys) is 2t + j // 8.
+    # j = 8·jh + 4·j1 + j0 spread over three axes, so that block reductions are short trees
+    NV: tl.constexpr = (BLOCK_M, 2, 2, 4, 4, 2)  # (row, jh, j1, j0, t, e)
+    bmax = tl.max(tl.max(tl.max(tl.reshape(qk, NV), axis=5), axis=3), axis=2)  # (row, jh, t): blocks
+    m_new = tl.maximum(m_i, tl.max(tl.max(bmax, axis=2), axis=1) * scale_log2)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    # P̃ = exp2(qk · scale - m); the blocks' maxima with the same fma on their largest logit, so
+    # they equal the largest P̃ of their block bit for bit (fma and exp2 are monotonic)
+    amax = tl.exp2(tl.fma(bmax, scale_log2, -m_safe[:, None, None]))
+    p = tl.reshape(tl.exp2(tl.fma(qk, scale_log2, -m_safe[:, None])), NV)
+    if TWO_LEVEL:  # P̃ · (448·6 / rowmax P̃) is quantized; P̂ = that · (rowmax / (448·6))
+        rmax = tl.max(tl.max(amax, axis=2), axis=1)
+        live = rmax > 0
+        inv_s1 = tl.where(live, tl.math.div_rn(tl.full((BLOCK_M,), P_RANGE, tl.float32), tl.where(live, rmax, 1.0)), 0.0)
+        r_new = tl.where(live, tl.math.div_rn(rmax, tl.full((BLOCK_M,), P_RANGE, tl.float32)), r_i)
+        amax = amax * inv_s1[:, None, None]  # the block maxima of the scaled P̃ (a monotonic rounding)
+        p2 = p * inv_s1[:, None, None, None, None, None]
+    else:
+        r_new = r_i
+        p2 = p
+    scale = nvfp4_block_scale(amax)
+    # elements are multiplied by the block's correctly rounded reciprocal, not divided (a · rn(1/s)
+    # is within 1.5 ulp of rn(a / s)); a block whose scale rounds to 0 becomes 0 (reciprocal 0)
+    live_b = scale > 0
+    inv = tl.where(live_b, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), tl.where(live_b, scale, 1.0)), 0.0)
+    q = round_e2m1_at_scale(p2 * inv[:, :, None, None, :, None], 1.0) * scale[:, :, None, None, :, None]
+    alpha = tl.exp2(m_i - m_safe)
+    if PNQ:  # the row sum of P̂ = q · r_new
+        part = tl.sum(tl.sum(tl.sum(tl.sum(tl.sum(q, axis=5), axis=3), axis=2), axis=1), axis=1) * r_new
+    else:
+        part = tl.sum(tl.sum(tl.sum(tl.sum(tl.sum(p, axis=5), axis=3), axis=2), axis=1), axis=1)
+    l_i = tl.fma(alpha, l_i, part)
+    keys = start + mma_key_order(tl.arange(0, BLOCK_N), BLOCK_N // 32, 32)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    ptrs = V_base + keys[:, None] * svs + offs_dv[None, :]
+    if TAIL or DV_PAD:
+        v = tl.load(ptrs, mask=(keys < SK)[:, None] & (offs_dv < DV)[None, :], other=0.0)
+    else:
+        v = tl.load(ptrs)
+    p_hat = tl.reshape(q, (BLOCK_M, BLOCK_N)).to(v.dtype)
+    acc = acc * (alpha * (r_i / r_new))[:, None]
+    if IEEE:
+        acc = tl.dot(p_hat, v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p_hat, v, acc)
+    return m_new, r_new, l_i, acc
+
+
+@triton.jit
+def _nv_attn_fwd(
+    Q, K, V, KeyMask, Out, Lse,
+    H, SQ, SK, DV,
+    sqb, sqh, sqs,
+    skb, skh, sks,
+    svb, svh, svs,
+    smb, sms,
+    sob, soh, sos, sod,
+    slb, slh, sls,
+    scale_log2,
+    HAS_MASK: tl.constexpr, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr,
+    IEEE: tl.constexpr, D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < SQ
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    r_i = tl.full((BLOCK_M,), 1.0, tl.float32)  # units of acc
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    K_base = K + b * skb + h * skh
+    V_base = V + b * svb + h * svh
+    M_base = KeyMask + b * smb
+    n_full = (SK // BLOCK_N) * BLOCK_N
+    for start in range(0, n_full, BLOCK_N):
+        qk = _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, 32, False, IEEE)
+        m_i, r_i, l_i, acc = _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV, TWO_LEVEL,
+                                      P_RANGE, PNQ, False, IEEE, BLOCK_M, BLOCK_N, BLOCK_DV, DV_PAD)
+    if n_full < SK:
+        qk = _tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, 32, False, IEEE)
+        m_i, r_i, l_i, acc = _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, n_full, SK, svs, DV, TWO_LEVEL,
+                                      P_RANGE, PNQ, True, IEEE, BLOCK_M, BLOCK_N, BLOCK_DV, DV_PAD)
+
+    live = l_i > 0
+    l_safe = tl.where(live, l_i, 1.0)
+    out = tl.where(live[:, None], acc * (r_i / l_safe)[:, None], 0.0)
+    lse = tl.where(live, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(Out + b * sob + h * soh + offs_m[:, None] * sos + offs_dv[None, :] * sod,
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(Lse + b * slb + h * slh + offs_m * sls, lse, mask=row_ok)
+
+
+def attention_nvfp4(qh, kh, vh, key_alive, *, recipe: AttentionRecipe, scale: float, out_dtype,
+                    block_m=None, num_warps=None, num_stages=None):
+    """The NVFP4 loop on the bf16 pre-pass's (B, H, S, D) outputs (contiguous along D)."""
+    b, h, sq, d = qh.shape
+    sk, dv = kh.shape[-2], vh.shape[-1]
+    for name, t in (("q", qh), ("k", kh), ("v", vh)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"the NVFP4 kernel wants {name} contiguous along its last dim (the pre-pass writes it so)")
+    dev = qh.device
+    out = torch.empty(b, h, sq, dv, device=dev, dtype=out_dtype)
+    lse = torch.empty(b, h, sq, device=dev, dtype=torch.float32)
+    km = _key_mask(key_alive, dev)
+    bm, nw, ns = LAUNCH
+    block_dv = max(16, 1 << (dv - 1).bit_length())
+    block_m, num_warps, num_stages = block_m or bm, num_warps or nw, num_stages or ns
+    _nv_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
+        qh, kh, vh, km, out, lse,
+        h, sq, sk, dv,
+        *qh.stride()[:3], *kh.stride()[:3], *vh.stride()[:3],
+        km.stride(0), km.stride(1),
+        *out.stride(), *lse.stride(),
+        scale * LOG2E,
+        HAS_MASK=key_alive is not None, TWO_LEVEL=recipe.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
+        PNQ=recipe.row_sum is RowSum.QUANTIZED, IEEE=qh.dtype == torch.float32, D=d,
+        BLOCK_DV=block_dv, DV_PAD=block_dv != dv, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
+    )
+    return out, lse
