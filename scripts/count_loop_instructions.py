@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Instructions per element of S in the e4m3 MXFP4 attention loop, read from its sm_90 code,
-compiled offline (no GPU needed): the ALU budget BENCHMARKS.md discusses.
+"""Instructions per element of S in the attention loops, read from their sm_90 code, compiled
+offline (no GPU needed): the ALU budget BENCHMARKS.md discusses.
 
     python scripts/count_loop_instructions.py [--no-quantize-p] [--ocp] [--precise]
+    python scripts/count_loop_instructions.py --kernel nvfp4 [--no-two-level]
 
-Compiles ``_mx_fp8_attn_fwd`` as it is launched on Hopper (BLOCK_M 128, 8 warps, 3 stages, no FMA
-contraction, head dim 128, no mask), disassembles the cubin with the nvdisasm that ships with
+Compiles ``_mx_fp8_attn_fwd`` (the e4m3 MXFP4 loop) or ``_nv_attn_fwd`` (the bf16 NVFP4 loop) as
+it is launched on Hopper (BLOCK_M 128, 8 warps, its stages, no FMA contraction, head dim 128, no
+mask), disassembles the cubin with the nvdisasm that ships with
 Triton and takes the main loop: the code from the label that a later branch jumps back to, up to
 that branch, containing the MMAs. Its instruction count divided by the elements of S each thread
 owns per key tile (128 × 128 / 256 = 64) is the count per element. Also prints the PTX count of the
@@ -30,14 +32,24 @@ def compile_loop_kernel(args):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from fp4video.kernels.attention_fwd import TILE_EXP_FLOOR, _mx_fp8_attn_fwd as fn
+    if args.kernel == "nvfp4":
+        from fp4video.kernels.attention_nvfp4 import LAUNCH, _nv_attn_fwd as fn
+        from fp4video.reference import TWO_LEVEL_P_RANGE
 
+        ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
+        consts = dict(HAS_MASK=False, TWO_LEVEL=not args.no_two_level, P_RANGE=TWO_LEVEL_P_RANGE, PNQ=False,
+                      IEEE=False, D=128, BLOCK_DV=128, DV_PAD=False, BLOCK_M=128, BLOCK_N=128)
+        stages = LAUNCH[2]
+    else:
+        from fp4video.kernels.attention_fwd import LAUNCH, TILE_EXP_FLOOR, _mx_fp8_attn_fwd as fn
+
+        ptr = {"Q8": "*fp8e4nv", "QFac": "*fp32", "K8": "*fp8e4nv", "KFac": "*fp32", "V8T": "*fp8e4nv",
+               "VFac": "*fp32", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
+        consts = dict(HAS_MASK=False, OCP=args.ocp, QMAX=7.25, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=128,
+                      BLOCK_N=128, QB=32, EXP_FLOOR=TILE_EXP_FLOOR, QUANTIZE_P=not args.no_quantize_p,
+                      WARP_SPEC=False, PRECISE_QK=args.precise, PRECISE_PV=args.precise)
+        stages = LAUNCH["fp8"][2]
     names = fn.arg_names
-    ptr = {"Q8": "*fp8e4nv", "QFac": "*fp32", "K8": "*fp8e4nv", "KFac": "*fp32", "V8T": "*fp8e4nv", "VFac": "*fp32",
-           "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
-    consts = dict(HAS_MASK=False, OCP=args.ocp, QMAX=7.25, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=128, BLOCK_N=128,
-                  QB=32, EXP_FLOOR=TILE_EXP_FLOOR, QUANTIZE_P=not args.no_quantize_p, WARP_SPEC=False,
-                  PRECISE_QK=args.precise, PRECISE_PV=args.precise)
     missing = [names[i] for i in fn.constexprs if names[i] not in consts]
     if missing:  # every constexpr must be fixed here, or Triton makes it a runtime argument
         raise SystemExit(f"error: constexpr arguments not set by this script: {missing}")
@@ -45,10 +57,10 @@ def compile_loop_kernel(args):
     # as Triton specializes a Wan-480p launch (S = 32,760, H = 40): pointers, and every stride that
     # is a multiple of 16 there, are marked 16-divisible
     aligned = [n for n in names if sig[n].startswith("*") or n in (
-        "sqb", "sqh", "sqs", "skb", "skh", "sks", "svb", "svh", "svd", "sob", "soh", "sos", "slb", "SK_PAD")]
+        "sqb", "sqh", "sqs", "skb", "skh", "sks", "svb", "svh", "svd", "svs", "sob", "soh", "sos", "slb")]
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    options = dict(num_warps=8, num_stages=3, enable_fp_fusion=False)
+    options = dict(num_warps=8, num_stages=stages, enable_fp_fusion=False)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -66,7 +78,7 @@ def loop_opcodes(lines, label_re, branch_re, op_re, is_mma):
                 mm = re.match(op_re, body_line)
                 if mm:
                     ops[mm.group(1)] += 1
-            if any(is_mma(op) for op in ops):
+            if any(is_mma(op) for op in ops):  # the last such loop: the full tiles (the tail is not a loop)
                 best = ops
     if best is None:
         raise SystemExit("error: no loop with MMAs found")
@@ -94,6 +106,9 @@ def ptxas_registers(ptx: str, bin_dir: str, tmp: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernel", choices=["mx", "nvfp4"], default="mx",
+                    help="mx: the e4m3 MXFP4 loop (default); nvfp4: the bf16 NVFP4 loop (sage3's two-level P)")
+    ap.add_argument("--no-two-level", action="store_true", help="nvfp4: plain NVFP4 P (the nvfp4 method)")
     ap.add_argument("--no-quantize-p", action="store_true", help="the floor variant: P only cast to e4m3")
     ap.add_argument("--ocp", action="store_true", help="OCP scale rule instead of UOS")
     ap.add_argument("--precise", action="store_true", help="max_num_imprecise_acc=32 on both MMAs (PRECISE_QK/PV)")
@@ -115,7 +130,7 @@ def main(argv=None) -> int:
     sass_loop = loop_opcodes(sass.splitlines(), r"^(\.L_x_\d+):", r"BRA\s+`?\(?(\.L_x_\d+)",
                              r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", lambda op: "GMMA" in op)
     n_sass, n_ptx = sum(sass_loop.values()), sum(ptx_loop.values())
-    print(f"Triton {triton.__version__}, sm_90, main loop of _mx_fp8_attn_fwd: "
+    print(f"Triton {triton.__version__}, sm_90, main loop of {kernel.name}: "
           f"{n_sass / PER_THREAD:.1f} SASS instructions per element of S ({n_sass} per thread per key tile), "
           f"{n_ptx / PER_THREAD:.1f} in PTX; {registers}")
     by_unit = collections.Counter()

@@ -450,6 +450,12 @@ def test_instruction_count_script_reads_the_fp8_loop():
             shfl = re.search(r"^\s*([\d.]+)\s+SHFL$", run.stdout, re.M)
             assert shfl and float(shfl.group(1)) <= 0.19, run.stdout
     assert 4 < counts[True] < counts[False] < 40, counts
+    # the bf16 NVFP4 loop: bf16 MMAs (HGMMA), more work per element than the e4m3 MXFP4 loop
+    run = subprocess.run([sys.executable, str(script), "--kernel", "nvfp4"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    m = re.search(r"_nv_attn_fwd: ([\d.]+) SASS instructions per element of S", run.stdout)
+    assert m and "HGMMA" in run.stdout and counts[False] < float(m.group(1)) < 40, run.stdout
 
 
 @pytest.mark.gpu
