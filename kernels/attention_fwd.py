@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from fp4video.formats import Format, ScaleRule
-from fp4video.recipe import AttentionRecipe, PScale, RowSum
+from fp4video.recipe import AttentionRecipe, RowSum
 from fp4video.reference import KEY_TILE
 
 from .fp4_math import fake_quant_rows, mx_block_exponent, pow2, round_e2m1_at_scale
@@ -134,7 +134,8 @@ def mma_key_order(cols, NB: tl.constexpr, QB: tl.constexpr):
     consecutive keys) in one lane: block maxima, scales and rounding units are computed once per
     lane, with no cross-lane reduction and no replicated per-block work. In general: column
     c = 2·NB·j + 2·t + e holds key QB·t + 2·j + e (NB = BLOCK_N // QB blocks per tile).
-    :func:`fp4video.kernels.prepass.v8t_key_order` is the same map for V's stored columns.
+    V̂ᵀ's stored columns follow this map composed with :func:`as_mma_operand`'s relabelling
+    (:func:`fp4video.kernels.prepass.v8t_key_order`); the NVFP4 loop loads K̂ and V̂ rows in it.
     """
     return QB * ((cols // 2) % NB) + 2 * (cols // (2 * NB)) + cols % 2
 

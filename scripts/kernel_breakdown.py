@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     q, k, v = (torch.randn(1, 4, 4000, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     ref = fp4_attention(q, k, v, method=args.method, backend="reference").float()
     prepared = prepare(q, k, v, recipe, None)
-    print(f"| check (S=4000, H=4) | config | cosine to reference |\n| --- | --- | --- |")
+    print("| check (S=4000, H=4) | config | cosine to reference |\n| --- | --- | --- |")
     for bm, nw, ns in configs:
         out, _ = attention_prepared(prepared, None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype, dv=128,
                                     block_m=bm, num_warps=nw, num_stages=ns)

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("diffusers")
 
 from fp4video.integration import FP4Processor, Policy, install, uninstall  # noqa: E402
-from fp4video.integration.config import ConfigError, RunConfig, load_config  # noqa: E402
+from fp4video.integration.config import ConfigError, load_config  # noqa: E402
 from fp4video.integration.tiny import TINY_SIZES, tiny_wan_pipeline  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

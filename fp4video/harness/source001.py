@@ -20,7 +20,7 @@ import torch
 from ..formats import E2M1_VALUES, UOS_QMAX, mx_exponent, quantize_dequantize
 from ..metrics import compare
 from ..recipe import METHODS, AttentionRecipe
-from ..reference import prepare_qkv, quantize_p
+from ..reference import quantize_p
 
 PUBLISHED = {
     "qmax_star": 7.25,
