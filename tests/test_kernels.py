@@ -279,9 +279,10 @@ def test_prepass_fp8_window_is_16_binades():
         assert torch.equal(back, k[0, 0, 1]) is exact, shift
 
 
-def test_fp8_kernel_accuracy_equals_reference_on_source000():
+def test_kernel_accuracy_equals_reference_on_source000():
     """Issue 3: the kernel's accuracy on the source-000 harness equals the reference's within 0.01
-    cosine points (MXFP4 methods on the e4m3 path; CPU interpreter or the GPU)."""
+    cosine points (MXFP4 methods on the e4m3 path, NVFP4 methods on their bf16 loop; CPU
+    interpreter or the GPU)."""
     from fp4video.harness import source000
     from fp4video.metrics import compare
 
@@ -289,7 +290,7 @@ def test_fp8_kernel_accuracy_equals_reference_on_source000():
     x = source000.make_inputs(0, n=512)
     exact = source000.exact_attention(x)[1].float()
     q, k, v = (t.float()[None, None].to(dev) for t in (x.q, x.k, x.v))
-    for method in ("mxattn", "mxfp4-ocp"):
+    for method in ("mxattn", "mxfp4-ocp", "sage3", "nvfp4"):
         ref = fp4_attention(q, k, v, method=method, backend="reference")
         got = fp4_attention(q, k, v, method=method, backend="triton")
         c_ref = 100 * compare(ref[0, 0].cpu(), exact)["cossim"]
