@@ -43,6 +43,7 @@ def _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV,
     """Softmax, NVFP4 quantization of P̃ and P̂·V̂ for one key tile of logits ``qk`` (keys in
     ``mma_key_order`` with QB = 32). Returns the updated (m, r, l, acc): m in log2 units, acc in
     units of r (the last tile's two-level row factor; 1 without two-level scaling)."""
+    tl.static_assert(BLOCK_N == 128, "the lane layout below is that of 128-key tiles")
     # column c = 8j + 2t + e holds key 32t + 2j + e: the NVFP4 block (16 keys) is 2t + j // 8.
     # j = 8·jh + 4·j1 + j0 spread over three axes, so that block reductions are short trees
     NV: tl.constexpr = (BLOCK_M, 2, 2, 4, 4, 2)  # (row, jh, j1, j0, t, e)
