@@ -47,6 +47,31 @@ def _quantize_p(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, P_MODE: tl.cons
 
 
 @triton.jit
+def program_rows(H, SQ, BLOCK_M: tl.constexpr):
+    """This program's batch, head, query rows and their in-range mask (every attention kernel's
+    grid is (query blocks, B·H))."""
+    bh = tl.program_id(1)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return bh // H, bh % H, offs_m, offs_m < SQ
+
+
+@triton.jit
+def store_out_lse(Out, Lse, acc, factor, l_i, m_log2, shift, b, h, offs_m, row_ok, DV, sob, soh, sos, sod, slb, slh,
+                  sls, BLOCK_DV: tl.constexpr):
+    """The loops' common end: out = acc · factor / l in Out's dtype (``factor`` broadcasts per row
+    or per channel: the accumulator's units), LSE = (m + log2 l - shift) · ln 2 with m in log2
+    units and l in units of 2^shift; rows without a live key get 0 and -inf."""
+    live = l_i > 0
+    l_safe = tl.where(live, l_i, 1.0)
+    out = tl.where(live[:, None], acc * (factor / l_safe[:, None]), 0.0)
+    lse = tl.where(live, (m_log2 + tl.log2(l_safe) - shift) * 0.6931471805599453, float("-inf"))
+    offs_dv = tl.arange(0, BLOCK_DV)
+    tl.store(Out + b * sob + h * soh + offs_m[:, None] * sos + offs_dv[None, :] * sod,
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(Lse + b * slb + h * slh + offs_m * sls, lse, mask=row_ok)
+
+
+@triton.jit
 def _fp4_attn_fwd(
     # pointers
     Q, K, V, KeyMask, Out, Lse,
@@ -65,15 +90,10 @@ def _fp4_attn_fwd(
     QMAX: tl.constexpr, PNQ: tl.constexpr, IEEE: tl.constexpr,
     D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    b, h, offs_m, row_ok = program_rows(H, SQ, BLOCK_M)
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
-    row_ok = offs_m < SQ
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :] * sqd,
                 mask=row_ok[:, None] & (offs_d[None, :] < DQK), other=0.0)
 
@@ -110,13 +130,9 @@ def _fp4_attn_fwd(
             acc = tl.dot(p_hat.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
-    live = l_i > 0
-    l_safe = tl.where(live, l_i, 1.0)
-    out = tl.where(live[:, None], acc / l_safe[:, None], 0.0)
-    lse = tl.where(live, m_i + tl.log(l_safe), float("-inf"))
-    tl.store(Out + b * sob + h * soh + offs_m[:, None] * sos + offs_dv[None, :] * sod,
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-    tl.store(Lse + b * slb + h * slh + offs_m * sls, lse, mask=row_ok)
+    # m in natural-log units here (tl.exp): to log2 units for the common end
+    store_out_lse(Out, Lse, acc, 1.0, l_i, m_i * 1.4426950408889634, 0.0, b, h, offs_m, row_ok, DV,
+                  sob, soh, sos, sod, slb, slh, sls, BLOCK_DV)
 
 
 LOG2E = 1.4426950408889634
@@ -266,14 +282,9 @@ def _mx_fp8_attn_fwd(
     loaded in that order, V̂ᵀ is stored in it), so each P block lives in one lane; P̂·V̂ sums the
     same products as in key order.
     """
-    pid_m = tl.program_id(0)
+    b, h, offs_m, row_ok = program_rows(H, SQ, BLOCK_M)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < SQ
     q = tl.load(Q8 + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     # logits in log2 units: dot(q8, k8) · q_fac · k_fac · scale · log2(e), k_fac per key tile (all
     # factors powers of two: the products are exact)
@@ -303,14 +314,9 @@ def _mx_fp8_attn_fwd(
             qk, qk_scale, m_i, k_i, l_i, acc, V_base, n_full, svd, OCP, QMAX, PNQ, BLOCK_DV,
             BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV)
 
-    live = l_i > 0
-    l_safe = tl.where(live, l_i, 1.0)
-    v_fac = tl.load(VFac + bh * BLOCK_DV + offs_dv)
-    out = tl.where(live[:, None], acc * (v_fac[None, :] / l_safe[:, None]), 0.0)
-    lse = tl.where(live, (m_i + tl.log2(l_safe) - k_i.to(tl.float32)) * 0.6931471805599453, float("-inf"))
-    tl.store(Out + b * sob + h * soh + offs_m[:, None] * sos + offs_dv[None, :] * sod,
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-    tl.store(Lse + b * slb + h * slh + offs_m * sls, lse, mask=row_ok)
+    v_fac = tl.load(VFac + bh * BLOCK_DV + tl.arange(0, BLOCK_DV))  # acc is in units of V̂'s channel factors
+    store_out_lse(Out, Lse, acc, v_fac[None, :], l_i, m_i, k_i.to(tl.float32), b, h, offs_m, row_ok, DV,
+                  sob, soh, sos, sod, slb, slh, sls, BLOCK_DV)
 
 
 def supports(recipe: AttentionRecipe, q: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[bool, str]:

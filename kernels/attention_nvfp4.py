@@ -28,7 +28,7 @@ import triton.language as tl
 from fp4video.recipe import AttentionRecipe, PScale, RowSum
 from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
 
-from .attention_fwd import LOG2E, _key_mask, _tile_logits, mma_key_order
+from .attention_fwd import LOG2E, _key_mask, _tile_logits, mma_key_order, program_rows, store_out_lse
 from .fp4_math import nvfp4_block_scale, round_e2m1_at_scale
 
 #: BLOCK_M, warps, stages (scripts/kernel_breakdown.py --method sage3 sweeps them)
@@ -107,14 +107,8 @@ def _nv_attn_fwd(
     IEEE: tl.constexpr, D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    b, h, offs_m, row_ok = program_rows(H, SQ, BLOCK_M)
     offs_d = tl.arange(0, D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < SQ
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -134,13 +128,8 @@ def _nv_attn_fwd(
         m_i, r_i, l_i, acc = _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, n_full, SK, svs, DV, TWO_LEVEL,
                                       P_RANGE, PNQ, True, IEEE, BLOCK_M, BLOCK_N, BLOCK_DV, DV_PAD)
 
-    live = l_i > 0
-    l_safe = tl.where(live, l_i, 1.0)
-    out = tl.where(live[:, None], acc * (r_i / l_safe)[:, None], 0.0)
-    lse = tl.where(live, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    tl.store(Out + b * sob + h * soh + offs_m[:, None] * sos + offs_dv[None, :] * sod,
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-    tl.store(Lse + b * slb + h * slh + offs_m * sls, lse, mask=row_ok)
+    store_out_lse(Out, Lse, acc, r_i[:, None], l_i, m_i, 0.0, b, h, offs_m, row_ok, DV, sob, soh, sos, sod, slb, slh,
+                  sls, BLOCK_DV)  # acc is in units of the last two-level row factor
 
 
 def attention_nvfp4(qh, kh, vh, key_alive, *, recipe: AttentionRecipe, scale: float, out_dtype,

@@ -21,9 +21,8 @@ from fp4video.formats import ScaleRule
 from fp4video.recipe import AttentionRecipe, RowSum
 from fp4video.reference import KEY_TILE
 
+from .attention_fwd import LOG2E, _key_mask, program_rows, store_out_lse
 from .fp4_math import e2m1_magnitude_codes, mx_block_exponent, pack_nibbles, pow2, round_e2m1_at_scale
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -86,12 +85,8 @@ def _mx_scaled_attn_fwd(
     D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
 ):
     """Online-softmax MXFP4 attention on ``tl.dot_scaled``; operands from :func:`.prepass.prepass_packed`."""
-    pid_m = tl.program_id(0)
+    b, h, offs_m, row_ok = program_rows(H, SQ, BLOCK_M)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < SQ
     half_d = tl.arange(0, D // 2)
     nb_d = tl.arange(0, D // QB)
     q4 = tl.load(Q4 + b * sqb + h * sqh + offs_m[:, None] * sqs + half_d[None, :], mask=row_ok[:, None], other=0)
@@ -115,14 +110,8 @@ def _mx_scaled_attn_fwd(
             q4, q_sc, m_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, n_full, SK, SK_PAD, sks, svd, svsd,
             sms, scale_log2, HAS_MASK, True, OCP, QMAX, PNQ, D, BLOCK_DV, BLOCK_M, BLOCK_N, QB)
 
-    live = l_i > 0
-    l_safe = tl.where(live, l_i, 1.0)
-    dv = tl.arange(0, BLOCK_DV)
-    out = tl.where(live[:, None], acc / l_safe[:, None], 0.0)
-    lse = tl.where(live, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    tl.store(Out + b * sob + h * soh + offs_m[:, None] * sos + dv[None, :] * sod,
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
-    tl.store(Lse + b * slb + h * slh + offs_m * sls, lse, mask=row_ok)
+    store_out_lse(Out, Lse, acc, 1.0, l_i, m_i, 0.0, b, h, offs_m, row_ok, DV, sob, soh, sos, sod, slb, slh, sls,
+                  BLOCK_DV)
 
 
 #: BLOCK_M, warps, stages (not tuned: no Blackwell GPU here)
@@ -137,8 +126,7 @@ def attention_packed(q4, q_scale, k4, k_scale, v4t, v_scale, key_alive, *, recip
     dev = q4.device
     out = torch.empty(b, h, sq, dv, device=dev, dtype=out_dtype)
     lse = torch.empty(b, h, sq, device=dev, dtype=torch.float32)
-    km = key_alive.to(torch.int8).contiguous() if key_alive is not None else torch.empty(1, 1, dtype=torch.int8,
-                                                                                          device=dev)
+    km = _key_mask(key_alive, dev)
     bm, nw, ns = LAUNCH
     block_m, num_warps, num_stages = block_m or bm, num_warps or nw, num_stages or ns
     _mx_scaled_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
