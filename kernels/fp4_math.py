@@ -71,12 +71,14 @@ def round_e2m1_at_scale(p, unit):
 
     E2M1 has one mantissa bit, so the grid step is half the binade of max(p, unit); adding
     2^22 times that binade's power of two (read from the bits) leaves exactly one fraction bit,
-    rounded to nearest even by the fp32 addition. Six operations, no division, no conversion.
-    Needs max(p, unit) < 2^105 (the magic number must be finite): far beyond any activation.
+    rounded to nearest even by the fp32 addition, and subtracting it again is exact. The two
+    are fused multiply-adds of the binade by ±2^22 (the product is exact, so each rounds once,
+    as the plain additions of 2^22·binade would): five operations, no division, no conversion.
+    Needs unit >= 2^-126 (a normal number) and max(p, unit) < 2^105 (the magic number must be
+    finite): far beyond any activation.
     """
-    binade = (tl.maximum(p, unit).to(tl.int32, bitcast=True) & 0x7F800000) + (22 << 23)
-    magic = binade.to(tl.float32, bitcast=True)
-    return tl.minimum((p + magic) - magic, 6.0 * unit)
+    binade = (tl.maximum(p, unit).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.minimum(tl.fma(binade, -4194304.0, tl.fma(binade, 4194304.0, p)), 6.0 * unit)
 
 
 @triton.jit
