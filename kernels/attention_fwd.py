@@ -4,7 +4,7 @@ Numerics: exactly :mod:`fp4video.reference` (same key tile, same block rounding 
 for the usual floating-point differences (``exp2`` implementation, fp32 accumulation order),
 which can flip the rounding of an element of P̃ that sits on a rounding boundary.
 
-Four loops, picked per recipe and GPU by :func:`mx_kernel` / :func:`prepare`:
+Five loops, picked per recipe and GPU by :func:`mx_kernel` / :func:`prepare`:
 
 - ``_mx_fp8_attn_fwd`` (MXFP4 methods on sm_89+, e.g. Hopper): Q̂, K̂, V̂ and P̂ on e4m3 tensor
   cores, block scales folded into power-of-two factors (:func:`.prepass.prepass_fp8`); exact
@@ -13,7 +13,9 @@ Four loops, picked per recipe and GPU by :func:`mx_kernel` / :func:`prepare`:
   E8M0 scales, Blackwell's native FP4 MMAs.
 - :mod:`.attention_nvfp4` (NVFP4 methods): the pre-pass writes the dequantized values in bf16
   (E2M1 times an E4M3 scale needs at most 6 significant bits: exact), bf16 tensor-core products
-  with fp32 accumulation, P blocks laid out one per lane as in the e4m3 loop.
+  with fp32 accumulation, P blocks laid out one per lane as in the e4m3 loop. The same numerics
+  also run as :mod:`.attention_nvfp4_sm90` (Gluon, Hopper, opt-in: ``FP4VIDEO_NV_KERNEL=sm90``),
+  whose MMAs overlap the P quantization; it measured slower (BENCHMARKS.md).
 - ``_fp4_attn_fwd`` (``fp16``; MXFP4 methods on GPUs older than sm_89): the same bf16 pre-pass,
   the P tile quantized in the loop (exact in bf16). ``fp16`` reads the inputs as they are (fp32
   with IEEE-precision dots).
@@ -56,16 +58,16 @@ def program_rows(H, SQ, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def store_out_lse(Out, Lse, acc, factor, l_i, m_log2, shift, b, h, offs_m, row_ok, DV, sob, soh, sos, sod, slb, slh,
-                  sls, BLOCK_DV: tl.constexpr):
+def store_out_lse(Out, Lse, acc, factor, l_i, m_log2, shift, b, h, offs_m, row_ok, offs_dv, DV, sob, soh, sos, sod,
+                  slb, slh, sls):
     """The loops' common end: out = acc · factor / l in Out's dtype (``factor`` broadcasts per row
     or per channel: the accumulator's units), LSE = (m + log2 l - shift) · ln 2 with m in log2
-    units and l in units of 2^shift; rows without a live key get 0 and -inf."""
+    units and l in units of 2^shift; rows without a live key get 0 and -inf. ``offs_m``/``offs_dv``:
+    the rows and channels of ``acc`` (aranges in its layout, for the Gluon kernel)."""
     live = l_i > 0
     l_safe = tl.where(live, l_i, 1.0)
     out = tl.where(live[:, None], acc * (factor / l_safe[:, None]), 0.0)
     lse = tl.where(live, (m_log2 + tl.log2(l_safe) - shift) * 0.6931471805599453, float("-inf"))
-    offs_dv = tl.arange(0, BLOCK_DV)
     tl.store(Out + b * sob + h * soh + offs_m[:, None] * sos + offs_dv[None, :] * sod,
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     tl.store(Lse + b * slb + h * slh + offs_m * sls, lse, mask=row_ok)
@@ -131,8 +133,8 @@ def _fp4_attn_fwd(
         m_i = m_new
 
     # m in natural-log units here (tl.exp): to log2 units for the common end
-    store_out_lse(Out, Lse, acc, 1.0, l_i, m_i * 1.4426950408889634, 0.0, b, h, offs_m, row_ok, DV,
-                  sob, soh, sos, sod, slb, slh, sls, BLOCK_DV)
+    store_out_lse(Out, Lse, acc, 1.0, l_i, m_i * 1.4426950408889634, 0.0, b, h, offs_m, row_ok,
+                  tl.arange(0, BLOCK_DV), DV, sob, soh, sos, sod, slb, slh, sls)
 
 
 LOG2E = 1.4426950408889634
@@ -182,12 +184,14 @@ def _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK: tl.constexpr,
     log2 units is qk · q_scale, q_scale > 0 per row (Q̂'s row factor times this tile's K̂ factor,
     scale and log2(e)). PRECISE_QK: fp8 partial sums promoted to fp32 every 32; IEEE: fp32 operands
     multiplied exactly (the CPU interpreter's work dtype)."""
-    keys = start + mma_key_order(tl.arange(0, BLOCK_N), BLOCK_N // QB, QB)
-    offs_d = tl.arange(0, D)
+    order = mma_key_order(tl.arange(0, BLOCK_N), BLOCK_N // QB, QB)
+    keys = start + order
+    # the tile's offsets are loop-invariant, plus one scalar per tile (fewer address instructions)
+    ptrs = (K_base + start * sks) + (order[:, None] * sks + tl.arange(0, D)[None, :])
     if TAIL:
-        k = tl.load(K_base + keys[:, None] * sks + offs_d[None, :], mask=(keys < SK)[:, None], other=0.0)
+        k = tl.load(ptrs, mask=(keys < SK)[:, None], other=0.0)
     else:
-        k = tl.load(K_base + keys[:, None] * sks + offs_d[None, :])
+        k = tl.load(ptrs)
     if PRECISE_QK:
         qk = tl.dot(q, tl.trans(k), max_num_imprecise_acc=32)
     elif IEEE:
@@ -315,8 +319,8 @@ def _mx_fp8_attn_fwd(
             BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV)
 
     v_fac = tl.load(VFac + bh * BLOCK_DV + tl.arange(0, BLOCK_DV))  # acc is in units of V̂'s channel factors
-    store_out_lse(Out, Lse, acc, v_fac[None, :], l_i, m_i, k_i.to(tl.float32), b, h, offs_m, row_ok, DV,
-                  sob, soh, sos, sod, slb, slh, sls, BLOCK_DV)
+    store_out_lse(Out, Lse, acc, v_fac[None, :], l_i, m_i, k_i.to(tl.float32), b, h, offs_m, row_ok,
+                  tl.arange(0, BLOCK_DV), DV, sob, soh, sos, sod, slb, slh, sls)
 
 
 def supports(recipe: AttentionRecipe, q: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[bool, str]:
@@ -412,6 +416,9 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
                               block_m=block_m, num_warps=num_warps, num_stages=num_stages, **fp8_options)
     qh, kh, vh = tensors
     if recipe.pv_format is Format.NVFP4:
+        sm90 = _gluon_nvfp4()
+        if sm90 is not None and sm90.choose(qh, vh, launch_given=any((block_m, num_warps, num_stages))) == "sm90":
+            return sm90.attention_nvfp4_sm90(qh, kh, vh, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype)
         from .attention_nvfp4 import attention_nvfp4
 
         return attention_nvfp4(qh, kh, vh, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype,
@@ -441,6 +448,15 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
         num_warps=num_warps, num_stages=num_stages,
     )
     return out, lse
+
+
+def _gluon_nvfp4():
+    """:mod:`.attention_nvfp4_sm90`, or None where this Triton has no Gluon Hopper API (< 3.5)."""
+    try:
+        from . import attention_nvfp4_sm90
+    except ImportError:
+        return None
+    return attention_nvfp4_sm90
 
 
 def _key_mask(key_alive, dev):

@@ -29,10 +29,93 @@ from fp4video.recipe import AttentionRecipe, PScale, RowSum
 from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
 
 from .attention_fwd import LOG2E, _key_mask, _tile_logits, mma_key_order, program_rows, store_out_lse
-from .fp4_math import nvfp4_block_scale, round_e2m1_at_scale
+from .fp4_math import const_div_rn, div_const_rn, nvfp4_block_scale, recip_rn_few_bits, round_e2m1_at_scale
+
+#: rn(1 / (448·6)) in fp32, for div_const_rn
+RCP_P_RANGE = tl.constexpr(float(torch.tensor(1.0 / TWO_LEVEL_P_RANGE, dtype=torch.float32)))
 
 #: BLOCK_M, warps, stages (scripts/kernel_breakdown.py --method sage3 sweeps them)
 LAUNCH = (128, 8, 3)  # H200, S=32,760: 88.98 ms with 1 stage, 74.48 with 2, 65.95 with 3 (sage3)
+
+
+@triton.jit
+def _rows6(x):
+    """A per-row vector (as the reductions of :func:`nv_quantize_p` leave it) broadcast to its 6-d tile."""
+    return x[:, None, None][:, :, None, None, :, None]
+
+
+@triton.jit
+def _blocks6(x):
+    """A per-block (row, jh, t) tensor broadcast to its 6-d tile."""
+    return x[:, :, None, None, :, None]
+
+
+@triton.jit
+def _row_sum6(x):
+    """Row sums of a 6-d tile, reduced in the order every row vector here is (same layout in Gluon)."""
+    return tl.sum(tl.sum(tl.sum(tl.sum(tl.sum(x, axis=5), axis=3), axis=2), axis=2), axis=1)
+
+
+@triton.jit
+def nv_row_vector(tile, value):
+    """A per-row vector of ``value`` in the layout :func:`nv_quantize_p`'s row vectors have (for the
+    Gluon kernel's initial state; ``tile``: any finite tile of S's shape and layout)."""
+    BLOCK_M: tl.constexpr = tile.shape[0]
+    NV: tl.constexpr = (BLOCK_M, 2, 2, 4, 4, 2)
+    bmax = tl.max(tl.max(tl.max(tl.reshape(tile, NV), axis=5), axis=3), axis=2)
+    return tl.max(tl.max(bmax, axis=2), axis=1) * 0.0 + value
+
+
+@triton.jit
+def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr,
+                  PNQ: tl.constexpr):
+    """Online softmax and NVFP4 quantization of one key tile of logits ``qk`` (BLOCK_M × 128, keys
+    in ``mma_key_order`` with QB = 32, masked keys at -inf): the part both NVFP4 loops (this
+    module's and the Gluon one of :mod:`.attention_nvfp4_sm90`) share.
+
+    Returns (P̂ in units of r_new as fp32 (BLOCK_M, 128), m_new (log2 units), r_new (the tile's
+    two-level row factor, 1 without two-level scaling), l_new, acc_scale): the caller rescales its
+    accumulator by acc_scale (= alpha · r_i / r_new) and adds P̂·V̂.
+    """
+    BLOCK_M: tl.constexpr = qk.shape[0]
+    tl.static_assert(qk.shape[1] == 128, "the lane layout below is that of 128-key tiles")
+    # column c = 8j + 2t + e holds key 32t + 2j + e: the NVFP4 block (16 keys) is 2t + j // 8.
+    # j = 8·jh + 4·j1 + j0 spread over three axes, so that block reductions are short trees; every
+    # reduction and broadcast keeps one axis order (Gluon's explicit layouts need it)
+    NV: tl.constexpr = (BLOCK_M, 2, 2, 4, 4, 2)  # (row, jh, j1, j0, t, e)
+    s6 = tl.reshape(qk, NV)
+    bmax = tl.max(tl.max(tl.max(s6, axis=5), axis=3), axis=2)  # (row, jh, t): blocks
+    m_new = tl.maximum(m_i, tl.max(tl.max(bmax, axis=2), axis=1) * scale_log2)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    # P̃ = exp2(qk · scale - m); the blocks' maxima with the same fma on their largest logit, so
+    # they equal the largest P̃ of their block bit for bit (fma and exp2 are monotonic)
+    amax = tl.exp2(tl.fma(bmax, scale_log2, -m_safe[:, None, None]))
+    p = tl.exp2(tl.fma(s6, scale_log2, -_rows6(m_safe)))
+    if TWO_LEVEL:  # P̃ · (448·6 / rowmax P̃) is quantized; P̂ = that · (rowmax / (448·6))
+        rmax = tl.max(tl.max(amax, axis=2), axis=1)
+        live = rmax > 0
+        inv_s1 = tl.where(live, const_div_rn(P_RANGE, tl.where(live, rmax, 1.0)), 0.0)
+        r_new = tl.where(live, div_const_rn(rmax, P_RANGE, RCP_P_RANGE), r_i)
+        amax = amax * inv_s1[:, None, None]  # the block maxima of the scaled P̃ (a monotonic rounding)
+    else:
+        r_new = r_i
+    scale = nvfp4_block_scale(amax)
+    # elements are multiplied by the block's correctly rounded reciprocal (times the two-level
+    # factor), not divided: p · rn(inv_s1 · rn(1/s)) is within 2.5 ulp of the reference's
+    # rn(rn(p · inv_s1) / s), so an element that close to an E2M1 rounding boundary may round the
+    # other way; a block whose scale rounds to 0 becomes 0 (reciprocal 0)
+    live_b = scale > 0
+    inv = tl.where(live_b, recip_rn_few_bits(tl.where(live_b, scale, 1.0)), 0.0)
+    if TWO_LEVEL:
+        inv = inv * inv_s1[:, None, None]
+    q = round_e2m1_at_scale(p * _blocks6(inv), 1.0) * _blocks6(scale)
+    alpha = tl.exp2(m_i - m_safe)
+    if PNQ:  # the row sum of P̂ = q · r_new
+        part = _row_sum6(q) * r_new
+    else:
+        part = _row_sum6(p)
+    l_new = tl.fma(alpha, l_i, part)
+    return tl.reshape(q, (BLOCK_M, 128)), m_new, r_new, l_new, alpha * (r_i / r_new)
 
 
 @triton.jit
@@ -40,51 +123,20 @@ def _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV,
              TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr, TAIL: tl.constexpr,
              IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
              DV_PAD: tl.constexpr):
-    """Softmax, NVFP4 quantization of P̃ and P̂·V̂ for one key tile of logits ``qk`` (keys in
-    ``mma_key_order`` with QB = 32). Returns the updated (m, r, l, acc): m in log2 units, acc in
-    units of r (the last tile's two-level row factor; 1 without two-level scaling)."""
-    tl.static_assert(BLOCK_N == 128, "the lane layout below is that of 128-key tiles")
-    # column c = 8j + 2t + e holds key 32t + 2j + e: the NVFP4 block (16 keys) is 2t + j // 8.
-    # j = 8·jh + 4·j1 + j0 spread over three axes, so that block reductions are short trees
-    NV: tl.constexpr = (BLOCK_M, 2, 2, 4, 4, 2)  # (row, jh, j1, j0, t, e)
-    bmax = tl.max(tl.max(tl.max(tl.reshape(qk, NV), axis=5), axis=3), axis=2)  # (row, jh, t): blocks
-    m_new = tl.maximum(m_i, tl.max(tl.max(bmax, axis=2), axis=1) * scale_log2)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    # P̃ = exp2(qk · scale - m); the blocks' maxima with the same fma on their largest logit, so
-    # they equal the largest P̃ of their block bit for bit (fma and exp2 are monotonic)
-    amax = tl.exp2(tl.fma(bmax, scale_log2, -m_safe[:, None, None]))
-    p = tl.reshape(tl.exp2(tl.fma(qk, scale_log2, -m_safe[:, None])), NV)
-    if TWO_LEVEL:  # P̃ · (448·6 / rowmax P̃) is quantized; P̂ = that · (rowmax / (448·6))
-        rmax = tl.max(tl.max(amax, axis=2), axis=1)
-        live = rmax > 0
-        inv_s1 = tl.where(live, tl.math.div_rn(tl.full((BLOCK_M,), P_RANGE, tl.float32), tl.where(live, rmax, 1.0)), 0.0)
-        r_new = tl.where(live, tl.math.div_rn(rmax, tl.full((BLOCK_M,), P_RANGE, tl.float32)), r_i)
-        amax = amax * inv_s1[:, None, None]  # the block maxima of the scaled P̃ (a monotonic rounding)
-        p2 = p * inv_s1[:, None, None, None, None, None]
-    else:
-        r_new = r_i
-        p2 = p
-    scale = nvfp4_block_scale(amax)
-    # elements are multiplied by the block's correctly rounded reciprocal, not divided (a · rn(1/s)
-    # is within 1.5 ulp of rn(a / s)); a block whose scale rounds to 0 becomes 0 (reciprocal 0)
-    live_b = scale > 0
-    inv = tl.where(live_b, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), tl.where(live_b, scale, 1.0)), 0.0)
-    q = round_e2m1_at_scale(p2 * inv[:, :, None, None, :, None], 1.0) * scale[:, :, None, None, :, None]
-    alpha = tl.exp2(m_i - m_safe)
-    if PNQ:  # the row sum of P̂ = q · r_new
-        part = tl.sum(tl.sum(tl.sum(tl.sum(tl.sum(q, axis=5), axis=3), axis=2), axis=1), axis=1) * r_new
-    else:
-        part = tl.sum(tl.sum(tl.sum(tl.sum(tl.sum(p, axis=5), axis=3), axis=2), axis=1), axis=1)
-    l_i = tl.fma(alpha, l_i, part)
+    """:func:`nv_quantize_p` and P̂·V̂ for one key tile. Returns the updated (m, r, l, acc): m in
+    log2 units, acc in units of r (the last tile's two-level row factor)."""
+    tl.static_assert(BLOCK_N == 128, "the lane layout of nv_quantize_p is that of 128-key tiles")
+    q, m_new, r_new, l_i, acc_scale = nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ)
     keys = start + mma_key_order(tl.arange(0, BLOCK_N), BLOCK_N // 32, 32)
     offs_dv = tl.arange(0, BLOCK_DV)
+    # (V's offsets not hoisted out of the loop like K's: the extra registers made it spill)
     ptrs = V_base + keys[:, None] * svs + offs_dv[None, :]
     if TAIL or DV_PAD:
         v = tl.load(ptrs, mask=(keys < SK)[:, None] & (offs_dv < DV)[None, :], other=0.0)
     else:
         v = tl.load(ptrs)
-    p_hat = tl.reshape(q, (BLOCK_M, BLOCK_N)).to(v.dtype)
-    acc = acc * (alpha * (r_i / r_new))[:, None]
+    p_hat = q.to(v.dtype)
+    acc = acc * acc_scale[:, None]
     if IEEE:
         acc = tl.dot(p_hat, v, acc, input_precision="ieee")
     else:
@@ -128,8 +180,8 @@ def _nv_attn_fwd(
         m_i, r_i, l_i, acc = _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, n_full, SK, svs, DV, TWO_LEVEL,
                                       P_RANGE, PNQ, True, IEEE, BLOCK_M, BLOCK_N, BLOCK_DV, DV_PAD)
 
-    store_out_lse(Out, Lse, acc, r_i[:, None], l_i, m_i, 0.0, b, h, offs_m, row_ok, DV, sob, soh, sos, sod, slb, slh,
-                  sls, BLOCK_DV)  # acc is in units of the last two-level row factor
+    store_out_lse(Out, Lse, acc, r_i[:, None], l_i, m_i, 0.0, b, h, offs_m, row_ok, tl.arange(0, BLOCK_DV), DV,
+                  sob, soh, sos, sod, slb, slh, sls)  # acc is in units of the last two-level row factor
 
 
 def attention_nvfp4(qh, kh, vh, key_alive, *, recipe: AttentionRecipe, scale: float, out_dtype,

@@ -110,8 +110,8 @@ def _mx_scaled_attn_fwd(
             q4, q_sc, m_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, n_full, SK, SK_PAD, sks, svd, svsd,
             sms, scale_log2, HAS_MASK, True, OCP, QMAX, PNQ, D, BLOCK_DV, BLOCK_M, BLOCK_N, QB)
 
-    store_out_lse(Out, Lse, acc, 1.0, l_i, m_i, 0.0, b, h, offs_m, row_ok, DV, sob, soh, sos, sod, slb, slh, sls,
-                  BLOCK_DV)
+    store_out_lse(Out, Lse, acc, 1.0, l_i, m_i, 0.0, b, h, offs_m, row_ok, tl.arange(0, BLOCK_DV), DV,
+                  sob, soh, sos, sod, slb, slh, sls)
 
 
 #: BLOCK_M, warps, stages (not tuned: no Blackwell GPU here)

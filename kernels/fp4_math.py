@@ -2,7 +2,8 @@
 
 Every rounding is done with exact operations: exponents read from the fp32 bits, powers of two
 built from bits, round-to-nearest-even by the 1.5·2^23 addition, and correctly rounded division
-(``div_rn``) where the reference divides by a non-power-of-two scale.
+where the reference divides by a non-power-of-two scale (``div_rn``, or in the attention loops
+FMA-corrected divisions that tests prove correctly rounded for every fp32 mantissa).
 """
 
 from __future__ import annotations
@@ -146,10 +147,58 @@ def mx_pack_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, QB: tl.constexpr, OC
 
 
 @triton.jit
+def div_const_rn(a, D: tl.constexpr, RCP_D: tl.constexpr):
+    """rn(a / D) for fp32 a >= 0 and a constant D, without a division (a correctly rounded
+    ``div_rn`` costs ~10 instructions and a slow-path branch): q0 = rn(a · rn(1/D)) is within an
+    ulp, its residual a - D·q0 is exact as an FMA, and one more FMA rounds correctly — for the
+    divisors used here (6 and 448·6), as ``tests/test_kernels.py`` checks for every fp32 mantissa
+    (results below 2^-126 may differ: far below where this is used). ``RCP_D``: rn(1/D)."""
+    q0 = a * RCP_D
+    return tl.fma(tl.fma(q0, -D, a), RCP_D, q0)
+
+
+@triton.jit
+def div6_rn(a):
+    """rn(a / 6) (:func:`div_const_rn`)."""
+    return div_const_rn(a, 6.0, 0.16666667163372040)
+
+
+@triton.jit
+def const_div_rn(C: tl.constexpr, b):
+    """rn(C / b) for b > 0 and the constant C = 448·6, without a division: one Newton step from
+    the approximate fp32 reciprocal, then Markstein's correction of q0 = rn(C · 1/b). Correctly
+    rounded for every fp32 mantissa of b from reciprocal start points up to ±4 ulp off (the
+    GPU's approximate division is within 2), checked in ``tests/test_kernels.py``."""
+    return const_div_from(C, b, 1.0 / b)
+
+
+@triton.jit
+def const_div_from(C: tl.constexpr, b, y0):
+    """:func:`const_div_rn` from the reciprocal estimate ``y0``."""
+    y = newton_recip(b, y0)
+    q0 = C * y
+    return tl.fma(tl.fma(-b, q0, C), y, q0)
+
+
+@triton.jit
+def recip_rn_few_bits(s):
+    """rn(1 / s) for s > 0 with at most 4 significant bits (an E4M3 value): one Newton step from
+    the approximate fp32 division (within 2 ulp) rounds correctly, since 1/s is then far from
+    every rounding boundary (checked for every E4M3 value and start points up to ±4 ulp off)."""
+    return newton_recip(s, 1.0 / s)
+
+
+@triton.jit
+def newton_recip(s, r0):
+    """One Newton step for 1/s from r0: the residual 1 - s·r0 is exact as an FMA."""
+    return tl.fma(r0, tl.fma(-s, r0, 1.0), r0)
+
+
+@triton.jit
 def nvfp4_block_scale(amax):
     """NVFP4's E4M3 block scale round_e4m3(amax / 6), the division correctly rounded in fp32 (as
     the reference's); 0 for blocks too small for E4M3 (they quantize to 0)."""
-    return round_e4m3_abs(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)))
+    return round_e4m3_abs(div6_rn(amax))
 
 
 @triton.jit

@@ -4,8 +4,10 @@ offline (no GPU needed): the ALU budget BENCHMARKS.md discusses.
 
     python scripts/count_loop_instructions.py [--no-quantize-p] [--ocp] [--precise]
     python scripts/count_loop_instructions.py --kernel nvfp4 [--no-two-level]
+    python scripts/count_loop_instructions.py --kernel nvfp4-sm90 [--no-two-level]
 
-Compiles ``_mx_fp8_attn_fwd`` (the e4m3 MXFP4 loop) or ``_nv_attn_fwd`` (the bf16 NVFP4 loop) as
+Compiles ``_mx_fp8_attn_fwd`` (the e4m3 MXFP4 loop), ``_nv_attn_fwd`` (the bf16 NVFP4 loop) or
+``_nv_attn_fwd_sm90`` (the pipelined Gluon NVFP4 loop) as
 it is launched on Hopper (BLOCK_M 128, 8 warps, its stages, no FMA contraction, head dim 128, no
 mask), disassembles the cubin with the nvdisasm that ships with
 Triton and takes the main loop: the code from the label that a later branch jumps back to, up to
@@ -32,6 +34,7 @@ def compile_loop_kernel(args):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    source = ASTSource
     if args.kernel == "nvfp4":
         from fp4video.kernels.attention_nvfp4 import LAUNCH, _nv_attn_fwd as fn
         from fp4video.reference import TWO_LEVEL_P_RANGE
@@ -40,6 +43,16 @@ def compile_loop_kernel(args):
         consts = dict(HAS_MASK=False, TWO_LEVEL=not args.no_two_level, P_RANGE=TWO_LEVEL_P_RANGE, PNQ=False,
                       IEEE=False, D=128, BLOCK_DV=128, DV_PAD=False, BLOCK_M=128, BLOCK_N=128)
         stages = LAUNCH[2]
+    elif args.kernel == "nvfp4-sm90":
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+
+        from fp4video.kernels.attention_nvfp4_sm90 import NUM_BUFFERS, _nv_attn_fwd_sm90 as fn
+        from fp4video.reference import TWO_LEVEL_P_RANGE
+
+        ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
+        consts = dict(HAS_MASK=False, TWO_LEVEL=not args.no_two_level, P_RANGE=TWO_LEVEL_P_RANGE, PNQ=False,
+                      D=128, BLOCK_DV=128, BLOCK_M=128, BLOCK_N=128, NUM_BUF=NUM_BUFFERS, num_warps=8)
+        stages = 1  # its own buffering
     else:
         from fp4video.kernels.attention_fwd import LAUNCH, TILE_EXP_FLOOR, _mx_fp8_attn_fwd as fn
 
@@ -58,15 +71,15 @@ def compile_loop_kernel(args):
     # is a multiple of 16 there, are marked 16-divisible
     aligned = [n for n in names if sig[n].startswith("*") or n in (
         "sqb", "sqh", "sqs", "skb", "skh", "sks", "svb", "svh", "svd", "svs", "sob", "soh", "sos", "slb")]
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+    src = source(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     options = dict(num_warps=8, num_stages=stages, enable_fp_fusion=False)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def loop_opcodes(lines, label_re, branch_re, op_re, is_mma):
-    """Opcode counts of the last loop (label ... backward branch to it) that issues MMAs."""
-    labels, best = {}, None
+    """Opcode counts and lines of the last loop (label ... backward branch to it) that issues MMAs."""
+    labels, best, body = {}, None, []
     for i, line in enumerate(lines):
         m = re.match(label_re, line.strip())
         if m:
@@ -79,10 +92,10 @@ def loop_opcodes(lines, label_re, branch_re, op_re, is_mma):
                 if mm:
                     ops[mm.group(1)] += 1
             if any(is_mma(op) for op in ops):  # the last such loop: the full tiles (the tail is not a loop)
-                best = ops
+                best, body = ops, lines[labels[m.group(1)]:i + 1]
     if best is None:
         raise SystemExit("error: no loop with MMAs found")
-    return best
+    return best, body
 
 
 def ptxas_registers(ptx: str, bin_dir: str, tmp: str) -> str:
@@ -99,15 +112,18 @@ def ptxas_registers(ptx: str, bin_dir: str, tmp: str) -> str:
                              capture_output=True, text=True)
         regs = re.search(r"Used (\d+) registers", run.stderr + run.stdout)
         spills = re.search(r"(\d+) bytes spill stores", run.stderr + run.stdout)
+        # C7513: ptxas found a register hazard between asynchronous MMAs and made them all wait
+        serialized = "; MMAs SERIALIZED by ptxas (C7513)" if "C7513" in run.stderr + run.stdout else ""
         if run.returncode == 0 and regs:
-            return f"{regs.group(1)} registers, {spills.group(1) if spills else '?'} bytes spill stores"
+            return f"{regs.group(1)} registers, {spills.group(1) if spills else '?'} bytes spill stores{serialized}"
     return "registers: no ptxas here took this PTX"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernel", choices=["mx", "nvfp4"], default="mx",
-                    help="mx: the e4m3 MXFP4 loop (default); nvfp4: the bf16 NVFP4 loop (sage3's two-level P)")
+    ap.add_argument("--kernel", choices=["mx", "nvfp4", "nvfp4-sm90"], default="mx",
+                    help="mx: the e4m3 MXFP4 loop (default); nvfp4: the bf16 NVFP4 loop (sage3's two-level P); "
+                         "nvfp4-sm90: the pipelined Gluon NVFP4 loop")
     ap.add_argument("--no-two-level", action="store_true", help="nvfp4: plain NVFP4 P (the nvfp4 method)")
     ap.add_argument("--no-quantize-p", action="store_true", help="the floor variant: P only cast to e4m3")
     ap.add_argument("--ocp", action="store_true", help="OCP scale rule instead of UOS")
@@ -118,7 +134,7 @@ def main(argv=None) -> int:
     import triton
 
     kernel = compile_loop_kernel(args)
-    ptx_loop = loop_opcodes(kernel.asm["ptx"].splitlines(), r"^(\$L__BB\d+_\d+):", r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+)",
+    ptx_loop, _ = loop_opcodes(kernel.asm["ptx"].splitlines(), r"^(\$L__BB\d+_\d+):", r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+)",
                             r"^\s*(?:@%?!?\w+\s+)?([a-z][\w.]*)", lambda op: op.startswith("wgmma.mma"))
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.TemporaryDirectory() as tmp:
@@ -127,12 +143,15 @@ def main(argv=None) -> int:
             f.write(kernel.asm["cubin"])
         sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
         registers = ptxas_registers(kernel.asm["ptx"], os.path.dirname(nvdisasm), tmp)
-    sass_loop = loop_opcodes(sass.splitlines(), r"^(\.L_x_\d+):", r"BRA\s+`?\(?(\.L_x_\d+)",
+    sass_loop, sass_body = loop_opcodes(sass.splitlines(), r"^(\.L_x_\d+):", r"BRA\s+`?\(?(\.L_x_\d+)",
                              r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", lambda op: "GMMA" in op)
     n_sass, n_ptx = sum(sass_loop.values()), sum(ptx_loop.values())
     print(f"Triton {triton.__version__}, sm_90, main loop of {kernel.name}: "
           f"{n_sass / PER_THREAD:.1f} SASS instructions per element of S ({n_sass} per thread per key tile), "
           f"{n_ptx / PER_THREAD:.1f} in PTX; {registers}")
+    waits = collections.Counter(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d+)", "\n".join(sass_body)))
+    print("MMA waits in the loop (groups left in flight: count): "
+          + (", ".join(f"{int(k, 16)}: {n}" for k, n in sorted(waits.items())) or "none"))
     by_unit = collections.Counter()
     for op, n in sass_loop.items():
         by_unit[op.split(".")[0]] += n

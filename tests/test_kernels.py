@@ -112,7 +112,12 @@ import triton  # noqa: E402  (after the importorskip above)
 import triton.language as tl  # noqa: E402
 
 from fp4video.kernels.fp4_math import (  # noqa: E402
-    fake_quant_rows, fp8_shift, fp8_shift_from_raw_max, mx_block_exponent, round_e2m1_at_scale)
+    const_div_from, const_div_rn, div6_rn, div_const_rn, fake_quant_rows, fp8_shift, fp8_shift_from_raw_max,
+    mx_block_exponent, newton_recip, recip_rn_few_bits, round_e2m1_at_scale)
+from fp4video.kernels.attention_nvfp4 import RCP_P_RANGE  # noqa: E402
+from fp4video.reference import TWO_LEVEL_P_RANGE as _P_RANGE  # noqa: E402
+
+P_RANGE = tl.constexpr(_P_RANGE)  # a jit function reads only constexpr globals
 
 
 @triton.jit
@@ -120,6 +125,78 @@ def _round_at_scale_kernel(P, U, Out, N: tl.constexpr):
     i = tl.arange(0, N)
     tl.store(Out + i, round_e2m1_at_scale(tl.load(P + i), tl.load(U + i)))
 
+
+
+@triton.jit
+def _division_kernel(A, Y0, Out, WHICH: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(A + i)
+    if WHICH == 0:
+        r = div6_rn(a)
+    elif WHICH == 1:
+        r = div_const_rn(a, P_RANGE, RCP_P_RANGE)
+    elif WHICH == 2:
+        r = const_div_rn(P_RANGE, a)
+    else:
+        r = const_div_from(P_RANGE, a, tl.load(Y0 + i))
+    tl.store(Out + i, r)
+
+
+@triton.jit
+def _newton_kernel(S, R0, Out, RECIP: tl.constexpr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    s = tl.load(S + i)
+    tl.store(Out + i, recip_rn_few_bits(s) if RECIP else newton_recip(s, tl.load(R0 + i)))
+
+
+def test_divisions_without_div_rn_are_correctly_rounded_for_every_mantissa():
+    """The NVFP4 loop's divisions without a division instruction — a / 6 (block scales),
+    a / (448·6) and (448·6) / b (SageAttention3's two-level row factor) — equal fp64 division
+    rounded to fp32 for all 2^23 fp32 mantissas (one binade; powers of two scale the whole
+    computation exactly), (448·6) / b also from reciprocal estimates up to 4 ulp off (the GPU's
+    approximate division is within 2). fp64 then fp32 is a double rounding that cannot err here:
+    none of these quotients lies within 2^-53 of an fp32 rounding boundary."""
+    import numpy as np
+
+    from fp4video.reference import TWO_LEVEL_P_RANGE as C
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    block = 1 << 16
+    a = ((torch.arange(1 << 23, dtype=torch.int32) | (127 << 23)).view(torch.float32))  # [1, 2)
+    a64 = a.numpy().astype(np.float64)
+    want = {0: a64 / 6.0, 1: a64 / C, 2: C / a64}
+    recip = torch.from_numpy((1.0 / a64).astype(np.float32))
+    cases = [(w, 0) for w in (0, 1, 2)] + [(3, k) for k in (-4, -2, -1, 1, 2, 4)]
+    for which, k in cases:
+        y0 = (recip.view(torch.int32) + k).view(torch.float32)
+        out = torch.empty(len(a), device=dev)
+        _division_kernel[(len(a) // block,)](a.to(dev), y0.to(dev), out, WHICH=which, BLOCK=block)
+        expect = torch.from_numpy(want[min(which, 2)].astype(np.float32))
+        bad = (out.cpu() != expect).nonzero()[:, 0]
+        assert len(bad) == 0, f"case {which} (start {k:+d} ulp): {len(bad)} wrong, e.g. a={a[bad[:3]].tolist()}"
+
+
+def test_recip_of_e4m3_values_is_correctly_rounded():
+    """rn(1/s) for every positive E4M3 value s (the NVFP4 block scales), from start points up to
+    4 ulp off (the GPU's approximate division is within 2), and as compiled (recip_rn_few_bits)."""
+    import numpy as np
+
+    from fp4video.formats import e4m3_values
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    s = e4m3_values().float()
+    s = s[s > 0]
+    want = torch.from_numpy((1.0 / s.numpy().astype(np.float64)).astype(np.float32))
+    n = 1 << (len(s) - 1).bit_length()
+    pad = lambda x: torch.cat([x, torch.ones(n - len(x))]).to(dev)  # noqa: E731
+    for k in range(-4, 5):
+        r0 = (want.view(torch.int32) + k).view(torch.float32)
+        out = torch.empty(n, device=dev)
+        _newton_kernel[(1,)](pad(s), pad(r0), out, RECIP=False, N=n)
+        assert torch.equal(out[: len(s)].cpu(), want), k
+    out = torch.empty(n, device=dev)
+    _newton_kernel[(1,)](pad(s), pad(s), out, RECIP=True, N=n)
+    assert torch.equal(out[: len(s)].cpu(), want)
 
 
 def test_round_e2m1_at_scale_matches_reference_rounding():
@@ -457,6 +534,48 @@ def test_instruction_count_script_reads_the_fp8_loop():
     assert run.returncode == 0, run.stderr[-2000:]
     m = re.search(r"_nv_attn_fwd: ([\d.]+) SASS instructions per element of S", run.stdout)
     assert m and "HGMMA" in run.stdout and counts[False] < float(m.group(1)) < 40, run.stdout
+    # the pipelined Gluon NVFP4 kernel: ptxas keeps its MMAs asynchronous (no C7513 serialization)
+    # and the loop waits once leaving one MMA group in flight (P̂·V̂ runs under the quantization)
+    run = subprocess.run([sys.executable, str(script), "--kernel", "nvfp4-sm90", "--top", "40"], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "_nv_attn_fwd_sm90" in run.stdout and "HGMMA" in run.stdout and "SERIALIZED" not in run.stdout, run.stdout
+    waits = re.search(r"MMA waits in the loop \(groups left in flight: count\): (.*)$", run.stdout, re.M)
+    assert waits and "1: 1" in waits.group(1), run.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["sage3", "nvfp4", "sage3-hpnq"])
+def test_gluon_nvfp4_kernel_equals_triton_loop_gpu(method, monkeypatch):
+    """The pipelined Gluon NVFP4 kernel (attention_nvfp4_sm90) computes what the Triton NVFP4 loop
+    computes — the same P̂ (one shared quantization function) through the same MMAs — for one key
+    tile or several, a partial last tile or none, a key-padding mask, head dims 64 and 128; and
+    both match the reference."""
+    from fp4video.kernels import attention_fwd
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon NVFP4 kernel is built for sm_90")
+    for sk, d, masked in ((100, 128, False), (1024, 128, False), (937, 64, False), (1531, 128, True)):
+        q, k, v = (rand(2, 3, 333, d, seed=90 + i, device="cuda", dtype=torch.bfloat16) * 2 for i in range(3))
+        k, v = rand(2, 3, sk, d, seed=93, device="cuda", dtype=torch.bfloat16) * 2, \
+            rand(2, 3, sk, d, seed=94, device="cuda", dtype=torch.bfloat16)
+        mask = (rand(2, 1, 1, sk, seed=95, device="cuda") > -1.0) if masked else None
+        outs = {}
+        for kernel in ("triton", "sm90"):
+            monkeypatch.setenv("FP4VIDEO_NV_KERNEL", kernel)
+            torch.full((64 << 20,), float("nan"), device="cuda")  # poison the memory the outputs reuse
+            outs[kernel] = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="triton")
+        (a, la), (b, lb) = outs["triton"], outs["sm90"]
+        case = (method, sk, d, masked)
+        assert torch.isfinite(b).all() and torch.isfinite(lb).all(), case
+        assert cossim(a.float(), b.float()) > 0.999999 and (la - lb).abs().max() < 1e-4, case
+        r, lr = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="reference")
+        assert cossim(r.float(), b.float()) >= 0.9999 and (lr - lb).abs().max() < 2e-2, case
+    monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "sm90")
+    qh = torch.zeros(1, 1, 8, 32, device="cuda", dtype=torch.bfloat16)  # head dim 32: not built for it
+    with pytest.raises(ValueError, match="head dims 64 and 128"):
+        attention_fwd.attention_prepared(("work", (qh, qh, qh)), None, recipe=METHODS[method], scale=1.0,
+                                         out_dtype=torch.bfloat16, dv=32)
 
 
 @pytest.mark.gpu
