@@ -68,14 +68,15 @@ def nv_row_vector(tile, value):
 
 @triton.jit
 def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr,
-                  PNQ: tl.constexpr):
+                  PNQ: tl.constexpr, FAST_RCP: tl.constexpr):
     """Online softmax and NVFP4 quantization of one key tile of logits ``qk`` (BLOCK_M × 128, keys
     in ``mma_key_order`` with QB = 32, masked keys at -inf): the part both NVFP4 loops (this
     module's and the Gluon one of :mod:`.attention_nvfp4_sm90`) share.
 
     Returns (P̂ in units of r_new as fp32 (BLOCK_M, 128), m_new (log2 units), r_new (the tile's
     two-level row factor, 1 without two-level scaling), l_new, acc_scale): the caller rescales its
-    accumulator by acc_scale (= alpha · r_i / r_new) and adds P̂·V̂.
+    accumulator by acc_scale (= alpha · r_i / r_new) and adds P̂·V̂. FAST_RCP: the GPU's
+    approximate reciprocal instruction (:func:`.fp4_math.approx_recip`; False in the interpreter).
     """
     BLOCK_M: tl.constexpr = qk.shape[0]
     tl.static_assert(qk.shape[1] == 128, "the lane layout below is that of 128-key tiles")
@@ -93,8 +94,10 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
     p = tl.exp2(tl.fma(s6, scale_log2, -_rows6(m_safe)))
     if TWO_LEVEL:  # P̃ · (448·6 / rowmax P̃) is quantized; P̂ = that · (rowmax / (448·6))
         rmax = tl.max(tl.max(amax, axis=2), axis=1)
-        live = rmax > 0
-        inv_s1 = tl.where(live, const_div_rn(P_RANGE, tl.where(live, rmax, 1.0)), 0.0)
+        # a tile whose largest P̃ is below 2^-126 (subnormal: no fast reciprocal) counts as empty:
+        # its P̂ would be < 1e-38 of the row's weights, below what fp32 accumulation keeps
+        live = rmax >= 1.1754943508222875e-38
+        inv_s1 = tl.where(live, const_div_rn(P_RANGE, tl.where(live, rmax, 1.0), FAST_RCP), 0.0)
         r_new = tl.where(live, div_const_rn(rmax, P_RANGE, RCP_P_RANGE), r_i)
         amax = amax * inv_s1[:, None, None]  # the block maxima of the scaled P̃ (a monotonic rounding)
     else:
@@ -105,7 +108,7 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
     # rn(rn(p · inv_s1) / s), so an element that close to an E2M1 rounding boundary may round the
     # other way; a block whose scale rounds to 0 becomes 0 (reciprocal 0)
     live_b = scale > 0
-    inv = tl.where(live_b, recip_rn_few_bits(tl.where(live_b, scale, 1.0)), 0.0)
+    inv = tl.where(live_b, recip_rn_few_bits(tl.where(live_b, scale, 1.0), FAST_RCP), 0.0)
     if TWO_LEVEL:
         inv = inv * inv_s1[:, None, None]
     q = round_e2m1_at_scale(p * _blocks6(inv), 1.0) * _blocks6(scale)
@@ -121,12 +124,13 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
 @triton.jit
 def _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV,
              TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr, TAIL: tl.constexpr,
-             IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
-             DV_PAD: tl.constexpr):
+             IEEE: tl.constexpr, FAST_RCP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_DV: tl.constexpr, DV_PAD: tl.constexpr):
     """:func:`nv_quantize_p` and P̂·V̂ for one key tile. Returns the updated (m, r, l, acc): m in
     log2 units, acc in units of r (the last tile's two-level row factor)."""
     tl.static_assert(BLOCK_N == 128, "the lane layout of nv_quantize_p is that of 128-key tiles")
-    q, m_new, r_new, l_i, acc_scale = nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ)
+    q, m_new, r_new, l_i, acc_scale = nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ,
+                                                       FAST_RCP)
     keys = start + mma_key_order(tl.arange(0, BLOCK_N), BLOCK_N // 32, 32)
     offs_dv = tl.arange(0, BLOCK_DV)
     # (V's offsets not hoisted out of the loop like K's: the extra registers made it spill)
@@ -156,8 +160,8 @@ def _nv_attn_fwd(
     slb, slh, sls,
     scale_log2,
     HAS_MASK: tl.constexpr, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr,
-    IEEE: tl.constexpr, D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr, FAST_RCP: tl.constexpr, D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     b, h, offs_m, row_ok = program_rows(H, SQ, BLOCK_M)
     offs_d = tl.arange(0, D)
@@ -174,11 +178,11 @@ def _nv_attn_fwd(
     for start in range(0, n_full, BLOCK_N):
         qk = _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, 32, False, IEEE)
         m_i, r_i, l_i, acc = _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV, TWO_LEVEL,
-                                      P_RANGE, PNQ, False, IEEE, BLOCK_M, BLOCK_N, BLOCK_DV, DV_PAD)
+                                      P_RANGE, PNQ, False, IEEE, FAST_RCP, BLOCK_M, BLOCK_N, BLOCK_DV, DV_PAD)
     if n_full < SK:
         qk = _tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, 32, False, IEEE)
         m_i, r_i, l_i, acc = _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, n_full, SK, svs, DV, TWO_LEVEL,
-                                      P_RANGE, PNQ, True, IEEE, BLOCK_M, BLOCK_N, BLOCK_DV, DV_PAD)
+                                      P_RANGE, PNQ, True, IEEE, FAST_RCP, BLOCK_M, BLOCK_N, BLOCK_DV, DV_PAD)
 
     store_out_lse(Out, Lse, acc, r_i[:, None], l_i, m_i, 0.0, b, h, offs_m, row_ok, tl.arange(0, BLOCK_DV), DV,
                   sob, soh, sos, sod, slb, slh, sls)  # acc is in units of the last two-level row factor
@@ -207,7 +211,7 @@ def attention_nvfp4(qh, kh, vh, key_alive, *, recipe: AttentionRecipe, scale: fl
         *out.stride(), *lse.stride(),
         scale * LOG2E,
         HAS_MASK=key_alive is not None, TWO_LEVEL=recipe.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
-        PNQ=recipe.row_sum is RowSum.QUANTIZED, IEEE=qh.dtype == torch.float32, D=d,
+        PNQ=recipe.row_sum is RowSum.QUANTIZED, IEEE=qh.dtype == torch.float32, FAST_RCP=qh.is_cuda, D=d,
         BLOCK_DV=block_dv, DV_PAD=block_dv != dv, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
     )

@@ -118,7 +118,7 @@ def _nv_step(j, q_smem, k_bufs, v_bufs, p_prev, acc, m_i, r_i, l_i, K_base, V_ba
                     D, BLOCK_DV, BLOCK_N, num_warps)
     s = warpgroup_mma_wait(1, deps=(s,))  # Q̂·K̂ᵀ done; P̂·V̂ of tile j-1 still running
     s = _masked_logits(s, M_base, j * BLOCK_N, SK, sms, HAS_MASK, BLOCK_N, S_L)
-    q, m_i, r_i, l_i, acc_scale = nv_quantize_p(s, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ)
+    q, m_i, r_i, l_i, acc_scale = nv_quantize_p(s, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ, True)
     p_next = gl.convert_layout(q.to(gl.bfloat16), P_L)
     acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
     acc = acc * gl.convert_layout(acc_scale, gl.SliceLayout(1, O_L))[:, None]
@@ -143,7 +143,8 @@ def _nv_first(q_smem, k_bufs, v_bufs, K_base, V_base, M_base, SK, n_tiles, sks, 
     s = warpgroup_mma_wait(0, deps=(s,))
     s = _masked_logits(s, M_base, 0, SK, sms, HAS_MASK, BLOCK_N, S_L)
     q, m_i, r_i, l_i, _ = nv_quantize_p(s, scale_log2, nv_row_vector(zero, float("-inf")),
-                                        nv_row_vector(zero, 1.0), nv_row_vector(zero, 0.0), TWO_LEVEL, P_RANGE, PNQ)
+                                        nv_row_vector(zero, 1.0), nv_row_vector(zero, 0.0), TWO_LEVEL, P_RANGE, PNQ,
+                                        True)
     return gl.convert_layout(q.to(gl.bfloat16), P_L), m_i, r_i, l_i
 
 

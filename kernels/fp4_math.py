@@ -164,12 +164,24 @@ def div6_rn(a):
 
 
 @triton.jit
-def const_div_rn(C: tl.constexpr, b):
-    """rn(C / b) for b > 0 and the constant C = 448·6, without a division: one Newton step from
-    the approximate fp32 reciprocal, then Markstein's correction of q0 = rn(C · 1/b). Correctly
+def approx_recip(x, FAST: tl.constexpr):
+    """1/x within 2 ulp for normal x > 0: ``rcp.approx.ftz`` on the GPU (FAST: one MUFU, without
+    the range fix-ups of the fp32 division), the fp32 division in the CPU interpreter (no inline
+    PTX there). The callers correct it with FMAs to the correctly rounded result."""
+    if FAST:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return 1.0 / x
+
+
+@triton.jit
+def const_div_rn(C: tl.constexpr, b, FAST: tl.constexpr):
+    """rn(C / b) for normal b > 0 and the constant C = 448·6, without a division: one Newton step
+    from the approximate reciprocal (:func:`approx_recip`), then Markstein's correction of q0 = rn(C · 1/b). Correctly
     rounded for every fp32 mantissa of b from reciprocal start points up to ±4 ulp off (the
     GPU's approximate division is within 2), checked in ``tests/test_kernels.py``."""
-    return const_div_from(C, b, 1.0 / b)
+    return const_div_from(C, b, approx_recip(b, FAST))
 
 
 @triton.jit
@@ -181,11 +193,11 @@ def const_div_from(C: tl.constexpr, b, y0):
 
 
 @triton.jit
-def recip_rn_few_bits(s):
+def recip_rn_few_bits(s, FAST: tl.constexpr):
     """rn(1 / s) for s > 0 with at most 4 significant bits (an E4M3 value): one Newton step from
-    the approximate fp32 division (within 2 ulp) rounds correctly, since 1/s is then far from
+    the approximate reciprocal (:func:`approx_recip`, within 2 ulp) rounds correctly, since 1/s is then far from
     every rounding boundary (checked for every E4M3 value and start points up to ±4 ulp off)."""
-    return newton_recip(s, 1.0 / s)
+    return newton_recip(s, approx_recip(s, FAST))
 
 
 @triton.jit
