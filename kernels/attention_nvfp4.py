@@ -11,12 +11,13 @@ computed once per lane and block, with no cross-lane work. For 16-bit operands t
 layout of Q̂·K̂ᵀ is already the A-operand layout of P̂·V̂, so P̂ needs no relabelling, only V̂'s
 rows in the same key order.
 
-Numerics: those of the reference (:func:`fp4video.reference.quantize_p`), as the generic loop
-computes them: E2M1 rounding of P̃ (or of P̃ · 448·6 / rowmax P̃ for the two-level scale) times
-the block's correctly rounded reciprocal scale (within 1.5 ulp of the division: an element that
-close to a rounding boundary may round the other way), fp32 accumulation in another order. The
-two-level row factor is folded into the accumulator's units (one per-row rescale per tile, like
-the softmax's), so the P̂·V̂ MMA accumulates in place.
+Numerics: those of the reference (:func:`fp4video.reference.quantize_p`): the same block scales
+and two-level row factors bit for bit (their divisions are FMA sequences proven correctly
+rounded, :mod:`.fp4_math`), and E2M1 rounding of P̃ times one per-block factor, the correctly
+rounded reciprocal of the scale (times the two-level factor): within 2.5 ulp of the reference's
+divided value, so an element that close to a rounding boundary may round the other way; fp32
+accumulation in another order. The two-level row factor is folded into the accumulator's units
+(one per-row rescale per tile, like the softmax's), so the P̂·V̂ MMA accumulates in place.
 """
 
 from __future__ import annotations

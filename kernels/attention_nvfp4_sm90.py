@@ -211,6 +211,8 @@ def unsupported_reason(qh: torch.Tensor, vh: torch.Tensor) -> str | None:
         return f"it takes bf16 operands, got {qh.dtype}"
     if qh.shape[-1] not in (64, 128):
         return f"it takes head dims 64 and 128, got {qh.shape[-1]}"
+    if vh.shape[-2] == 0:
+        return "it needs at least one key"
     dv = vh.shape[-1]
     if dv < 16 or dv & (dv - 1) or dv > 128:
         return f"it takes a power-of-two value head dim in [16, 128], got {dv}"

@@ -178,9 +178,9 @@ def approx_recip(x, FAST: tl.constexpr):
 @triton.jit
 def const_div_rn(C: tl.constexpr, b, FAST: tl.constexpr):
     """rn(C / b) for normal b > 0 and the constant C = 448·6, without a division: one Newton step
-    from the approximate reciprocal (:func:`approx_recip`), then Markstein's correction of q0 = rn(C · 1/b). Correctly
-    rounded for every fp32 mantissa of b from reciprocal start points up to ±4 ulp off (the
-    GPU's approximate division is within 2), checked in ``tests/test_kernels.py``."""
+    from the approximate reciprocal (:func:`approx_recip`), then Markstein's correction of
+    q0 = rn(C · 1/b). Correctly rounded for every fp32 mantissa of b from reciprocal start points
+    up to ±4 ulp off (the GPU's estimate is within 2), checked in ``tests/test_kernels.py``."""
     return const_div_from(C, b, approx_recip(b, FAST))
 
 
@@ -195,8 +195,9 @@ def const_div_from(C: tl.constexpr, b, y0):
 @triton.jit
 def recip_rn_few_bits(s, FAST: tl.constexpr):
     """rn(1 / s) for s > 0 with at most 4 significant bits (an E4M3 value): one Newton step from
-    the approximate reciprocal (:func:`approx_recip`, within 2 ulp) rounds correctly, since 1/s is then far from
-    every rounding boundary (checked for every E4M3 value and start points up to ±4 ulp off)."""
+    the approximate reciprocal (:func:`approx_recip`, within 2 ulp) rounds correctly, since 1/s
+    is then far from every rounding boundary (checked for every E4M3 value and start points up
+    to ±4 ulp off)."""
     return newton_recip(s, approx_recip(s, FAST))
 
 
