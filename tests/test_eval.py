@@ -216,3 +216,40 @@ def test_sweep_produces_both_tables_and_resumes(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0 and "sweep:" not in again.stderr  # nothing left to generate
     assert (tmp_path / "s" / "videos" / "fp16" / "000.mp4").stat().st_mtime_ns == mtime
+
+
+# --- speed tables as plots (fp4video.eval.speed) -------------------------------------------------
+
+
+def test_bench_kernel_tables_parse_back_and_plot(tmp_path):
+    """What `bench kernel` writes (its own formatter) is read back row for row — sequence length,
+    kernel, milliseconds, ratio — across several tables with other markdown between them, and drawn
+    as a PNG with one bar per fp4video row; a header without rows is an error, not a silent skip."""
+    from PIL import Image
+
+    from fp4video.cli.bench import format_kernel_table
+    from fp4video.eval.speed import KernelTable, parse_kernel_tables, plot_kernel_tables
+
+    rows_a = [(32760, "cuDNN SDPA bf16 (best baseline)", 38.48, None, None, 1.0, None),
+              (32760, "fp4video mxattn", 36.91, 0.98, 35.97, 38.48 / 36.91, 0.97045),
+              (32760, "fp4video sage3", 53.77, 1.85, 51.94, 38.48 / 53.77, 0.98184)]
+    rows_b = [(119056, "SDPA default dispatch bf16 (best baseline)", 438.76, None, None, 1.0, None),
+              (119056, "fp4video nvfp4", 485.90, 2.29, 484.04, 438.76 / 485.90, 0.98181)]
+    text = "\n".join([
+        "# notes", format_kernel_table("### bench kernel, B=1 H=40 D=128, bf16: GPU X, 2026-11-30", rows_a, 40, 128),
+        "some prose | with a pipe", "### bench pipeline, other: GPU X",
+        format_kernel_table("### bench kernel, B=1 H=24 D=128, bf16, last 56 keys masked (key padding): GPU X, d",
+                            rows_b, 24, 128)])
+    tables = parse_kernel_tables(text)
+    assert [t.title for t in tables] == ["B=1 H=40 D=128, bf16", "B=1 H=24 D=128, bf16, last 56 keys masked (key padding)"]
+    for table, rows in zip(tables, (rows_a, rows_b)):
+        assert [(r.seq, r.kernel, r.ms) for r in table.rows] == [(s, k, round(t, 2)) for s, k, t, *_ in rows]
+        assert [r.ratio for r in table.rows] == [round(row[5], 2) for row in rows]
+    png = plot_kernel_tables(tables, tmp_path / "speed.png", bar=0.8)
+    with Image.open(png) as im:
+        assert im.size[0] > 600 and im.size[1] > 300
+    with pytest.raises(ValueError, match="has no rows"):
+        parse_kernel_tables("### bench kernel, B=1 H=40 D=128, bf16: GPU X\n\n| S | kernel |\n")
+    only_baseline = KernelTable("t", "w", tables[0].rows[:1])
+    with pytest.raises(ValueError, match="no fp4video rows"):
+        plot_kernel_tables([only_baseline], tmp_path / "x.png")

@@ -16,7 +16,7 @@ import datetime
 import sys
 
 EXAMPLES = """examples:
-  fp4video bench kernel --seqs 8192 32760 75600 --out BENCHMARKS-run.md
+  fp4video bench kernel --seqs 8192 32760 75600 --out BENCHMARKS-run.md --plot kernel-speed.png
   fp4video bench kernel --heads 24 --seqs 119056 --masked-keys 56     # HunyuanVideo 720p with its text padding
   fp4video bench pipeline --resolutions 480p 720p --methods fp16 mxattn sage3
   fp4video bench pipeline --model hunyuan --layers 2 --resolutions 720p
@@ -52,6 +52,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     k.add_argument("--layout", choices=["bhsd", "bshd"], default="bhsd",
                    help="bshd: (B, S, H, D) tensors as diffusers holds them (SDPA gets transposed views)")
     k.add_argument("--out", default=None, help="append the markdown table to this file")
+    k.add_argument("--plot", default=None, metavar="PNG",
+                   help="also draw the table (× best baseline per method and length) as this PNG")
     pl = which.add_parser("pipeline", help="Wan2.2-A14B-shaped transformer forward: stock vs policies")
     pl.add_argument("--resolutions", nargs="+", default=["480p", "720p"], choices=list(LATENTS))
     pl.add_argument("--methods", nargs="+", default=["fp16", "mxattn", "sage3"],
@@ -91,6 +93,10 @@ def run(args) -> int:
     if args.out:
         with open(args.out, "a") as f:
             f.write(table + "\n")
+    if getattr(args, "plot", None):
+        from ..eval.speed import parse_kernel_tables, plot_kernel_tables
+
+        print(f"wrote {plot_kernel_tables(parse_kernel_tables(table), args.plot)}", file=sys.stderr)
     return 0
 
 
@@ -159,12 +165,19 @@ def bench_kernel(args) -> str:
         torch.cuda.empty_cache()
     masked = f", last {args.masked_keys} keys masked (key padding)" if args.masked_keys else ""
     layout = ", (B, S, H, D) storage as in diffusers" if args.layout == "bshd" else ""
-    lines = [_header(f"bench kernel, B=1 H={args.heads} D={args.head_dim}, bf16{masked}{layout}"), "",
+    return format_kernel_table(_header(f"bench kernel, B=1 H={args.heads} D={args.head_dim}, bf16{masked}{layout}"),
+                               rows, args.heads, args.head_dim)
+
+
+def format_kernel_table(header: str, rows, heads: int, head_dim: int) -> str:
+    """``bench kernel``'s markdown: ``rows`` of (S, kernel, ms, pre-pass ms | None, loop ms | None,
+    × best baseline, cosine | None for the baseline itself); :mod:`fp4video.eval.speed` reads it back."""
+    lines = [header, "",
              "| S | kernel | ms (total) | TFLOP/s | pre-pass ms | loop ms | × best baseline | cosine to best baseline |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     fmt = lambda x: "" if x is None else f"{x:.2f}"  # noqa: E731
     for s, what, t, pre, loop, ratio, cos in rows:
-        tflops = 4 * args.heads * s * s * args.head_dim / t / 1e9
+        tflops = 4 * heads * s * s * head_dim / t / 1e9
         lines.append(f"| {s} | {what} | {t:.2f} | {tflops:.0f} | {fmt(pre)} | {fmt(loop)} | {ratio:.2f} | "
                      f"{'(reference)' if cos is None else f'{cos:.5f}'} |")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,100 @@
+"""Speed tables as plots: the markdown tables ``fp4video bench kernel`` writes, read back and drawn.
+
+The markdown (what ``--out`` appends and ``BENCHMARKS.md`` holds) is the one record of a run;
+:func:`parse_kernel_tables` reads it, so a plot can always be redrawn from the committed numbers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_HEADER = re.compile(r"^### bench kernel, (?P<what>[^:]*): (?P<where>.*)$")
+_ROW = re.compile(r"^\| (?P<s>\d+) \| (?P<kernel>[^|]+?) \| (?P<ms>[\d.]+) \| (?P<tflops>\d+) \| [^|]* \| [^|]* \| "
+                  r"(?P<ratio>[\d.]+) \| [^|]* \|$")
+
+
+@dataclass(frozen=True)
+class KernelRow:
+    seq: int
+    kernel: str  # e.g. "fp4video mxattn", "cuDNN SDPA bf16 (best baseline)"
+    ms: float
+    ratio: float  # × the best baseline of the same run
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    title: str  # e.g. "B=1 H=40 D=128, bf16"
+    where: str  # GPU, versions, date
+    rows: tuple[KernelRow, ...]
+
+
+def parse_kernel_tables(text: str) -> list[KernelTable]:
+    """Every ``bench kernel`` table in ``text`` (markdown), in order. Raises ValueError when a
+    table header has no rows under it (a truncated or hand-edited table)."""
+    tables: list[KernelTable] = []
+    title = where = None
+    rows: list[KernelRow] = []
+
+    def close():
+        if title is not None:
+            if not rows:
+                raise ValueError(f"bench kernel table {title!r} ({where}) has no rows")
+            tables.append(KernelTable(title, where, tuple(rows)))
+
+    for line in text.splitlines():
+        m = _HEADER.match(line.strip())
+        if m:
+            close()
+            title, where, rows = m["what"], m["where"], []
+            continue
+        m = _ROW.match(line.strip())
+        if m and title is not None:
+            rows.append(KernelRow(int(m["s"]), m["kernel"].strip(), float(m["ms"]), float(m["ratio"])))
+    close()
+    return tables
+
+
+def plot_kernel_tables(tables: list[KernelTable], path: Path, *, bar: float | None = None) -> Path:
+    """One group of bars per (table, sequence length): each fp4video method's speed as a multiple of
+    the best baseline measured in the same run (the line at 1), optionally a target line ``bar``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [(t, s) for t in tables for s in dict.fromkeys(r.seq for r in t.rows)]
+    methods = list(dict.fromkeys(r.kernel for t in tables for r in t.rows if r.kernel.startswith("fp4video ")))
+    if not groups or not methods:
+        raise ValueError("no fp4video rows to plot")
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(groups) + 4), 4.2))
+    for i, method in enumerate(methods):
+        xs, ys = [], []
+        for g, (t, s) in enumerate(groups):
+            hit = [r for r in t.rows if r.seq == s and r.kernel == method]
+            if hit:
+                xs.append(g + (i - (len(methods) - 1) / 2) * width)
+                ys.append(hit[0].ratio)
+        bars = ax.bar(xs, ys, width, label=method.removeprefix("fp4video "))
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+    ax.axhline(1.0, color="black", linewidth=1, label="best baseline (cuDNN SDPA), same run")
+    if bar is not None:
+        ax.axhline(bar, color="gray", linestyle="--", linewidth=1, label=f"target {bar:g}×")
+    def label(t: KernelTable, s: int) -> str:
+        h = re.search(r"H=(\d+)", t.title)
+        return f"S={s:,}" + (f"\nH={h[1]}" if h else "") + (", masked" if "masked" in t.title else "")
+
+    ax.set_xticks(range(len(groups)), [label(t, s) for t, s in groups])
+    ax.set_ylabel("× best baseline (higher is faster)")
+    wheres = sorted({t.where for t in tables})
+    ax.set_title("fp4video attention, pre-pass included\n" + "; ".join(wheres), fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: bars stay visible
+    ax.set_ylim(0, max(1.25, max(r.ratio for t in tables for r in t.rows) * 1.15))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
