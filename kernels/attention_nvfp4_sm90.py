@@ -9,10 +9,11 @@ of tile j-1 is still on the tensor cores. K̂/V̂ tiles come through a ring of t
 buffers filled by ``cp.async`` one tile ahead (any row order, so the key permutation needs no
 change to the pre-pass).
 
-Opt-in (``FP4VIDEO_NV_KERNEL=sm90``): on the H200 it measured slower than the Triton loop
-(BENCHMARKS.md: the overlap is there in the SASS, but the loop is bound by issue slots and
-latency on the CUDA cores, not by the tensor cores, with two warpgroups in lockstep), so it is
-kept as the measured record and the base for a ping-pong schedule, not as the default.
+Opt-in (``FP4VIDEO_NV_KERNEL=sm90``): on the H200 it measured slower than the Triton loop.
+The PTX has the P̂·V̂ wait after the quantization, but ptxas moves it up to right after the
+Q̂·K̂ᵀ wait, so nothing overlaps on full tiles (``scripts/count_loop_instructions.py --kernel
+nvfp4-sm90`` counts the instructions issued while an MMA is in flight; BENCHMARKS.md). Kept as
+the measured record and the base for a schedule ptxas cannot collapse, not as the default.
 
 Gluon is Triton's explicit-layout dialect; it has no CPU interpreter, so CI compiles this kernel
 for sm_90 offline and the GPU tests compare it with the Triton loop and the reference on the H200.

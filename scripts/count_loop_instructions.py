@@ -152,6 +152,15 @@ def main(argv=None) -> int:
     waits = collections.Counter(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d+)", "\n".join(sass_body)))
     print("MMA waits in the loop (groups left in flight: count): "
           + (", ".join(f"{int(k, 16)}: {n}" for k, n in sorted(waits.items())) or "none"))
+    # what runs while an MMA group is still in flight: the instructions between a wait that leaves
+    # groups outstanding and the next wait (ptxas may move a wait: this reads the final code)
+    insns = [ln for ln in sass_body if re.match(r"\s*/\*[0-9a-f]+\*/\s+\S", ln)]
+    marks = [(i, int(m.group(1), 16)) for i, ln in enumerate(insns)
+             if (m := re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d+)", ln))]
+    overlap = [b - a - 1 for (a, left), (b, _) in zip(marks, marks[1:]) if left > 0]
+    if overlap:
+        print(f"instructions issued while an MMA group is in flight (after a wait leaving one): {overlap} "
+              f"of {len(insns)} in the loop")
     by_unit = collections.Counter()
     for op, n in sass_loop.items():
         by_unit[op.split(".")[0]] += n
