@@ -189,31 +189,39 @@ def _nv_attn_fwd(
                   sob, soh, sos, sod, slb, slh, sls)  # acc is in units of the last two-level row factor
 
 
-def attention_nvfp4(qh, kh, vh, key_alive, *, recipe: AttentionRecipe, scale: float, out_dtype,
-                    block_m=None, num_warps=None, num_stages=None):
-    """The NVFP4 loop on the bf16 pre-pass's (B, H, S, D) outputs (contiguous along D)."""
-    b, h, sq, d = qh.shape
-    sk, dv = kh.shape[-2], vh.shape[-1]
+def nv_launch_args(qh, kh, vh, key_alive, *, recipe: AttentionRecipe, scale: float, out_dtype):
+    """What both NVFP4 kernels (this module's and :mod:`.attention_nvfp4_sm90`'s) take: the outputs,
+    the positional arguments and the shared constexprs, for the bf16 pre-pass's (B, H, S, D) outputs."""
     for name, t in (("q", qh), ("k", kh), ("v", vh)):
         if t.stride(-1) != 1:
             raise ValueError(f"the NVFP4 kernel wants {name} contiguous along its last dim (the pre-pass writes it so)")
-    dev = qh.device
-    out = torch.empty(b, h, sq, dv, device=dev, dtype=out_dtype)
-    lse = torch.empty(b, h, sq, device=dev, dtype=torch.float32)
-    km = _key_mask(key_alive, dev)
+    b, h, sq, d = qh.shape
+    dv = vh.shape[-1]
+    out = torch.empty(b, h, sq, dv, device=qh.device, dtype=out_dtype)
+    lse = torch.empty(b, h, sq, device=qh.device, dtype=torch.float32)
+    km = _key_mask(key_alive, qh.device)
+    args = (qh, kh, vh, km, out, lse,
+            h, sq, kh.shape[-2], dv,
+            *qh.stride()[:3], *kh.stride()[:3], *vh.stride()[:3],
+            km.stride(0), km.stride(1),
+            *out.stride(), *lse.stride(),
+            scale * LOG2E)
+    meta = dict(HAS_MASK=key_alive is not None, TWO_LEVEL=recipe.p_scale is PScale.TWO_LEVEL,
+                P_RANGE=TWO_LEVEL_P_RANGE, PNQ=recipe.row_sum is RowSum.QUANTIZED, D=d, BLOCK_N=KEY_TILE)
+    return out, lse, args, meta
+
+
+def attention_nvfp4(qh, kh, vh, key_alive, *, recipe: AttentionRecipe, scale: float, out_dtype,
+                    block_m=None, num_warps=None, num_stages=None):
+    """The NVFP4 loop on the bf16 pre-pass's (B, H, S, D) outputs (contiguous along D)."""
+    out, lse, args, meta = nv_launch_args(qh, kh, vh, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype)
+    b, h, sq, _ = qh.shape
+    dv = vh.shape[-1]
     bm, nw, ns = LAUNCH
     block_dv = max(16, 1 << (dv - 1).bit_length())
     block_m, num_warps, num_stages = block_m or bm, num_warps or nw, num_stages or ns
     _nv_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
-        qh, kh, vh, km, out, lse,
-        h, sq, sk, dv,
-        *qh.stride()[:3], *kh.stride()[:3], *vh.stride()[:3],
-        km.stride(0), km.stride(1),
-        *out.stride(), *lse.stride(),
-        scale * LOG2E,
-        HAS_MASK=key_alive is not None, TWO_LEVEL=recipe.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
-        PNQ=recipe.row_sum is RowSum.QUANTIZED, IEEE=qh.dtype == torch.float32, FAST_RCP=qh.is_cuda, D=d,
-        BLOCK_DV=block_dv, DV_PAD=block_dv != dv, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
-        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
+        *args, **meta, IEEE=qh.dtype == torch.float32, FAST_RCP=qh.is_cuda, BLOCK_DV=block_dv, DV_PAD=block_dv != dv,
+        BLOCK_M=block_m, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
     )
     return out, lse

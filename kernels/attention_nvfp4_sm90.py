@@ -28,11 +28,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from fp4video.recipe import AttentionRecipe, PScale, RowSum
-from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
+from fp4video.recipe import AttentionRecipe
 
-from .attention_fwd import LOG2E, _key_mask, mma_key_order, store_out_lse
-from .attention_nvfp4 import nv_quantize_p, nv_row_vector
+from .attention_fwd import mma_key_order, store_out_lse
+from .attention_nvfp4 import nv_launch_args, nv_quantize_p, nv_row_vector
 
 BLOCK_M, NUM_WARPS, NUM_BUFFERS = 128, 8, 3
 
@@ -239,27 +238,16 @@ def choose(qh: torch.Tensor, vh: torch.Tensor, launch_given: bool) -> str:
 
 def attention_nvfp4_sm90(qh, kh, vh, key_alive, *, recipe: AttentionRecipe, scale: float, out_dtype):
     """The pipelined NVFP4 loop on the bf16 pre-pass's (B, H, S, D) outputs (contiguous along D)."""
-    b, h, sq, d = qh.shape
-    sk, dv = kh.shape[-2], vh.shape[-1]
     reason = unsupported_reason(qh, vh)
     if reason:
         raise ValueError(f"the sm_90 NVFP4 kernel cannot run this: {reason}")
     for name, t in (("q", qh), ("k", kh), ("v", vh)):
-        if t.stride(-1) != 1 or t.stride(-2) % 8:
-            raise ValueError(f"the sm_90 NVFP4 kernel wants {name} contiguous along its last dim with 16-byte "
-                             "aligned rows (the pre-pass writes it so)")
-    out = torch.empty(b, h, sq, dv, device=qh.device, dtype=out_dtype)
-    lse = torch.empty(b, h, sq, device=qh.device, dtype=torch.float32)
-    km = _key_mask(key_alive, qh.device)
+        if t.stride(-2) % 8:
+            raise ValueError(f"the sm_90 NVFP4 kernel wants {name}'s rows 16-byte aligned (the pre-pass writes them so)")
+    out, lse, args, meta = nv_launch_args(qh, kh, vh, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype)
+    b, h, sq, _ = qh.shape
     _nv_attn_fwd_sm90[(triton.cdiv(sq, BLOCK_M), b * h)](
-        qh, kh, vh, km, out, lse,
-        h, sq, sk, dv,
-        *qh.stride()[:3], *kh.stride()[:3], *vh.stride()[:3],
-        km.stride(0), km.stride(1),
-        *out.stride(), *lse.stride(),
-        scale * LOG2E,
-        HAS_MASK=key_alive is not None, TWO_LEVEL=recipe.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
-        PNQ=recipe.row_sum is RowSum.QUANTIZED, D=d, BLOCK_DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=KEY_TILE,
-        NUM_BUF=NUM_BUFFERS, num_warps=NUM_WARPS, enable_fp_fusion=False,  # explicit fma only
+        *args, **meta, BLOCK_DV=vh.shape[-1], BLOCK_M=BLOCK_M, NUM_BUF=NUM_BUFFERS, num_warps=NUM_WARPS,
+        enable_fp_fusion=False,  # explicit fma only
     )
     return out, lse
