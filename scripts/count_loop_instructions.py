@@ -10,7 +10,7 @@ Compiles ``_mx_fp8_attn_fwd`` (the e4m3 MXFP4 loop), ``_nv_attn_fwd`` (the bf16 
 ``_nv_attn_fwd_sm90`` (the pipelined Gluon NVFP4 loop) as
 it is launched on Hopper (BLOCK_M 128, 8 warps, its stages, no FMA contraction, head dim 128, no
 mask), disassembles the cubin with the nvdisasm that ships with
-Triton and takes the main loop: the code from the label that a later branch jumps back to, up to
+Triton and takes the main loop: the code from the label that a later conditional branch jumps back to, up to
 that branch, containing the MMAs. Its instruction count divided by the elements of S each thread
 owns per key tile (128 × 128 / 256 = 64) is the count per element. Also prints the PTX count of the
 same loop body (what Triton emits, before ptxas) and ptxas's register and spill report.
@@ -85,7 +85,9 @@ def loop_opcodes(lines, label_re, branch_re, op_re, is_mma):
         if m:
             labels[m.group(1)] = i
         m = re.search(branch_re, line)
-        if m and labels.get(m.group(1), i) < i:
+        # a loop's latch is a conditional backward branch (an unconditional one jumps back from
+        # out-of-line code, e.g. an mbarrier wait's retry, into the middle of the kernel)
+        if m and labels.get(m.group(1), i) < i and re.match(r"\s*(?:/\*[0-9a-f]+\*/\s+)?@", line):
             ops = collections.Counter()
             for body_line in lines[labels[m.group(1)]:i + 1]:
                 mm = re.match(op_re, body_line)

@@ -642,3 +642,65 @@ def test_lse_report_script_gpu():
     rows = re.findall(r"^\| (True|False) \| (True|False) \| ([\d.]+) \| ([\d.e+-]+) \|", run.stdout, re.M)
     assert len(rows) == 4, run.stdout
     assert all(float(cos) >= 0.9999 and float(dlse) < 2e-2 for *_, cos, dlse in rows), run.stdout
+
+
+def _schedule_experiments():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "nvfp4_schedule_experiments.py"
+    spec = importlib.util.spec_from_file_location("nvfp4_schedule_experiments", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("method,masked", [("nvfp4", False), ("sage3", True)])
+def test_tma_schedule_experiment_equals_the_nvfp4_loop_interpreter(method, masked):
+    """scripts/nvfp4_schedule_experiments.py's TMA loop (BENCHMARKS.md: measured, not shipped) on
+    K̂/V̂ stored in tile key order computes what the NVFP4 loop computes, element for element:
+    the permutation of tile_key_order is the one the loop applies while loading."""
+    from fp4video.kernels.attention_fwd import prepare
+    from fp4video.kernels.attention_nvfp4 import attention_nvfp4
+
+    exp = _schedule_experiments()
+    q, k, v = rand(1, 2, 150, 128, seed=5), rand(1, 2, 300, 128, seed=6), rand(1, 2, 300, 128, seed=7)
+    alive = (torch.arange(300) % 7 != 3)[None, :] if masked else None
+    recipe = METHODS[method]
+    _, (qh, kh, vh) = prepare(q, k, v, recipe, alive)
+    base, base_lse = attention_nvfp4(qh, kh, vh, alive, recipe=recipe, scale=0.1, out_dtype=torch.float32)
+    k_tiles, sk_pad = exp.tile_key_order(kh)
+    v_tiles, _ = exp.tile_key_order(vh)
+    zero_rows = (v_tiles.view(1, 2, 3, 128, 128)[:, :, 2].abs().sum(-1) == 0).sum(-1)  # last tile: 44 keys + pad
+    assert sk_pad == 384 and (zero_rows == 84).all() if not masked else (zero_rows >= 84).all()
+    out, lse = exp.attention_tma(qh, k_tiles, v_tiles, 300, sk_pad, alive, recipe=recipe, scale=0.1,
+                                 out_dtype=torch.float32)
+    assert torch.equal(out, base) and torch.equal(lse, base_lse)
+
+
+def test_pingpong_schedule_experiment_has_no_cta_barrier_inside_a_turn():
+    """The ping-pong Gluon loop compiled for sm_90 offline: no CTA barrier between a warpgroup's
+    turn start and end (one there deadlocks: it hung the H200 until each turn started with an
+    explicit CTA barrier); the check itself flags that mutation (tried by hand, BENCHMARKS.md)."""
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm").exists():
+        pytest.skip("this Triton ships no nvdisasm")
+    exp = _schedule_experiments()
+    if exp.gluon is None:
+        pytest.skip("this Triton has no Gluon Hopper API")
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    run = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "scripts" /
+                                              "nvfp4_schedule_experiments.py"), "--offline"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0 and ": 0 CTA barriers inside a turn;" in run.stdout, run.stdout + run.stderr[-2000:]
+    # the scan itself: a CTA barrier between a turn's start and end is reported
+    fake = "@!P1 BAR.SYNC.DEFER_BLOCKING 0x1, 0x100 ;\n@P1 BAR.SYNC.DEFER_BLOCKING 0x2, 0x100 ;\n" \
+           "BAR.SYNC.DEFER_BLOCKING 0x0 ;\n@!P1 BAR.ARV 0x2, 0x100 ;\nBAR.SYNC.DEFER_BLOCKING 0x0 ;"
+    assert len(exp.barriers_inside_turns(fake)) == 1
