@@ -5,7 +5,7 @@ shipped in ``kernels/``.
 
 1. ``tma``: the Triton NVFP4 loop (:mod:`fp4video.kernels.attention_nvfp4`) with K̂/V̂ read by TMA
    (host tensor descriptors) instead of ``cp.async``; fewer address instructions (17.7 instead
-   of 18.3 per element for sage3, 192 registers instead of 255), at any launch shape.
+   of 18.3 per element for sage3, 192 registers instead of 255).
 2. ``pingpong``: a Gluon kernel whose two warpgroups (64 query rows each) take turns on the
    tensor cores (FlashAttention-3's ping-pong: named barriers 1/2 order the MMA issue, barrier 3
    hands a K̂/V̂ buffer back before it is refilled), loads by TMA with mbarriers.

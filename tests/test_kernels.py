@@ -682,7 +682,8 @@ def test_tma_schedule_experiment_equals_the_nvfp4_loop_interpreter(method, maske
 def test_pingpong_schedule_experiment_has_no_cta_barrier_inside_a_turn():
     """The ping-pong Gluon loop compiled for sm_90 offline: no CTA barrier between a warpgroup's
     turn start and end (one there deadlocks: it hung the H200 until each turn started with an
-    explicit CTA barrier); the check itself flags that mutation (tried by hand, BENCHMARKS.md)."""
+    explicit CTA barrier; the script reports that variant, tried by hand). The scan itself is
+    checked below on a constructed listing."""
     from pathlib import Path
 
     import triton
