@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Two NVFP4 loop schedules that were built, checked equal to the default loop and measured
-slower on the H200 (BENCHMARKS.md, 2026-11-30): kept here so those rows can be re-measured, not
-shipped in ``kernels/``.
+"""Two NVFP4 loop schedules that were built, checked equal to the default loop and measured on the
+H200 (BENCHMARKS.md, 2026-11-30): slower, except the TMA loop at 64 rows × 4 warps for nvfp4 at
+Wan 720p alone (2.6% faster there, slower at 480p and for sage3). Kept here so those rows can be
+re-measured, not shipped in ``kernels/``.
 
 1. ``tma``: the Triton NVFP4 loop (:mod:`fp4video.kernels.attention_nvfp4`) with K̂/V̂ read by TMA
    (host tensor descriptors) instead of ``cp.async``; fewer address instructions (17.7 instead
