@@ -12,10 +12,12 @@ Five loops, picked per recipe and GPU by :func:`mx_kernel` / :func:`prepare`:
 - :mod:`.attention_scaled` (MXFP4 methods on sm_100+): ``tl.dot_scaled`` on packed E2M1 with
   E8M0 scales, Blackwell's native FP4 MMAs.
 - :mod:`.attention_nvfp4` (NVFP4 methods): the pre-pass writes the dequantized values in bf16
-  (E2M1 times an E4M3 scale needs at most 6 significant bits: exact), bf16 tensor-core products
-  with fp32 accumulation, P blocks laid out one per lane as in the e4m3 loop. The same numerics
-  also run as :mod:`.attention_nvfp4_sm90` (Gluon, Hopper, opt-in: ``FP4VIDEO_NV_KERNEL=sm90``),
-  whose MMAs overlap the P quantization; it measured slower (BENCHMARKS.md).
+  (E2M1 times an E4M3 scale needs at most 6 significant bits: exact; K̂ and V̂ rows in tile key
+  order, :func:`.prepass.prepass_tiles`), bf16 tensor-core products with fp32 accumulation, P
+  blocks laid out one per lane as in the e4m3 loop. On Hopper (head dims 128) the same numerics
+  run as :mod:`.attention_nvfp4_sm90` (Gluon): two warpgroups take turns on the tensor cores, one
+  quantizing P while the other's MMAs run; bit for bit the Triton loop's output, 2–4% faster
+  (BENCHMARKS.md). ``FP4VIDEO_NV_KERNEL=triton|sm90`` picks one.
 - ``_fp4_attn_fwd`` (``fp16``; MXFP4 methods on GPUs older than sm_89): the same bf16 pre-pass,
   the P tile quantized in the loop (exact in bf16). ``fp16`` reads the inputs as they are (fp32
   with IEEE-precision dots).
@@ -35,7 +37,7 @@ from fp4video.recipe import AttentionRecipe, RowSum
 from fp4video.reference import KEY_TILE
 
 from .fp4_math import fake_quant_rows, mx_block_exponent, pow2, round_e2m1_at_scale
-from .prepass import next_pow2, prepass, prepass_fp8, prepass_packed
+from .prepass import next_pow2, prepass, prepass_fp8, prepass_packed, prepass_tiles
 
 # P quantization modes (constexpr)
 P_NONE, P_MX = 0, 1
@@ -178,17 +180,19 @@ def as_mma_operand(p8, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK: tl.constexpr, TAIL: tl.constexpr,
                  D: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr, PRECISE_QK: tl.constexpr,
-                 IEEE: tl.constexpr = False):
+                 IEEE: tl.constexpr = False, TILE_ORDERED: tl.constexpr = False):
     """Q̂·K̂ᵀ of one key tile with its keys in :func:`mma_key_order`, masked keys at -inf (the e4m3
     MXFP4 loop and the bf16 NVFP4 loop of :mod:`.attention_nvfp4`). In the e4m3 loop the logit in
     log2 units is qk · q_scale, q_scale > 0 per row (Q̂'s row factor times this tile's K̂ factor,
     scale and log2(e)). PRECISE_QK: fp8 partial sums promoted to fp32 every 32; IEEE: fp32 operands
-    multiplied exactly (the CPU interpreter's work dtype)."""
+    multiplied exactly (the CPU interpreter's work dtype). TILE_ORDERED: K̂ is stored in that order
+    already, padded to whole tiles (:func:`.prepass.prepass_tiles`): rows read as stored."""
     order = mma_key_order(tl.arange(0, BLOCK_N), BLOCK_N // QB, QB)
     keys = start + order
+    rows = tl.arange(0, BLOCK_N) if TILE_ORDERED else order
     # the tile's offsets are loop-invariant, plus one scalar per tile (fewer address instructions)
-    ptrs = (K_base + start * sks) + (order[:, None] * sks + tl.arange(0, D)[None, :])
-    if TAIL:
+    ptrs = (K_base + start * sks) + (rows[:, None] * sks + tl.arange(0, D)[None, :])
+    if TAIL and not TILE_ORDERED:
         k = tl.load(ptrs, mask=(keys < SK)[:, None], other=0.0)
     else:
         k = tl.load(ptrs)
@@ -371,6 +375,8 @@ def prepare(q, k, v, recipe: AttentionRecipe, key_alive):
         return ("scaled", prepass_packed(q, k, v, recipe, key_alive))
     if path == "fp8":
         return ("fp8", prepass_fp8(q, k, v, recipe, key_alive))
+    if recipe.pv_format is Format.NVFP4:  # the NVFP4 loops read K̂, V̂ in tile key order, whole tiles
+        return ("nvfp4", (*prepass_tiles(q, k, v, recipe, key_alive, work_dtype(q)), k.shape[-2]))
     if recipe.quantized:
         return ("work", prepass(q, k, v, recipe, key_alive, work_dtype(q)))
     return ("work", (q, k, v))  # the inputs as they are: no copy, any strides
@@ -414,15 +420,17 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
     if path == "fp8":
         return _attention_fp8(*tensors, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv,
                               block_m=block_m, num_warps=num_warps, num_stages=num_stages, **fp8_options)
-    qh, kh, vh = tensors
-    if recipe.pv_format is Format.NVFP4:
+    if path == "nvfp4":
+        qh, kh, vh, sk = tensors
         sm90 = _gluon_nvfp4()
         if sm90 is not None and sm90.choose(qh, vh, launch_given=any((block_m, num_warps, num_stages))) == "sm90":
-            return sm90.attention_nvfp4_sm90(qh, kh, vh, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype)
+            return sm90.attention_nvfp4_sm90(qh, kh, vh, key_alive, sk=sk, recipe=recipe, scale=scale,
+                                             out_dtype=out_dtype)
         from .attention_nvfp4 import attention_nvfp4
 
-        return attention_nvfp4(qh, kh, vh, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype,
+        return attention_nvfp4(qh, kh, vh, key_alive, sk=sk, recipe=recipe, scale=scale, out_dtype=out_dtype,
                                block_m=block_m, num_warps=num_warps, num_stages=num_stages)
+    qh, kh, vh = tensors
     b, h, sq, dqk = qh.shape
     sk, dv = kh.shape[-2], vh.shape[-1]
     dev = qh.device

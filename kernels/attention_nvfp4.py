@@ -1,12 +1,13 @@
 """NVFP4 attention (``nvfp4``, ``sage3``, ``sage3-hpnq``) on bf16 tensor cores.
 
-Q̂, K̂, V̂ come from the bf16 pre-pass (:func:`.prepass.prepass`): NVFP4 values (E2M1 times an
-E4M3 scale: at most 6 significant bits) are exact in bf16, and so is every P̂ value. NVFP4 cannot
-use the e4m3 tensor cores the MXFP4 methods use: its products need more bits than e4m3 has.
+Q̂, K̂, V̂ come from the bf16 pre-pass (:func:`.prepass.prepass_tiles`): NVFP4 values (E2M1 times
+an E4M3 scale: at most 6 significant bits) are exact in bf16, and so is every P̂ value. NVFP4
+cannot use the e4m3 tensor cores the MXFP4 methods use: its products need more bits than e4m3 has.
 
-The loop is laid out like the e4m3 MXFP4 loop of :mod:`.attention_fwd`: K̂ and V̂ rows are loaded
-in ``mma_key_order`` (QB = 32), so each lane of an MMA quad holds 32 consecutive keys of every
-row, i.e. two whole NVFP4 blocks of 16. Block maxima, E4M3 scales and their reciprocals are then
+The loop is laid out like the e4m3 MXFP4 loop of :mod:`.attention_fwd`: the keys of each tile sit
+in ``mma_key_order`` (QB = 32; the pre-pass stores K̂ and V̂ rows in that order, padded with zero
+rows to whole tiles), so each lane of an MMA quad holds 32 consecutive keys of every row, i.e.
+two whole NVFP4 blocks of 16. Block maxima, E4M3 scales and their reciprocals are then
 computed once per lane and block, with no cross-lane work. For 16-bit operands the accumulator
 layout of Q̂·K̂ᵀ is already the A-operand layout of P̂·V̂, so P̂ needs no relabelling, only V̂'s
 rows in the same key order.
@@ -29,7 +30,7 @@ import triton.language as tl
 from fp4video.recipe import AttentionRecipe, PScale, RowSum
 from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
 
-from .attention_fwd import LOG2E, _key_mask, _tile_logits, mma_key_order, program_rows, store_out_lse
+from .attention_fwd import LOG2E, _key_mask, _tile_logits, program_rows, store_out_lse
 from .fp4_math import const_div_rn, div_const_rn, nvfp4_block_scale, recip_rn_few_bits, round_e2m1_at_scale
 
 #: rn(1 / (448·6)) in fp32, for div_const_rn
@@ -124,7 +125,7 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
 
 @triton.jit
 def _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV,
-             TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr, TAIL: tl.constexpr,
+             TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr,
              IEEE: tl.constexpr, FAST_RCP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_DV: tl.constexpr, DV_PAD: tl.constexpr):
     """:func:`nv_quantize_p` and P̂·V̂ for one key tile. Returns the updated (m, r, l, acc): m in
@@ -132,12 +133,13 @@ def _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV,
     tl.static_assert(BLOCK_N == 128, "the lane layout of nv_quantize_p is that of 128-key tiles")
     q, m_new, r_new, l_i, acc_scale = nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ,
                                                        FAST_RCP)
-    keys = start + mma_key_order(tl.arange(0, BLOCK_N), BLOCK_N // 32, 32)
     offs_dv = tl.arange(0, BLOCK_DV)
-    # (V's offsets not hoisted out of the loop like K's: the extra registers made it spill)
-    ptrs = V_base + keys[:, None] * svs + offs_dv[None, :]
-    if TAIL or DV_PAD:
-        v = tl.load(ptrs, mask=(keys < SK)[:, None] & (offs_dv < DV)[None, :], other=0.0)
+    # V̂ is stored in tile key order and padded to whole tiles (prepass.prepass_tiles): its rows
+    # are read as stored, without a bounds mask (V's offsets are not hoisted out of the loop like
+    # K's: the extra registers made it spill)
+    ptrs = V_base + (start + tl.arange(0, BLOCK_N))[:, None] * svs + offs_dv[None, :]
+    if DV_PAD:
+        v = tl.load(ptrs, mask=(offs_dv < DV)[None, :], other=0.0)
     else:
         v = tl.load(ptrs)
     p_hat = q.to(v.dtype)
@@ -177,31 +179,35 @@ def _nv_attn_fwd(
     M_base = KeyMask + b * smb
     n_full = (SK // BLOCK_N) * BLOCK_N
     for start in range(0, n_full, BLOCK_N):
-        qk = _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, 32, False, IEEE)
+        qk = _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, 32, False, IEEE, True)
         m_i, r_i, l_i, acc = _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV, TWO_LEVEL,
-                                      P_RANGE, PNQ, False, IEEE, FAST_RCP, BLOCK_M, BLOCK_N, BLOCK_DV, DV_PAD)
+                                      P_RANGE, PNQ, IEEE, FAST_RCP, BLOCK_M, BLOCK_N, BLOCK_DV, DV_PAD)
     if n_full < SK:
-        qk = _tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, 32, False, IEEE)
+        qk = _tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, 32, False, IEEE, True)
         m_i, r_i, l_i, acc = _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, n_full, SK, svs, DV, TWO_LEVEL,
-                                      P_RANGE, PNQ, True, IEEE, FAST_RCP, BLOCK_M, BLOCK_N, BLOCK_DV, DV_PAD)
+                                      P_RANGE, PNQ, IEEE, FAST_RCP, BLOCK_M, BLOCK_N, BLOCK_DV, DV_PAD)
 
     store_out_lse(Out, Lse, acc, r_i[:, None], l_i, m_i, 0.0, b, h, offs_m, row_ok, tl.arange(0, BLOCK_DV), DV,
                   sob, soh, sos, sod, slb, slh, sls)  # acc is in units of the last two-level row factor
 
 
-def nv_launch_args(qh, kh, vh, key_alive, *, recipe: AttentionRecipe, scale: float, out_dtype):
+def nv_launch_args(qh, kh, vh, key_alive, *, sk: int, recipe: AttentionRecipe, scale: float, out_dtype):
     """What both NVFP4 kernels (this module's and :mod:`.attention_nvfp4_sm90`'s) take: the outputs,
-    the positional arguments and the shared constexprs, for the bf16 pre-pass's (B, H, S, D) outputs."""
+    the positional arguments and the shared constexprs, for :func:`.prepass.prepass_tiles`' outputs
+    (Q̂ (B, H, Sq, D); K̂, V̂ (B, H, Sk_pad, ·) in tile key order) and ``sk`` keys."""
     for name, t in (("q", qh), ("k", kh), ("v", vh)):
         if t.stride(-1) != 1:
             raise ValueError(f"the NVFP4 kernel wants {name} contiguous along its last dim (the pre-pass writes it so)")
+    if kh.shape[-2] != -(-sk // KEY_TILE) * KEY_TILE or vh.shape[-2] != kh.shape[-2]:
+        raise ValueError(f"the NVFP4 kernel wants K̂ and V̂ padded to whole tiles of {KEY_TILE} keys "
+                         f"(prepass_tiles writes them so), got {kh.shape[-2]} and {vh.shape[-2]} rows for {sk} keys")
     b, h, sq, d = qh.shape
     dv = vh.shape[-1]
     out = torch.empty(b, h, sq, dv, device=qh.device, dtype=out_dtype)
     lse = torch.empty(b, h, sq, device=qh.device, dtype=torch.float32)
     km = _key_mask(key_alive, qh.device)
     args = (qh, kh, vh, km, out, lse,
-            h, sq, kh.shape[-2], dv,
+            h, sq, sk, dv,
             *qh.stride()[:3], *kh.stride()[:3], *vh.stride()[:3],
             km.stride(0), km.stride(1),
             *out.stride(), *lse.stride(),
@@ -211,10 +217,11 @@ def nv_launch_args(qh, kh, vh, key_alive, *, recipe: AttentionRecipe, scale: flo
     return out, lse, args, meta
 
 
-def attention_nvfp4(qh, kh, vh, key_alive, *, recipe: AttentionRecipe, scale: float, out_dtype,
+def attention_nvfp4(qh, kh, vh, key_alive, *, sk: int, recipe: AttentionRecipe, scale: float, out_dtype,
                     block_m=None, num_warps=None, num_stages=None):
-    """The NVFP4 loop on the bf16 pre-pass's (B, H, S, D) outputs (contiguous along D)."""
-    out, lse, args, meta = nv_launch_args(qh, kh, vh, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype)
+    """The NVFP4 loop on :func:`.prepass.prepass_tiles`' outputs (contiguous along D) for ``sk`` keys."""
+    out, lse, args, meta = nv_launch_args(qh, kh, vh, key_alive, sk=sk, recipe=recipe, scale=scale,
+                                          out_dtype=out_dtype)
     b, h, sq, _ = qh.shape
     dv = vh.shape[-1]
     bm, nw, ns = LAUNCH

@@ -24,7 +24,17 @@ from .fp4_math import fake_quant_rows, fp8_shift, fp8_shift_from_raw_max, mx_pac
 
 FMT_CODE = {None: 0, Format.MXFP4: 1, Format.NVFP4: 2}
 #: output modes of the pre-pass kernels (0: the work dtype)
-FP8_ROW, FP8_AMAX, FP8_HEAD, E2M1_PACKED, FP8_TILE = 1, 2, 3, 4, 5
+FP8_ROW, FP8_AMAX, FP8_HEAD, E2M1_PACKED, FP8_TILE, TILE_ROWS = 1, 2, 3, 4, 5, 6
+
+
+@triton.jit
+def tile_key_position(keys, TILE: tl.constexpr):
+    """Where key ``keys`` is stored when each tile of 128 keys is in the attention loops' key order
+    (``attention_fwd.mma_key_order`` with QB = 32: row 8j + 2t + e of a tile holds its key
+    32t + 2j + e), so that a loop reading a tile's rows in storage order gets that order."""
+    tl.static_assert(TILE == 128, "the key order of 128-key tiles")
+    k = keys % TILE
+    return keys - k + 8 * ((k % 32) // 2) + 2 * (k // 32) + k % 2
 
 
 @triton.jit
@@ -90,6 +100,10 @@ def _prepass_rows(
         out_ptrs = Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :]
         if OUT == 0:
             tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=(rows < S)[:, None])
+        elif OUT == 6:  # TILE_ROWS: rows in tile key order, zero rows up to whole key tiles
+            pos = tile_key_position(rows, 128)
+            tl.store(Out + b * sob + h * soh + pos[:, None] * sos + cols[None, :], x.to(Out.dtype.element_ty),
+                     mask=(rows < tl.cdiv(S, 128) * 128)[:, None])
         elif OUT == 1:  # FP8_ROW
             c = fp8_shift(tl.max(tl.abs(x), axis=1))
             tl.store(out_ptrs, (x * pow2(c)[:, None]).to(tl.float8e4nv), mask=(rows < S)[:, None])
@@ -144,7 +158,10 @@ def _prepass_v(
             x = tl.trans(fake_quant_rows(tl.trans(x), BLOCK_DV, BLOCK_S, FMT, QB, OCP, QMAX, True))
         out_ptrs = Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :] * sod
         out_ok = (rows < S)[:, None] & (cols[None, :] < DV)
-        if OUT == 0:
+        if OUT == 6:  # TILE_ROWS: rows in tile key order, zero rows up to whole key tiles
+            out_ptrs = Out + b * sob + h * soh + tile_key_position(rows, 128)[:, None] * sos + cols[None, :] * sod
+            out_ok = (rows < tl.cdiv(S, 128) * 128)[:, None] & (cols[None, :] < DV)
+        if OUT == 0 or OUT == 6:
             tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=out_ok)
         else:  # padded channels and tokens (up to whole tiles of BLOCK_S) are written as zeros
             c = fp8_shift_from_raw_max(tl.load(Amax + bh * BLOCK_DV + cols).to(tl.float32, bitcast=True), OCP, QMAX)
@@ -165,6 +182,22 @@ def next_pow2(n: int, floor: int = 16) -> int:
 def prepass(q, k, v, recipe: AttentionRecipe, key_alive, work_dtype):
     """(q̂, k̂, v̂) for the attention kernel, in ``work_dtype``. ``key_alive``: (B, Sk) bool or None."""
     return _PrePass(q, k, v, recipe, key_alive).run(work_dtype)
+
+
+def prepass_tiles(q, k, v, recipe: AttentionRecipe, key_alive, work_dtype):
+    """:func:`prepass` with K̂ and V̂ in tile key order, padded with zero rows to whole key tiles
+    of 128 (B, H, Sk_pad, ·): the NVFP4 loops' input (:mod:`.attention_nvfp4`)."""
+    return _PrePass(q, k, v, recipe, key_alive).run_tiles(work_dtype)
+
+
+def tile_key_order(n: int, tile: int = KEY_TILE) -> torch.Tensor:
+    """The key each of ``n`` stored rows of :func:`prepass_tiles`' K̂/V̂ holds (n: a multiple of
+    the tile; keys past Sk are padding): the inverse of :func:`tile_key_position`."""
+    if n % tile or tile != KEY_TILE:
+        raise ValueError(f"whole tiles of {KEY_TILE} rows, got n={n}, tile={tile}")
+    r = torch.arange(n)
+    p = r % tile
+    return r - p + 32 * ((p // 2) % 4) + 2 * (p // 8) + p % 2
 
 
 def prepass_packed(q, k, v, recipe: AttentionRecipe, key_alive):
@@ -279,7 +312,8 @@ class _PrePass:
         # FP8_TILE: one program per key tile of the attention loop (as many rows per thread as
         # BLOCK_S rows with 4 warps)
         block_s, warps = (KEY_TILE, self.TILE_WARPS) if out_mode == FP8_TILE else (self.BLOCK_S, 4)
-        _prepass_rows[(triton.cdiv(s, block_s), self.b * self.h)](
+        rows_written = -(-s // KEY_TILE) * KEY_TILE if out_mode == TILE_ROWS else s  # TILE_ROWS: zero padding too
+        _prepass_rows[(triton.cdiv(rows_written, block_s), self.b * self.h)](
             x, self.alive, mean, self.hm, out, fac if fac is not None else self.none,
             self.h, s, self.d_in, self.dp ** -0.5 if self.recipe.hadamard else 1.0,
             *x.stride(),
@@ -297,15 +331,16 @@ class _PrePass:
 
     def values(self, out_mode, out, amax=None, fac=None):
         rule, fmt, dv = self.recipe.scale_rule, self.recipe.pv_format, self.v.shape[-1]
-        block_s = self.BLOCK_S_V if out_mode else self.BLOCK_S
+        transposed = out_mode in (FP8_AMAX, FP8_HEAD, E2M1_PACKED)  # (B, H, Dv, S_pad) outputs
+        block_s = self.BLOCK_S_V if out_mode else self.BLOCK_S  # whole key tiles unless OUT = 0
         _prepass_v[(triton.cdiv(self.sk, block_s), self.b * self.h)](
             self.v, self.alive, out, amax if amax is not None else self.none, fac if fac is not None else self.none,
             self.h, self.sk, dv,
             *self.v.stride(),
             self.alive.stride(0), self.alive.stride(1),
-            *((out.stride(0), out.stride(1), 1, out.stride(2)) if out_mode else (*out.stride()[:3], 1)),
+            *((out.stride(0), out.stride(1), 1, out.stride(2)) if transposed else (*out.stride()[:3], 1)),
             HAS_ALIVE=self.key_alive is not None, FMT=FMT_CODE[fmt], QB=fmt.block if fmt else 32,
-            OCP=rule is ScaleRule.OCP, QMAX=rule.qmax, BLOCK_DV=out.shape[-2] if out_mode else next_pow2(dv),
+            OCP=rule is ScaleRule.OCP, QMAX=rule.qmax, BLOCK_DV=out.shape[-2] if transposed else next_pow2(dv),
             BLOCK_S=block_s, OUT=out_mode, num_warps=self.V_WARPS,
         )
 
@@ -317,6 +352,19 @@ class _PrePass:
         self.rows(self.q, self.sq, False, 0, q_hat)
         self.rows(self.k, self.sk, True, 0, k_hat)
         self.values(0, v_hat)
+        return q_hat, k_hat, v_hat
+
+    def run_tiles(self, work_dtype):
+        """:meth:`run` with K̂ and V̂ in tile key order (:func:`tile_key_position`), (B, H, Sk_pad, ·)
+        with zero rows up to whole key tiles: what the NVFP4 loops read (TMA copies whole tiles)."""
+        b, h, dev = self.b, self.h, self.dev
+        sk_pad = -(-self.sk // KEY_TILE) * KEY_TILE
+        q_hat = torch.empty(b, h, self.sq, self.d, device=dev, dtype=work_dtype)
+        k_hat = torch.empty(b, h, sk_pad, self.d, device=dev, dtype=work_dtype)
+        v_hat = torch.empty(b, h, sk_pad, self.dv, device=dev, dtype=work_dtype)
+        self.rows(self.q, self.sq, False, 0, q_hat)
+        self.rows(self.k, self.sk, True, TILE_ROWS, k_hat)
+        self.values(TILE_ROWS, v_hat)
         return q_hat, k_hat, v_hat
 
     def run_packed(self):

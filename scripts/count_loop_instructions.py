@@ -7,7 +7,7 @@ offline (no GPU needed): the ALU budget BENCHMARKS.md discusses.
     python scripts/count_loop_instructions.py --kernel nvfp4-sm90 [--no-two-level]
 
 Compiles ``_mx_fp8_attn_fwd`` (the e4m3 MXFP4 loop), ``_nv_attn_fwd`` (the bf16 NVFP4 loop) or
-``_nv_attn_fwd_sm90`` (the pipelined Gluon NVFP4 loop) as
+``_nv_attn_fwd_sm90`` (the ping-pong Gluon NVFP4 loop: one warpgroup's partition is counted) as
 it is launched on Hopper (BLOCK_M 128, 8 warps, its stages, no FMA contraction, head dim 128, no
 mask), disassembles the cubin with the nvdisasm that ships with
 Triton and takes the main loop: the code from the label that a later conditional branch jumps back to, up to
@@ -42,17 +42,20 @@ def compile_loop_kernel(args):
         ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
         consts = dict(HAS_MASK=False, TWO_LEVEL=not args.no_two_level, P_RANGE=TWO_LEVEL_P_RANGE, PNQ=False,
                       IEEE=False, FAST_RCP=True, D=128, BLOCK_DV=128, DV_PAD=False, BLOCK_M=128, BLOCK_N=128)
-        stages = LAUNCH[2]
+        stages, warps = LAUNCH[2], 8
     elif args.kernel == "nvfp4-sm90":
+        from triton.experimental.gluon import language as gl
         from triton.experimental.gluon._runtime import GluonASTSource as source
 
-        from fp4video.kernels.attention_nvfp4_sm90 import NUM_BUFFERS, _nv_attn_fwd_sm90 as fn
+        from fp4video.kernels.attention_nvfp4_sm90 import CONSUMER_REGS, NUM_BUFFERS, _nv_attn_fwd_sm90 as fn
         from fp4video.reference import TWO_LEVEL_P_RANGE
 
-        ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
+        desc = f"tensordesc<bf16[128, 128],{gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16)!r}>"
+        ptr = {"Q": "*bf16", "Kd": desc, "Vd": desc, "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
         consts = dict(HAS_MASK=False, TWO_LEVEL=not args.no_two_level, P_RANGE=TWO_LEVEL_P_RANGE, PNQ=False,
-                      D=128, BLOCK_DV=128, BLOCK_M=128, BLOCK_N=128, NUM_BUF=NUM_BUFFERS, num_warps=8)
-        stages = 1  # its own buffering
+                      D=128, BLOCK_DV=128, BLOCK_M=128, BLOCK_N=128, NUM_BUF=NUM_BUFFERS, OVERLAP=args.no_two_level,
+                      CONSUMER_REGS=CONSUMER_REGS)
+        stages, warps = 1, 4  # its own buffering; one warpgroup here, the other in a partition
     else:
         from fp4video.kernels.attention_fwd import LAUNCH, TILE_EXP_FLOOR, _mx_fp8_attn_fwd as fn
 
@@ -61,7 +64,7 @@ def compile_loop_kernel(args):
         consts = dict(HAS_MASK=False, OCP=args.ocp, QMAX=7.25, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=128,
                       BLOCK_N=128, QB=32, EXP_FLOOR=TILE_EXP_FLOOR, QUANTIZE_P=not args.no_quantize_p,
                       WARP_SPEC=False, PRECISE_QK=args.precise, PRECISE_PV=args.precise)
-        stages = LAUNCH["fp8"][2]
+        stages, warps = LAUNCH["fp8"][2], 8
     names = fn.arg_names
     missing = [names[i] for i in fn.constexprs if names[i] not in consts]
     if missing:  # every constexpr must be fixed here, or Triton makes it a runtime argument
@@ -70,10 +73,10 @@ def compile_loop_kernel(args):
     # as Triton specializes a Wan-480p launch (S = 32,760, H = 40): pointers, and every stride that
     # is a multiple of 16 there, are marked 16-divisible
     aligned = [n for n in names if sig[n].startswith("*") or n in (
-        "sqb", "sqh", "sqs", "skb", "skh", "sks", "svb", "svh", "svd", "svs", "sob", "soh", "sos", "slb")]
+        "sqb", "sqh", "sqs", "skb", "skh", "sks", "svb", "svh", "svd", "svs", "sob", "soh", "sos", "slb", "SK_PAD")]
     src = source(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    options = dict(num_warps=8, num_stages=stages, enable_fp_fusion=False)
+    options = dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -125,7 +128,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernel", choices=["mx", "nvfp4", "nvfp4-sm90"], default="mx",
                     help="mx: the e4m3 MXFP4 loop (default); nvfp4: the bf16 NVFP4 loop (sage3's two-level P); "
-                         "nvfp4-sm90: the pipelined Gluon NVFP4 loop")
+                         "nvfp4-sm90: the ping-pong Gluon NVFP4 loop")
     ap.add_argument("--no-two-level", action="store_true", help="nvfp4: plain NVFP4 P (the nvfp4 method)")
     ap.add_argument("--no-quantize-p", action="store_true", help="the floor variant: P only cast to e4m3")
     ap.add_argument("--ocp", action="store_true", help="OCP scale rule instead of UOS")

@@ -1,20 +1,22 @@
 #!/usr/bin/env python3
-"""Two NVFP4 loop schedules that were built, checked equal to the default loop and measured on the
-H200 (BENCHMARKS.md, 2026-11-30): slower, except the TMA loop at 64 rows × 4 warps for nvfp4 at
-Wan 720p alone (2.6% faster there, slower at 480p and for sage3). Kept here so those rows can be
-re-measured, not shipped in ``kernels/``.
+"""Two NVFP4 loop schedules that were built, checked equal to the Triton NVFP4 loop and measured on
+the H200 (BENCHMARKS.md, 2026-11-30): slower, except the TMA loop at 64 rows × 4 warps for nvfp4
+at Wan 720p alone (2.6% faster there, slower at 480p and for sage3). Kept here so those rows can
+be re-measured, not shipped in ``kernels/``; the ping-pong that shipped (one ``warp_specialize``
+partition per warpgroup, ``kernels/attention_nvfp4_sm90.py``) is timed next to them.
 
 1. ``tma``: the Triton NVFP4 loop (:mod:`fp4video.kernels.attention_nvfp4`) with K̂/V̂ read by TMA
    (host tensor descriptors) instead of ``cp.async``; fewer address instructions (17.7 instead
    of 18.3 per element for sage3, 192 registers instead of 255).
 2. ``pingpong``: a Gluon kernel whose two warpgroups (64 query rows each) take turns on the
    tensor cores (FlashAttention-3's ping-pong: named barriers 1/2 order the MMA issue, barrier 3
-   hands a K̂/V̂ buffer back before it is refilled), loads by TMA with mbarriers.
+   hands a K̂/V̂ buffer back before it is refilled), loads by TMA with mbarriers, both warpgroups
+   in one partition.
 
 Both read K̂/V̂ rows already in ``mma_key_order`` within each 128-key tile and padded to whole
-tiles (:func:`tile_key_order`; the default loop permutes while loading), so TMA copies whole
+tiles (:func:`fp4video.kernels.prepass.prepass_tiles`, as the shipped loops now read them), so TMA copies whole
 boxes. Same numerics (``nv_quantize_p``): the outputs are compared element by element with the
-default loop's.
+Triton loop's.
 
     python scripts/nvfp4_schedule_experiments.py --seqs 75600 32760     # GPU: checks, then times
     python scripts/nvfp4_schedule_experiments.py --offline              # sm_90 code of the ping-pong loop
@@ -47,16 +49,11 @@ from fp4video.recipe import PScale, RowSum
 from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
 
 
-def tile_key_order(x: torch.Tensor, tile: int = KEY_TILE) -> tuple[torch.Tensor, int]:
-    """(B, H, S, D) -> (B·H·S_pad, D): rows of each 128-key tile in ``mma_key_order`` (row r holds
-    key 32·((r // 2) % 4) + 2·(r // 8) + r % 2 of its tile), zero rows up to S_pad; and S_pad."""
-    b, h, s, d = x.shape
-    sp = -(-s // tile) * tile
-    r = torch.arange(tile, device=x.device)
-    perm = 32 * ((r // 2) % 4) + 2 * (r // 8) + r % 2
-    xp = torch.zeros(b, h, sp, d, device=x.device, dtype=x.dtype)
-    xp[:, :, :s] = x
-    return xp.view(b, h, sp // tile, tile, d)[:, :, :, perm].reshape(b * h * sp, d).contiguous(), sp
+def tile_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """:func:`fp4video.kernels.prepass.prepass_tiles`' K̂ or V̂ (B, H, Sk_pad, ·), already in tile key
+    order and padded, as the (B·H·Sk_pad, ·) row table TMA descriptors take; and Sk_pad."""
+    b, h, sp, d = x.shape
+    return x.reshape(b * h * sp, d), sp
 
 
 # --- 1. the Triton loop with TMA loads -------------------------------------------------------
@@ -115,7 +112,7 @@ def _meta(recipe, key_alive):
 
 
 def attention_tma(qh, k_tiles, v_tiles, sk, sk_pad, key_alive, *, recipe, scale, out_dtype, launch=(128, 8, 3)):
-    """The TMA loop on the bf16 pre-pass's Q̂ and :func:`tile_key_order`'s K̂, V̂."""
+    """The TMA loop on the bf16 pre-pass's Q̂ and :func:`tile_rows`' K̂, V̂."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     d, dv = qh.shape[-1], v_tiles.shape[-1]
@@ -256,7 +253,7 @@ if gluon is not None:
 
 
 def attention_pingpong(qh, k_tiles, v_tiles, sk, sk_pad, key_alive, *, recipe, scale, out_dtype):
-    """The ping-pong loop (Hopper, bf16, head dim 128) on :func:`tile_key_order`'s K̂, V̂."""
+    """The ping-pong loop (Hopper, bf16, head dim 128) on :func:`tile_rows`' K̂, V̂."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -329,6 +326,14 @@ def _median_ms(fn, n=3):
     return sorted(times)[n // 2]
 
 
+def _shipped_pingpong(qh, k_tiles, v_tiles, sk, sk_pad, key_alive, *, recipe, scale, out_dtype):
+    from fp4video.kernels.attention_nvfp4_sm90 import attention_nvfp4_sm90
+
+    b, h = qh.shape[:2]
+    return attention_nvfp4_sm90(qh, k_tiles.view(b, h, sk_pad, -1), v_tiles.view(b, h, sk_pad, -1), key_alive, sk=sk,
+                                recipe=recipe, scale=scale, out_dtype=out_dtype)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", type=int, nargs="+", default=[75600], help="sequence lengths to time (B=1, H=40, D=128)")
@@ -353,8 +358,9 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}")
     variants = {"tma 128x8x3": lambda *a, **k: attention_tma(*a, **k),
                 "tma 64x4x1": lambda *a, **k: attention_tma(*a, **k, launch=(64, 4, 1)),
-                "pingpong": attention_pingpong}
-    # checks: every element equal to the default loop's (odd lengths, key-padding mask, Sq != Sk)
+                "pingpong": attention_pingpong,
+                "pingpong, a partition per warpgroup (shipped)": _shipped_pingpong}
+    # checks: every element equal to the Triton loop's (odd lengths, key-padding mask, Sq != Sk)
     for name in ("nvfp4", "sage3"):
         recipe = METHODS[name]
         for sq, sk, masked in ((1000, 1000, False), (300, 777, True), (200, 90, False)):
@@ -362,16 +368,17 @@ def main(argv=None) -> int:
             q = torch.randn(2, 3, sq, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
             k, v = (torch.randn(2, 3, sk, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
             alive = torch.rand(2, sk, device="cuda", generator=gen) > 0.3 if masked else None
-            _, (qh, kh, vh) = prepare(q, k, v, recipe, alive)
-            base, base_lse = attention_nvfp4(qh, kh, vh, alive, recipe=recipe, scale=scale, out_dtype=torch.bfloat16)
-            k_tiles, sk_pad = tile_key_order(kh)
-            v_tiles, _ = tile_key_order(vh)
+            _, (qh, kh, vh, _) = prepare(q, k, v, recipe, alive)
+            base, base_lse = attention_nvfp4(qh, kh, vh, alive, sk=sk, recipe=recipe, scale=scale,
+                                             out_dtype=torch.bfloat16)
+            k_tiles, sk_pad = tile_rows(kh)
+            v_tiles, _ = tile_rows(vh)
             for label, fn in variants.items():
                 out, lse = fn(qh, k_tiles, v_tiles, sk, sk_pad, alive, recipe=recipe, scale=scale,
                               out_dtype=torch.bfloat16)
                 same = torch.equal(out, base) and torch.equal(lse, base_lse)
                 print(f"check {name} {label} Sq={sq} Sk={sk} mask={masked}: "
-                      f"{'equal to the default loop' if same else 'DIFFERENT'}", flush=True)
+                      f"{'equal to the Triton loop' if same else 'DIFFERENT'}", flush=True)
                 if not same:
                     return 1
     for s in args.seqs:
@@ -382,10 +389,10 @@ def main(argv=None) -> int:
               "| --- | --- | --- | --- |", flush=True)
         for name in ("nvfp4", "sage3"):
             recipe = METHODS[name]
-            _, (qh, kh, vh) = prepare(q, k, v, recipe, None)
-            k_tiles, sk_pad = tile_key_order(kh)
-            v_tiles, _ = tile_key_order(vh)
-            runs = {"default (cp.async, 128x8x3)": lambda: attention_nvfp4(qh, kh, vh, None, recipe=recipe, scale=scale,
+            _, (qh, kh, vh, _) = prepare(q, k, v, recipe, None)
+            k_tiles, sk_pad = tile_rows(kh)
+            v_tiles, _ = tile_rows(vh)
+            runs = {"Triton loop (cp.async, 128x8x3)": lambda: attention_nvfp4(qh, kh, vh, None, sk=s, recipe=recipe, scale=scale,
                                                                           out_dtype=torch.bfloat16)}
             for label, fn in variants.items():
                 runs[label] = lambda fn=fn: fn(qh, k_tiles, v_tiles, s, sk_pad, None, recipe=recipe, scale=scale,
