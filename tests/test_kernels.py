@@ -128,6 +128,18 @@ def test_prepass_tiles_stores_keys_in_the_loops_order(masked):
         assert not got[:, :, ~real].any()  # the padding: zero rows
 
 
+def test_nvfp4_loop_rejects_k_v_not_in_whole_tiles():
+    """The NVFP4 loops read K̂/V̂ as prepass_tiles stores them (whole 128-key tiles): plain (B, H,
+    Sk, D) tensors are refused with an error that says so, instead of reading past their end."""
+    from fp4video.kernels.attention_nvfp4 import attention_nvfp4
+    from fp4video.kernels.prepass import prepass
+
+    q, k, v = rand(1, 1, 20, 64, seed=31), rand(1, 1, 300, 64, seed=32), rand(1, 1, 300, 64, seed=33)
+    qh, kh, vh = prepass(q, k, v, METHODS["nvfp4"], None, torch.float32)
+    with pytest.raises(ValueError, match="padded to whole tiles of 128 keys"):
+        attention_nvfp4(qh, kh, vh, None, sk=300, recipe=METHODS["nvfp4"], scale=0.125, out_dtype=torch.float32)
+
+
 # --- the MXFP4 e4m3 path (fp8 tensor cores): its pieces against exact references -------------
 
 import triton  # noqa: E402  (after the importorskip above)
