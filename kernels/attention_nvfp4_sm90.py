@@ -31,7 +31,7 @@ from fp4video.recipe import AttentionRecipe, PScale
 from fp4video.reference import KEY_TILE
 
 from .attention_fwd import mma_key_order, store_out_lse
-from .attention_nvfp4 import nv_launch_args, nv_quantize_p, nv_row_vector
+from .attention_nvfp4 import _nv_attn_fwd, nv_launch_args, nv_quantize_p, nv_row_vector
 
 BLOCK_M, NUM_BUFFERS = 128, 3
 #: registers per thread of warpgroup 1's partition (warpgroup 0 gets the rest of the 64 K)
@@ -270,11 +270,11 @@ def attention_nvfp4_sm90(qh, kh, vh, key_alive, *, sk: int, recipe: AttentionRec
     kd = TensorDescriptor(k_rows, list(k_rows.shape), list(k_rows.stride()), [KEY_TILE, d], _smem_layout(KEY_TILE, d))
     vd = TensorDescriptor(v_rows, list(v_rows.shape), list(v_rows.stride()), [KEY_TILE, dv],
                           _smem_layout(KEY_TILE, dv))
-    (q_, _, _, km, out_, lse_, h_, sq_, sk_, dv_, sqb, sqh, sqs, _, _, _, _, _, _, smb, sms,
-     sob, soh, sos, sod, slb, slh, sls, scale_log2) = args
+    # the shared arguments by name (the Triton loop's parameter names), K̂/V̂ as descriptors
+    named = dict(zip(_nv_attn_fwd.arg_names, args), Kd=kd, Vd=vd, SK_PAD=sk_pad)
     _nv_attn_fwd_sm90[(triton.cdiv(sq, BLOCK_M), b * h)](
-        q_, kd, vd, km, out_, lse_, h_, sq_, sk_, sk_pad, dv_, sqb, sqh, sqs, smb, sms, sob, soh, sos, sod,
-        slb, slh, sls, scale_log2, **meta, BLOCK_DV=dv, BLOCK_M=BLOCK_M, NUM_BUF=NUM_BUFFERS,
+        *(named[n] for n in _nv_attn_fwd_sm90.arg_names if n in named),
+        **meta, BLOCK_DV=dv, BLOCK_M=BLOCK_M, NUM_BUF=NUM_BUFFERS,
         # P̂·V̂ under the own softmax: faster for plain NVFP4 P, slower for two-level P (BENCHMARKS.md)
         OVERLAP=recipe.p_scale is not PScale.TWO_LEVEL, CONSUMER_REGS=CONSUMER_REGS,
         num_warps=4, enable_fp_fusion=False,  # explicit fma only

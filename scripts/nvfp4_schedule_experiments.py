@@ -133,17 +133,16 @@ def attention_tma(qh, k_tiles, v_tiles, sk, sk_pad, key_alive, *, recipe, scale,
 try:  # Gluon's Hopper API (Triton >= 3.5)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 except ImportError:  # pragma: no cover
     gluon = None
 
 if gluon is not None:
     from fp4video.kernels.attention_nvfp4 import nv_row_vector
-    from fp4video.kernels.attention_nvfp4_sm90 import (_cta_barrier, _masked_logits, _mma_layout, _row_load_layout,
-                                                       _smem_layout)
+    from fp4video.kernels.attention_nvfp4_sm90 import (_cta_barrier, _load_tile, _masked_logits, _mma_layout,
+                                                       _row_load_layout, _smem_layout)
 
-    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     # named barriers (0 is the CTA's): 1 = warpgroup 0's turn, 2 = warpgroup 1's, 3 = warpgroup 1
     # is done with a K̂/V̂ buffer. Each asm runs once per thread; w0: the thread is in warpgroup 0
     wg = "{ .reg .pred w0; .reg .u32 t; mov.u32 t, %tid.x; setp.lt.u32 w0, t, 128; "
@@ -163,12 +162,6 @@ if gluon is not None:
     def begin(num_warps: gl.constexpr):
         _cta_barrier()  # see the module docstring: no CTA barrier may fall inside a turn
         named(turn_begin, num_warps)
-
-    @gluon.jit
-    def load_tile(kd, vd, k_buf, v_buf, bar, row):
-        mbarrier.expect(bar, kd.block_type.nbytes + vd.block_type.nbytes)
-        tma_load(kd, [row, 0], bar, k_buf)
-        tma_load(vd, [row, 0], bar, v_buf)
 
     @gluon.jit
     def _nv_attn_fwd_pingpong(Q, Kd, Vd, KeyMask, Out, Lse, H, SQ, SK, SK_PAD, DV, sqb, sqh, sqs, smb, sms,
@@ -200,10 +193,10 @@ if gluon is not None:
         M_base = KeyMask + b * smb
         row0 = bh * SK_PAD
         n_tiles = gl.cdiv(SK, BLOCK_N)
-        load_tile(Kd, Vd, k_bufs.index(0), v_bufs.index(0), ready.index(0), row0)
+        _load_tile(Kd, Vd, k_bufs.index(0), v_bufs.index(0), ready.index(0), row0)
         for i in gl.static_range(1, NUM_BUF):
             if i < n_tiles:
-                load_tile(Kd, Vd, k_bufs.index(i), v_bufs.index(i), ready.index(i), row0 + i * BLOCK_N)
+                _load_tile(Kd, Vd, k_bufs.index(i), v_bufs.index(i), ready.index(i), row0 + i * BLOCK_N)
 
         named(first_turn, num_warps)
         zero = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, S_L)
@@ -234,7 +227,7 @@ if gluon is not None:
             named(wg0_acquires, num_warps)  # warpgroup 0 (its thread 0 issues the TMA) waits for it
             if j + 2 < n_tiles:
                 nxt = (j + 2) % NUM_BUF
-                load_tile(Kd, Vd, k_bufs.index(nxt), v_bufs.index(nxt), ready.index(nxt), row0 + (j + 2) * BLOCK_N)
+                _load_tile(Kd, Vd, k_bufs.index(nxt), v_bufs.index(nxt), ready.index(nxt), row0 + (j + 2) * BLOCK_N)
         begin(num_warps)
         acc = warpgroup_mma(p_prev, v_bufs.index((n_tiles - 1) % NUM_BUF), acc, is_async=True)
         named(turn_end, num_warps)

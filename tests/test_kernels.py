@@ -618,6 +618,18 @@ def test_gluon_nvfp4_kernel_equals_triton_loop_gpu(method, monkeypatch):
     assert choose(q, q, launch_given=False) == "sm90" and choose(q, q, launch_given=True) == "triton"
 
 
+def test_gluon_nvfp4_launch_binds_every_argument_by_name():
+    """attention_nvfp4_sm90 passes the Triton loop's shared arguments to the Gluon kernel by
+    parameter name: every runtime parameter of the Gluon kernel is either one of them or a TMA
+    descriptor / padded length it adds (a renamed parameter fails here, not on the GPU)."""
+    from fp4video.kernels.attention_nvfp4 import _nv_attn_fwd
+    from fp4video.kernels.attention_nvfp4_sm90 import _nv_attn_fwd_sm90
+
+    shared = set(_nv_attn_fwd.arg_names[:29])  # nv_launch_args' 29 positional arguments
+    runtime = [n for i, n in enumerate(_nv_attn_fwd_sm90.arg_names) if i not in _nv_attn_fwd_sm90.constexprs]
+    assert set(runtime) - shared == {"Kd", "Vd", "SK_PAD"}, runtime
+
+
 def test_nvfp4_kernel_choice_without_hopper(monkeypatch):
     """Where the ping-pong kernel cannot run (here: CPU tensors), the Triton loop runs; forcing it
     there, or an unknown FP4VIDEO_NV_KERNEL, is an error naming the problem."""
