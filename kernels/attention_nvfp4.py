@@ -31,7 +31,8 @@ from fp4video.recipe import AttentionRecipe, PScale, RowSum
 from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
 
 from .attention_fwd import LOG2E, _key_mask, _tile_logits, program_rows, store_out_lse
-from .fp4_math import const_div_rn, div_const_rn, nvfp4_block_scale, recip_rn_few_bits, round_e2m1_at_scale
+from .fp4_math import (const_div_rn, div_const_rn, e2m1_times_scale, nvfp4_block_scale, recip_rn_few_bits,
+                       round_e2m1_at_scale)
 
 #: rn(1 / (448·6)) in fp32, for div_const_rn
 RCP_P_RANGE = tl.constexpr(float(torch.tensor(1.0 / TWO_LEVEL_P_RANGE, dtype=torch.float32)))
@@ -70,15 +71,17 @@ def nv_row_vector(tile, value):
 
 @triton.jit
 def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr,
-                  PNQ: tl.constexpr, FAST_RCP: tl.constexpr):
+                  PNQ: tl.constexpr, FAST_RCP: tl.constexpr, P_DTYPE: tl.constexpr):
     """Online softmax and NVFP4 quantization of one key tile of logits ``qk`` (BLOCK_M × 128, keys
     in ``mma_key_order`` with QB = 32, masked keys at -inf): the part both NVFP4 loops (this
     module's and the Gluon one of :mod:`.attention_nvfp4_sm90`) share.
 
-    Returns (P̂ in units of r_new as fp32 (BLOCK_M, 128), m_new (log2 units), r_new (the tile's
-    two-level row factor, 1 without two-level scaling), l_new, acc_scale): the caller rescales its
-    accumulator by acc_scale (= alpha · r_i / r_new) and adds P̂·V̂. FAST_RCP: the GPU's
-    approximate reciprocal instruction (:func:`.fp4_math.approx_recip`; False in the interpreter).
+    Returns (P̂ in units of r_new as ``P_DTYPE`` (V̂'s bf16 or fp16, exact), (BLOCK_M, 128),
+    m_new (log2 units), r_new (the tile's two-level row factor, 1 without two-level scaling),
+    l_new, acc_scale): the caller rescales its accumulator by acc_scale (= alpha · r_i / r_new) and
+    adds P̂·V̂. FAST_RCP: the GPU's instructions (the approximate reciprocal of
+    :func:`.fp4_math.approx_recip`, the packed 16-bit steps of :func:`.fp4_math.e2m1_times_scale`;
+    False in the interpreter, which has no inline PTX).
     """
     BLOCK_M: tl.constexpr = qk.shape[0]
     tl.static_assert(qk.shape[1] == 128, "the lane layout below is that of 128-key tiles")
@@ -113,14 +116,16 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
     inv = tl.where(live_b, recip_rn_few_bits(tl.where(live_b, scale, 1.0), FAST_RCP), 0.0)
     if TWO_LEVEL:
         inv = inv * inv_s1[:, None, None]
-    q = round_e2m1_at_scale(p * _blocks6(inv), 1.0) * _blocks6(scale)
     alpha = tl.exp2(m_i - m_safe)
     if PNQ:  # the row sum of P̂ = q · r_new
+        q = round_e2m1_at_scale(p * _blocks6(inv), 1.0) * _blocks6(scale)
         part = _row_sum6(q) * r_new
-    else:
+        p_hat = q.to(P_DTYPE)
+    else:  # the saturation and the block scale on packed 16-bit pairs (same bits)
+        p_hat = e2m1_times_scale(p * _blocks6(inv), _blocks6(scale), P_DTYPE, FAST_RCP)
         part = _row_sum6(p)
     l_new = tl.fma(alpha, l_i, part)
-    return tl.reshape(q, (BLOCK_M, 128)), m_new, r_new, l_new, alpha * (r_i / r_new)
+    return tl.reshape(p_hat, (BLOCK_M, 128)), m_new, r_new, l_new, alpha * (r_i / r_new)
 
 
 @triton.jit
@@ -131,8 +136,8 @@ def _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV,
     """:func:`nv_quantize_p` and P̂·V̂ for one key tile. Returns the updated (m, r, l, acc): m in
     log2 units, acc in units of r (the last tile's two-level row factor)."""
     tl.static_assert(BLOCK_N == 128, "the lane layout of nv_quantize_p is that of 128-key tiles")
-    q, m_new, r_new, l_i, acc_scale = nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ,
-                                                       FAST_RCP)
+    p_hat, m_new, r_new, l_i, acc_scale = nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ,
+                                                           FAST_RCP, V_base.dtype.element_ty)
     offs_dv = tl.arange(0, BLOCK_DV)
     # V̂ is stored in tile key order and padded to whole tiles (prepass.prepass_tiles): its rows
     # are read as stored, without a bounds mask (V's offsets are not hoisted out of the loop like
@@ -142,7 +147,6 @@ def _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV,
         v = tl.load(ptrs, mask=(offs_dv < DV)[None, :], other=0.0)
     else:
         v = tl.load(ptrs)
-    p_hat = q.to(v.dtype)
     acc = acc * acc_scale[:, None]
     if IEEE:
         acc = tl.dot(p_hat, v, acc, input_precision="ieee")

@@ -132,8 +132,8 @@ def _warpgroup(Q, Kd, Vd, KeyMask, Out, Lse, q_bufs, k_bufs, v_bufs, ready, empt
     s = warpgroup_mma_wait(0, deps=(s,))
     s = _masked_logits(s, M_base, 0, SK, sms, HAS_MASK, BLOCK_N, S_L)
     p, m_i, r_i, l_i, _ = nv_quantize_p(s, scale_log2, nv_row_vector(zero, float("-inf")), nv_row_vector(zero, 1.0),
-                                        nv_row_vector(zero, 0.0), TWO_LEVEL, P_RANGE, PNQ, True)
-    p_prev = gl.convert_layout(p.to(gl.bfloat16), P_L)
+                                        nv_row_vector(zero, 0.0), TWO_LEVEL, P_RANGE, PNQ, True, gl.bfloat16)
+    p_prev = gl.convert_layout(p, P_L)
     acc = gl.zeros((ROWS, BLOCK_DV), gl.float32, O_L)
     for j in range(1, n_tiles):
         buf = j % NUM_BUF
@@ -146,15 +146,17 @@ def _warpgroup(Q, Kd, Vd, KeyMask, Out, Lse, q_bufs, k_bufs, v_bufs, ready, empt
         if OVERLAP:  # P̂·V̂ of tile j-1 may still run during the softmax of tile j
             s = warpgroup_mma_wait(1, deps=(s,))
             s = _masked_logits(s, M_base, j * BLOCK_N, SK, sms, HAS_MASK, BLOCK_N, S_L)
-            p, m_i, r_i, l_i, acc_scale = nv_quantize_p(s, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ, True)
+            p, m_i, r_i, l_i, acc_scale = nv_quantize_p(s, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ, True,
+                                                        gl.bfloat16)
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
             mbarrier.arrive(empty.index(prev))  # this warpgroup is done with tile j-1's buffer
         else:
             s, acc, p_prev = warpgroup_mma_wait(0, deps=(s, acc, p_prev))
             mbarrier.arrive(empty.index(prev))
             s = _masked_logits(s, M_base, j * BLOCK_N, SK, sms, HAS_MASK, BLOCK_N, S_L)
-            p, m_i, r_i, l_i, acc_scale = nv_quantize_p(s, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ, True)
-        p_prev = gl.convert_layout(p.to(gl.bfloat16), P_L)
+            p, m_i, r_i, l_i, acc_scale = nv_quantize_p(s, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ, True,
+                                                        gl.bfloat16)
+        p_prev = gl.convert_layout(p, P_L)
         acc = acc * gl.convert_layout(acc_scale, gl.SliceLayout(1, O_L))[:, None]
         if WG == 0:
             if j + 2 < n_tiles:  # refill tile j-1's buffer with tile j+2 once both warpgroups released it

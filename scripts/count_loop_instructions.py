@@ -81,7 +81,9 @@ def compile_loop_kernel(args):
 
 
 def loop_opcodes(lines, label_re, branch_re, op_re, is_mma):
-    """Opcode counts and lines of the last loop (label ... backward branch to it) that issues MMAs."""
+    """Opcode counts and lines of the innermost loop (label ... backward branch to it, the shortest
+    such span) that issues MMAs: the main loop (the tail tile is not a loop); in the Gluon kernel,
+    one warpgroup's (the partitions' loops are alike)."""
     labels, best, body = {}, None, []
     for i, line in enumerate(lines):
         m = re.match(label_re, line.strip())
@@ -96,7 +98,8 @@ def loop_opcodes(lines, label_re, branch_re, op_re, is_mma):
                 mm = re.match(op_re, body_line)
                 if mm:
                     ops[mm.group(1)] += 1
-            if any(is_mma(op) for op in ops):  # the last such loop: the full tiles (the tail is not a loop)
+            span = i + 1 - labels[m.group(1)]
+            if any(is_mma(op) for op in ops) and (best is None or span < len(body)):
                 best, body = ops, lines[labels[m.group(1)]:i + 1]
     if best is None:
         raise SystemExit("error: no loop with MMAs found")

@@ -146,8 +146,8 @@ import triton  # noqa: E402  (after the importorskip above)
 import triton.language as tl  # noqa: E402
 
 from fp4video.kernels.fp4_math import (  # noqa: E402
-    const_div_from, const_div_rn, div6_rn, div_const_rn, fake_quant_rows, fp8_shift, fp8_shift_from_raw_max,
-    mx_block_exponent, newton_recip, recip_rn_few_bits, round_e2m1_at_scale)
+    const_div_from, const_div_rn, div6_rn, div_const_rn, e2m1_times_scale, fake_quant_rows, fp8_shift,
+    fp8_shift_from_raw_max, mx_block_exponent, newton_recip, recip_rn_few_bits, round_e2m1_at_scale)
 from fp4video.kernels.attention_nvfp4 import RCP_P_RANGE  # noqa: E402
 from fp4video.reference import TWO_LEVEL_P_RANGE as _P_RANGE  # noqa: E402
 
@@ -255,6 +255,38 @@ def test_round_e2m1_at_scale_matches_reference_rounding():
     want = round_e2m1(a) * unit
     bad = (out[: len(p)].cpu() != want).nonzero()[:5, 0]
     assert len(bad) == 0, [(a[i].item(), e[i].item(), out[i].item() / unit[i].item()) for i in bad]
+
+
+@triton.jit
+def _times_scale_kernel(X, S, Out, N: tl.constexpr, PACKED: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Out + i, e2m1_times_scale(tl.load(X + i), tl.load(S + i), Out.dtype.element_ty, PACKED))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_e2m1_times_scale_matches_reference(dtype):
+    """round_e2m1(x) · s in bf16 / fp16 / fp32 (the NVFP4 loop's P̂) equals the fp64 reference
+    (formats.round_e2m1, saturating at 6) rounded to the output dtype — which it must match bit
+    for bit, the product being exact — for every E4M3 scale s (and 0, a dead block) times grid
+    points, ties, their float neighbours, values that saturate and random values. On a GPU this
+    is the packed path (min / fma on 16-bit pairs), in the interpreter the fp32 one."""
+    from fp4video.formats import e4m3_values, round_e2m1
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    grid = torch.tensor([0.0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 6.4, 7, 8, 9, 11.9])
+    x = torch.cat([grid, torch.nextafter(grid, torch.tensor(-1.0)).clamp(min=0), torch.nextafter(grid, torch.tensor(99.0)),
+                   torch.rand(200, generator=torch.Generator().manual_seed(0)) * 9])
+    s = e4m3_values().float()
+    s = torch.cat([s[s > 0], torch.zeros(1)])
+    x, s = x.repeat(len(s)), s.repeat_interleave(len(x))
+    n = 1 << (len(x) - 1).bit_length()
+    pad = lambda t: torch.nn.functional.pad(t, (0, n - len(t))).to(dev)  # noqa: E731
+    out = torch.full((n,), float("nan"), dtype=dtype, device=dev)
+    _times_scale_kernel[(1,)](pad(x), pad(s), out, N=n, PACKED=dev == "cuda")
+    want = (round_e2m1(x.double()) * s.double()).to(dtype)
+    assert torch.equal(want.double(), round_e2m1(x.double()) * s.double())  # the product is exact
+    bad = (out[: len(x)].cpu() != want).nonzero()[:5, 0]
+    assert len(bad) == 0, [(x[i].item(), s[i].item(), out[i].item(), want[i].item()) for i in bad]
 
 
 @triton.jit
