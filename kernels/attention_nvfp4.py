@@ -42,9 +42,15 @@ LAUNCH = (128, 8, 3)  # H200, S=32,760: 88.98 ms with 1 stage, 74.48 with 2, 65.
 
 
 @triton.jit
+def _rows3(x):
+    """A per-row vector (as :func:`_row_reduce3` leaves it) broadcast to the blocks' (row, jh, t)."""
+    return x[:, None][:, None, :]
+
+
+@triton.jit
 def _rows6(x):
-    """A per-row vector (as the reductions of :func:`nv_quantize_p` leave it) broadcast to its 6-d tile."""
-    return x[:, None, None][:, :, None, None, :, None]
+    """A per-row vector (as :func:`_row_reduce3` leaves it) broadcast to its 6-d tile."""
+    return _rows3(x)[:, :, None, None, :, None]
 
 
 @triton.jit
@@ -54,9 +60,20 @@ def _blocks6(x):
 
 
 @triton.jit
+def _row_reduce3(x, MAX: tl.constexpr):
+    """Row maxima (MAX) or sums of a per-block (row, jh, t) tensor: jh first (within the thread),
+    then t (across a lane quad: one butterfly per row, not one per block). Every row vector here
+    comes from this order (the same layout in Gluon)."""
+    if MAX:
+        return tl.max(tl.max(x, axis=1), axis=1)
+    else:
+        return tl.sum(tl.sum(x, axis=1), axis=1)
+
+
+@triton.jit
 def _row_sum6(x):
-    """Row sums of a 6-d tile, reduced in the order every row vector here is (same layout in Gluon)."""
-    return tl.sum(tl.sum(tl.sum(tl.sum(tl.sum(x, axis=5), axis=3), axis=2), axis=2), axis=1)
+    """Row sums of a 6-d tile: per block (within the thread), then :func:`_row_reduce3`."""
+    return _row_reduce3(tl.sum(tl.sum(tl.sum(x, axis=5), axis=3), axis=2), False)
 
 
 @triton.jit
@@ -66,7 +83,7 @@ def nv_row_vector(tile, value):
     BLOCK_M: tl.constexpr = tile.shape[0]
     NV: tl.constexpr = (BLOCK_M, 2, 2, 4, 4, 2)
     bmax = tl.max(tl.max(tl.max(tl.reshape(tile, NV), axis=5), axis=3), axis=2)
-    return tl.max(tl.max(bmax, axis=2), axis=1) * 0.0 + value
+    return _row_reduce3(bmax, True) * 0.0 + value
 
 
 @triton.jit
@@ -91,23 +108,28 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
     NV: tl.constexpr = (BLOCK_M, 2, 2, 4, 4, 2)  # (row, jh, j1, j0, t, e)
     s6 = tl.reshape(qk, NV)
     bmax = tl.max(tl.max(tl.max(s6, axis=5), axis=3), axis=2)  # (row, jh, t): blocks
-    m_new = tl.maximum(m_i, tl.max(tl.max(bmax, axis=2), axis=1) * scale_log2)
+    tile_max = _row_reduce3(bmax, True)
+    m_new = tl.maximum(m_i, tile_max * scale_log2)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     # P̃ = exp2(qk · scale - m); the blocks' maxima with the same fma on their largest logit, so
     # they equal the largest P̃ of their block bit for bit (fma and exp2 are monotonic)
-    amax = tl.exp2(tl.fma(bmax, scale_log2, -m_safe[:, None, None]))
+    amax = tl.exp2(tl.fma(bmax, scale_log2, -_rows3(m_safe)))
     p = tl.exp2(tl.fma(s6, scale_log2, -_rows6(m_safe)))
     if TWO_LEVEL:  # P̃ · (448·6 / rowmax P̃) is quantized; P̂ = that · (rowmax / (448·6))
-        rmax = tl.max(tl.max(amax, axis=2), axis=1)
+        rmax = tl.exp2(tl.fma(tile_max, scale_log2, -m_safe))  # the largest amax (monotonic): no reduction
         # a tile whose largest P̃ is below 2^-126 (subnormal: no fast reciprocal) counts as empty:
         # its P̂ would be < 1e-38 of the row's weights, below what fp32 accumulation keeps
         live = rmax >= 1.1754943508222875e-38
         inv_s1 = tl.where(live, const_div_rn(P_RANGE, tl.where(live, rmax, 1.0), FAST_RCP), 0.0)
         r_new = tl.where(live, div_const_rn(rmax, P_RANGE, RCP_P_RANGE), r_i)
-        amax = amax * inv_s1[:, None, None]  # the block maxima of the scaled P̃ (a monotonic rounding)
+        amax = amax * _rows3(inv_s1)  # the block maxima of the scaled P̃ (a monotonic rounding)
+        # r_i / r_new without a division: 1 / r_new = rmax⁻¹·P_RANGE ≈ inv_s1 (within 2 ulp; the
+        # accumulator's rescaling is not part of the reference's rounding); a dead tile keeps r
+        acc_ratio = tl.where(live, r_i * inv_s1, 1.0)
     else:
         r_new = r_i
-    scale = nvfp4_block_scale(amax)
+        acc_ratio = 1.0
+    scale = nvfp4_block_scale(amax, FAST_RCP)
     # elements are multiplied by the block's correctly rounded reciprocal (times the two-level
     # factor), not divided: p · rn(inv_s1 · rn(1/s)) is within 2.5 ulp of the reference's
     # rn(rn(p · inv_s1) / s), so an element that close to an E2M1 rounding boundary may round the
@@ -115,7 +137,7 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
     live_b = scale > 0
     inv = tl.where(live_b, recip_rn_few_bits(tl.where(live_b, scale, 1.0), FAST_RCP), 0.0)
     if TWO_LEVEL:
-        inv = inv * inv_s1[:, None, None]
+        inv = inv * _rows3(inv_s1)
     alpha = tl.exp2(m_i - m_safe)
     if PNQ:  # the row sum of P̂ = q · r_new
         q = round_e2m1_at_scale(p * _blocks6(inv), 1.0) * _blocks6(scale)
@@ -125,7 +147,7 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
         p_hat = e2m1_times_scale(p * _blocks6(inv), _blocks6(scale), P_DTYPE, FAST_RCP)
         part = _row_sum6(p)
     l_new = tl.fma(alpha, l_i, part)
-    return tl.reshape(p_hat, (BLOCK_M, 128)), m_new, r_new, l_new, alpha * (r_i / r_new)
+    return tl.reshape(p_hat, (BLOCK_M, 128)), m_new, r_new, l_new, alpha * acc_ratio
 
 
 @triton.jit

@@ -7,8 +7,9 @@ FlashAttention-3's ping-pong: each CTA's 128 query rows are two warpgroups of 64
 Q̂·K̂ᵀ of tile j with P̂·V̂ of tile j-1 — so one warpgroup's softmax and P quantization run
 while the other's MMAs do. K̂/V̂ tiles come by TMA into three buffers (mbarriers ``ready``);
 each warpgroup releases a buffer after its P̂·V̂ (``empty``, two arrivals) and warpgroup 0
-refills it with tile j+2. For plain NVFP4 P (``nvfp4``) a warpgroup also waits for its own
-P̂·V̂ only after its softmax (``OVERLAP``); for two-level P (``sage3``) that measured slower.
+refills it with tile j+2. A warpgroup waits for its own P̂·V̂ before its softmax: leaving it in
+flight under the softmax measured slower for both NVFP4 methods once the quantization got
+cheaper (BENCHMARKS.md, 2026-11-30, third session).
 
 Why partitions: within one partition Triton's shared-memory barrier analysis puts CTA-wide
 barriers around mbarrier and TMA operations, which make the warpgroups meet every key tile
@@ -27,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from fp4video.recipe import AttentionRecipe, PScale
+from fp4video.recipe import AttentionRecipe
 from fp4video.reference import KEY_TILE
 
 from .attention_fwd import mma_key_order, store_out_lse
@@ -93,7 +94,7 @@ def _warpgroup(Q, Kd, Vd, KeyMask, Out, Lse, q_bufs, k_bufs, v_bufs, ready, empt
                H, SQ, SK, SK_PAD, DV, sqb, sqh, sqs, smb, sms, sob, soh, sos, sod, slb, slh, sls, scale_log2,
                HAS_MASK: gl.constexpr, TWO_LEVEL: gl.constexpr, P_RANGE: gl.constexpr, PNQ: gl.constexpr,
                D: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-               OVERLAP: gl.constexpr, WG: gl.constexpr):
+               WG: gl.constexpr):
     """Query rows [64·WG, 64·WG + 64) of the program's 128: the whole attention loop."""
     ROWS: gl.constexpr = 64
     S_L: gl.constexpr = _mma_layout(BLOCK_N, 4)
@@ -143,19 +144,11 @@ def _warpgroup(Q, Kd, Vd, KeyMask, Out, Lse, q_bufs, k_bufs, v_bufs, ready, empt
         s = warpgroup_mma(q_smem, k_bufs.index(buf).permute((1, 0)), zero, use_acc=False, is_async=True)
         acc = warpgroup_mma(p_prev, v_bufs.index(prev), acc, is_async=True)
         _named_barrier(DONE)
-        if OVERLAP:  # P̂·V̂ of tile j-1 may still run during the softmax of tile j
-            s = warpgroup_mma_wait(1, deps=(s,))
-            s = _masked_logits(s, M_base, j * BLOCK_N, SK, sms, HAS_MASK, BLOCK_N, S_L)
-            p, m_i, r_i, l_i, acc_scale = nv_quantize_p(s, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ, True,
-                                                        gl.bfloat16)
-            acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
-            mbarrier.arrive(empty.index(prev))  # this warpgroup is done with tile j-1's buffer
-        else:
-            s, acc, p_prev = warpgroup_mma_wait(0, deps=(s, acc, p_prev))
-            mbarrier.arrive(empty.index(prev))
-            s = _masked_logits(s, M_base, j * BLOCK_N, SK, sms, HAS_MASK, BLOCK_N, S_L)
-            p, m_i, r_i, l_i, acc_scale = nv_quantize_p(s, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ, True,
-                                                        gl.bfloat16)
+        s, acc, p_prev = warpgroup_mma_wait(0, deps=(s, acc, p_prev))
+        mbarrier.arrive(empty.index(prev))  # this warpgroup is done with tile j-1's buffer
+        s = _masked_logits(s, M_base, j * BLOCK_N, SK, sms, HAS_MASK, BLOCK_N, S_L)
+        p, m_i, r_i, l_i, acc_scale = nv_quantize_p(s, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ, True,
+                                                    gl.bfloat16)
         p_prev = gl.convert_layout(p, P_L)
         acc = acc * gl.convert_layout(acc_scale, gl.SliceLayout(1, O_L))[:, None]
         if WG == 0:
@@ -185,7 +178,7 @@ def _nv_attn_fwd_sm90(
     sqb, sqh, sqs, smb, sms, sob, soh, sos, sod, slb, slh, sls, scale_log2,
     HAS_MASK: gl.constexpr, TWO_LEVEL: gl.constexpr, P_RANGE: gl.constexpr, PNQ: gl.constexpr,
     D: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_BUF: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     gl.static_assert(BLOCK_M == 128, "two warpgroups of 64 rows")
     gl.static_assert(NUM_BUF == 3, "the buffer of tile j-1 is refilled with tile j+2")
@@ -208,10 +201,10 @@ def _nv_attn_fwd_sm90(
     gl.warp_specialize([
         (_warpgroup, (Q, Kd, Vd, KeyMask, Out, Lse, q_bufs, k_bufs, v_bufs, ready, empty, H, SQ, SK, SK_PAD, DV,
                       sqb, sqh, sqs, smb, sms, sob, soh, sos, sod, slb, slh, sls, scale_log2, HAS_MASK, TWO_LEVEL,
-                      P_RANGE, PNQ, D, BLOCK_DV, BLOCK_N, NUM_BUF, OVERLAP, 0)),
+                      P_RANGE, PNQ, D, BLOCK_DV, BLOCK_N, NUM_BUF, 0)),
         (_warpgroup, (Q, Kd, Vd, KeyMask, Out, Lse, q_bufs, k_bufs, v_bufs, ready, empty, H, SQ, SK, SK_PAD, DV,
                       sqb, sqh, sqs, smb, sms, sob, soh, sos, sod, slb, slh, sls, scale_log2, HAS_MASK, TWO_LEVEL,
-                      P_RANGE, PNQ, D, BLOCK_DV, BLOCK_N, NUM_BUF, OVERLAP, 1)),
+                      P_RANGE, PNQ, D, BLOCK_DV, BLOCK_N, NUM_BUF, 1)),
     ], [4], [CONSUMER_REGS])
 
 
@@ -278,7 +271,7 @@ def attention_nvfp4_sm90(qh, kh, vh, key_alive, *, sk: int, recipe: AttentionRec
         *(named[n] for n in _nv_attn_fwd_sm90.arg_names if n in named),
         **meta, BLOCK_DV=dv, BLOCK_M=BLOCK_M, NUM_BUF=NUM_BUFFERS,
         # P̂·V̂ under the own softmax: faster for plain NVFP4 P, slower for two-level P (BENCHMARKS.md)
-        OVERLAP=recipe.p_scale is not PScale.TWO_LEVEL, CONSUMER_REGS=CONSUMER_REGS,
+        CONSUMER_REGS=CONSUMER_REGS,
         num_warps=4, enable_fp_fusion=False,  # explicit fma only
     )
     return out, lse

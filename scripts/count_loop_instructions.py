@@ -53,7 +53,7 @@ def compile_loop_kernel(args):
         desc = f"tensordesc<bf16[128, 128],{gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16)!r}>"
         ptr = {"Q": "*bf16", "Kd": desc, "Vd": desc, "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
         consts = dict(HAS_MASK=False, TWO_LEVEL=not args.no_two_level, P_RANGE=TWO_LEVEL_P_RANGE, PNQ=False,
-                      D=128, BLOCK_DV=128, BLOCK_M=128, BLOCK_N=128, NUM_BUF=NUM_BUFFERS, OVERLAP=args.no_two_level,
+                      D=128, BLOCK_DV=128, BLOCK_M=128, BLOCK_N=128, NUM_BUF=NUM_BUFFERS,
                       CONSUMER_REGS=CONSUMER_REGS)
         stages, warps = 1, 4  # its own buffering; one warpgroup here, the other in a partition
     else:
