@@ -835,3 +835,31 @@ def test_pingpong_schedule_experiment_has_no_cta_barrier_inside_a_turn():
     fake = "@!P1 BAR.SYNC.DEFER_BLOCKING 0x1, 0x100 ;\n@P1 BAR.SYNC.DEFER_BLOCKING 0x2, 0x100 ;\n" \
            "BAR.SYNC.DEFER_BLOCKING 0x0 ;\n@!P1 BAR.ARV 0x2, 0x100 ;\nBAR.SYNC.DEFER_BLOCKING 0x0 ;"
     assert len(exp.barriers_inside_turns(fake)) == 1
+
+
+def test_profile_attention_summarizes_ncu_csv(tmp_path):
+    """scripts/profile_attention.py summarize (the profile table in BENCHMARKS.md) reads ncu's raw
+    CSV — a header row, a units row, one row per launch — and prints each launch's duration in ms
+    (from any time unit), issue and tensor-pipe percentages and stall reasons per issue, whose
+    listed sum is the warp cycles per issued instruction."""
+    import csv
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "profile_attention.py"
+    stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+    header = ["ID", "Kernel Name", "gpu__time_duration.sum", "sm__issue_active.avg.pct_of_peak_sustained_elapsed",
+              "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+              stall.format("selected"), stall.format("barrier"), stall.format("wait")]
+    units = ["", "", "usecond", "%", "%", "inst", "inst", "inst"]
+    path = tmp_path / "raw.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([header, units, ["0", "_nv_attn_fwd_sm90", "5,170.02", "48.1", "45.3", "1", "0.75", "0.5"]])
+    run = subprocess.run([sys.executable, str(script), "summarize", str(path)], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    row = re.search(r"^\| _nv_attn_fwd_sm90 \| 5\.17 \| 48\.1 \| 45\.3 \| 2\.25 \| 1\.00 \| 0\.75 \| 0\.50 \| nan ",
+                    run.stdout, re.M)
+    assert row, run.stdout
