@@ -95,10 +95,12 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
 
     Returns (P̂ in units of r_new as ``P_DTYPE`` (V̂'s bf16 or fp16, exact), (BLOCK_M, 128),
     m_new (log2 units), r_new (the tile's two-level row factor, 1 without two-level scaling),
-    l_new, acc_scale): the caller rescales its accumulator by acc_scale (= alpha · r_i / r_new) and
-    adds P̂·V̂. FAST_RCP: the GPU's instructions (the approximate reciprocal of
-    :func:`.fp4_math.approx_recip`, the packed 16-bit steps of :func:`.fp4_math.e2m1_times_scale`;
-    False in the interpreter, which has no inline PTX).
+    l_new, acc_scale): the caller rescales its accumulator by acc_scale (= alpha · r_i / r_new, the
+    ratio taken from inv_s1 without a division) and adds P̂·V̂. FAST_RCP: the GPU's instructions
+    (the approximate reciprocal of :func:`.fp4_math.approx_recip`, the packed 16-bit steps of
+    :func:`.fp4_math.e2m1_times_scale`, the hardware E4M3 rounding of
+    :func:`.fp4_math.nvfp4_block_scale`; False in the interpreter, which has no inline PTX and
+    another fp8 conversion).
     """
     BLOCK_M: tl.constexpr = qk.shape[0]
     tl.static_assert(qk.shape[1] == 128, "the lane layout below is that of 128-key tiles")
