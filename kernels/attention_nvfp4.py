@@ -88,7 +88,7 @@ def nv_row_vector(tile, value):
 
 @triton.jit
 def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr,
-                  PNQ: tl.constexpr, FAST_RCP: tl.constexpr, P_DTYPE: tl.constexpr):
+                  PNQ: tl.constexpr, FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr, P_DTYPE: tl.constexpr):
     """Online softmax and NVFP4 quantization of one key tile of logits ``qk`` (BLOCK_M × 128, keys
     in ``mma_key_order`` with QB = 32, masked keys at -inf): the part both NVFP4 loops (this
     module's and the Gluon one of :mod:`.attention_nvfp4_sm90`) share.
@@ -97,10 +97,10 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
     m_new (log2 units), r_new (the tile's two-level row factor, 1 without two-level scaling),
     l_new, acc_scale): the caller rescales its accumulator by acc_scale (= alpha · r_i / r_new, the
     ratio taken from inv_s1 without a division) and adds P̂·V̂. FAST_RCP: the GPU's instructions
-    (the approximate reciprocal of :func:`.fp4_math.approx_recip`, the packed 16-bit steps of
-    :func:`.fp4_math.e2m1_times_scale`, the hardware E4M3 rounding of
-    :func:`.fp4_math.nvfp4_block_scale`; False in the interpreter, which has no inline PTX and
-    another fp8 conversion).
+    (sm_80+: the approximate reciprocal of :func:`.fp4_math.approx_recip`, the packed 16-bit
+    steps of :func:`.fp4_math.e2m1_times_scale`; False in the interpreter, which has no inline PTX).
+    HW_E4M3: the block scales by the hardware's E4M3 conversion (:func:`.fp4_math.nvfp4_block_scale`;
+    sm_89+, not in the interpreter, whose fp8 conversion rounds differently).
     """
     BLOCK_M: tl.constexpr = qk.shape[0]
     tl.static_assert(qk.shape[1] == 128, "the lane layout below is that of 128-key tiles")
@@ -131,7 +131,7 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
     else:
         r_new = r_i
         acc_ratio = 1.0
-    scale = nvfp4_block_scale(amax, FAST_RCP)
+    scale = nvfp4_block_scale(amax, HW_E4M3)
     # elements are multiplied by the block's correctly rounded reciprocal (times the two-level
     # factor), not divided: p · rn(inv_s1 · rn(1/s)) is within 2.5 ulp of the reference's
     # rn(rn(p · inv_s1) / s), so an element that close to an E2M1 rounding boundary may round the
@@ -155,13 +155,13 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
 @triton.jit
 def _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV,
              TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr,
-             IEEE: tl.constexpr, FAST_RCP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_DV: tl.constexpr, DV_PAD: tl.constexpr):
+             IEEE: tl.constexpr, FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, DV_PAD: tl.constexpr):
     """:func:`nv_quantize_p` and P̂·V̂ for one key tile. Returns the updated (m, r, l, acc): m in
     log2 units, acc in units of r (the last tile's two-level row factor)."""
     tl.static_assert(BLOCK_N == 128, "the lane layout of nv_quantize_p is that of 128-key tiles")
     p_hat, m_new, r_new, l_i, acc_scale = nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ,
-                                                           FAST_RCP, V_base.dtype.element_ty)
+                                                           FAST_RCP, HW_E4M3, V_base.dtype.element_ty)
     offs_dv = tl.arange(0, BLOCK_DV)
     # V̂ is stored in tile key order and padded to whole tiles (prepass.prepass_tiles): its rows
     # are read as stored, without a bounds mask (V's offsets are not hoisted out of the loop like
@@ -191,7 +191,8 @@ def _nv_attn_fwd(
     slb, slh, sls,
     scale_log2,
     HAS_MASK: tl.constexpr, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr,
-    IEEE: tl.constexpr, FAST_RCP: tl.constexpr, D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_PAD: tl.constexpr,
+    IEEE: tl.constexpr, FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr, D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DV_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     b, h, offs_m, row_ok = program_rows(H, SQ, BLOCK_M)
@@ -209,11 +210,13 @@ def _nv_attn_fwd(
     for start in range(0, n_full, BLOCK_N):
         qk = _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, 32, False, IEEE, True)
         m_i, r_i, l_i, acc = _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV, TWO_LEVEL,
-                                      P_RANGE, PNQ, IEEE, FAST_RCP, BLOCK_M, BLOCK_N, BLOCK_DV, DV_PAD)
+                                      P_RANGE, PNQ, IEEE, FAST_RCP, HW_E4M3, BLOCK_M, BLOCK_N, BLOCK_DV,
+                                      DV_PAD)
     if n_full < SK:
         qk = _tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, 32, False, IEEE, True)
         m_i, r_i, l_i, acc = _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, n_full, SK, svs, DV, TWO_LEVEL,
-                                      P_RANGE, PNQ, IEEE, FAST_RCP, BLOCK_M, BLOCK_N, BLOCK_DV, DV_PAD)
+                                      P_RANGE, PNQ, IEEE, FAST_RCP, HW_E4M3, BLOCK_M, BLOCK_N, BLOCK_DV,
+                                      DV_PAD)
 
     store_out_lse(Out, Lse, acc, r_i[:, None], l_i, m_i, 0.0, b, h, offs_m, row_ok, tl.arange(0, BLOCK_DV), DV,
                   sob, soh, sos, sod, slb, slh, sls)  # acc is in units of the last two-level row factor
@@ -255,8 +258,10 @@ def attention_nvfp4(qh, kh, vh, key_alive, *, sk: int, recipe: AttentionRecipe, 
     bm, nw, ns = LAUNCH
     block_dv = max(16, 1 << (dv - 1).bit_length())
     block_m, num_warps, num_stages = block_m or bm, num_warps or nw, num_stages or ns
-    _nv_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
-        *args, **meta, IEEE=qh.dtype == torch.float32, FAST_RCP=qh.is_cuda, BLOCK_DV=block_dv, DV_PAD=block_dv != dv,
+    cap = torch.cuda.get_device_capability(qh.device) if qh.is_cuda else (0, 0)
+    _nv_attn_fwd[(triton.cdiv(sq, block_m), b * h)](  # packed bf16x2 / f16x2 min and fma: sm_80+; cvt to e4m3: sm_89+
+        *args, **meta, IEEE=qh.dtype == torch.float32, FAST_RCP=cap >= (8, 0), HW_E4M3=cap >= (8, 9), BLOCK_DV=block_dv,
+        DV_PAD=block_dv != dv,
         BLOCK_M=block_m, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
     )
     return out, lse

@@ -133,7 +133,8 @@ def _warpgroup(Q, Kd, Vd, KeyMask, Out, Lse, q_bufs, k_bufs, v_bufs, ready, empt
     s = warpgroup_mma_wait(0, deps=(s,))
     s = _masked_logits(s, M_base, 0, SK, sms, HAS_MASK, BLOCK_N, S_L)
     p, m_i, r_i, l_i, _ = nv_quantize_p(s, scale_log2, nv_row_vector(zero, float("-inf")), nv_row_vector(zero, 1.0),
-                                        nv_row_vector(zero, 0.0), TWO_LEVEL, P_RANGE, PNQ, True, gl.bfloat16)
+                                        nv_row_vector(zero, 0.0), TWO_LEVEL, P_RANGE, PNQ, True, True,
+                                        gl.bfloat16)
     p_prev = gl.convert_layout(p, P_L)
     acc = gl.zeros((ROWS, BLOCK_DV), gl.float32, O_L)
     for j in range(1, n_tiles):
@@ -148,7 +149,7 @@ def _warpgroup(Q, Kd, Vd, KeyMask, Out, Lse, q_bufs, k_bufs, v_bufs, ready, empt
         mbarrier.arrive(empty.index(prev))  # this warpgroup is done with tile j-1's buffer
         s = _masked_logits(s, M_base, j * BLOCK_N, SK, sms, HAS_MASK, BLOCK_N, S_L)
         p, m_i, r_i, l_i, acc_scale = nv_quantize_p(s, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ, True,
-                                                    gl.bfloat16)
+                                                    True, gl.bfloat16)
         p_prev = gl.convert_layout(p, P_L)
         acc = acc * gl.convert_layout(acc_scale, gl.SliceLayout(1, O_L))[:, None]
         if WG == 0:

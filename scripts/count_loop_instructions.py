@@ -41,7 +41,7 @@ def compile_loop_kernel(args):
 
         ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
         consts = dict(HAS_MASK=False, TWO_LEVEL=not args.no_two_level, P_RANGE=TWO_LEVEL_P_RANGE, PNQ=False,
-                      IEEE=False, FAST_RCP=True, D=128, BLOCK_DV=128, DV_PAD=False, BLOCK_M=128, BLOCK_N=128)
+                      IEEE=False, FAST_RCP=True, HW_E4M3=True, D=128, BLOCK_DV=128, DV_PAD=False, BLOCK_M=128, BLOCK_N=128)
         stages, warps = LAUNCH[2], 8
     elif args.kernel == "nvfp4-sm90":
         from triton.experimental.gluon import language as gl

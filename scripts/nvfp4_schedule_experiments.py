@@ -70,7 +70,7 @@ def _tma_tile(q, Kd, Vd, M_base, row0, start, SK, sms, scale_log2, m_i, r_i, l_i
         else:
             qk = tl.where((keys < SK)[None, :], qk, float("-inf"))
     p, m_i, r_i, l_i, acc_scale = nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ, FAST_RCP,
-                                                Vd.dtype)
+                                                FAST_RCP, Vd.dtype)  # FAST_RCP: the GPU (a Hopper one: TMA)
     v = Vd.load([row0 + start, 0])
     return m_i, r_i, l_i, tl.dot(p, v, acc * acc_scale[:, None])
 
@@ -209,7 +209,7 @@ if gluon is not None:
         s = _masked_logits(s, M_base, 0, SK, sms, HAS_MASK, BLOCK_N, S_L)
         p, m_i, r_i, l_i, _ = nv_quantize_p(s, scale_log2, nv_row_vector(zero, float("-inf")),
                                             nv_row_vector(zero, 1.0), nv_row_vector(zero, 0.0), TWO_LEVEL, P_RANGE,
-                                            PNQ, True, gl.bfloat16)
+                                            PNQ, True, True, gl.bfloat16)
         p_prev = gl.convert_layout(p, P_L)
         acc = gl.zeros((BLOCK_M, BLOCK_DV), gl.float32, O_L)
         for j in range(1, n_tiles):
@@ -223,7 +223,7 @@ if gluon is not None:
             named(wg1_releases, num_warps)  # warpgroup 1 is done with tile j-1's buffer
             s = _masked_logits(s, M_base, j * BLOCK_N, SK, sms, HAS_MASK, BLOCK_N, S_L)
             p, m_i, r_i, l_i, acc_scale = nv_quantize_p(s, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ, True,
-                                                        gl.bfloat16)
+                                                        True, gl.bfloat16)
             p_prev = gl.convert_layout(p, P_L)
             acc = acc * gl.convert_layout(acc_scale, gl.SliceLayout(1, O_L))[:, None]
             named(wg0_acquires, num_warps)  # warpgroup 0 (its thread 0 issues the TMA) waits for it
