@@ -16,8 +16,8 @@ Five loops, picked per recipe and GPU by :func:`mx_kernel` / :func:`prepare`:
   order, :func:`.prepass.prepass_tiles`), bf16 tensor-core products with fp32 accumulation, P
   blocks laid out one per lane as in the e4m3 loop. On Hopper (head dims 128) the same numerics
   run as :mod:`.attention_nvfp4_sm90` (Gluon): two warpgroups take turns on the tensor cores, one
-  quantizing P while the other's MMAs run; bit for bit the Triton loop's output, 2–4% faster
-  (BENCHMARKS.md). ``FP4VIDEO_NV_KERNEL=triton|sm90`` picks one.
+  quantizing P while the other's MMAs run; bit for bit the Triton loop's output, a few percent
+  faster (sage3 4.5% at Wan 720p, BENCHMARKS.md). ``FP4VIDEO_NV_KERNEL=triton|sm90`` picks one.
 - ``_fp4_attn_fwd`` (``fp16``; MXFP4 methods on GPUs older than sm_89): the same bf16 pre-pass,
   the P tile quantized in the loop (exact in bf16). ``fp16`` reads the inputs as they are (fp32
   with IEEE-precision dots).

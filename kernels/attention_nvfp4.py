@@ -18,7 +18,9 @@ rounded, :mod:`.fp4_math`), and E2M1 rounding of P̃ times one per-block factor,
 rounded reciprocal of the scale (times the two-level factor): within 2.5 ulp of the reference's
 divided value, so an element that close to a rounding boundary may round the other way; fp32
 accumulation in another order. The two-level row factor is folded into the accumulator's units
-(one per-row rescale per tile, like the softmax's), so the P̂·V̂ MMA accumulates in place.
+(one per-row rescale per tile, like the softmax's), so the P̂·V̂ MMA accumulates in place; the
+rescale's ratio r_old / r_new is taken as r_old · (448·6 / rowmax), within 2 ulp of the quotient
+(the reference has no such step: it scales each P̂ by its own factor).
 """
 
 from __future__ import annotations

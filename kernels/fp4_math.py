@@ -101,7 +101,7 @@ def e2m1_times_scale(x, scale, OUT_DTYPE: tl.constexpr, PACKED: tl.constexpr):
     on ``.bf16x2`` / ``.f16x2`` registers (sm_80+): one instruction per element fewer than the
     same two steps in fp32 (half an instruction each instead of one)."""
     if PACKED and OUT_DTYPE != tl.float32:
-        q = round_e2m1_unsaturated(x, 1.0).to(OUT_DTYPE)  # exact: an integer multiple of 1/2 up to 8·2^k
+        q = round_e2m1_unsaturated(x, 1.0).to(OUT_DTYPE)  # exact: E2M1 grid values (x < 9: at most 8)
         s = tl.broadcast_to(scale.to(OUT_DTYPE), q.shape)  # exact: E4M3 values
         if OUT_DTYPE == tl.bfloat16:
             asm: tl.constexpr = ("{ .reg .b32 six, nz; mov.b32 six, 0x40C040C0; mov.b32 nz, 0x80008000; "
