@@ -337,10 +337,13 @@ def supports(recipe: AttentionRecipe, q: torch.Tensor, mask: torch.Tensor | None
     return True, ""
 
 
-#: Launch configuration per P mode, from scripts/sweep_kernel_configs.py on an H200 (2026-11-29,
-#: S=32,760, H=40, D=128; BENCHMARKS.md): fp16/MXFP4 best at 128/8/3. ``"fp8"``: the MXFP4 e4m3
-#: kernel (NVFP4: ``attention_nvfp4.LAUNCH``).
-LAUNCH = {P_NONE: (128, 8, 3), P_MX: (128, 8, 3), "fp8": (128, 8, 3)}
+#: Launch configuration (BLOCK_M, warps, stages) per P mode, from scripts/sweep_kernel_configs.py on
+#: an H200 (2026-11-29, S=32,760, H=40, D=128; BENCHMARKS.md): fp16/MXFP4 best at 128/8/3.
+#: ``"fp8"``: the MXFP4 e4m3 kernel, 64 rows and one warpgroup per program, so that two programs
+#: share an SM (221 registers, 106.5 KB shared memory) and one's MMAs overlap the other's softmax:
+#: 32.41 ms against 36.16 at 128/8/3 (``kernel_breakdown.py``, 2026-11-30). NVFP4:
+#: ``attention_nvfp4.LAUNCH``.
+LAUNCH = {P_NONE: (128, 8, 3), P_MX: (128, 8, 3), "fp8": (64, 4, 3)}
 
 
 def mx_kernel(recipe: AttentionRecipe, device: torch.device) -> str | None:
@@ -475,7 +478,7 @@ def _key_mask(key_alive, dev):
 
 def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, key_alive, *, recipe, scale, out_dtype, dv,
                    block_m, num_warps, num_stages, quantize_p=True, warp_specialize=False, precise_qk=False,
-                   precise_pv=False):
+                   precise_pv=False, max_registers=None):
     b, h, sq, d = q8.shape
     sk, dvp = k8.shape[-2], v8t.shape[-2]
     if v8t.shape[-1] % KEY_TILE:
@@ -498,5 +501,6 @@ def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, key_alive, *, recipe, scale
         QB=recipe.pv_format.block, EXP_FLOOR=TILE_EXP_FLOOR, QUANTIZE_P=quantize_p, WARP_SPEC=warp_specialize,
         PRECISE_QK=precise_qk, PRECISE_PV=precise_pv,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
+        **({"maxnreg": max_registers} if max_registers else {}),  # registers per thread (ptxas spills the rest)
     )
     return out, lse

@@ -20,7 +20,8 @@ from fp4video.recipe import AttentionRecipe
 from fp4video.reference import KEY_TILE, qk_padded_dim, smoothing_mean
 from fp4video.rotation import hadamard_matrix
 
-from .fp4_math import fake_quant_rows, fp8_shift, fp8_shift_from_raw_max, mx_pack_rows, pow2
+from .fp4_math import (fake_quant_rows, fp8_shift_from_raw_max, mx_block_exponent, mx_pack_rows, pow2,
+                       round_e2m1_f16x2_times4, round_e2m1_signed)
 
 FMT_CODE = {None: 0, Format.MXFP4: 1, Format.NVFP4: 2}
 #: output modes of the pre-pass kernels (0: the work dtype)
@@ -48,19 +49,36 @@ def _prepass_rows(
     HAS_ALIVE: tl.constexpr, SMOOTH: tl.constexpr, ROTATE: tl.constexpr, ROT_PRECISION: tl.constexpr,
     ROT_PARTS: tl.constexpr,
     FMT: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
-    D: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
 ):
-    """Q or K: rows of D channels, quantized along D.
+    """Q or K: rows of D channels, quantized along D; each program takes BLOCKS_PER_PROGRAM
+    consecutive blocks of BLOCK_S rows (the Hadamard matrix is read once for all of them).
 
     OUT: 0 writes the values in Out's dtype; FP8_ROW writes e4m3 values shifted per row (factor
-    2^-c per row into Fac[b, h, row]); FP8_TILE shifted per program's BLOCK_S rows (one key tile
+    2^-c per row into Fac[b, h, row]); FP8_TILE shifted per block of BLOCK_S rows (one key tile
     of the attention loop; factor into Fac[b, h, tile]); E2M1_PACKED packed codes and scales.
     """
-    pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
-    rows = pid * BLOCK_S + tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, D)
+    hm = Hm
+    if ROTATE:  # entries ±1 (0 in the padding)
+        hm = tl.load(Hm + cols[:, None] * D + cols[None, :])
+    for i in range(BLOCKS_PER_PROGRAM):
+        _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, tl.program_id(0) * BLOCKS_PER_PROGRAM + i,
+                    S, D_IN, h_norm, sxb, sxh, sxs, sxd, sab, sas, smb, smh, sob, soh, sos,
+                    HAS_ALIVE, SMOOTH, ROTATE, ROT_PRECISION, ROT_PARTS, FMT, QB, OCP, QMAX, D, BLOCK_S, OUT)
+
+
+@triton.jit
+def _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, blk,
+                S, D_IN, h_norm, sxb, sxh, sxs, sxd, sab, sas, smb, smh, sob, soh, sos,
+                HAS_ALIVE: tl.constexpr, SMOOTH: tl.constexpr, ROTATE: tl.constexpr, ROT_PRECISION: tl.constexpr,
+                ROT_PARTS: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr,
+                QMAX: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr):
+    """Block ``blk`` of BLOCK_S rows of :func:`_prepass_rows`."""
+    rows = blk * BLOCK_S + tl.arange(0, BLOCK_S)
     cols = tl.arange(0, D)
     ok = rows < S
     if HAS_ALIVE:
@@ -70,8 +88,9 @@ def _prepass_rows(
     if SMOOTH:
         mean = tl.load(Mean + b * smb + h * smh + cols, mask=cols < D_IN, other=0.0)
         x = tl.where(ok[:, None], x - mean[None, :], 0.0)
-    if ROTATE:
-        hm = tl.load(Hm + cols[:, None] * D + cols[None, :])  # entries ±1 (0 in the padding)
+    norm = 1.0
+    if ROTATE:  # x · Hm, still to be multiplied by norm = h_norm
+        norm = h_norm
         if ROT_PRECISION == "bf16":
             # x = x1 + … + x_ROT_PARTS exactly in bf16 parts (one for bf16 inputs, two for fp16,
             # three for fp32); ±1 is exact in bf16, so bf16 MMAs with fp32 accumulation give the
@@ -85,33 +104,51 @@ def _prepass_rows(
                 if ROT_PARTS > 2:
                     y = tl.dot((r1 - x2.to(tl.float32)).to(tl.bfloat16), hb)
                 y = tl.dot(x2, hb, y)
-            x = tl.dot(x1, hb, y) * h_norm
+            x = tl.dot(x1, hb, y)
         else:
-            x = tl.dot(x, hm, input_precision=ROT_PRECISION) * h_norm
-    if OUT == 4:  # E2M1_PACKED: codes along D into Out, E8M0 scales into Fac (B, H, S, D // QB)
-        codes, scales = mx_pack_rows(x, BLOCK_S, D, QB, OCP, QMAX)
+            x = tl.dot(x, hm, input_precision=ROT_PRECISION)
+    out_ptrs = Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :]
+    if OUT == 1 or OUT == 5:  # FP8_ROW, FP8_TILE
+        # the shift c follows from the largest |x · norm| before quantization (fp8_shift_from_raw_max),
+        # so one product x · (norm · 2^c) both normalizes and shifts (2^c is exact: equal to
+        # shifting the quantized values), and the blocks are quantized at their scales times 2^c
+        xb = tl.reshape(x, (BLOCK_S, D // QB, QB))
+        block_max = tl.max(tl.abs(xb), axis=2)
+        big = tl.max(block_max, axis=1)
+        if OUT == 5:
+            big = tl.max(big, axis=0)
+        c = fp8_shift_from_raw_max(big * norm, OCP, QMAX)
+        factor = norm * pow2(c)
+        if OUT == 1:
+            e = mx_block_exponent(block_max * factor[:, None], OCP, QMAX)
+            xs = xb * factor[:, None, None]
+        else:
+            e = mx_block_exponent(block_max * factor, OCP, QMAX)
+            xs = xb * factor
+        # (all-zero blocks: any unit rounds them to 0)
+        q = round_e2m1_signed(xs, pow2(tl.minimum(tl.maximum(e, -126), 126))[:, :, None])
+        y = tl.reshape(q, (BLOCK_S, D)).to(tl.float8e4nv)
+        tl.store(out_ptrs, y, mask=(rows < S)[:, None])
+        if OUT == 1:
+            tl.store(Fac + bh * S + rows, pow2(-c), mask=rows < S)
+        else:
+            tl.store(Fac + bh * tl.cdiv(S, BLOCK_S) + blk, pow2(-c), mask=blk * BLOCK_S < S)
+    elif OUT == 4:  # E2M1_PACKED: codes along D into Out, E8M0 scales into Fac (B, H, S, D // QB)
+        codes, scales = mx_pack_rows(x * norm, BLOCK_S, D, QB, OCP, QMAX)
         half = tl.arange(0, D // 2)
         tl.store(Out + b * sob + h * soh + rows[:, None] * sos + half[None, :], codes, mask=(rows < S)[:, None])
         nb = tl.arange(0, D // QB)
         tl.store(Fac + (bh * S + rows)[:, None] * (D // QB) + nb[None, :], scales, mask=(rows < S)[:, None])
     else:
+        x = x * norm
         if FMT != 0:
             x = fake_quant_rows(x, BLOCK_S, D, FMT, QB, OCP, QMAX, True)
-        out_ptrs = Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :]
         if OUT == 0:
             tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=(rows < S)[:, None])
-        elif OUT == 6:  # TILE_ROWS: rows in tile key order, zero rows up to whole key tiles
+        else:  # TILE_ROWS: rows in tile key order, zero rows up to whole key tiles
             pos = tile_key_position(rows, 128)
             tl.store(Out + b * sob + h * soh + pos[:, None] * sos + cols[None, :], x.to(Out.dtype.element_ty),
                      mask=(rows < tl.cdiv(S, 128) * 128)[:, None])
-        elif OUT == 1:  # FP8_ROW
-            c = fp8_shift(tl.max(tl.abs(x), axis=1))
-            tl.store(out_ptrs, (x * pow2(c)[:, None]).to(tl.float8e4nv), mask=(rows < S)[:, None])
-            tl.store(Fac + bh * S + rows, pow2(-c), mask=rows < S)
-        else:  # FP8_TILE
-            c = fp8_shift(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-            tl.store(out_ptrs, (x * pow2(c)).to(tl.float8e4nv), mask=(rows < S)[:, None])
-            tl.store(Fac + bh * tl.num_programs(0) + pid, pow2(-c))
 
 
 @triton.jit
@@ -122,9 +159,13 @@ def _prepass_v(
     sab, sas,
     sob, soh, sos, sod,
     HAS_ALIVE: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr,
+    DV_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr,
+    F16X2: tl.constexpr = False,
 ):
-    """V: quantized along tokens (blocks of QB consecutive keys per channel).
+    """V: quantized along tokens (blocks of QB consecutive keys per channel); each program takes
+    BLOCK_S tokens of BLOCK_DV of the DV_PAD channels (grid axis 2). (Several tiles per program,
+    with the next tile's loads issued before this one's arithmetic, measured slower on the H200:
+    more registers, fewer programs per SM; BENCHMARKS.md.)
 
     OUT: 0 writes Out's dtype; FP8_AMAX folds each channel's largest |v| (before quantization:
     the shift follows from it, :func:`.fp4_math.fp8_shift_from_raw_max`) into Amax[b, h, :];
@@ -138,7 +179,7 @@ def _prepass_v(
     b = bh // H
     h = bh % H
     rows = pid * BLOCK_S + tl.arange(0, BLOCK_S)
-    cols = tl.arange(0, BLOCK_DV)
+    cols = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     ok = rows < S
     if HAS_ALIVE:
         ok = ok & (tl.load(Alive + b * sab + rows * sas, mask=rows < S, other=0) != 0)
@@ -150,9 +191,13 @@ def _prepass_v(
         half = pid * (BLOCK_S // 2) + tl.arange(0, BLOCK_S // 2)
         tl.store(Out + b * sob + h * soh + cols[:, None] * sod + half[None, :], codes)
         nb = pid * (BLOCK_S // QB) + tl.arange(0, BLOCK_S // QB)
-        tl.store(Fac + (bh * BLOCK_DV + cols)[:, None] * (sod * 2 // QB) + nb[None, :], scales)
+        tl.store(Fac + (bh * DV_PAD + cols)[:, None] * (sod * 2 // QB) + nb[None, :], scales)
     elif OUT == 2:  # FP8_AMAX: a plain read, no quantization
-        tl.atomic_max(Amax + bh * BLOCK_DV + cols, tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True))
+        tl.atomic_max(Amax + bh * DV_PAD + cols, tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True))
+    elif OUT == 3 and F16X2:  # FP8_HEAD on the GPU: the quantization on f16 pairs (same bits)
+        c = fp8_shift_from_raw_max(tl.load(Amax + bh * DV_PAD + cols).to(tl.float32, bitcast=True), OCP, QMAX)
+        _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD, BLOCK_S, QB,
+                   _v_e4m3_f16x2(x, c, OCP, QMAX, BLOCK_S, BLOCK_DV, QB), c)
     else:
         if FMT != 0:
             x = tl.trans(fake_quant_rows(tl.trans(x), BLOCK_DV, BLOCK_S, FMT, QB, OCP, QMAX, True))
@@ -163,16 +208,46 @@ def _prepass_v(
             out_ok = (rows < tl.cdiv(S, 128) * 128)[:, None] & (cols[None, :] < DV)
         if OUT == 0 or OUT == 6:
             tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=out_ok)
-        else:  # padded channels and tokens (up to whole tiles of BLOCK_S) are written as zeros
-            c = fp8_shift_from_raw_max(tl.load(Amax + bh * BLOCK_DV + cols).to(tl.float32, bitcast=True), OCP, QMAX)
-            y = (x * pow2(c)[None, :]).to(tl.float8e4nv)
-            # tokens in the order the attention loop's P̂ operand holds them (v8t_key_order): with
-            # QB = 32 and 128-token tiles, token 32t + 8i + 4a + 2b + e goes to 32i + 16a + 4t + 2b + e
-            y = tl.reshape(tl.permute(tl.reshape(y, (BLOCK_S // QB, QB // 8, 2, 2, 2, BLOCK_DV)), (1, 2, 0, 3, 4, 5)),
-                           (BLOCK_S, BLOCK_DV))
-            tl.store(out_ptrs, y)
-            if pid == 0:
-                tl.store(Fac + bh * BLOCK_DV + cols, pow2(-c))
+        else:  # FP8_HEAD
+            c = fp8_shift_from_raw_max(tl.load(Amax + bh * DV_PAD + cols).to(tl.float32, bitcast=True), OCP, QMAX)
+            _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD, BLOCK_S, QB,
+                       (x * pow2(c)[None, :]).to(tl.float8e4nv), c)
+
+
+@triton.jit
+def _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+               QB: tl.constexpr, y, c):
+    """FP8_HEAD's stores: y (BLOCK_S tokens × channels ``cols``, e4m3) transposed, its tokens in the
+    order the attention loop's P̂ operand holds them (v8t_key_order: with QB = 32 and 128-token
+    tiles, token 32t + 8i + 4a + 2b + e goes to 32i + 16a + 4t + 2b + e); padded channels and
+    tokens (up to whole tiles) are written as zeros. The channel factors 2^-c by the first tile."""
+    y = tl.reshape(tl.permute(tl.reshape(y, (BLOCK_S // QB, QB // 8, 2, 2, 2, cols.shape[0])), (1, 2, 0, 3, 4, 5)),
+                   (BLOCK_S, cols.shape[0]))
+    rows = pid * BLOCK_S + tl.arange(0, BLOCK_S)
+    tl.store(Out + b * sob + h * soh + rows[:, None] + cols[None, :] * sod, y)
+    if pid == 0:
+        tl.store(Fac + bh * DV_PAD + cols, pow2(-c))
+
+
+@triton.jit
+def _v_e4m3_f16x2(x, c, OCP: tl.constexpr, QMAX: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  QB: tl.constexpr):
+    """V's e4m3 values (x: BLOCK_S tokens × BLOCK_DV channels, fp32 from bf16/fp16 inputs; c: the
+    channel shifts), quantized on f16 pairs (:func:`.fp4_math.round_e2m1_f16x2_times4`): about
+    half the instructions of the fp32 arithmetic, and the same e4m3 bits.
+
+    x·2^(c-2) (the e4m3 values over 4: at most 7.25·16, so the magic numbers stay finite in f16)
+    is exact in f16 down to 2^-16 (V has at most 11 significant bits). Only blocks with a unit
+    of at least 2^-14 there (an f16 normal) can give nonzero e4m3 values (6·unit·4 must exceed
+    e4m3's half-step 2^-10); their values, rounding boundaries (>= unit / 4) and maxima are exact
+    in f16. Smaller blocks round to values below 2^-10 · … that e4m3 flushes to zero either way.
+    """
+    xs = (x * pow2(c - 2)[None, :]).to(tl.float16)
+    xb = tl.reshape(xs, (BLOCK_S // QB, QB, BLOCK_DV))
+    amax = tl.max(tl.abs(xb), axis=1).to(tl.float32)
+    unit = pow2(tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126))
+    q = round_e2m1_f16x2_times4(xb, unit.to(tl.float16)[:, None, :], (unit * 6.0).to(tl.float16)[:, None, :])
+    return tl.reshape(q, (BLOCK_S, BLOCK_DV)).to(tl.float8e4nv)
 
 
 def next_pow2(n: int, floor: int = 16) -> int:
@@ -258,11 +333,11 @@ def v8t_in_key_order(v8t: torch.Tensor, qb: int = 32) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=32)
-def _sign_hadamard(dp: int, d: int, device: torch.device) -> torch.Tensor:
+def _sign_hadamard(dp: int, d: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The ±1 Hadamard matrix of order ``dp``, zero-padded to ``d``, built once per device: a
     host-to-device copy on every call would cost time and cannot be captured in a CUDA graph.
     Shared between calls: read it, never write it."""
-    hm = torch.zeros(d, d, device=device)
+    hm = torch.zeros(d, d, device=device, dtype=dtype)
     hm[:dp, :dp] = torch.sign(hadamard_matrix(dp, device=device))
     return hm
 
@@ -273,8 +348,14 @@ class _PrePass:
     BLOCK_S = 64
     BLOCK_S_V = KEY_TILE  # the transposed V stores write whole key tiles (fp8: in the loop's P̂ operand order)
     ROTATION = "bf16"  # or "tf32x3" (BENCHMARKS.md compares them)
+    Q_WARPS = 4  # warps per program of the other row launches
     TILE_WARPS = 4  # warps per key tile of K (FP8_TILE; 4 measured faster than 8 on the H200)
+    BLOCKS_PER_PROGRAM = 8  # row blocks per program of the rotating launches (one read of the Hadamard matrix)
+    # (ROW_STAGES: software-pipelining stages of that loop; more: more shared memory, fewer programs per SM)
     V_WARPS = 4
+    V_CHANNELS = 128  # channels per program of the transposed V launches
+    V_F16X2 = True  # e4m3 V of bf16/fp16 inputs quantized on f16 pairs (GPU only: inline PTX)
+    ROW_STAGES = 2
 
     def __init__(self, q, k, v, recipe, key_alive):
         self.q, self.k, self.v, self.recipe = q, k, v, recipe
@@ -287,10 +368,11 @@ class _PrePass:
             torch.empty(1, 1, dtype=torch.int8, device=dev)
         self.none = torch.empty(1, 1, device=dev)
         self.d = next_pow2(dp, floor=32 if recipe.qk_format is Format.MXFP4 else 16)
-        if recipe.hadamard:
-            self.hm = _sign_hadamard(dp, self.d, dev)
+        if recipe.hadamard:  # bf16 for the bf16 MMAs (half the bytes each program reads), fp32 otherwise
+            self.hm32 = _sign_hadamard(dp, self.d, dev, torch.float32)
+            self.hm = _sign_hadamard(dp, self.d, dev, torch.bfloat16)
         else:
-            self.hm = torch.empty(1, device=dev)
+            self.hm = self.hm32 = torch.empty(1, device=dev)
         self.mean = self.none
         if recipe.smooth_k:
             kf = k.float()
@@ -311,10 +393,13 @@ class _PrePass:
         mean = self.mean if is_k else self.none
         # FP8_TILE: one program per key tile of the attention loop (as many rows per thread as
         # BLOCK_S rows with 4 warps)
-        block_s, warps = (KEY_TILE, self.TILE_WARPS) if out_mode == FP8_TILE else (self.BLOCK_S, 4)
+        block_s, warps = (KEY_TILE, self.TILE_WARPS) if out_mode == FP8_TILE else (self.BLOCK_S, self.Q_WARPS)
         rows_written = -(-s // KEY_TILE) * KEY_TILE if out_mode == TILE_ROWS else s  # TILE_ROWS: zero padding too
-        _prepass_rows[(triton.cdiv(rows_written, block_s), self.b * self.h)](
-            x, self.alive, mean, self.hm, out, fac if fac is not None else self.none,
+        blocks = triton.cdiv(rows_written, block_s)
+        per_program = min(self.BLOCKS_PER_PROGRAM, blocks) if self.recipe.hadamard else 1
+        hm = self.hm if self.recipe.hadamard and self.dev.type == "cuda" and self.ROTATION == "bf16" else self.hm32
+        _prepass_rows[(triton.cdiv(blocks, per_program), self.b * self.h)](
+            x, self.alive, mean, hm, out, fac if fac is not None else self.none,
             self.h, s, self.d_in, self.dp ** -0.5 if self.recipe.hadamard else 1.0,
             *x.stride(),
             self.alive.stride(0), self.alive.stride(1),
@@ -326,22 +411,28 @@ class _PrePass:
             ROT_PRECISION=self.ROTATION if self.dev.type == "cuda" else "ieee",
             ROT_PARTS=self.rotation_parts(x, smooth=mean.dim() == 3),
             FMT=FMT_CODE[fmt], QB=fmt.block if fmt else 32, OCP=rule is ScaleRule.OCP, QMAX=rule.qmax,
-            D=self.d, BLOCK_S=block_s, OUT=out_mode, num_warps=warps,
+            D=self.d, BLOCK_S=block_s, OUT=out_mode, BLOCKS_PER_PROGRAM=per_program, num_warps=warps,
+            num_stages=self.ROW_STAGES,
         )
 
     def values(self, out_mode, out, amax=None, fac=None):
         rule, fmt, dv = self.recipe.scale_rule, self.recipe.pv_format, self.v.shape[-1]
         transposed = out_mode in (FP8_AMAX, FP8_HEAD, E2M1_PACKED)  # (B, H, Dv, S_pad) outputs
         block_s = self.BLOCK_S_V if out_mode else self.BLOCK_S  # whole key tiles unless OUT = 0
-        _prepass_v[(triton.cdiv(self.sk, block_s), self.b * self.h)](
+        dv_pad = out.shape[-2] if transposed else next_pow2(dv)
+        chunk = min(self.V_CHANNELS, dv_pad) if transposed else dv_pad
+        _prepass_v[(triton.cdiv(self.sk, block_s), self.b * self.h, dv_pad // chunk)](
             self.v, self.alive, out, amax if amax is not None else self.none, fac if fac is not None else self.none,
             self.h, self.sk, dv,
             *self.v.stride(),
             self.alive.stride(0), self.alive.stride(1),
             *((out.stride(0), out.stride(1), 1, out.stride(2)) if transposed else (*out.stride()[:3], 1)),
             HAS_ALIVE=self.key_alive is not None, FMT=FMT_CODE[fmt], QB=fmt.block if fmt else 32,
-            OCP=rule is ScaleRule.OCP, QMAX=rule.qmax, BLOCK_DV=out.shape[-2] if transposed else next_pow2(dv),
+            OCP=rule is ScaleRule.OCP, QMAX=rule.qmax, DV_PAD=dv_pad, BLOCK_DV=chunk,
             BLOCK_S=block_s, OUT=out_mode, num_warps=self.V_WARPS,
+            # (exact for V's own precision only: bf16 or fp16, at most 11 significant bits)
+            F16X2=out_mode == FP8_HEAD and self.dev.type == "cuda" and self.V_F16X2
+            and self.v.dtype in (torch.bfloat16, torch.float16),
         )
 
     def run(self, work_dtype):

@@ -8,11 +8,11 @@ offline (no GPU needed): the ALU budget BENCHMARKS.md discusses.
 
 Compiles ``_mx_fp8_attn_fwd`` (the e4m3 MXFP4 loop), ``_nv_attn_fwd`` (the bf16 NVFP4 loop) or
 ``_nv_attn_fwd_sm90`` (the ping-pong Gluon NVFP4 loop: one warpgroup's partition is counted) as
-it is launched on Hopper (BLOCK_M 128, 8 warps, its stages, no FMA contraction, head dim 128, no
-mask), disassembles the cubin with the nvdisasm that ships with
+it is launched on Hopper (its ``LAUNCH``: 128 rows and 8 warps, or for the e4m3 loop 64 rows and 4
+warps; its stages, no FMA contraction, head dim 128, no mask), disassembles the cubin with the nvdisasm that ships with
 Triton and takes the main loop: the code from the label that a later conditional branch jumps back to, up to
 that branch, containing the MMAs. Its instruction count divided by the elements of S each thread
-owns per key tile (128 × 128 / 256 = 64) is the count per element. Also prints the PTX count of the
+owns per key tile (128 × 128 / 256 = 64 × 128 / 128 = 64) is the count per element. Also prints the PTX count of the
 same loop body (what Triton emits, before ptxas) and ptxas's register and spill report.
 """
 
@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-PER_THREAD = 128 * 128 // (8 * 32)  # elements of one 128 × 128 tile of S per thread (8 warps)
+PER_THREAD = 64  # elements of one tile of S per thread: 128 × 128 over 8 warps, or 64 × 128 over 4
 
 
 def compile_loop_kernel(args):
@@ -61,10 +61,10 @@ def compile_loop_kernel(args):
 
         ptr = {"Q8": "*fp8e4nv", "QFac": "*fp32", "K8": "*fp8e4nv", "KFac": "*fp32", "V8T": "*fp8e4nv",
                "VFac": "*fp32", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
-        consts = dict(HAS_MASK=False, OCP=args.ocp, QMAX=7.25, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=128,
+        consts = dict(HAS_MASK=False, OCP=args.ocp, QMAX=7.25, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=LAUNCH["fp8"][0],
                       BLOCK_N=128, QB=32, EXP_FLOOR=TILE_EXP_FLOOR, QUANTIZE_P=not args.no_quantize_p,
                       WARP_SPEC=False, PRECISE_QK=args.precise, PRECISE_PV=args.precise)
-        stages, warps = LAUNCH["fp8"][2], 8
+        stages, warps = LAUNCH["fp8"][2], LAUNCH["fp8"][1]
     names = fn.arg_names
     missing = [names[i] for i in fn.constexprs if names[i] not in consts]
     if missing:  # every constexpr must be fixed here, or Triton makes it a runtime argument

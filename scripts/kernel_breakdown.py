@@ -7,13 +7,12 @@ quantization is measured against) over launch configurations, and checks each lo
 output against the reference on a smaller problem first. Prints markdown tables
 (BENCHMARKS.md keeps them).
 
-    python scripts/kernel_breakdown.py [--seq 32760] [--method mxattn]
+    python scripts/kernel_breakdown.py [--seq 32760] [--method mxattn] [--configs 64x4x3,64x4x2r168]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import sys
 
@@ -27,12 +26,16 @@ from fp4video.kernels.attention_fwd import attention_prepared, prepare
 from fp4video.metrics import cossim
 
 
+def config_name(bm, nw, ns, regs):
+    return f"{bm}x{nw}x{ns}" + (f", ≤ {regs} registers" if regs else "")
+
+
 def bench(fn):
     return triton.testing.do_bench(fn, warmup=20, rep=80, return_mode="median")
 
 
 def prepass_tables(args, recipe, q, k, v, gbps):
-    """The pre-pass variants and each launch of the fp8 pre-pass, against the copy bandwidth."""
+    """The pre-pass variants (rows per program, rotation precision), against the copy bandwidth."""
     # pre-pass: bytes moved at the copy bandwidth is the floor
     print("\n| pre-pass | rows/program | rotation | ms | × copy-bandwidth floor |\n| --- | --- | --- | --- | --- |")
     n = q.numel()
@@ -45,39 +48,7 @@ def prepass_tables(args, recipe, q, k, v, gbps):
         except Exception as e:  # noqa: BLE001  (out of resources: report, go on)
             print(f"| {args.method} | {block_s} | {rot} | failed: {type(e).__name__} | |", flush=True)
     pp._PrePass.BLOCK_S, pp._PrePass.ROTATION = 64, "bf16"
-    if recipe.qk_format is not None and recipe.qk_format.name == "MXFP4":
-        # each launch of the fp8 pre-pass alone, and the Q launch without its rotation and/or its
-        # quantization (what they cost)
-        run = pp._PrePass(q, k, v, recipe, None)
-        q8, q_fac, k8, k_fac, v8, v_fac = run.run_fp8()
-        v_amax = torch.zeros_like(v_fac, dtype=torch.int32)
-        def k_tile_warps(n):
-            run.TILE_WARPS = n
-            run.rows(k, args.seq, True, pp.FP8_TILE, k8, fac=k_fac)
-            del run.TILE_WARPS
-
-        def v_warps(n):
-            run.V_WARPS = n
-            run.values(pp.FP8_HEAD, v8, amax=v_amax, fac=v_fac)
-            del run.V_WARPS
-
-        no_rot = pp._PrePass(q, k, v, dataclasses.replace(recipe, hadamard=False), None)
-        copy_only = pp._PrePass(q, k, v, dataclasses.replace(recipe, hadamard=False, qk_format=None), None)
-        parts = {
-            "Q (rotate, quantize, e4m3 per row)": (3, lambda: run.rows(q, args.seq, False, pp.FP8_ROW, q8, fac=q_fac)),
-            "Q without the rotation": (3, lambda: no_rot.rows(q, args.seq, False, pp.FP8_ROW, q8, fac=q_fac)),
-            "Q without rotation or quantization (e4m3 copy)":
-                (3, lambda: copy_only.rows(q, args.seq, False, pp.FP8_ROW, q8, fac=q_fac)),
-            "K (rotate, quantize, e4m3 per key tile)": (3, lambda: run.rows(k, args.seq, True, pp.FP8_TILE, k8, fac=k_fac)),
-            "K with 4 warps per tile": (3, lambda: k_tile_warps(4)),
-            "V amax (per channel, before quantization)": (2, lambda: run.values(pp.FP8_AMAX, v8, amax=v_amax)),
-            "V write (quantize, e4m3, transposed)": (3, lambda: run.values(pp.FP8_HEAD, v8, amax=v_amax, fac=v_fac)),
-            "V write with 8 warps": (3, lambda: v_warps(8)),
-        }
-        print("\n| pre-pass launch | ms | × copy-bandwidth floor of its bytes |\n| --- | --- | --- |")
-        for name, (bytes_per_element, fn) in parts.items():
-            t = bench(fn)
-            print(f"| {name} | {t:.3f} | {n * bytes_per_element / (gbps * 1e6) / t:.2f} |", flush=True)
+    # each launch of the e4m3 pre-pass against the copy bandwidth: scripts/prepass_bandwidth.py
 
 
 def main(argv=None) -> int:
@@ -85,13 +56,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=32760)
     ap.add_argument("--heads", type=int, default=40)
     ap.add_argument("--method", default="mxattn")
-    ap.add_argument("--configs", default="128x8x2,128x8x3,128x8x4,128x4x3,64x4x3",
-                    help="BLOCK_MxWARPSxSTAGES list for the loop")
+    ap.add_argument("--configs", default="128x8x3,64x4x2,64x4x3,64x4x2r168",
+                    help="BLOCK_MxWARPSxSTAGES list for the loop; a suffix rN caps the registers per thread at N "
+                         "(e4m3 loop: 64x4x2r168 lets three programs share an SM)")
     ap.add_argument("--warp-specialize", action="store_true", help="also try tl.range(warp_specialize=True)")
     ap.add_argument("--skip-prepass", action="store_true", help="time the attention loop only")
     args = ap.parse_args(argv)
     recipe = METHODS[args.method]
-    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
+    # BLOCK_MxWARPSxSTAGES, optionally rN: at most N registers per thread (the e4m3 loop)
+    configs = [tuple(int(x) for x in c.split("r")[0].split("x")) + ((int(c.split("r")[1]),) if "r" in c else (None,))
+               for c in args.configs.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
 
     # correctness of every loop variant on a smaller problem (against the reference backend)
@@ -99,15 +73,16 @@ def main(argv=None) -> int:
     ref = fp4_attention(q, k, v, method=args.method, backend="reference").float()
     prepared = prepare(q, k, v, recipe, None)
     print("| check (S=4000, H=4) | config | cosine to reference |\n| --- | --- | --- |")
-    for bm, nw, ns in list(configs):
+    for bm, nw, ns, regs in list(configs):
         try:
             out, _ = attention_prepared(prepared, None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype, dv=128,
-                                        block_m=bm, num_warps=nw, num_stages=ns)
+                                        block_m=bm, num_warps=nw, num_stages=ns,
+                                        **({"max_registers": regs} if regs else {}))
         except Exception as e:  # noqa: BLE001  (e.g. more shared memory than the GPU has: report, drop it)
-            print(f"| {args.method} | {bm}x{nw}x{ns} | failed: {type(e).__name__} (not timed) |", flush=True)
-            configs.remove((bm, nw, ns))
+            print(f"| {args.method} | {config_name(bm, nw, ns, regs)} | failed: {type(e).__name__} (not timed) |", flush=True)
+            configs.remove((bm, nw, ns, regs))
             continue
-        print(f"| {args.method} | {bm}x{nw}x{ns} | {cossim(out.float(), ref):.6f} |", flush=True)
+        print(f"| {args.method} | {config_name(bm, nw, ns, regs)} | {cossim(out.float(), ref):.6f} |", flush=True)
 
     # long rows: the fp8 MMAs accumulate over every key tile
     ql, kl, vl = (torch.randn(1, 1, args.seq, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
@@ -139,15 +114,19 @@ def main(argv=None) -> int:
     # the floor (P only cast to e4m3) and warp specialization exist in the e4m3 MXFP4 loop only
     fp8 = prepared[0] == "fp8"
     variants = [(True, False)] + ([(False, False)] if fp8 else []) + ([(True, True)] if args.warp_specialize and fp8 else [])
-    for (quant, ws), (bm, nw, ns) in itertools.product(variants, configs):
+    for (quant, ws), (bm, nw, ns, regs) in itertools.product(variants, configs):
         try:
             opts = dict(quantize_p=quant, warp_specialize=ws) if fp8 else {}
+            if regs:
+                opts["max_registers"] = regs
             t = bench(lambda: attention_prepared(prepared, None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype,
                                                  dv=128, block_m=bm, num_warps=nw, num_stages=ns, **opts))
             what = (args.method if quant else "P cast to e4m3 (floor)") + (", warp-specialized" if ws else "")
-            print(f"| {what} | {bm}x{nw}x{ns} | {t:.2f} | {flops / t / 1e9:.0f} | {t_ref / t:.2f} |", flush=True)
+            print(f"| {what} | {config_name(bm, nw, ns, regs)} | {t:.2f} | {flops / t / 1e9:.0f} | {t_ref / t:.2f} |",
+                  flush=True)
         except Exception as e:  # noqa: BLE001
-            print(f"| quantize_p={quant} | {bm}x{nw}x{ns} | failed: {type(e).__name__}: {e} | | |", flush=True)
+            print(f"| quantize_p={quant} | {config_name(bm, nw, ns, regs)} | failed: {type(e).__name__}: {e} | | |",
+                  flush=True)
     return 0
 
 

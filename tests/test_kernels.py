@@ -148,7 +148,7 @@ import triton.language as tl  # noqa: E402
 from fp4video.kernels.fp4_math import (  # noqa: E402
     const_div_from, const_div_rn, div6_rn, div_const_rn, e2m1_times_scale, fake_quant_rows, fp8_shift,
     fp8_shift_from_raw_max, mx_block_exponent, newton_recip, nvfp4_block_scale, recip_rn_few_bits,
-    round_e2m1_at_scale)
+    round_e2m1_at_scale, round_e2m1_signed)
 from fp4video.kernels.attention_nvfp4 import RCP_P_RANGE  # noqa: E402
 from fp4video.reference import TWO_LEVEL_P_RANGE as _P_RANGE  # noqa: E402
 
@@ -156,9 +156,12 @@ P_RANGE = tl.constexpr(_P_RANGE)  # a jit function reads only constexpr globals
 
 
 @triton.jit
-def _round_at_scale_kernel(P, U, Out, N: tl.constexpr):
+def _round_at_scale_kernel(P, U, Out, N: tl.constexpr, SIGNED: tl.constexpr):
     i = tl.arange(0, N)
-    tl.store(Out + i, round_e2m1_at_scale(tl.load(P + i), tl.load(U + i)))
+    if SIGNED:
+        tl.store(Out + i, round_e2m1_signed(tl.load(P + i), tl.load(U + i)))
+    else:
+        tl.store(Out + i, round_e2m1_at_scale(tl.load(P + i), tl.load(U + i)))
 
 
 
@@ -234,10 +237,11 @@ def test_recip_of_e4m3_values_is_correctly_rounded():
     assert torch.equal(out[: len(s)].cpu(), want)
 
 
-def test_round_e2m1_at_scale_matches_reference_rounding():
-    """The six-op magic-number rounding equals formats.round_e2m1(p / 2^e) · 2^e for every grid
-    point, every tie, their float neighbours and random values, over 40 binades of the unit
-    (compiled on a GPU, interpreted on the CPU)."""
+@pytest.mark.parametrize("signed", [False, True])
+def test_round_e2m1_at_scale_matches_reference_rounding(signed):
+    """The magic-number rounding equals formats.round_e2m1(p / 2^e) · 2^e for every grid point,
+    every tie, their float neighbours and random values, over 40 binades of the unit (compiled
+    on a GPU, interpreted on the CPU); signed: round_e2m1_signed of ±p gives ±that."""
     from fp4video.formats import round_e2m1
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -251,9 +255,12 @@ def test_round_e2m1_at_scale_matches_reference_rounding():
     p = a * unit  # exact: powers of two
     n = 1 << (len(p) - 1).bit_length()
     pad = lambda x: torch.nn.functional.pad(x, (0, n - len(x)), value=1.0)  # noqa: E731
-    out = torch.empty(n, device=dev)
-    _round_at_scale_kernel[(1,)](pad(p).to(dev), pad(unit).to(dev), out, N=n)
     want = round_e2m1(a) * unit
+    if signed:  # every value with both signs
+        p, unit, want, a, e = torch.cat([p, -p]), unit.repeat(2), torch.cat([want, -want]), a.repeat(2), e.repeat(2)
+        n = 1 << (len(p) - 1).bit_length()
+    out = torch.empty(n, device=dev)
+    _round_at_scale_kernel[(1,)](pad(p).to(dev), pad(unit).to(dev), out, N=n, SIGNED=signed)
     bad = (out[: len(p)].cpu() != want).nonzero()[:5, 0]
     assert len(bad) == 0, [(a[i].item(), e[i].item(), out[i].item() / unit[i].item()) for i in bad]
 
@@ -720,6 +727,76 @@ def test_scaled_kernel_matches_reference_gpu(method, monkeypatch):
     a, la = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="reference")
     b, lb = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="triton")
     assert cossim(a.float(), b.float()) >= 0.9999 and (la - lb).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("rule", ["ocp", "uos"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_f16_pair_arithmetic_of_the_v_prepass_is_exact(rule, dtype):
+    """The argument behind the GPU's f16-pair quantization of V (prepass._v_e4m3_f16x2, inline PTX
+    the interpreter cannot run), checked with torch's correctly rounded f16 arithmetic: every step
+    of it on f16 values (x·2^(c-2), the block maxima, the clamp to ±6·unit, the binade mask, the
+    two magic-number FMAs with 768·binade, the factor 4), then e4m3, gives the e4m3 values of
+    sign(x)·round_e2m1(|x| / unit)·unit·2^c (formats.round_e2m1, in fp64) — for block magnitudes
+    over 2^-30 .. 2^8, so also at and below the bottom of e4m3's window, where only the sign of
+    a zero may differ."""
+    from fp4video.formats import mx_exponent, round_e2m1
+
+    g = torch.Generator().manual_seed(5)
+    s, d = 1024, 128
+    blocks = torch.randint(-30, 9, (s // 32, 1, d), generator=g).double()
+    blocks[..., :4] -= 20  # channels whose every block is far below 1
+    x = (torch.randn(s, d, generator=g, dtype=torch.float64) * torch.exp2(blocks).expand(-1, 32, -1).reshape(s, d))
+    x = x.to(dtype).double()
+
+    def exponent(amax):  # the block exponent of the scale rule (0 for empty blocks), in the kernels' range
+        return mx_exponent(amax, rule).double().clamp(-126, 126)
+
+    c = torch.where(x.abs().amax(0) > 0, 6 - exponent(x.abs().amax(0)), 126.0).clamp(-126, 126)  # channel shifts
+    f16 = lambda t: t.to(torch.float16).double()  # noqa: E731  (one correctly rounded f16 operation)
+    xb = x.reshape(s // 32, 32, d)
+    unit = torch.exp2(exponent(xb.abs().amax(1)))[:, None]
+    want = (torch.sign(xb) * round_e2m1((xb.abs() / unit).float()).double() * unit).reshape(s, d) * torch.exp2(c)
+
+    xs = f16(x * torch.exp2(c - 2)).reshape(s // 32, 32, d)
+    u = torch.exp2(exponent(xs.abs().amax(1)))[:, None]
+    u16, six = f16(u), f16(6 * u)
+    cl = torch.minimum(torch.maximum(xs, -six), six)
+    binade = (f16(torch.maximum(cl.abs(), u16)).to(torch.float16).view(torch.int16) & 0x7C00).view(torch.float16).double()
+    q = f16(f16(binade * 768 + cl) - binade * 768)
+    got = f16(4 * q).reshape(s, d)
+    e4m3 = lambda t: t.float().to(torch.float8_e4m3fn).float()  # noqa: E731
+    assert e4m3(want).abs().max() > 0
+    assert torch.equal(e4m3(got), e4m3(want)), (e4m3(got) != e4m3(want)).sum().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["mxfp4-ocp", "mxattn"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prepass_v_on_f16_pairs_equals_fp32_arithmetic_gpu(method, dtype):
+    """The e4m3 V̂ᵀ of bf16/fp16 inputs, quantized on f16 pairs (the GPU default), equals the fp32
+    arithmetic's value for value (a zero may differ in sign: a value far below e4m3's range that
+    the f16 arithmetic already rounds to +0 becomes -0 from fp32) — with block magnitudes spread
+    over 2^-30 .. 2^8, so that blocks sit above, at and below the bottom of e4m3's window, some
+    channels tiny throughout, dead keys."""
+    from fp4video.kernels import prepass as pp
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    b, h, s, d = 2, 3, 1000, 128
+    blocks = torch.randint(-30, 9, (b, h, -(-s // 32), 1, d), device="cuda", generator=g).float()
+    blocks[..., :4] -= 20  # channels whose every block is far below 1
+    scale = torch.exp2(blocks).expand(-1, -1, -1, 32, -1).reshape(b, h, -1, d)[:, :, :s]
+    v = (torch.randn(b, h, s, d, device="cuda", generator=g) * scale).to(dtype)
+    q = k = torch.randn(b, h, s, d, device="cuda", generator=g).to(dtype)
+    alive = torch.rand(b, s, device="cuda", generator=g) > 0.1
+    outs = {}
+    for packed in (False, True):
+        run = pp._PrePass(q, k, v, METHODS[method], alive)
+        run.V_F16X2 = packed
+        _, _, _, _, v8, v_fac = run.run_fp8()
+        outs[packed] = (v8.float(), v_fac)
+    assert outs[True][0].any()
+    assert torch.equal(outs[True][0], outs[False][0]), (outs[True][0] != outs[False][0]).sum().item()
+    assert torch.equal(outs[True][1], outs[False][1])
 
 
 @pytest.mark.gpu

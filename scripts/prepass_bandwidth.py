@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""The e4m3 pre-pass (MXFP4 methods on Hopper) against the copy bandwidth measured in the same run.
+
+Each launch of :func:`fp4video.kernels.prepass.prepass_fp8` — Q (rotate, quantize, e4m3 per row),
+K (the same, e4m3 per key tile), V's channel maxima, V (quantize, e4m3, transposed) — and the
+whole pre-pass as the attention call runs it, timed alone (medians). "× copy" is the launch's
+achieved bandwidth (the bytes it must move: bf16 read, e4m3 written; the maxima pass reads only)
+over that of a bf16 copy of Q timed in the same process. ``--sweep`` also times the launch
+options of ``_PrePass`` (row blocks per program, pipelining stages, warps, V channels per
+program), ``--plot`` draws the table. Markdown to stdout (BENCHMARKS.md keeps it).
+
+    python scripts/prepass_bandwidth.py --seqs 32760 75600 [--sweep] [--plot docs/prepass-bandwidth.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+
+
+def bench(fn, rep_ms: int = 200) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def launches(run, q, k, v):
+    """Name -> (bytes per element of Q it must move, a call of that launch alone)."""
+    from fp4video.kernels import prepass as pp
+
+    q8, q_fac, k8, k_fac, v8, v_fac = run.run_fp8()
+    v_amax = torch.zeros_like(v_fac, dtype=torch.int32)
+    run.values(pp.FP8_AMAX, v8, amax=v_amax)
+    sq, sk = q.shape[-2], k.shape[-2]
+    return {
+        "Q: rotate, quantize, e4m3 per row": (3, lambda: run.rows(q, sq, False, pp.FP8_ROW, q8, fac=q_fac)),
+        "K: rotate, quantize, e4m3 per key tile": (3, lambda: run.rows(k, sk, True, pp.FP8_TILE, k8, fac=k_fac)),
+        "V: channel maxima (read only)": (2, lambda: run.values(pp.FP8_AMAX, v8, amax=v_amax)),
+        "V: quantize, e4m3, transposed": (3, lambda: run.values(pp.FP8_HEAD, v8, amax=v_amax, fac=v_fac)),
+    }
+
+
+#: launch options swept by --sweep: (launch name prefix, attribute of _PrePass, values)
+SWEEP = [
+    ("Q", {"BLOCKS_PER_PROGRAM": (1, 8), "ROW_STAGES": (1, 2)}),
+    ("K", {"BLOCKS_PER_PROGRAM": (1, 8, 16), "TILE_WARPS": (4, 8)}),
+    ("V: channel", {"V_TILES_PER_PROGRAM": (1, 4, 8)}),
+    ("V: quantize", {"V_TILES_PER_PROGRAM": (1, 2, 4), "V_CHANNELS": (64, 128), "V_F16X2": (False, True)}),
+]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", type=int, nargs="+", default=[32760, 75600])
+    ap.add_argument("--heads", type=int, default=40)
+    ap.add_argument("--method", default="mxattn", help="an MXFP4 method (the e4m3 pre-pass)")
+    ap.add_argument("--sweep", action="store_true", help="also time the launch options")
+    ap.add_argument("--plot", help="write a bar chart of × copy bandwidth per launch (png)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from fp4video import METHODS
+    from fp4video.kernels import prepass as pp
+    from fp4video.kernels.attention_fwd import prepare
+
+    recipe = METHODS[args.method]
+    if recipe.qk_format is None or recipe.qk_format.name != "MXFP4":
+        print(f"error: {args.method} has no e4m3 pre-pass (MXFP4 methods only)", file=sys.stderr)
+        return 2
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []  # (S, launch, ms, × copy)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, method {args.method}, H={args.heads}, D=128")
+    for s in args.seqs:
+        q, k, v = (torch.randn(1, args.heads, s, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+                   for _ in range(3))
+        n = q.numel()
+        copy = torch.empty_like(q)
+        t_copy = bench(lambda: copy.copy_(q))
+        gbps = 2 * n * 2 / t_copy / 1e6
+        print(f"\nS = {s}: bf16 copy of Q {t_copy:.3f} ms = {gbps:.0f} GB/s\n")
+        print("| launch | ms | GB/s | × copy |\n| --- | --- | --- | --- |")
+        run = pp._PrePass(q, k, v, recipe, None)
+        total_bytes = 0
+        for name, (per_elem, fn) in launches(run, q, k, v).items():
+            t = bench(fn)
+            total_bytes += per_elem * n
+            rows.append((s, name, t, per_elem * n / t / 1e6 / gbps))
+            print(f"| {name} | {t:.3f} | {per_elem * n / t / 1e6:.0f} | {rows[-1][3]:.2f} |", flush=True)
+        t = bench(lambda: prepare(q, k, v, recipe, None))
+        rows.append((s, "whole pre-pass (as the attention call runs it)", t, total_bytes / t / 1e6 / gbps))
+        print(f"| whole pre-pass (as the attention call runs it) | {t:.3f} | {total_bytes / t / 1e6:.0f} | "
+              f"{rows[-1][3]:.2f} |", flush=True)
+        if args.sweep:
+            print("\n| launch | options | ms | × copy |\n| --- | --- | --- | --- |")
+            for prefix, grid in SWEEP:
+                for values in itertools.product(*grid.values()):
+                    opts = dict(zip(grid, values))
+                    run = pp._PrePass(q, k, v, recipe, None)
+                    for attr, value in opts.items():
+                        setattr(run, attr, value)
+                    name, (per_elem, fn) = next((nm, lf) for nm, lf in launches(run, q, k, v).items()
+                                                if nm.startswith(prefix))
+                    try:
+                        t = bench(fn)
+                        print(f"| {name} | {opts} | {t:.3f} | {per_elem * n / t / 1e6 / gbps:.2f} |", flush=True)
+                    except Exception as e:  # noqa: BLE001  (out of resources: report, go on)
+                        print(f"| {name} | {opts} | failed: {type(e).__name__} | |", flush=True)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        names = list(dict.fromkeys(r[1] for r in rows))
+        fig, ax = plt.subplots(figsize=(9, 3.5))
+        width = 0.8 / len(args.seqs)
+        for i, s in enumerate(args.seqs):
+            vals = [next(r[3] for r in rows if r[0] == s and r[1] == nm) for nm in names]
+            ax.barh([j + i * width for j in range(len(names))], vals, height=width, label=f"S = {s}")
+        ax.axvline(0.7, color="k", ls="--", lw=1, label="0.7× (the aim)")
+        ax.set_yticks([j + width * (len(args.seqs) - 1) / 2 for j in range(len(names))], names, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("achieved bandwidth / bf16 copy bandwidth (same run)")
+        ax.set_title(f"e4m3 pre-pass, {torch.cuda.get_device_name()}, H={args.heads}, D=128", fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"\nwrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
