@@ -10,6 +10,7 @@ options of ``_PrePass`` (row blocks per program, pipelining stages, warps, V cha
 program), ``--plot`` draws the table. Markdown to stdout (BENCHMARKS.md keeps it).
 
     python scripts/prepass_bandwidth.py --seqs 32760 75600 [--sweep] [--plot docs/prepass-bandwidth.png]
+    python scripts/prepass_bandwidth.py --replot BENCHMARKS.md --plot docs/prepass-bandwidth.png   # no GPU
 """
 
 from __future__ import annotations
@@ -52,6 +53,56 @@ SWEEP = [
 ]
 
 
+def plot(rows, path, title: str) -> None:
+    """Bars of × copy per launch and sequence length (rows: (S, launch, ms, × copy))."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seqs = list(dict.fromkeys(r[0] for r in rows))
+    names = list(dict.fromkeys(r[1] for r in rows))
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    width = 0.8 / len(seqs)
+    for i, s in enumerate(seqs):
+        vals = [next((r[3] for r in rows if r[0] == s and r[1] == nm), 0.0) for nm in names]
+        bars = ax.barh([j + i * width for j in range(len(names))], vals, height=width, label=f"S = {s}")
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
+    ax.axvline(0.7, color="k", ls="--", lw=1, label="0.7× (the aim)")
+    ax.set_yticks([j + width * (len(seqs) - 1) / 2 for j in range(len(names))], names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.05)
+    ax.set_xlabel("achieved bandwidth / bf16 copy bandwidth (same run)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"\nwrote {path}")
+
+
+def parse_tables(text: str):
+    """(S, launch, ms, × copy) rows of this script's launch tables in a markdown text (its own
+    output, or BENCHMARKS.md where it is kept): for ``--replot``."""
+    import re
+
+    rows, s = [], None
+    for line in text.splitlines():
+        m = re.match(r"S = (\d+): bf16 copy", line)
+        if m:
+            s = int(m.group(1))
+            continue
+        if line.startswith("#"):  # a new section: its tables belong to no S until the next "S = "
+            s = None
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if s is None or len(cells) != 4 or not cells[0].startswith(("Q:", "K:", "V:", "whole")):
+            continue
+        try:  # (the --sweep tables have an options column: not these)
+            rows.append((s, cells[0], float(cells[1]), float(cells[3])))
+        except ValueError:
+            continue
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", type=int, nargs="+", default=[32760, 75600])
@@ -59,7 +110,18 @@ def main(argv=None) -> int:
     ap.add_argument("--method", default="mxattn", help="an MXFP4 method (the e4m3 pre-pass)")
     ap.add_argument("--sweep", action="store_true", help="also time the launch options")
     ap.add_argument("--plot", help="write a bar chart of × copy bandwidth per launch (png)")
+    ap.add_argument("--replot", metavar="MARKDOWN",
+                    help="no GPU: draw --plot from the launch tables kept in a markdown file (this script's output)")
     args = ap.parse_args(argv)
+    if args.replot:
+        from pathlib import Path
+
+        rows = parse_tables(Path(args.replot).read_text())
+        if not rows or not args.plot:
+            print(f"error: --replot needs --plot and launch tables in {args.replot}", file=sys.stderr)
+            return 2
+        plot(rows, args.plot, "e4m3 pre-pass against the copy bandwidth (tables in " + Path(args.replot).name + ")")
+        return 0
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -110,26 +172,7 @@ def main(argv=None) -> int:
                     except Exception as e:  # noqa: BLE001  (out of resources: report, go on)
                         print(f"| {name} | {opts} | failed: {type(e).__name__} | |", flush=True)
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        names = list(dict.fromkeys(r[1] for r in rows))
-        fig, ax = plt.subplots(figsize=(9, 3.5))
-        width = 0.8 / len(args.seqs)
-        for i, s in enumerate(args.seqs):
-            vals = [next(r[3] for r in rows if r[0] == s and r[1] == nm) for nm in names]
-            ax.barh([j + i * width for j in range(len(names))], vals, height=width, label=f"S = {s}")
-        ax.axvline(0.7, color="k", ls="--", lw=1, label="0.7× (the aim)")
-        ax.set_yticks([j + width * (len(args.seqs) - 1) / 2 for j in range(len(names))], names, fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xlabel("achieved bandwidth / bf16 copy bandwidth (same run)")
-        ax.set_title(f"e4m3 pre-pass, {torch.cuda.get_device_name()}, H={args.heads}, D=128", fontsize=9)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print(f"\nwrote {args.plot}")
+        plot(rows, args.plot, f"e4m3 pre-pass, {torch.cuda.get_device_name()}, H={args.heads}, D=128")
     return 0
 
 

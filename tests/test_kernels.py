@@ -940,3 +940,49 @@ def test_profile_attention_summarizes_ncu_csv(tmp_path):
     row = re.search(r"^\| _nv_attn_fwd_sm90 \| 5\.17 \| 48\.1 \| 45\.3 \| 2\.25 \| 1\.00 \| 0\.75 \| 0\.50 \| nan ",
                     run.stdout, re.M)
     assert row, run.stdout
+
+
+def test_prepass_bandwidth_replots_its_tables_from_markdown(tmp_path):
+    """scripts/prepass_bandwidth.py --replot (no GPU) reads the launch tables it printed, as kept
+    in BENCHMARKS.md — each under its "S = …" line, the --sweep tables (an options column) and
+    tables after a new heading left out — and draws them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        from prepass_bandwidth import parse_tables
+    finally:
+        sys.path.pop(0)
+    text = """S = 100: bf16 copy of Q 0.162 ms = 4134 GB/s
+
+| launch | ms | GB/s | × copy |
+| --- | --- | --- | --- |
+| Q: rotate, quantize, e4m3 per row | 0.176 | 2852 | 0.69 |
+| whole pre-pass (as the attention call runs it) | 0.689 | 2678 | 0.65 |
+
+| launch | options | ms | × copy |
+| --- | --- | --- | --- |
+| Q: rotate, quantize, e4m3 per row | {'BLOCKS_PER_PROGRAM': 1} | 0.209 | 0.58 |
+
+S = 200: bf16 copy of Q 0.368 ms = 4210 GB/s
+
+| launch | ms | GB/s | × copy |
+| --- | --- | --- | --- |
+| V: quantize, e4m3, transposed | 0.491 | 2363 | 0.56 |
+
+### another section
+
+| V: quantize, e4m3, transposed | 9.9 | 1 | 0.01 |
+"""
+    assert parse_tables(text) == [(100, "Q: rotate, quantize, e4m3 per row", 0.176, 0.69),
+                                  (100, "whole pre-pass (as the attention call runs it)", 0.689, 0.65),
+                                  (200, "V: quantize, e4m3, transposed", 0.491, 0.56)]
+    md, png = tmp_path / "t.md", tmp_path / "t.png"
+    md.write_text(text)
+    script = Path(__file__).resolve().parents[1] / "scripts" / "prepass_bandwidth.py"
+    run = subprocess.run([sys.executable, str(script), "--replot", str(md), "--plot", str(png)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert png.stat().st_size > 10_000
