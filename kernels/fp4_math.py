@@ -107,11 +107,12 @@ def round_e2m1_signed(x, unit):
 @triton.jit
 def round_e2m1_f16x2_times4(x, unit, six_units):
     """4 · :func:`round_e2m1_signed`(x, unit) on pairs of f16 values (inline PTX, sm_80+; the GPU
-    only): x, ``unit`` (a power of two, at least 2^-14 where the result matters) and ``six_units``
-    = 6·unit in f16, |x| below 256·unit. The same clamp and magic-number rounding in f16, whose 11
-    significant bits put M = 768 · binade (≤ 65504 for binades up to 64) in a binade with a step
-    of half the E2M1 grid's: ~4 instructions per pair instead of ~6 per element. The factor 4
-    takes the values to where the caller's e4m3 conversion wants them."""
+    only): x, ``unit`` (a power of two, from 2^-14 — an f16 normal — where the result matters, up
+    to 16) and ``six_units`` = 6·unit in f16. The same clamp and magic-number rounding in f16,
+    whose 11 significant bits put M = 768 · binade in a binade with a step of half the E2M1
+    grid's; the clamp keeps the binade at most 64, so M stays below f16's largest value, 65504.
+    ~4 instructions per pair instead of ~6 per element. The factor 4 takes the values to where
+    the caller's e4m3 conversion wants them (tests/test_kernels.py emulates this arithmetic)."""
     asm: tl.constexpr = ("{ .reg .b32 c, b, m; "
                          "min.f16x2 c, $1, $3; neg.f16x2 m, $3; max.f16x2 c, c, m; "
                          "abs.f16x2 b, c; max.f16x2 b, b, $2; and.b32 b, b, 0x7C007C00; "

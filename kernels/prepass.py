@@ -194,7 +194,7 @@ def _prepass_v(
         tl.store(Fac + (bh * DV_PAD + cols)[:, None] * (sod * 2 // QB) + nb[None, :], scales)
     elif OUT == 2:  # FP8_AMAX: a plain read, no quantization
         tl.atomic_max(Amax + bh * DV_PAD + cols, tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True))
-    elif OUT == 3 and F16X2:  # FP8_HEAD on the GPU: the quantization on f16 pairs (same bits)
+    elif OUT == 3 and F16X2:  # FP8_HEAD on the GPU: the quantization on f16 pairs (same values)
         c = fp8_shift_from_raw_max(tl.load(Amax + bh * DV_PAD + cols).to(tl.float32, bitcast=True), OCP, QMAX)
         _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD, BLOCK_S, QB,
                    _v_e4m3_f16x2(x, c, OCP, QMAX, BLOCK_S, BLOCK_DV, QB), c)
@@ -233,14 +233,15 @@ def _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD: tl.constexp
 def _v_e4m3_f16x2(x, c, OCP: tl.constexpr, QMAX: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
                   QB: tl.constexpr):
     """V's e4m3 values (x: BLOCK_S tokens × BLOCK_DV channels, fp32 from bf16/fp16 inputs; c: the
-    channel shifts), quantized on f16 pairs (:func:`.fp4_math.round_e2m1_f16x2_times4`): about
-    half the instructions of the fp32 arithmetic, and the same e4m3 bits.
+    channel shifts), quantized on f16 pairs (:func:`.fp4_math.round_e2m1_f16x2_times4`): fewer
+    instructions than the fp32 arithmetic, the same e4m3 values (a zero's sign may differ).
 
-    x·2^(c-2) (the e4m3 values over 4: at most 7.25·16, so the magic numbers stay finite in f16)
-    is exact in f16 down to 2^-16 (V has at most 11 significant bits). Only blocks with a unit
-    of at least 2^-14 there (an f16 normal) can give nonzero e4m3 values (6·unit·4 must exceed
-    e4m3's half-step 2^-10); their values, rounding boundaries (>= unit / 4) and maxima are exact
-    in f16. Smaller blocks round to values below 2^-10 · … that e4m3 flushes to zero either way.
+    x·2^(c-2) (the e4m3 values over 4: at most 7.25·16, units at most 16, so the magic numbers
+    stay finite in f16) is exact in f16 down to 2^-16 (V has at most 11 significant bits). Only
+    blocks with a unit of at least 2^-14 there (an f16 normal) can give nonzero e4m3 values
+    (4·6·unit must exceed e4m3's half-step 2^-10); their values, rounding boundaries (>= unit / 4)
+    and maxima are exact in f16. Smaller blocks give at most 4·6·unit < 2^-10, which e4m3 rounds
+    to zero either way. ``tests/test_kernels.py`` emulates this arithmetic on the CPU.
     """
     xs = (x * pow2(c - 2)[None, :]).to(tl.float16)
     xb = tl.reshape(xs, (BLOCK_S // QB, QB, BLOCK_DV))
@@ -349,13 +350,13 @@ class _PrePass:
     BLOCK_S_V = KEY_TILE  # the transposed V stores write whole key tiles (fp8: in the loop's P̂ operand order)
     ROTATION = "bf16"  # or "tf32x3" (BENCHMARKS.md compares them)
     Q_WARPS = 4  # warps per program of the other row launches
-    TILE_WARPS = 4  # warps per key tile of K (FP8_TILE; 4 measured faster than 8 on the H200)
+    TILE_WARPS = 4  # warps per key tile of K (FP8_TILE; 4 and 8 measured equal on the H200)
+    # The launch options below: scripts/prepass_bandwidth.py --sweep, H200 (BENCHMARKS.md, 2026-11-30)
     BLOCKS_PER_PROGRAM = 8  # row blocks per program of the rotating launches (one read of the Hadamard matrix)
-    # (ROW_STAGES: software-pipelining stages of that loop; more: more shared memory, fewer programs per SM)
-    V_WARPS = 4
-    V_CHANNELS = 128  # channels per program of the transposed V launches
+    ROW_STAGES = 2  # software-pipelining stages of that loop (K needs 2; 3: more shared memory, slower)
+    V_WARPS = 4  # (8 measured 2x slower)
+    V_CHANNELS = 128  # channels per program of the transposed V launches (of 32, 64, 128: fastest)
     V_F16X2 = True  # e4m3 V of bf16/fp16 inputs quantized on f16 pairs (GPU only: inline PTX)
-    ROW_STAGES = 2
 
     def __init__(self, q, k, v, recipe, key_alive):
         self.q, self.k, self.v, self.recipe = q, k, v, recipe
