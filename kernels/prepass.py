@@ -153,14 +153,14 @@ def _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, blk,
 
 @triton.jit
 def _prepass_v(
-    V, Alive, Out, Amax, Fac,
+    V, Alive, Out, Amax, Fac, Pi,
     H, S, DV,
     svb, svh, svs, svd,
     sab, sas,
     sob, soh, sos, sod,
     HAS_ALIVE: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
     DV_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr,
-    F16X2: tl.constexpr = False,
+    F16X2: tl.constexpr = False, MMA_T: tl.constexpr = False, IEEE: tl.constexpr = False,
 ):
     """V: quantized along tokens (blocks of QB consecutive keys per channel); each program takes
     BLOCK_S tokens of BLOCK_DV of the DV_PAD channels (grid axis 2). (Several tiles per program,
@@ -184,34 +184,39 @@ def _prepass_v(
     if HAS_ALIVE:
         ok = ok & (tl.load(Alive + b * sab + rows * sas, mask=rows < S, other=0) != 0)
     x = tl.load(V + b * svb + h * svh + rows[:, None] * svs + cols[None, :] * svd,
-                mask=ok[:, None] & (cols[None, :] < DV), other=0.0).to(tl.float32)
-    if OUT == 4:  # E2M1_PACKED, transposed: codes along tokens (B, H, Dv, S_pad // 2), scales
-        # (B, H, Dv, S_pad // QB); S_pad is a multiple of BLOCK_S, so every program writes whole tiles
-        codes, scales = mx_pack_rows(tl.trans(x), BLOCK_DV, BLOCK_S, QB, OCP, QMAX)
-        half = pid * (BLOCK_S // 2) + tl.arange(0, BLOCK_S // 2)
-        tl.store(Out + b * sob + h * soh + cols[:, None] * sod + half[None, :], codes)
-        nb = pid * (BLOCK_S // QB) + tl.arange(0, BLOCK_S // QB)
-        tl.store(Fac + (bh * DV_PAD + cols)[:, None] * (sod * 2 // QB) + nb[None, :], scales)
-    elif OUT == 2:  # FP8_AMAX: a plain read, no quantization
-        tl.atomic_max(Amax + bh * DV_PAD + cols, tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True))
-    elif OUT == 3 and F16X2:  # FP8_HEAD on the GPU: the quantization on f16 pairs (same values)
-        c = fp8_shift_from_raw_max(tl.load(Amax + bh * DV_PAD + cols).to(tl.float32, bitcast=True), OCP, QMAX)
-        _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD, BLOCK_S, QB,
-                   _v_e4m3_f16x2(x, c, OCP, QMAX, BLOCK_S, BLOCK_DV, QB), c)
+                mask=ok[:, None] & (cols[None, :] < DV), other=0.0)
+    if OUT == 3 and MMA_T:  # FP8_HEAD, transposed by the tensor cores (V's own dtype)
+        _v_e4m3_mma_transposed(x, Pi, Out, Amax, Fac, b, h, bh, pid, cols, sob, soh, sod,
+                               OCP, QMAX, DV_PAD, BLOCK_DV, BLOCK_S, QB, IEEE)
     else:
-        if FMT != 0:
-            x = tl.trans(fake_quant_rows(tl.trans(x), BLOCK_DV, BLOCK_S, FMT, QB, OCP, QMAX, True))
-        out_ptrs = Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :] * sod
-        out_ok = (rows < S)[:, None] & (cols[None, :] < DV)
-        if OUT == 6:  # TILE_ROWS: rows in tile key order, zero rows up to whole key tiles
-            out_ptrs = Out + b * sob + h * soh + tile_key_position(rows, 128)[:, None] * sos + cols[None, :] * sod
-            out_ok = (rows < tl.cdiv(S, 128) * 128)[:, None] & (cols[None, :] < DV)
-        if OUT == 0 or OUT == 6:
-            tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=out_ok)
-        else:  # FP8_HEAD
+        x = x.to(tl.float32)
+        if OUT == 4:  # E2M1_PACKED, transposed: codes along tokens (B, H, Dv, S_pad // 2), scales
+            # (B, H, Dv, S_pad // QB); S_pad is a multiple of BLOCK_S, so every program writes whole tiles
+            codes, scales = mx_pack_rows(tl.trans(x), BLOCK_DV, BLOCK_S, QB, OCP, QMAX)
+            half = pid * (BLOCK_S // 2) + tl.arange(0, BLOCK_S // 2)
+            tl.store(Out + b * sob + h * soh + cols[:, None] * sod + half[None, :], codes)
+            nb = pid * (BLOCK_S // QB) + tl.arange(0, BLOCK_S // QB)
+            tl.store(Fac + (bh * DV_PAD + cols)[:, None] * (sod * 2 // QB) + nb[None, :], scales)
+        elif OUT == 2:  # FP8_AMAX: a plain read, no quantization
+            tl.atomic_max(Amax + bh * DV_PAD + cols, tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True))
+        elif OUT == 3 and F16X2:  # FP8_HEAD on the GPU: the quantization on f16 pairs (same values)
             c = fp8_shift_from_raw_max(tl.load(Amax + bh * DV_PAD + cols).to(tl.float32, bitcast=True), OCP, QMAX)
             _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD, BLOCK_S, QB,
-                       (x * pow2(c)[None, :]).to(tl.float8e4nv), c)
+                       _v_e4m3_f16x2(x, c, OCP, QMAX, BLOCK_S, BLOCK_DV, QB), c)
+        else:
+            if FMT != 0:
+                x = tl.trans(fake_quant_rows(tl.trans(x), BLOCK_DV, BLOCK_S, FMT, QB, OCP, QMAX, True))
+            out_ptrs = Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :] * sod
+            out_ok = (rows < S)[:, None] & (cols[None, :] < DV)
+            if OUT == 6:  # TILE_ROWS: rows in tile key order, zero rows up to whole key tiles
+                out_ptrs = Out + b * sob + h * soh + tile_key_position(rows, 128)[:, None] * sos + cols[None, :] * sod
+                out_ok = (rows < tl.cdiv(S, 128) * 128)[:, None] & (cols[None, :] < DV)
+            if OUT == 0 or OUT == 6:
+                tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=out_ok)
+            else:  # FP8_HEAD
+                c = fp8_shift_from_raw_max(tl.load(Amax + bh * DV_PAD + cols).to(tl.float32, bitcast=True), OCP, QMAX)
+                _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD, BLOCK_S, QB,
+                           (x * pow2(c)[None, :]).to(tl.float8e4nv), c)
 
 
 @triton.jit
@@ -225,6 +230,37 @@ def _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD: tl.constexp
                    (BLOCK_S, cols.shape[0]))
     rows = pid * BLOCK_S + tl.arange(0, BLOCK_S)
     tl.store(Out + b * sob + h * soh + rows[:, None] + cols[None, :] * sod, y)
+    if pid == 0:
+        tl.store(Fac + bh * DV_PAD + cols, pow2(-c))
+
+
+@triton.jit
+def _v_e4m3_mma_transposed(x, Pi, Out, Amax, Fac, b, h, bh, pid, cols, sob, soh, sod, OCP: tl.constexpr,
+                           QMAX: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+                           QB: tl.constexpr, IEEE: tl.constexpr):
+    """FP8_HEAD with the transposition done by an MMA: Vᵀ · Π, Π (:func:`_key_order_matrix`) the
+    0/1 matrix that puts token ``mma_key_order(c)`` in column c — one product x · 1 per output,
+    the rest zeros: exact (fp32 accumulation of bf16/fp16 inputs; IEEE fp32 in the interpreter).
+    In the MMA's accumulator a lane holds the columns 8j + 2t + e of its rows (channels), i.e.
+    the 32 tokens of block t: block maxima are in-thread reductions, no byte-wise transposition
+    through shared memory; the stored order (:func:`v8t_key_order`) is the column digits
+    (i, a, b, t, e) relabelled (i, a, t, b, e), as :func:`.attention_fwd.as_mma_operand` does."""
+    tl.static_assert(BLOCK_S == 128 and QB == 32, "the loop's key tiles of 128 and P blocks of 32")
+    k = tl.arange(0, BLOCK_S)
+    pi = tl.load(Pi + k[:, None] * BLOCK_S + k[None, :])
+    if IEEE:
+        xt = tl.dot(tl.trans(x.to(tl.float32)), pi, input_precision="ieee")
+    else:
+        xt = tl.dot(tl.trans(x), pi)
+    c = fp8_shift_from_raw_max(tl.load(Amax + bh * DV_PAD + cols).to(tl.float32, bitcast=True), OCP, QMAX)
+    xb = tl.reshape(xt, (BLOCK_DV, BLOCK_S // 8, 4, 2))  # column 8j + 2t + e: block t
+    amax = tl.max(tl.max(tl.abs(xb), axis=3), axis=1)
+    e = tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126)
+    q = round_e2m1_signed(xb, pow2(e)[:, None, :, None])
+    y = (tl.reshape(q, (BLOCK_DV, BLOCK_S)) * pow2(c)[:, None]).to(tl.float8e4nv)
+    y = tl.reshape(tl.permute(tl.reshape(y, (BLOCK_DV, BLOCK_S // 32, 2, 2, 4, 2)), (0, 1, 2, 4, 3, 5)),
+                   (BLOCK_DV, BLOCK_S))
+    tl.store(Out + b * sob + h * soh + cols[:, None] * sod + (pid * BLOCK_S + k)[None, :], y)
     if pid == 0:
         tl.store(Fac + bh * DV_PAD + cols, pow2(-c))
 
@@ -333,6 +369,18 @@ def v8t_in_key_order(v8t: torch.Tensor, qb: int = 32) -> torch.Tensor:
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def _key_order_matrix(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Π (128 × 128, 0/1): column c has its one in row ``attention_fwd.mma_key_order(c)``, so that
+    Vᵀ·Π holds token mma_key_order(c) of a key tile in column c (``_v_e4m3_mma_transposed``).
+    Built once per device and dtype; shared: read it, never write it."""
+    c = torch.arange(KEY_TILE)
+    rows = 32 * ((c // 2) % (KEY_TILE // 32)) + 2 * (c // (2 * (KEY_TILE // 32))) + c % 2
+    pi = torch.zeros(KEY_TILE, KEY_TILE, dtype=dtype)
+    pi[rows, c] = 1
+    return pi.to(device)
+
+
 @functools.lru_cache(maxsize=32)
 def _sign_hadamard(dp: int, d: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The ±1 Hadamard matrix of order ``dp``, zero-padded to ``d``, built once per device: a
@@ -357,6 +405,9 @@ class _PrePass:
     V_WARPS = 4  # (8 measured 2x slower)
     V_CHANNELS = 128  # channels per program of the transposed V launches (of 32, 64, 128: fastest)
     V_F16X2 = True  # e4m3 V of bf16/fp16 inputs quantized on f16 pairs (GPU only: inline PTX)
+    # e4m3 V transposed by the tensor cores (exact; offline 12 SASS instructions per element against
+    # ~17, no byte-wise shared-memory traffic) — not yet timed on a GPU, so off by default
+    V_TRANSPOSE_MMA = False
 
     def __init__(self, q, k, v, recipe, key_alive):
         self.q, self.k, self.v, self.recipe = q, k, v, recipe
@@ -422,8 +473,14 @@ class _PrePass:
         block_s = self.BLOCK_S_V if out_mode else self.BLOCK_S  # whole key tiles unless OUT = 0
         dv_pad = out.shape[-2] if transposed else next_pow2(dv)
         chunk = min(self.V_CHANNELS, dv_pad) if transposed else dv_pad
+        # the tensor-core transposition: exact for bf16/fp16 V on the GPU, fp32 (IEEE) in the interpreter
+        gpu = self.dev.type == "cuda"
+        mma_t = out_mode == FP8_HEAD and self.V_TRANSPOSE_MMA and (
+            not gpu or self.v.dtype in (torch.bfloat16, torch.float16))
+        pi = _key_order_matrix(self.dev, self.v.dtype if gpu else torch.float32) if mma_t else self.none
         _prepass_v[(triton.cdiv(self.sk, block_s), self.b * self.h, dv_pad // chunk)](
             self.v, self.alive, out, amax if amax is not None else self.none, fac if fac is not None else self.none,
+            pi,
             self.h, self.sk, dv,
             *self.v.stride(),
             self.alive.stride(0), self.alive.stride(1),
@@ -432,8 +489,8 @@ class _PrePass:
             OCP=rule is ScaleRule.OCP, QMAX=rule.qmax, DV_PAD=dv_pad, BLOCK_DV=chunk,
             BLOCK_S=block_s, OUT=out_mode, num_warps=self.V_WARPS,
             # (exact for V's own precision only: bf16 or fp16, at most 11 significant bits)
-            F16X2=out_mode == FP8_HEAD and self.dev.type == "cuda" and self.V_F16X2
-            and self.v.dtype in (torch.bfloat16, torch.float16),
+            F16X2=out_mode == FP8_HEAD and gpu and self.V_F16X2 and self.v.dtype in (torch.bfloat16, torch.float16),
+            MMA_T=mma_t, IEEE=not gpu,
         )
 
     def run(self, work_dtype):

@@ -47,9 +47,8 @@ def launches(run, q, k, v):
 #: launch options swept by --sweep: (launch name prefix, attribute of _PrePass, values)
 SWEEP = [
     ("Q", {"BLOCKS_PER_PROGRAM": (1, 8), "ROW_STAGES": (1, 2)}),
-    ("K", {"BLOCKS_PER_PROGRAM": (1, 8, 16), "TILE_WARPS": (4, 8)}),
-    ("V: channel", {"V_TILES_PER_PROGRAM": (1, 4, 8)}),
-    ("V: quantize", {"V_TILES_PER_PROGRAM": (1, 2, 4), "V_CHANNELS": (64, 128), "V_F16X2": (False, True)}),
+    ("K", {"BLOCKS_PER_PROGRAM": (1, 8), "TILE_WARPS": (4, 8)}),
+    ("V: quantize", {"V_TRANSPOSE_MMA": (False, True), "V_CHANNELS": (64, 128), "V_F16X2": (False, True)}),
 ]
 
 

@@ -729,6 +729,33 @@ def test_scaled_kernel_matches_reference_gpu(method, monkeypatch):
     assert cossim(a.float(), b.float()) >= 0.9999 and (la - lb).abs().max() < 2e-2
 
 
+@pytest.mark.parametrize("method", ["mxfp4-ocp", "mxattn"])
+@pytest.mark.parametrize("dv", [48, 128])
+def test_prepass_v_transposed_by_the_tensor_cores_equals_default(method, dv):
+    """The opt-in e4m3 V̂ᵀ path that transposes by an MMA (Vᵀ·Π, ``_PrePass.V_TRANSPOSE_MMA``)
+    writes the same values and channel factors as the default path: key tiles with a partial
+    last one, dead keys, padded channels, block magnitudes over 2^-12 .. 2^6 (interpreter: fp32
+    inputs; GPU: bf16)."""
+    from fp4video.kernels import prepass as pp
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(9)
+    v = (torch.randn(2, 2, 300, dv, generator=g) * torch.exp2(torch.randint(-12, 6, (2, 2, 300, 1), generator=g))
+         ).to(dev, dtype)
+    q = k = torch.zeros(2, 2, 300, 64, device=dev, dtype=dtype)
+    alive = (torch.arange(300, device=dev) % 7 != 3)[None].expand(2, -1)
+    outs = []
+    for mma in (False, True):
+        run = pp._PrePass(q, k, v, METHODS[method], alive)
+        run.V_TRANSPOSE_MMA = mma
+        _, _, _, _, v8, v_fac = run.run_fp8()
+        outs.append((v8.float(), v_fac))
+    assert outs[0][0].abs().amax() > 0
+    assert torch.equal(outs[1][0], outs[0][0]), (outs[1][0] != outs[0][0]).sum().item()
+    assert torch.equal(outs[1][1], outs[0][1])
+
+
 @pytest.mark.parametrize("rule", ["ocp", "uos"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_f16_pair_arithmetic_of_the_v_prepass_is_exact(rule, dtype):
