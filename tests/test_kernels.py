@@ -729,6 +729,27 @@ def test_scaled_kernel_matches_reference_gpu(method, monkeypatch):
     assert cossim(a.float(), b.float()) >= 0.9999 and (la - lb).abs().max() < 2e-2
 
 
+@pytest.mark.parametrize("method", ["mxattn", "mxattn-sk"])
+def test_prepass_row_blocks_per_program_change_nothing(method):
+    """The rotating Q/K launches loop over BLOCKS_PER_PROGRAM row blocks per program (the Hadamard
+    matrix read once): with 8 (the default), including programs whose last blocks lie past the
+    end, the e4m3 outputs and factors equal those of one block per program, bit for bit."""
+    from fp4video.kernels import prepass as pp
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = rand(1, 2, 600, 64, seed=31, device=dev), rand(1, 2, 1100, 64, seed=32, device=dev) * 5, \
+        rand(1, 2, 1100, 64, seed=33, device=dev)
+    alive = rand(1, 1100, seed=34, device=dev) > -1.5
+    outs = []
+    for per_program in (1, 8):
+        run = pp._PrePass(q, k, v, METHODS[method], alive)
+        run.BLOCKS_PER_PROGRAM = per_program
+        outs.append(run.run_fp8())
+    for name, a, b in zip(("q8", "q_fac", "k8", "k_fac", "v8t", "v_fac"), *outs):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), name
+
+
 @pytest.mark.parametrize("method", ["mxfp4-ocp", "mxattn"])
 @pytest.mark.parametrize("dv", [48, 128])
 def test_prepass_v_transposed_by_the_tensor_cores_equals_default(method, dv):
