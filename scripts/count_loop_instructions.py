@@ -8,12 +8,13 @@ offline (no GPU needed): the ALU budget BENCHMARKS.md discusses.
 
 Compiles ``_mx_fp8_attn_fwd`` (the e4m3 MXFP4 loop), ``_nv_attn_fwd`` (the bf16 NVFP4 loop) or
 ``_nv_attn_fwd_sm90`` (the ping-pong Gluon NVFP4 loop: one warpgroup's partition is counted) as
-it is launched on Hopper (its ``LAUNCH``: 128 rows and 8 warps, or for the e4m3 loop 64 rows and 4
-warps; its stages, no FMA contraction, head dim 128, no mask), disassembles the cubin with the nvdisasm that ships with
-Triton and takes the main loop: the code from the label that a later conditional branch jumps back to, up to
-that branch, containing the MMAs. Its instruction count divided by the elements of S each thread
-owns per key tile (128 × 128 / 256 = 64 × 128 / 128 = 64) is the count per element. Also prints the PTX count of the
-same loop body (what Triton emits, before ptxas) and ptxas's register and spill report.
+it is launched on Hopper (its ``LAUNCH``: 128 rows and 8 warps, or for the e4m3 loop 64 rows and
+4 warps; its stages, no FMA contraction, head dim 128, no mask), disassembles the cubin with the
+nvdisasm that ships with Triton and takes the main loop: the code from the label that a later
+conditional branch jumps back to, up to that branch, containing the MMAs. Its instruction count
+divided by the elements of S each thread owns per key tile (128 × 128 / 256 = 64 × 128 / 128 =
+64) is the count per element. Also prints the PTX count of the same loop body (what Triton
+emits, before ptxas) and ptxas's register and spill report.
 """
 
 from __future__ import annotations

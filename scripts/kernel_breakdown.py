@@ -79,7 +79,8 @@ def main(argv=None) -> int:
                                         block_m=bm, num_warps=nw, num_stages=ns,
                                         **({"max_registers": regs} if regs else {}))
         except Exception as e:  # noqa: BLE001  (e.g. more shared memory than the GPU has: report, drop it)
-            print(f"| {args.method} | {config_name(bm, nw, ns, regs)} | failed: {type(e).__name__} (not timed) |", flush=True)
+            print(f"| {args.method} | {config_name(bm, nw, ns, regs)} | failed: {type(e).__name__} (not timed) |",
+                  flush=True)
             configs.remove((bm, nw, ns, regs))
             continue
         print(f"| {args.method} | {config_name(bm, nw, ns, regs)} | {cossim(out.float(), ref):.6f} |", flush=True)

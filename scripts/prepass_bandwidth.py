@@ -6,8 +6,8 @@ K (the same, e4m3 per key tile), V's channel maxima, V (quantize, e4m3, transpos
 whole pre-pass as the attention call runs it, timed alone (medians). "× copy" is the launch's
 achieved bandwidth (the bytes it must move: bf16 read, e4m3 written; the maxima pass reads only)
 over that of a bf16 copy of Q timed in the same process. ``--sweep`` also times the launch
-options of ``_PrePass`` (row blocks per program, pipelining stages, warps, V channels per
-program), ``--plot`` draws the table. Markdown to stdout (BENCHMARKS.md keeps it).
+options of ``_PrePass`` (row blocks per program, pipelining stages, warps, V channels per program,
+V's f16-pair and tensor-core paths), ``--plot`` draws the table. Markdown to stdout (BENCHMARKS.md keeps it).
 
     python scripts/prepass_bandwidth.py --seqs 32760 75600 [--sweep] [--plot docs/prepass-bandwidth.png]
     python scripts/prepass_bandwidth.py --replot BENCHMARKS.md --plot docs/prepass-bandwidth.png   # no GPU

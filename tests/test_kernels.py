@@ -809,7 +809,8 @@ def test_f16_pair_arithmetic_of_the_v_prepass_is_exact(rule, dtype):
     u = torch.exp2(exponent(xs.abs().amax(1)))[:, None]
     u16, six = f16(u), f16(6 * u)
     cl = torch.minimum(torch.maximum(xs, -six), six)
-    binade = (f16(torch.maximum(cl.abs(), u16)).to(torch.float16).view(torch.int16) & 0x7C00).view(torch.float16).double()
+    binade16 = torch.maximum(cl.abs(), u16).to(torch.float16)  # exact: both are f16 values
+    binade = (binade16.view(torch.int16) & 0x7C00).view(torch.float16).double()
     q = f16(f16(binade * 768 + cl) - binade * 768)
     got = f16(4 * q).reshape(s, d)
     e4m3 = lambda t: t.float().to(torch.float8_e4m3fn).float()  # noqa: E731
