@@ -476,6 +476,16 @@ def _key_mask(key_alive, dev):
     return torch.empty(1, 1, dtype=torch.int8, device=dev)
 
 
+def fp8_launch(device: torch.device) -> tuple[int, int, int]:
+    """``LAUNCH["fp8"]`` for this GPU: its 3 stages take ~107 KB of shared memory per program at
+    head dim 128, more than Ada's (sm_89) 99 KB per block, so there it runs 2 stages (~74 KB;
+    chosen by that limit, not timed: no Ada GPU here). The CPU interpreter takes LAUNCH as is."""
+    bm, nw, ns = LAUNCH["fp8"]
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        ns = min(ns, 2)
+    return bm, nw, ns
+
+
 def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, key_alive, *, recipe, scale, out_dtype, dv,
                    block_m, num_warps, num_stages, quantize_p=True, warp_specialize=False, precise_qk=False,
                    precise_pv=False, max_registers=None):
@@ -487,7 +497,7 @@ def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, key_alive, *, recipe, scale
     out = torch.empty(b, h, sq, dv, device=dev, dtype=out_dtype)
     lse = torch.empty(b, h, sq, device=dev, dtype=torch.float32)
     km = _key_mask(key_alive, dev)
-    bm, nw, ns = LAUNCH["fp8"]
+    bm, nw, ns = fp8_launch(dev)
     block_m, num_warps, num_stages = block_m or bm, num_warps or nw, num_stages or ns
     _mx_fp8_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
         q8, q_fac, k8, k_fac, v8t, v_fac, km, out, lse,

@@ -1035,3 +1035,15 @@ S = 200: bf16 copy of Q 0.368 ms = 4210 GB/s
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert png.stat().st_size > 10_000
+
+
+def test_fp8_launch_fits_the_shared_memory_of_ada(monkeypatch):
+    """The e4m3 loop's 3 stages need more shared memory per program than Ada (sm_89) allows (99 KB
+    per block): there it launches with 2; Hopper keeps LAUNCH, the interpreter too."""
+    from fp4video.kernels import attention_fwd as af
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert af.fp8_launch(torch.device("cuda", 0)) == af.LAUNCH["fp8"][:2] + (2,)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert af.fp8_launch(torch.device("cuda", 0)) == af.LAUNCH["fp8"]
+    assert af.fp8_launch(torch.device("cpu")) == af.LAUNCH["fp8"]
