@@ -287,6 +287,22 @@ def _v_e4m3_f16x2(x, c, OCP: tl.constexpr, QMAX: tl.constexpr, BLOCK_S: tl.const
     return tl.reshape(q, (BLOCK_S, BLOCK_DV)).to(tl.float8e4nv)
 
 
+#: shared memory per SM of the GPUs where the pipelined launches fit as configured (sm_80:
+#: 164 KB, sm_90: 228 KB); GPUs with ~100 KB (sm_86, sm_89, sm_120) take fewer stages
+LARGE_SHARED_MEMORY = 128 << 10
+
+
+def large_shared_memory(device: torch.device) -> bool:
+    """Whether this GPU has at least LARGE_SHARED_MEMORY per SM (so ~107 KB per program fits)."""
+    if device.type != "cuda":
+        return True  # the interpreter: no limit
+    props = torch.cuda.get_device_properties(device)
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", None)
+    if per_sm is None:  # older torch: by capability (A100/H100/B200 class have the large ones)
+        return torch.cuda.get_device_capability(device) in ((8, 0), (9, 0), (10, 0))
+    return per_sm >= LARGE_SHARED_MEMORY
+
+
 def next_pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << (n - 1).bit_length())
 
@@ -464,7 +480,8 @@ class _PrePass:
             ROT_PARTS=self.rotation_parts(x, smooth=mean.dim() == 3),
             FMT=FMT_CODE[fmt], QB=fmt.block if fmt else 32, OCP=rule is ScaleRule.OCP, QMAX=rule.qmax,
             D=self.d, BLOCK_S=block_s, OUT=out_mode, BLOCKS_PER_PROGRAM=per_program, num_warps=warps,
-            num_stages=self.ROW_STAGES,
+            # K's key tiles at 2 stages take ~107 KB of shared memory: 1 stage where an SM has ~100 KB
+            num_stages=self.ROW_STAGES if large_shared_memory(self.dev) else 1,
         )
 
     def values(self, out_mode, out, amax=None, fac=None):

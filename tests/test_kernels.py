@@ -1037,13 +1037,24 @@ S = 200: bf16 copy of Q 0.368 ms = 4210 GB/s
     assert png.stat().st_size > 10_000
 
 
-def test_fp8_launch_fits_the_shared_memory_of_ada(monkeypatch):
-    """The e4m3 loop's 3 stages need more shared memory per program than Ada (sm_89) allows (99 KB
-    per block): there it launches with 2; Hopper keeps LAUNCH, the interpreter too."""
-    from fp4video.kernels import attention_fwd as af
+def test_launches_fit_the_shared_memory_of_ada(monkeypatch):
+    """The e4m3 loop's 3 stages and the K pre-pass's 2 need more shared memory per program than
+    GPUs with ~100 KB per SM allow (Ada, sm_89: 99 KB per block): there the loop launches with 2
+    stages and the row pre-pass with 1; 228 KB (Hopper) keeps the configuration, as does the
+    interpreter. Without the property (older torch) the capability decides."""
+    from types import SimpleNamespace
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
-    assert af.fp8_launch(torch.device("cuda", 0)) == af.LAUNCH["fp8"][:2] + (2,)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert af.fp8_launch(torch.device("cuda", 0)) == af.LAUNCH["fp8"]
-    assert af.fp8_launch(torch.device("cpu")) == af.LAUNCH["fp8"]
+    from fp4video.kernels import attention_fwd as af
+    from fp4video.kernels import prepass as pp
+
+    cuda = torch.device("cuda", 0)
+    for per_sm, large in ((100 << 10, False), (228 << 10, True), (164 << 10, True)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device=None, n=per_sm: SimpleNamespace(shared_memory_per_multiprocessor=n))
+        assert pp.large_shared_memory(cuda) is large
+        assert af.fp8_launch(cuda) == af.LAUNCH["fp8"][:2] + ((af.LAUNCH["fp8"][2],) if large else (2,))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace())
+    for cap, large in (((8, 9), False), ((9, 0), True), ((12, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
+        assert pp.large_shared_memory(cuda) is large
+    assert pp.large_shared_memory(torch.device("cpu")) and af.fp8_launch(torch.device("cpu")) == af.LAUNCH["fp8"]
