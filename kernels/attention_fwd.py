@@ -37,7 +37,7 @@ from fp4video.recipe import AttentionRecipe, RowSum
 from fp4video.reference import KEY_TILE
 
 from .fp4_math import fake_quant_rows, mx_block_exponent, pow2, round_e2m1_at_scale
-from .prepass import large_shared_memory, next_pow2, prepass, prepass_fp8, prepass_packed, prepass_tiles
+from .prepass import fitting_stages, next_pow2, prepass, prepass_fp8, prepass_packed, prepass_tiles
 
 # P quantization modes (constexpr)
 P_NONE, P_MX = 0, 1
@@ -476,13 +476,16 @@ def _key_mask(key_alive, dev):
     return torch.empty(1, 1, dtype=torch.int8, device=dev)
 
 
+#: shared memory of the e4m3 loop at 64 × 4 by stages (offline sm_90 compiles, head dim 128)
+FP8_SHARED_MEMORY = {2: 73732, 3: 106504}
+
+
 def fp8_launch(device: torch.device) -> tuple[int, int, int]:
     """``LAUNCH["fp8"]`` for this GPU: its 3 stages take ~107 KB of shared memory per program at
-    head dim 128, more than Ada's (sm_89) 99 KB per block, so GPUs with ~100 KB per SM run 2
-    stages (~74 KB; chosen by that limit, not timed: no Ada GPU here). The CPU interpreter takes
-    LAUNCH as is."""
+    head dim 128, more than Ada's (sm_89) 99 KB per block, so there it runs 2 stages (~74 KB;
+    chosen by that limit, not timed: no Ada GPU here)."""
     bm, nw, ns = LAUNCH["fp8"]
-    return (bm, nw, ns) if large_shared_memory(device) else (bm, nw, min(ns, 2))
+    return bm, nw, fitting_stages(device, ns, FP8_SHARED_MEMORY)
 
 
 def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, key_alive, *, recipe, scale, out_dtype, dv,

@@ -33,6 +33,7 @@ from fp4video.recipe import AttentionRecipe, PScale, RowSum
 from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
 
 from .attention_fwd import LOG2E, _key_mask, _tile_logits, program_rows, store_out_lse
+from .prepass import fitting_stages
 from .fp4_math import (const_div_rn, div_const_rn, e2m1_times_scale, nvfp4_block_scale, recip_rn_few_bits,
                        round_e2m1_at_scale)
 
@@ -41,6 +42,8 @@ RCP_P_RANGE = tl.constexpr(float(torch.tensor(1.0 / TWO_LEVEL_P_RANGE, dtype=tor
 
 #: BLOCK_M, warps, stages (scripts/kernel_breakdown.py --method sage3 sweeps them)
 LAUNCH = (128, 8, 3)  # H200, S=32,760: 88.98 ms with 1 stage, 74.48 with 2, 65.95 with 3 (sage3)
+#: its shared memory by stages (offline sm_90 compiles, head dim 128): prepass.fitting_stages
+SHARED_MEMORY = {1: 65536, 2: 163840, 3: 229376}
 
 
 @triton.jit
@@ -259,6 +262,8 @@ def attention_nvfp4(qh, kh, vh, key_alive, *, sk: int, recipe: AttentionRecipe, 
     dv = vh.shape[-1]
     bm, nw, ns = LAUNCH
     block_dv = max(16, 1 << (dv - 1).bit_length())
+    # 3 stages take 224 KB of shared memory (Hopper only): 2 on A100 (160 KB), 1 on ~100 KB GPUs
+    ns = fitting_stages(qh.device, ns, SHARED_MEMORY)
     block_m, num_warps, num_stages = block_m or bm, num_warps or nw, num_stages or ns
     cap = torch.cuda.get_device_capability(qh.device) if qh.is_cuda else (0, 0)
     _nv_attn_fwd[(triton.cdiv(sq, block_m), b * h)](  # packed bf16x2 / f16x2 min and fma: sm_80+; cvt to e4m3: sm_89+

@@ -287,20 +287,27 @@ def _v_e4m3_f16x2(x, c, OCP: tl.constexpr, QMAX: tl.constexpr, BLOCK_S: tl.const
     return tl.reshape(q, (BLOCK_S, BLOCK_DV)).to(tl.float8e4nv)
 
 
-#: shared memory per SM of the GPUs where the pipelined launches fit as configured (sm_80:
-#: 164 KB, sm_90: 228 KB); GPUs with ~100 KB (sm_86, sm_89, sm_120) take fewer stages
-LARGE_SHARED_MEMORY = 128 << 10
-
-
-def large_shared_memory(device: torch.device) -> bool:
-    """Whether this GPU has at least LARGE_SHARED_MEMORY per SM (so ~107 KB per program fits)."""
+def shared_memory_per_block(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on this GPU: the SM's less the 1 KB CUDA keeps
+    (H100/H200 227 KB, A100 163 KB, Ada and sm_86 99 KB); unlimited in the CPU interpreter."""
     if device.type != "cuda":
-        return True  # the interpreter: no limit
-    props = torch.cuda.get_device_properties(device)
-    per_sm = getattr(props, "shared_memory_per_multiprocessor", None)
-    if per_sm is None:  # older torch: by capability (A100/H100/B200 class have the large ones)
-        return torch.cuda.get_device_capability(device) in ((8, 0), (9, 0), (10, 0))
-    return per_sm >= LARGE_SHARED_MEMORY
+        return 1 << 30
+    per_sm = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", None)
+    if per_sm is None:  # older torch: by capability
+        cap = torch.cuda.get_device_capability(device)
+        per_sm = {(8, 0): 164 << 10, (9, 0): 228 << 10, (10, 0): 228 << 10}.get(cap, 100 << 10)
+    return per_sm - (1 << 10)
+
+
+def fitting_stages(device: torch.device, stages: int, need: dict[int, int]) -> int:
+    """The most software-pipelining stages, up to ``stages``, whose shared memory ``need[s]`` (bytes,
+    from offline sm_90 compiles at head dim 128; smaller head dims need less) fits this GPU."""
+    limit = shared_memory_per_block(device)
+    return max([s for s in range(1, stages + 1) if need.get(s, 0) <= limit] or [1])
+
+
+#: shared memory of the row pre-pass by stages (K's 128-row key tiles, bf16 inputs: the most)
+ROW_SHARED_MEMORY = {1: 98304, 2: 106496}
 
 
 def next_pow2(n: int, floor: int = 16) -> int:
@@ -480,8 +487,7 @@ class _PrePass:
             ROT_PARTS=self.rotation_parts(x, smooth=mean.dim() == 3),
             FMT=FMT_CODE[fmt], QB=fmt.block if fmt else 32, OCP=rule is ScaleRule.OCP, QMAX=rule.qmax,
             D=self.d, BLOCK_S=block_s, OUT=out_mode, BLOCKS_PER_PROGRAM=per_program, num_warps=warps,
-            # K's key tiles at 2 stages take ~107 KB of shared memory: 1 stage where an SM has ~100 KB
-            num_stages=self.ROW_STAGES if large_shared_memory(self.dev) else 1,
+            num_stages=fitting_stages(self.dev, self.ROW_STAGES, ROW_SHARED_MEMORY),  # (1 on ~100 KB GPUs)
         )
 
     def values(self, out_mode, out, amax=None, fac=None):

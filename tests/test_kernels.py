@@ -1037,24 +1037,31 @@ S = 200: bf16 copy of Q 0.368 ms = 4210 GB/s
     assert png.stat().st_size > 10_000
 
 
-def test_launches_fit_the_shared_memory_of_ada(monkeypatch):
-    """The e4m3 loop's 3 stages and the K pre-pass's 2 need more shared memory per program than
-    GPUs with ~100 KB per SM allow (Ada, sm_89: 99 KB per block): there the loop launches with 2
-    stages and the row pre-pass with 1; 228 KB (Hopper) keeps the configuration, as does the
-    interpreter. Without the property (older torch) the capability decides."""
+def test_launches_fit_the_shared_memory_of_the_gpu(monkeypatch):
+    """Software-pipelining stages that need more shared memory than the GPU gives a program are
+    dropped: on H100/H200 (228 KB per SM) every launch as configured; on A100 (164 KB) the NVFP4
+    loop with 2 stages (160 KB; 3 take 224 KB); on ~100 KB GPUs (Ada, sm_86: 99 KB per block)
+    the e4m3 loop with 2 (74 KB; 3 take 106.5 KB), the NVFP4 loop and the row pre-pass with 1.
+    Without the device property (older torch) the capability decides; the interpreter: no limit."""
     from types import SimpleNamespace
 
     from fp4video.kernels import attention_fwd as af
+    from fp4video.kernels import attention_nvfp4 as an
     from fp4video.kernels import prepass as pp
 
     cuda = torch.device("cuda", 0)
-    for per_sm, large in ((100 << 10, False), (228 << 10, True), (164 << 10, True)):
+
+    def stages(dev):
+        return (af.fp8_launch(dev)[2], pp.fitting_stages(dev, an.LAUNCH[2], an.SHARED_MEMORY),
+                pp.fitting_stages(dev, pp._PrePass.ROW_STAGES, pp.ROW_SHARED_MEMORY))
+
+    for per_sm, want in ((228 << 10, (3, 3, 2)), (164 << 10, (3, 2, 2)), (100 << 10, (2, 1, 1))):
         monkeypatch.setattr(torch.cuda, "get_device_properties",
                             lambda device=None, n=per_sm: SimpleNamespace(shared_memory_per_multiprocessor=n))
-        assert pp.large_shared_memory(cuda) is large
-        assert af.fp8_launch(cuda) == af.LAUNCH["fp8"][:2] + ((af.LAUNCH["fp8"][2],) if large else (2,))
+        assert pp.shared_memory_per_block(cuda) == per_sm - 1024
+        assert stages(cuda) == want, per_sm
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace())
-    for cap, large in (((8, 9), False), ((9, 0), True), ((12, 0), False)):
+    for cap, want in (((8, 9), (2, 1, 1)), ((9, 0), (3, 3, 2)), ((8, 0), (3, 2, 2))):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
-        assert pp.large_shared_memory(cuda) is large
-    assert pp.large_shared_memory(torch.device("cpu")) and af.fp8_launch(torch.device("cpu")) == af.LAUNCH["fp8"]
+        assert stages(cuda) == want, cap
+    assert stages(torch.device("cpu")) == (3, 3, 2)
