@@ -1065,3 +1065,20 @@ def test_launches_fit_the_shared_memory_of_the_gpu(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
         assert stages(cuda) == want, cap
     assert stages(torch.device("cpu")) == (3, 3, 2)
+
+
+@pytest.mark.gpu
+def test_hopper_keeps_the_measured_stages_gpu():
+    """On the H200 (sm_90, 228 KB per SM) the shared-memory check leaves every launch as
+    benchmarked: the e4m3 loop and the NVFP4 loop at 3 stages, the row pre-pass at 2."""
+    from fp4video.kernels import attention_fwd as af
+    from fp4video.kernels import attention_nvfp4 as an
+    from fp4video.kernels import prepass as pp
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if torch.cuda.get_device_capability(dev) != (9, 0):
+        pytest.skip("a Hopper GPU")
+    assert pp.shared_memory_per_block(dev) >= 227 * 1024
+    assert af.fp8_launch(dev) == af.LAUNCH["fp8"]
+    assert pp.fitting_stages(dev, an.LAUNCH[2], an.SHARED_MEMORY) == an.LAUNCH[2]
+    assert pp.fitting_stages(dev, pp._PrePass.ROW_STAGES, pp.ROW_SHARED_MEMORY) == pp._PrePass.ROW_STAGES
