@@ -397,10 +397,8 @@ def _key_order_matrix(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Π (128 × 128, 0/1): column c has its one in row ``attention_fwd.mma_key_order(c)``, so that
     Vᵀ·Π holds token mma_key_order(c) of a key tile in column c (``_v_e4m3_mma_transposed``).
     Built once per device and dtype; shared: read it, never write it."""
-    c = torch.arange(KEY_TILE)
-    rows = 32 * ((c // 2) % (KEY_TILE // 32)) + 2 * (c // (2 * (KEY_TILE // 32))) + c % 2
     pi = torch.zeros(KEY_TILE, KEY_TILE, dtype=dtype)
-    pi[rows, c] = 1
+    pi[tile_key_order(KEY_TILE), torch.arange(KEY_TILE)] = 1  # the same key order as K̂'s stored tiles
     return pi.to(device)
 
 
