@@ -443,6 +443,7 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
     p_mode = {None: P_NONE, Format.MXFP4: P_MX}[recipe.pv_format]
     qb = recipe.pv_format.block if recipe.pv_format else 32
     bm, nw, ns = LAUNCH[p_mode]
+    ns = fitting_stages(dev, ns, BF16_LOOP_SHARED_MEMORY)  # 3 stages: 160 KB (1 on ~100 KB GPUs, e.g. sm_86)
     block_m, num_warps, num_stages = block_m or bm, num_warps or nw, num_stages or ns
     grid = (triton.cdiv(sq, block_m), b * h)
     _fp4_attn_fwd[grid](
@@ -476,8 +477,10 @@ def _key_mask(key_alive, dev):
     return torch.empty(1, 1, dtype=torch.int8, device=dev)
 
 
-#: shared memory of the e4m3 loop at 64 × 4 by stages (offline sm_90 compiles, head dim 128)
+#: shared memory of the e4m3 loop at 64 × 4 and of the bf16 loop (``_fp4_attn_fwd``) at 128 × 8,
+#: by stages (offline sm_90 compiles, head dim 128): what ``prepass.fitting_stages`` checks
 FP8_SHARED_MEMORY = {2: 73732, 3: 106504}
+BF16_LOOP_SHARED_MEMORY = {1: 65536, 2: 131072, 3: 163840}
 
 
 def fp8_launch(device: torch.device) -> tuple[int, int, int]:

@@ -1043,7 +1043,8 @@ def test_launches_fit_the_shared_memory_of_the_gpu(monkeypatch):
     """Software-pipelining stages that need more shared memory than the GPU gives a program are
     dropped: on H100/H200 (228 KB per SM) every launch as configured; on A100 (164 KB) the NVFP4
     loop with 2 stages (160 KB; 3 take 224 KB); on ~100 KB GPUs (Ada, sm_86: 99 KB per block)
-    the e4m3 loop with 2 (74 KB; 3 take 106.5 KB), the NVFP4 loop and the row pre-pass with 1.
+    the e4m3 loop with 2 (74 KB; 3 take 106.5 KB), the NVFP4 loop, the row pre-pass and the bf16
+    loop of older GPUs (160 KB at 3) with 1.
     Without the device property (older torch) the capability decides; the interpreter: no limit."""
     from types import SimpleNamespace
 
@@ -1055,18 +1056,19 @@ def test_launches_fit_the_shared_memory_of_the_gpu(monkeypatch):
 
     def stages(dev):
         return (af.fp8_launch(dev)[2], pp.fitting_stages(dev, an.LAUNCH[2], an.SHARED_MEMORY),
-                pp.fitting_stages(dev, pp._PrePass.ROW_STAGES, pp.ROW_SHARED_MEMORY))
+                pp.fitting_stages(dev, pp._PrePass.ROW_STAGES, pp.ROW_SHARED_MEMORY),
+                pp.fitting_stages(dev, af.LAUNCH[af.P_MX][2], af.BF16_LOOP_SHARED_MEMORY))
 
-    for per_sm, want in ((228 << 10, (3, 3, 2)), (164 << 10, (3, 2, 2)), (100 << 10, (2, 1, 1))):
+    for per_sm, want in ((228 << 10, (3, 3, 2, 3)), (164 << 10, (3, 2, 2, 3)), (100 << 10, (2, 1, 1, 1))):
         monkeypatch.setattr(torch.cuda, "get_device_properties",
                             lambda device=None, n=per_sm: SimpleNamespace(shared_memory_per_multiprocessor=n))
         assert pp.shared_memory_per_block(cuda) == per_sm - 1024
         assert stages(cuda) == want, per_sm
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace())
-    for cap, want in (((8, 9), (2, 1, 1)), ((9, 0), (3, 3, 2)), ((8, 0), (3, 2, 2))):
+    for cap, want in (((8, 9), (2, 1, 1, 1)), ((9, 0), (3, 3, 2, 3)), ((8, 0), (3, 2, 2, 3))):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
         assert stages(cuda) == want, cap
-    assert stages(torch.device("cpu")) == (3, 3, 2)
+    assert stages(torch.device("cpu")) == (3, 3, 2, 3)
 
 
 @pytest.mark.gpu
