@@ -211,48 +211,102 @@ def _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK: tl.constexpr,
 
 
 @triton.jit
+def _mx_blocks(x):
+    """A per-block (row, t) tensor broadcast to the 5-d view (row, a, b, t, e) of an S tile (the
+    reductions of :func:`_mx_block_reduce` undone in reverse order: Gluon's layouts need it)."""
+    return x[:, None, :][:, :, None, :][:, :, :, :, None]
+
+
+@triton.jit
+def _mx_rows(x):
+    """A per-row vector (as :func:`mx_quantize_p` leaves it) broadcast to the 5-d view."""
+    return _mx_blocks(x[:, None])
+
+
+@triton.jit
+def _mx_block_reduce(x5, MAX: tl.constexpr):
+    """Per-block maxima (MAX) or sums (row, t) of the 5-d view: e, then b, then a. In-thread
+    reductions are chains of dependent instructions, and trees of 2, 4 and 4 are shorter than one
+    chain of 16 (the row sum's chain cost 3% of the loop on the H200)."""
+    if MAX:
+        return tl.max(tl.max(tl.max(x5, axis=4), axis=2), axis=1)
+    else:
+        return tl.sum(tl.sum(tl.sum(x5, axis=4), axis=2), axis=1)
+
+
+@triton.jit
+def mx_view(qk, QB: tl.constexpr):
+    """S tile (BLOCK_M, BLOCK_N) in :func:`mma_key_order` as (row, a, b, t, e): column
+    c = 2·NB·j + 2·t + e with j = (QB / 8)·a + b holds key QB·t + 2·j + e, so P block t is the
+    columns with that t, within one lane of the MMA's quad."""
+    return tl.reshape(qk, (qk.shape[0], 4, QB // 8, qk.shape[1] // QB, 2))
+
+
+@triton.jit
+def mx_row_vector(tile, QB: tl.constexpr):
+    """Row maxima of ``tile`` through :func:`mx_quantize_p`'s reductions: a per-row vector in the
+    layout of its row vectors (the Gluon kernel's state; ``tile``: a row's value in every column)."""
+    return tl.max(_mx_block_reduce(mx_view(tile, QB), True), axis=1)
+
+
+@triton.jit
+def mx_quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
+                  QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr):
+    """Online softmax and MXFP4 quantization of one key tile of logits ``qk`` (keys in
+    :func:`mma_key_order`, masked keys at -inf; the logit in log2 units is qk · q_scale, q_scale > 0
+    per row): the part the e4m3 loops (:func:`_mx_fp8_attn_fwd`, the Gluon one of
+    :mod:`.attention_mx_sm90`) share. Returns (P̂ as the e4m3 A operand of P̂·V̂
+    (:func:`as_mma_operand`), m_new, k_new, l_new, alpha): the caller rescales its accumulator by
+    alpha and adds P̂·V̂.
+
+    P̃ = exp2(s - m) is quantized per block of QB keys as the reference does (block exponent from
+    the block maximum, E2M1 rounding), in units of 2^k per row and tile, k = 6 - (the tile's
+    largest block exponent), folded into the exp2 argument: the largest P̂ value is 6·2^6 = 384 <
+    448, and every block whose scale is within 2^14 of the tile's largest is exact in e4m3.
+    """
+    BLOCK_M: tl.constexpr = qk.shape[0]
+    BLOCK_N: tl.constexpr = qk.shape[1]
+    s5 = mx_view(qk, QB)
+    block_max = _mx_block_reduce(s5, True) * q_scale[:, None]
+    tile_max = tl.max(block_max, axis=1)
+    m_new = tl.maximum(m_i, tile_max)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    # block exponents of P̃ = exp2(s - m) from the block maxima (exp2 is monotonic); the block
+    # holding the row maximum must get exactly exp2(0) = 1, which is why the kernels are compiled
+    # without FMA contraction (a fused block_max · q_scale - m leaves a residual of either sign:
+    # amax = 1 - 2^-24 would move that block to the next lower scale under the OCP rule)
+    amax = tl.exp2(block_max - m_safe[:, None])
+    e_blk = tl.where(amax > 0, mx_block_exponent(amax, OCP, QMAX), EXP_FLOOR)
+    # the tile's largest block exponent from its largest logit (the subtraction, exp2 and the
+    # exponent rule are monotonic: the same value as the largest e_blk), so that no second
+    # reduction across the lanes of a quad waits on the block exponents
+    tile_amax = tl.exp2(tile_max - m_safe)
+    k_new = 6 - tl.maximum(tl.where(tile_amax > 0, mx_block_exponent(tile_amax, OCP, QMAX), EXP_FLOOR), EXP_FLOOR)
+    p = tl.exp2(tl.fma(s5, _mx_rows(q_scale), _mx_rows(k_new.to(tl.float32) - m_safe)))  # P̃ · 2^k_new
+    if QUANTIZE_P:
+        p_hat = round_e2m1_at_scale(p, _mx_blocks(pow2(tl.maximum(e_blk + k_new[:, None], -126))))
+    else:
+        p_hat = p
+    alpha = tl.exp2(m_i - m_safe + (k_new - k_i).to(tl.float32))
+    part = tl.sum(_mx_block_reduce(p_hat if PNQ else p, False), axis=1)  # PNQ: the row sum of the quantized tile
+    l_new = tl.fma(alpha, l_i, part)
+    p8 = as_mma_operand(tl.reshape(p_hat, (BLOCK_M, BLOCK_N)).to(tl.float8e4nv), BLOCK_M, BLOCK_N)
+    return p8, m_new, k_new, l_new, alpha
+
+
+@triton.jit
 def _mx_fp8_tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd,
                  OCP: tl.constexpr, QMAX: tl.constexpr,
                  PNQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr,
                  PRECISE_PV: tl.constexpr):
-    """Softmax, P quantization and P̂·V̂ of one key tile of :func:`_mx_fp8_attn_fwd`, given its
-    logits from :func:`_tile_logits`: returns the updated (m, k, l, acc).
-
-    Column c = 2·NB·j + 2·t + e holds key QB·t + 2·j + e of the tile (:func:`mma_key_order`),
-    so P block t is the columns with that t: shape (BLOCK_M, QB/2, NB, 2), reduced over axes 1, 3.
-    """
-    NB: tl.constexpr = BLOCK_N // QB
-    BLOCKS: tl.constexpr = (BLOCK_M, QB // 2, NB, 2)
-    # the same columns with the block's QB / 2 column pairs split in two axes, reduced one after the
-    # other: in-thread reductions are chains of dependent instructions, and a 4 + 4 tree is
-    # shorter than a 16-long chain (the row sum's chain cost 3% of the loop on the H200)
-    TREE: tl.constexpr = (BLOCK_M, 4, QB // 8, NB, 2)
-    cols = start + tl.arange(0, BLOCK_N)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    block_max = tl.max(tl.max(tl.max(tl.reshape(qk, TREE), axis=4), axis=2), axis=1) * q_scale[:, None]
-    m_new = tl.maximum(m_i, tl.max(block_max, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    # block exponents of P̃ = exp2(s - m) from the block maxima (exp2 is monotonic); the block
-    # holding the row maximum must get exactly exp2(0) = 1, which is why the kernel is compiled
-    # without FMA contraction (a fused block_max · q_scale - m leaves a residual of either sign:
-    # amax = 1 - 2^-24 would move that block to the next lower scale under the OCP rule)
-    amax = tl.exp2(block_max - m_safe[:, None])
-    e_blk = tl.where(amax > 0, mx_block_exponent(amax, OCP, QMAX), EXP_FLOOR)
-    k_new = 6 - tl.maximum(tl.max(e_blk, axis=1), EXP_FLOOR)
-    p = tl.exp2(tl.fma(qk, q_scale[:, None], (k_new.to(tl.float32) - m_safe)[:, None]))  # P̃ · 2^k_new
-    if QUANTIZE_P:
-        unit = pow2(tl.maximum(e_blk + k_new[:, None], -126))
-        p_hat = tl.reshape(round_e2m1_at_scale(tl.reshape(p, BLOCKS), unit[:, None, :, None]), (BLOCK_M, BLOCK_N))
-    else:
-        p_hat = p
-    p8 = as_mma_operand(p_hat.to(tl.float8e4nv), BLOCK_M, BLOCK_N)
-    alpha = tl.exp2(m_i - m_safe + (k_new - k_i).to(tl.float32))
-    row_sum = tl.reshape(p_hat if PNQ else p, TREE)  # PNQ: the row sum of the quantized tile
-    l_i = tl.fma(alpha, l_i, tl.sum(tl.sum(tl.sum(tl.sum(row_sum, axis=4), axis=2), axis=1), axis=1))
+    """:func:`mx_quantize_p` and P̂·V̂ of one key tile of :func:`_mx_fp8_attn_fwd`, given its
+    logits from :func:`_tile_logits`: returns the updated (m, k, l, acc)."""
+    p8, m_new, k_new, l_i, alpha = mx_quantize_p(qk, q_scale, m_i, k_i, l_i, OCP, QMAX, PNQ, QB, EXP_FLOOR,
+                                                 QUANTIZE_P)
     # V̂ᵀ is stored in P̂'s operand order (prepass.v8t_key_order), padded with zeros to whole tiles:
     # plain loads
-    vt = tl.load(V_base + offs_dv[:, None] * svd + cols[None, :])
+    vt = tl.load(V_base + tl.arange(0, BLOCK_DV)[:, None] * svd + (start + tl.arange(0, BLOCK_N))[None, :])
     if PRECISE_PV:  # promote the fp8 MMA's partial sums to fp32 every 32 keys
         acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None], max_num_imprecise_acc=32)
     else:
@@ -311,13 +365,15 @@ def _mx_fp8_attn_fwd(
     n_full = (SK // BLOCK_N) * BLOCK_N
     for start in tl.range(0, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
         qk_scale = q_scale * tl.load(KF_base + start // BLOCK_N)
-        qk = _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB, PRECISE_QK)
+        qk = _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB, PRECISE_QK,
+                         TILE_ORDERED=True)
         m_i, k_i, l_i, acc = _mx_fp8_tile(
             qk, qk_scale, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV,
             BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV)
     if n_full < SK:
         qk_scale = q_scale * tl.load(KF_base + n_full // BLOCK_N)
-        qk = _tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, QB, PRECISE_QK)
+        qk = _tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, QB, PRECISE_QK,
+                         TILE_ORDERED=True)
         m_i, k_i, l_i, acc = _mx_fp8_tile(
             qk, qk_scale, m_i, k_i, l_i, acc, V_base, n_full, svd, OCP, QMAX, PNQ, BLOCK_DV,
             BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV)
@@ -377,7 +433,7 @@ def prepare(q, k, v, recipe: AttentionRecipe, key_alive):
     if path == "scaled":
         return ("scaled", prepass_packed(q, k, v, recipe, key_alive))
     if path == "fp8":
-        return ("fp8", prepass_fp8(q, k, v, recipe, key_alive))
+        return ("fp8", (*prepass_fp8(q, k, v, recipe, key_alive), k.shape[-2]))
     if recipe.pv_format is Format.NVFP4:  # the NVFP4 loops read K̂, V̂ in tile key order, whole tiles
         return ("nvfp4", (*prepass_tiles(q, k, v, recipe, key_alive, work_dtype(q)), k.shape[-2]))
     if recipe.quantized:
@@ -421,11 +477,15 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
         return attention_packed(*tensors, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv,
                                 block_m=block_m, num_warps=num_warps, num_stages=num_stages)
     if path == "fp8":
+        sm90 = _gluon_module("attention_mx_sm90")
+        launch_given = any((block_m, num_warps, num_stages)) or bool(fp8_options)
+        if sm90 is not None and sm90.choose(tensors[0], tensors[4], launch_given) == "sm90":
+            return sm90.attention_mx_sm90(*tensors, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv)
         return _attention_fp8(*tensors, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv,
                               block_m=block_m, num_warps=num_warps, num_stages=num_stages, **fp8_options)
     if path == "nvfp4":
         qh, kh, vh, sk = tensors
-        sm90 = _gluon_nvfp4()
+        sm90 = _gluon_module("attention_nvfp4_sm90")
         if sm90 is not None and sm90.choose(qh, vh, launch_given=any((block_m, num_warps, num_stages))) == "sm90":
             return sm90.attention_nvfp4_sm90(qh, kh, vh, key_alive, sk=sk, recipe=recipe, scale=scale,
                                              out_dtype=out_dtype)
@@ -462,13 +522,15 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
     return out, lse
 
 
-def _gluon_nvfp4():
-    """:mod:`.attention_nvfp4_sm90`, or None where this Triton has no Gluon Hopper API (< 3.5)."""
+def _gluon_module(name: str):
+    """The Gluon Hopper loop module ``name`` (:mod:`.attention_nvfp4_sm90`, :mod:`.attention_mx_sm90`),
+    or None where this Triton has no Gluon Hopper API (< 3.5)."""
+    import importlib
+
     try:
-        from . import attention_nvfp4_sm90
+        return importlib.import_module(f"{__package__}.{name}")
     except ImportError:
         return None
-    return attention_nvfp4_sm90
 
 
 def _key_mask(key_alive, dev):
@@ -491,13 +553,14 @@ def fp8_launch(device: torch.device) -> tuple[int, int, int]:
     return bm, nw, fitting_stages(device, ns, FP8_SHARED_MEMORY)
 
 
-def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, key_alive, *, recipe, scale, out_dtype, dv,
+def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, sk, key_alive, *, recipe, scale, out_dtype, dv,
                    block_m, num_warps, num_stages, quantize_p=True, warp_specialize=False, precise_qk=False,
                    precise_pv=False, max_registers=None):
     b, h, sq, d = q8.shape
-    sk, dvp = k8.shape[-2], v8t.shape[-2]
-    if v8t.shape[-1] % KEY_TILE:
-        raise ValueError(f"V̂ᵀ must be padded to whole key tiles of {KEY_TILE} (prepass_fp8 does), got {v8t.shape[-1]}")
+    dvp = v8t.shape[-2]
+    if k8.shape[-2] % KEY_TILE or v8t.shape[-1] != k8.shape[-2] or not 0 < sk <= k8.shape[-2]:
+        raise ValueError(f"K̂ and V̂ᵀ must hold whole key tiles of {KEY_TILE} for {sk} keys (prepass_fp8's), "
+                         f"got {k8.shape[-2]} and {v8t.shape[-1]}")
     dev = q8.device
     out = torch.empty(b, h, sq, dv, device=dev, dtype=out_dtype)
     lse = torch.empty(b, h, sq, device=dev, dtype=torch.float32)

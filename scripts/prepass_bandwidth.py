@@ -48,7 +48,8 @@ def launches(run, q, k, v):
 SWEEP = [
     ("Q", {"BLOCKS_PER_PROGRAM": (1, 8), "ROW_STAGES": (1, 2)}),
     ("K", {"BLOCKS_PER_PROGRAM": (1, 8), "TILE_WARPS": (4, 8)}),
-    ("V: quantize", {"V_TRANSPOSE_MMA": (False, True), "V_CHANNELS": (64, 128), "V_F16X2": (False, True)}),
+    ("V: quantize", {"V_TRANSPOSE_MMA": (False,), "V_CHANNELS": (64, 128), "V_F16X2": (False, True)}),
+    ("V: quantize", {"V_TRANSPOSE_MMA": (True,), "V_CHANNELS_MMA": (64, 128)}),
 ]
 
 
