@@ -212,8 +212,7 @@ def _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK: tl.constexpr,
 
 @triton.jit
 def _mx_blocks(x):
-    """A per-block (row, t) tensor broadcast to the 5-d view (row, a, b, t, e) of an S tile (the
-    reductions of :func:`_mx_block_reduce` undone in reverse order: Gluon's layouts need it)."""
+    """A per-block (row, t) tensor broadcast to the 5-d view (row, a, b, t, e) of an S tile."""
     return x[:, None, :][:, :, None, :][:, :, :, :, None]
 
 
@@ -243,19 +242,11 @@ def mx_view(qk, QB: tl.constexpr):
 
 
 @triton.jit
-def mx_row_vector(tile, QB: tl.constexpr):
-    """Row maxima of ``tile`` through :func:`mx_quantize_p`'s reductions: a per-row vector in the
-    layout of its row vectors (the Gluon kernel's state; ``tile``: a row's value in every column)."""
-    return tl.max(_mx_block_reduce(mx_view(tile, QB), True), axis=1)
-
-
-@triton.jit
 def mx_quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
                   QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr):
     """Online softmax and MXFP4 quantization of one key tile of logits ``qk`` (keys in
     :func:`mma_key_order`, masked keys at -inf; the logit in log2 units is qk · q_scale, q_scale > 0
-    per row): the part the e4m3 loops (:func:`_mx_fp8_attn_fwd`, the Gluon one of
-    :mod:`.attention_mx_sm90`) share. Returns (P̂ as the e4m3 A operand of P̂·V̂
+    per row) of :func:`_mx_fp8_attn_fwd`. Returns (P̂ as the e4m3 A operand of P̂·V̂
     (:func:`as_mma_operand`), m_new, k_new, l_new, alpha): the caller rescales its accumulator by
     alpha and adds P̂·V̂.
 
@@ -268,20 +259,15 @@ def mx_quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.conste
     BLOCK_N: tl.constexpr = qk.shape[1]
     s5 = mx_view(qk, QB)
     block_max = _mx_block_reduce(s5, True) * q_scale[:, None]
-    tile_max = tl.max(block_max, axis=1)
-    m_new = tl.maximum(m_i, tile_max)
+    m_new = tl.maximum(m_i, tl.max(block_max, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     # block exponents of P̃ = exp2(s - m) from the block maxima (exp2 is monotonic); the block
-    # holding the row maximum must get exactly exp2(0) = 1, which is why the kernels are compiled
+    # holding the row maximum must get exactly exp2(0) = 1, which is why the kernel is compiled
     # without FMA contraction (a fused block_max · q_scale - m leaves a residual of either sign:
     # amax = 1 - 2^-24 would move that block to the next lower scale under the OCP rule)
     amax = tl.exp2(block_max - m_safe[:, None])
     e_blk = tl.where(amax > 0, mx_block_exponent(amax, OCP, QMAX), EXP_FLOOR)
-    # the tile's largest block exponent from its largest logit (the subtraction, exp2 and the
-    # exponent rule are monotonic: the same value as the largest e_blk), so that no second
-    # reduction across the lanes of a quad waits on the block exponents
-    tile_amax = tl.exp2(tile_max - m_safe)
-    k_new = 6 - tl.maximum(tl.where(tile_amax > 0, mx_block_exponent(tile_amax, OCP, QMAX), EXP_FLOOR), EXP_FLOOR)
+    k_new = 6 - tl.maximum(tl.max(e_blk, axis=1), EXP_FLOOR)
     p = tl.exp2(tl.fma(s5, _mx_rows(q_scale), _mx_rows(k_new.to(tl.float32) - m_safe)))  # P̃ · 2^k_new
     if QUANTIZE_P:
         p_hat = round_e2m1_at_scale(p, _mx_blocks(pow2(tl.maximum(e_blk + k_new[:, None], -126))))
@@ -365,15 +351,13 @@ def _mx_fp8_attn_fwd(
     n_full = (SK // BLOCK_N) * BLOCK_N
     for start in tl.range(0, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
         qk_scale = q_scale * tl.load(KF_base + start // BLOCK_N)
-        qk = _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB, PRECISE_QK,
-                         TILE_ORDERED=True)
+        qk = _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB, PRECISE_QK)
         m_i, k_i, l_i, acc = _mx_fp8_tile(
             qk, qk_scale, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV,
             BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV)
     if n_full < SK:
         qk_scale = q_scale * tl.load(KF_base + n_full // BLOCK_N)
-        qk = _tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, QB, PRECISE_QK,
-                         TILE_ORDERED=True)
+        qk = _tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, QB, PRECISE_QK)
         m_i, k_i, l_i, acc = _mx_fp8_tile(
             qk, qk_scale, m_i, k_i, l_i, acc, V_base, n_full, svd, OCP, QMAX, PNQ, BLOCK_DV,
             BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV)
@@ -433,7 +417,7 @@ def prepare(q, k, v, recipe: AttentionRecipe, key_alive):
     if path == "scaled":
         return ("scaled", prepass_packed(q, k, v, recipe, key_alive))
     if path == "fp8":
-        return ("fp8", (*prepass_fp8(q, k, v, recipe, key_alive), k.shape[-2]))
+        return ("fp8", prepass_fp8(q, k, v, recipe, key_alive))
     if recipe.pv_format is Format.NVFP4:  # the NVFP4 loops read K̂, V̂ in tile key order, whole tiles
         return ("nvfp4", (*prepass_tiles(q, k, v, recipe, key_alive, work_dtype(q)), k.shape[-2]))
     if recipe.quantized:
@@ -477,15 +461,11 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
         return attention_packed(*tensors, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv,
                                 block_m=block_m, num_warps=num_warps, num_stages=num_stages)
     if path == "fp8":
-        sm90 = _gluon_module("attention_mx_sm90")
-        launch_given = any((block_m, num_warps, num_stages)) or bool(fp8_options)
-        if sm90 is not None and sm90.choose(tensors[0], tensors[4], launch_given) == "sm90":
-            return sm90.attention_mx_sm90(*tensors, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv)
         return _attention_fp8(*tensors, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv,
                               block_m=block_m, num_warps=num_warps, num_stages=num_stages, **fp8_options)
     if path == "nvfp4":
         qh, kh, vh, sk = tensors
-        sm90 = _gluon_module("attention_nvfp4_sm90")
+        sm90 = _gluon_nvfp4()
         if sm90 is not None and sm90.choose(qh, vh, launch_given=any((block_m, num_warps, num_stages))) == "sm90":
             return sm90.attention_nvfp4_sm90(qh, kh, vh, key_alive, sk=sk, recipe=recipe, scale=scale,
                                              out_dtype=out_dtype)
@@ -522,15 +502,13 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
     return out, lse
 
 
-def _gluon_module(name: str):
-    """The Gluon Hopper loop module ``name`` (:mod:`.attention_nvfp4_sm90`, :mod:`.attention_mx_sm90`),
-    or None where this Triton has no Gluon Hopper API (< 3.5)."""
-    import importlib
-
+def _gluon_nvfp4():
+    """:mod:`.attention_nvfp4_sm90`, or None where this Triton has no Gluon Hopper API (< 3.5)."""
     try:
-        return importlib.import_module(f"{__package__}.{name}")
+        from . import attention_nvfp4_sm90
     except ImportError:
         return None
+    return attention_nvfp4_sm90
 
 
 def _key_mask(key_alive, dev):
@@ -553,14 +531,13 @@ def fp8_launch(device: torch.device) -> tuple[int, int, int]:
     return bm, nw, fitting_stages(device, ns, FP8_SHARED_MEMORY)
 
 
-def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, sk, key_alive, *, recipe, scale, out_dtype, dv,
+def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, key_alive, *, recipe, scale, out_dtype, dv,
                    block_m, num_warps, num_stages, quantize_p=True, warp_specialize=False, precise_qk=False,
                    precise_pv=False, max_registers=None):
     b, h, sq, d = q8.shape
-    dvp = v8t.shape[-2]
-    if k8.shape[-2] % KEY_TILE or v8t.shape[-1] != k8.shape[-2] or not 0 < sk <= k8.shape[-2]:
-        raise ValueError(f"K̂ and V̂ᵀ must hold whole key tiles of {KEY_TILE} for {sk} keys (prepass_fp8's), "
-                         f"got {k8.shape[-2]} and {v8t.shape[-1]}")
+    sk, dvp = k8.shape[-2], v8t.shape[-2]
+    if v8t.shape[-1] % KEY_TILE:
+        raise ValueError(f"V̂ᵀ must be padded to whole key tiles of {KEY_TILE} (prepass_fp8 does), got {v8t.shape[-1]}")
     dev = q8.device
     out = torch.empty(b, h, sq, dv, device=dev, dtype=out_dtype)
     lse = torch.empty(b, h, sq, device=dev, dtype=torch.float32)

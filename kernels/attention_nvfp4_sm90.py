@@ -235,27 +235,20 @@ def choose(qh: torch.Tensor, vh: torch.Tensor, launch_given: bool) -> str:
     where it can run, for :data:`DEFAULT_SHAPES`, when no launch options (``block_m``, ...: the
     Triton loop's) are given; else ``"triton"`` (:mod:`.attention_nvfp4`).
     ``FP4VIDEO_NV_KERNEL=triton|sm90`` forces one; a forced ``sm90`` raises where it cannot run."""
-    return choose_loop("FP4VIDEO_NV_KERNEL", lambda: unsupported_reason(qh, vh),
-                       (qh.shape[-1], vh.shape[-1]) in DEFAULT_SHAPES, launch_given)
-
-
-def choose_loop(env_var: str, reason, default_shape: bool, launch_given: bool) -> str:
-    """``"sm90"`` or ``"triton"``: the Gluon loop where ``reason()`` (why it cannot run, or None)
-    allows it, for a default shape and no launch options; ``env_var=triton|sm90`` forces one (a
-    forced ``sm90`` raises where it cannot run)."""
     import os
 
-    forced = os.environ.get(env_var)
+    forced = os.environ.get("FP4VIDEO_NV_KERNEL")
     if forced not in (None, "", "sm90", "triton"):
-        raise ValueError(f"{env_var} must be 'sm90' or 'triton', got {forced!r}")
+        raise ValueError(f"FP4VIDEO_NV_KERNEL must be 'sm90' or 'triton', got {forced!r}")
     if forced == "triton":
         return "triton"
-    why = reason()
-    if forced == "sm90" and (why or launch_given):
-        raise ValueError(f"{env_var}=sm90: {why or 'it takes no launch options (block_m, ...)'}")
+    reason = unsupported_reason(qh, vh)
+    if forced == "sm90" and (reason or launch_given):
+        raise ValueError(f"FP4VIDEO_NV_KERNEL=sm90: {reason or 'it takes no launch options (block_m, ...)'}")
     if forced == "sm90":
         return "sm90"
-    return "sm90" if why is None and not launch_given and default_shape else "triton"
+    default_shape = (qh.shape[-1], vh.shape[-1]) in DEFAULT_SHAPES
+    return "sm90" if reason is None and not launch_given and default_shape else "triton"
 
 
 def attention_nvfp4_sm90(qh, kh, vh, key_alive, *, sk: int, recipe: AttentionRecipe, scale: float, out_dtype):

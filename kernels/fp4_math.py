@@ -171,7 +171,7 @@ def mx_block_exponent(amax, OCP: tl.constexpr, QMAX: tl.constexpr):
     if OCP:
         return (bits >> 23) - 129
     else:
-        qbits = tl.cast(QMAX * 0.25, tl.float32).to(tl.int32, bitcast=True)  # (a scalar: no layout, for Gluon)
+        qbits = tl.full([], QMAX * 0.25, tl.float32).to(tl.int32, bitcast=True)
         return ((bits + (0x7FFFFF - (qbits & 0x7FFFFF))) >> 23) - 129 - ((qbits >> 23) - 127)
 
 

@@ -128,12 +128,10 @@ def _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, blk,
         # (all-zero blocks: any unit rounds them to 0)
         q = round_e2m1_signed(xs, pow2(tl.minimum(tl.maximum(e, -126), 126))[:, :, None])
         y = tl.reshape(q, (BLOCK_S, D)).to(tl.float8e4nv)
+        tl.store(out_ptrs, y, mask=(rows < S)[:, None])
         if OUT == 1:
-            tl.store(out_ptrs, y, mask=(rows < S)[:, None])
             tl.store(Fac + bh * S + rows, pow2(-c), mask=rows < S)
-        else:  # a whole key tile (zero rows past S), its rows in the loops' key order
-            tl.store(Out + b * sob + h * soh + tile_key_position(rows, BLOCK_S)[:, None] * sos + cols[None, :], y,
-                     mask=(rows < tl.cdiv(S, BLOCK_S) * BLOCK_S)[:, None])
+        else:
             tl.store(Fac + bh * tl.cdiv(S, BLOCK_S) + blk, pow2(-c), mask=blk * BLOCK_S < S)
     elif OUT == 4:  # E2M1_PACKED: codes along D into Out, E8M0 scales into Fac (B, H, S, D // QB)
         codes, scales = mx_pack_rows(x * norm, BLOCK_S, D, QB, OCP, QMAX)
@@ -353,9 +351,7 @@ def prepass_fp8(q, k, v, recipe: AttentionRecipe, key_alive):
 
     Returns ``(q8, q_fac (B, H, Sq), k8, k_fac (B, H, Sk / 128 rounded up), v8t, v_fac (B, H,
     Dv_padded))``: the dequantized value is ``q8 · q_fac`` (per query row), ``k8 · k_fac`` (per
-    key tile of 128, the attention loop's: one factor per tile of S; ``k8`` is (B, H, Sk rounded
-    up to whole tiles, D), its rows within each tile in the loops' key order, as
-    :func:`prepass_tiles` stores them: :func:`k8_in_key_order`), ``v8t · v_fac``
+    key tile of 128, the attention loop's: one factor per tile of S), ``v8t · v_fac``
     (per channel; ``v8t`` is (B, H, Dv_padded, Sk rounded up to whole key tiles of 128), V
     transposed, its tokens within each tile in the order the attention loop's P̂ operand holds them:
     :func:`v8t_key_order` / :func:`v8t_in_key_order`). E2M1 × 2^e is exact in e4m3 when the block's exponent is within 16 of the
@@ -381,11 +377,6 @@ def v8t_key_order(n: int, qb: int = 32, tile: int = KEY_TILE) -> torch.Tensor:
     c = kk - kk % 32 + 16 * a + 8 * b + 2 * t + e  # the S column operand slot k takes
     nb = tile // qb
     return k - kk + qb * ((c // 2) % nb) + 2 * (c // (2 * nb)) + c % 2
-
-
-def k8_in_key_order(k8: torch.Tensor, sk: int) -> torch.Tensor:
-    """:func:`prepass_fp8`'s ``k8`` (…, Sk_pad, D, tiles in key order) as its first ``sk`` keys in order."""
-    return k8[..., tile_key_order(k8.shape[-2]).argsort().to(k8.device), :][..., :sk, :]
 
 
 def k_fac_per_key(k_fac: torch.Tensor, sk: int) -> torch.Tensor:
@@ -567,8 +558,7 @@ class _PrePass:
         b, h, dev, f8 = self.b, self.h, self.dev, torch.float8_e4m3fn
         dvp = next_pow2(self.dv, floor=32)
         q8 = torch.empty(b, h, self.sq, self.d, device=dev, dtype=f8)
-        # in tile key order, padded with zero rows (written by the kernel) to whole key tiles
-        k8 = torch.empty(b, h, -(-self.sk // KEY_TILE) * KEY_TILE, self.d, device=dev, dtype=f8)
+        k8 = torch.empty(b, h, self.sk, self.d, device=dev, dtype=f8)
         # transposed, padded with zeros (written by the kernel) to whole key tiles, in the loop's P̂ operand order
         v8 = torch.empty(b, h, dvp, -(-self.sk // KEY_TILE) * KEY_TILE, device=dev, dtype=f8)
         q_fac = torch.empty(b, h, self.sq, device=dev)

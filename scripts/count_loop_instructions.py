@@ -57,20 +57,6 @@ def compile_loop_kernel(args):
                       D=128, BLOCK_DV=128, BLOCK_M=128, BLOCK_N=128, NUM_BUF=NUM_BUFFERS,
                       CONSUMER_REGS=CONSUMER_REGS)
         stages, warps = 1, 4  # its own buffering; one warpgroup here, the other in a partition
-    elif args.kernel == "mx-sm90":
-        from triton.experimental.gluon import language as gl
-        from triton.experimental.gluon._runtime import GluonASTSource as source
-
-        from fp4video.kernels.attention_fwd import TILE_EXP_FLOOR
-        from fp4video.kernels.attention_mx_sm90 import CONSUMER_REGS, NUM_BUFFERS, _mx_attn_fwd_sm90 as fn
-
-        desc = f"tensordesc<fp8e4nv[128, 128],{gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)!r}>"
-        ptr = {"Q8": "*fp8e4nv", "QFac": "*fp32", "Kd": desc, "KFac": "*fp32", "Vd": desc, "VFac": "*fp32",
-               "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
-        consts = dict(HAS_MASK=False, OCP=args.ocp, QMAX=7.25, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=128,
-                      BLOCK_N=128, NUM_BUF=NUM_BUFFERS, EXP_FLOOR=TILE_EXP_FLOOR, CONSUMER_REGS=CONSUMER_REGS,
-                      PING_PONG=True)
-        stages, warps = 1, 4  # its own buffering; one warpgroup here, the other in a partition
     else:
         from fp4video.kernels.attention_fwd import LAUNCH, TILE_EXP_FLOOR, _mx_fp8_attn_fwd as fn
 
@@ -144,9 +130,9 @@ def ptxas_registers(ptx: str, bin_dir: str, tmp: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernel", choices=["mx", "mx-sm90", "nvfp4", "nvfp4-sm90"], default="mx",
-                    help="mx: the e4m3 MXFP4 loop (default); mx-sm90: its ping-pong Gluon version; nvfp4: the "
-                         "bf16 NVFP4 loop (sage3's two-level P); nvfp4-sm90: the ping-pong Gluon NVFP4 loop")
+    ap.add_argument("--kernel", choices=["mx", "nvfp4", "nvfp4-sm90"], default="mx",
+                    help="mx: the e4m3 MXFP4 loop (default); nvfp4: the bf16 NVFP4 loop (sage3's two-level P); "
+                         "nvfp4-sm90: the ping-pong Gluon NVFP4 loop")
     ap.add_argument("--no-two-level", action="store_true", help="nvfp4: plain NVFP4 P (the nvfp4 method)")
     ap.add_argument("--no-quantize-p", action="store_true", help="the floor variant: P only cast to e4m3")
     ap.add_argument("--ocp", action="store_true", help="OCP scale rule instead of UOS")

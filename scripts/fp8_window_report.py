@@ -65,7 +65,7 @@ def p_window(qh, kh, recipe, scale):
 
 
 def main() -> int:
-    from fp4video.kernels.prepass import k8_in_key_order, k_fac_per_key, prepass_fp8, v8t_in_key_order
+    from fp4video.kernels.prepass import k_fac_per_key, prepass_fp8, v8t_in_key_order
 
     print("| data | method | Q̂ K̂ V̂ elements off the reference | P blocks outside the window | their share of P̂ mass |")
     print("| --- | --- | --- | --- | --- |")
@@ -76,7 +76,7 @@ def main() -> int:
             rq, rk, rv = prepare_qkv(qb, kb, vb, recipe)
             q8, q_fac, k8, k_fac, v8t, v_fac = prepass_fp8(qb, kb, vb, recipe, None)
             n = q.shape[0]
-            got = (q8.float() * q_fac[..., None], k8_in_key_order(k8, n).float() * k_fac_per_key(k_fac, n)[..., None],
+            got = (q8.float() * q_fac[..., None], k8.float() * k_fac_per_key(k_fac, n)[..., None],
                    v8t_in_key_order(v8t).float().transpose(-1, -2)[..., :n, :] * v_fac[..., None, :])
             off = sum(int((g[..., :n, :128] != r[..., :n, :128]).sum()) for g, r in zip(got, (rq, rk, rv)))
             frac_blocks, frac_mass = p_window(rq[0, 0, :n].double(), rk[0, 0, :n].double(), recipe, 128**-0.5)

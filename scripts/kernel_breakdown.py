@@ -27,33 +27,7 @@ from fp4video.metrics import cossim
 
 
 def config_name(bm, nw, ns, regs):
-    if bm in ("sm90", "sm90free"):
-        return "Gluon, two warpgroups " + ("in turns (sm_90)" if bm == "sm90" else "running free (sm_90)")
     return f"{bm}x{nw}x{ns}" + (f", ≤ {regs} registers" if regs else "")
-
-
-def run_loop(prepared, recipe, config, dtype, **opts):
-    """The attention loop on ``prepared`` with a launch config (bm, warps, stages, registers), or the
-    e4m3 loop's Gluon ping-pong kernel for the config ``("sm90", ...)`` (no launch options)."""
-    import os
-
-    bm, nw, ns, regs = config
-    if bm in ("sm90", "sm90free"):
-        from fp4video.kernels import attention_mx_sm90
-
-        if opts.get("quantize_p", True) is False or opts.get("warp_specialize"):
-            raise ValueError("the Gluon kernel has no floor / warp-specialized variant")
-        os.environ["FP4VIDEO_MX_LOOP"] = "sm90"
-        attention_mx_sm90.PING_PONG = bm == "sm90"
-        try:
-            return attention_prepared(prepared, None, recipe=recipe, scale=128**-0.5, out_dtype=dtype, dv=128)
-        finally:
-            del os.environ["FP4VIDEO_MX_LOOP"]
-            attention_mx_sm90.PING_PONG = True
-    if regs:
-        opts["max_registers"] = regs
-    return attention_prepared(prepared, None, recipe=recipe, scale=128**-0.5, out_dtype=dtype, dv=128,
-                              block_m=bm, num_warps=nw, num_stages=ns, **opts)
 
 
 def bench(fn):
@@ -84,15 +58,13 @@ def main(argv=None) -> int:
     ap.add_argument("--method", default="mxattn")
     ap.add_argument("--configs", default="128x8x3,64x4x2,64x4x3,64x4x2r168",
                     help="BLOCK_MxWARPSxSTAGES list for the loop; a suffix rN caps the registers per thread at N "
-                         "(e4m3 loop: 64x4x2r168 lets three programs share an SM); sm90: the e4m3 loop's Gluon "
-                         "ping-pong kernel (sm90free: its warpgroups not taking turns)")
+                         "(e4m3 loop: 64x4x2r168 lets three programs share an SM)")
     ap.add_argument("--warp-specialize", action="store_true", help="also try tl.range(warp_specialize=True)")
     ap.add_argument("--skip-prepass", action="store_true", help="time the attention loop only")
     args = ap.parse_args(argv)
     recipe = METHODS[args.method]
     # BLOCK_MxWARPSxSTAGES, optionally rN: at most N registers per thread (the e4m3 loop)
-    configs = [(c, None, None, None) if c in ("sm90", "sm90free") else
-               tuple(int(x) for x in c.split("r")[0].split("x")) + ((int(c.split("r")[1]),) if "r" in c else (None,))
+    configs = [tuple(int(x) for x in c.split("r")[0].split("x")) + ((int(c.split("r")[1]),) if "r" in c else (None,))
                for c in args.configs.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -103,7 +75,9 @@ def main(argv=None) -> int:
     print("| check (S=4000, H=4) | config | cosine to reference |\n| --- | --- | --- |")
     for bm, nw, ns, regs in list(configs):
         try:
-            out, _ = run_loop(prepared, recipe, (bm, nw, ns, regs), q.dtype)
+            out, _ = attention_prepared(prepared, None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype, dv=128,
+                                        block_m=bm, num_warps=nw, num_stages=ns,
+                                        **({"max_registers": regs} if regs else {}))
         except Exception as e:  # noqa: BLE001  (e.g. more shared memory than the GPU has: report, drop it)
             print(f"| {args.method} | {config_name(bm, nw, ns, regs)} | failed: {type(e).__name__} (not timed) |",
                   flush=True)
@@ -143,11 +117,11 @@ def main(argv=None) -> int:
     variants = [(True, False)] + ([(False, False)] if fp8 else []) + ([(True, True)] if args.warp_specialize and fp8 else [])
     for (quant, ws), (bm, nw, ns, regs) in itertools.product(variants, configs):
         try:
-            gluon = bm in ("sm90", "sm90free")
-            if gluon and (not quant or ws):
-                continue
-            opts = dict(quantize_p=quant, warp_specialize=ws) if fp8 and not gluon else {}
-            t = bench(lambda: run_loop(prepared, recipe, (bm, nw, ns, regs), q.dtype, **opts))
+            opts = dict(quantize_p=quant, warp_specialize=ws) if fp8 else {}
+            if regs:
+                opts["max_registers"] = regs
+            t = bench(lambda: attention_prepared(prepared, None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype,
+                                                 dv=128, block_m=bm, num_warps=nw, num_stages=ns, **opts))
             what = (args.method if quant else "P cast to e4m3 (floor)") + (", warp-specialized" if ws else "")
             print(f"| {what} | {config_name(bm, nw, ns, regs)} | {t:.2f} | {flops / t / 1e9:.0f} | {t_ref / t:.2f} |",
                   flush=True)

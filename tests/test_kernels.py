@@ -397,7 +397,7 @@ def test_fp8_shift_from_raw_max_equals_shift_of_quantized_max(rule):
 def test_prepass_fp8_is_exact_and_in_e4m3_range():
     """q8·q_fac, k8·k_fac, v8·v_fac equal the reference's dequantized Q̂, K̂, V̂ (no rotation: bit
     for bit), and the scaled values use e4m3's range: largest at most 384, none saturated."""
-    from fp4video.kernels.prepass import k8_in_key_order, k_fac_per_key, prepass_fp8, v8t_in_key_order
+    from fp4video.kernels.prepass import k_fac_per_key, prepass_fp8, v8t_in_key_order
     from fp4video.reference import prepare_qkv
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -410,9 +410,7 @@ def test_prepass_fp8_is_exact_and_in_e4m3_range():
     assert q8.dtype == k8.dtype == v8.dtype == torch.float8_e4m3fn
     got_q = q8.float() * q_fac[..., None]
     assert k_fac.shape == (2, 2, 2)  # one factor per key tile of 128
-    got_k = k8_in_key_order(k8, 150).float() * k_fac_per_key(k_fac, 150)[..., None]
-    padded = k8_in_key_order(k8, 256).float()[..., 150:, :]
-    assert k8.shape[-2] == 256 and padded.shape[-2] == 106 and not padded.any()  # zero keys to whole tiles
+    got_k = k8.float() * k_fac_per_key(k_fac, 150)[..., None]
     got_v = v8t_in_key_order(v8).float().transpose(-1, -2)[..., :150, :] * v_fac[..., None, :]
     assert torch.equal(got_q[..., :80], rq[..., :45, :80]) and not got_q[..., 80:].any()
     assert torch.equal(got_k[..., :80], rk[..., :150, :80]) and not got_k[..., 80:].any()
@@ -442,6 +440,29 @@ def test_v8t_key_order_puts_each_p_block_in_one_lane():
     assert order[16:18].tolist() == [4, 5] and order[32:34].tolist() == [8, 9]
     with pytest.raises(ValueError, match="qb=32, tile=128"):
         v8t_key_order(128, qb=16)
+
+
+@pytest.mark.parametrize("method", ["mxfp4-ocp", "mxattn"])
+def test_e4m3_loop_shifts_each_key_tile_by_its_own_largest_block(method):
+    """The e4m3 loop quantizes P in units of 2^k per row and key tile, k from the tile's largest
+    block (taken from its largest logit): a tile whose weights are all ~2^-20 of the row maximum
+    (an earlier tile's) keeps every block exact, where a shift from the row maximum would flush
+    them below e4m3's subnormals. V is zero on the dominant tile, so the output is that small
+    tile's P̂·V̂ alone: it must match the reference (interpreter or GPU)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(17)
+    q = torch.randn(1, 1, 4, 64, generator=g)
+    k = torch.randn(1, 1, 256, 64, generator=g)
+    v = torch.randn(1, 1, 256, 64, generator=g)
+    q[..., 0] = 4.0
+    k[..., :128, 0] = 28.0  # logits of the first key tile 4·28/8 = 14 higher: the others weigh ~e^-14
+    k[..., 128:, 0] = 0.0
+    v[..., :128, :] = 0.0
+    q, k, v = (t.to(dev) for t in (q, k, v))
+    got = fp4_attention(q, k, v, method=method, backend="triton")
+    want = fp4_attention(q, k, v, method=method, backend="reference")
+    assert 0 < want.abs().max() < 1e-4  # the small tile's share
+    assert cossim(got.double(), want.double()) >= 0.9999, cossim(got.double(), want.double())
 
 
 def test_prepass_fp8_window_is_16_binades():
@@ -689,59 +710,6 @@ def test_gluon_nvfp4_kernel_equals_triton_loop_gpu(method, monkeypatch):
     from fp4video.kernels.attention_nvfp4_sm90 import choose
 
     assert choose(q, q, launch_given=False) == "sm90" and choose(q, q, launch_given=True) == "triton"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("method", ["mxattn", "mxfp4-ocp"])
-def test_gluon_mx_kernel_equals_triton_loop_gpu(method, monkeypatch):
-    """The ping-pong Gluon e4m3 MXFP4 kernel (attention_mx_sm90) computes what the Triton e4m3 loop
-    computes, element for element — the same P̂ (one shared quantization function) through the
-    same MMAs in the same order — for one key tile or several, a partial last tile or none, a
-    key-padding mask, head dims 64 and 128, value head dims 128 and 48, a query block only partly
-    used; and both match the reference."""
-    from fp4video.kernels import attention_fwd
-
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon MXFP4 kernel is built for sm_90")
-    for sk, d, dv, masked in ((100, 128, 128, False), (1024, 128, 128, False), (937, 64, 64, False),
-                              (1531, 128, 128, True), (700, 128, 48, True)):
-        q = rand(2, 3, 333, d, seed=90, device="cuda", dtype=torch.bfloat16) * 2  # 333 = 2·128 + 77
-        k, v = rand(2, 3, sk, d, seed=93, device="cuda", dtype=torch.bfloat16) * 2, \
-            rand(2, 3, sk, dv, seed=94, device="cuda", dtype=torch.bfloat16)
-        mask = (rand(2, 1, 1, sk, seed=95, device="cuda") > -1.0) if masked else None
-        outs = {}
-        for kernel in ("triton", "sm90"):
-            monkeypatch.setenv("FP4VIDEO_MX_LOOP", kernel)
-            torch.full((64 << 20,), float("nan"), device="cuda")  # poison the memory the outputs reuse
-            outs[kernel] = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="triton")
-        (a, la), (b, lb) = outs["triton"], outs["sm90"]
-        case = (method, sk, d, dv, masked)
-        assert torch.isfinite(b).all() and torch.isfinite(lb).all(), case
-        assert torch.equal(a, b) and torch.equal(la, lb), (case, (a != b).sum().item(), (la - lb).abs().max().item())
-        r, lr = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="reference")
-        assert cossim(r.float(), b.float()) >= 0.9999 and (lr - lb).abs().max() < 2e-2, case
-    monkeypatch.setenv("FP4VIDEO_MX_LOOP", "sm90")
-    q8 = torch.zeros(1, 1, 8, 32, device="cuda", dtype=torch.float8_e4m3fn)  # head dim 32: not built for it
-    with pytest.raises(ValueError, match="head dims 64 and 128"):
-        attention_fwd.attention_prepared(("fp8", (q8, None, q8, None, q8, None, 8)), None, recipe=METHODS[method],
-                                         scale=1.0, out_dtype=torch.bfloat16, dv=32)
-    monkeypatch.delenv("FP4VIDEO_MX_LOOP")
-
-
-def test_mx_kernel_choice_without_hopper(monkeypatch):
-    """Where the ping-pong e4m3 kernel cannot run (here: CPU tensors), the Triton loop runs; forcing
-    it there, or an unknown FP4VIDEO_MX_LOOP, is an error naming the problem."""
-    from fp4video.kernels.attention_mx_sm90 import choose
-
-    x = torch.zeros(1, 1, 8, 128, dtype=torch.float8_e4m3fn)
-    monkeypatch.delenv("FP4VIDEO_MX_LOOP", raising=False)
-    assert choose(x, x, launch_given=False) == "triton"
-    monkeypatch.setenv("FP4VIDEO_MX_LOOP", "sm90")
-    with pytest.raises(ValueError, match="FP4VIDEO_MX_LOOP=sm90: it runs on sm_90"):
-        choose(x, x, launch_given=False)
-    monkeypatch.setenv("FP4VIDEO_MX_LOOP", "gluon")
-    with pytest.raises(ValueError, match="must be 'sm90' or 'triton'"):
-        choose(x, x, launch_given=False)
 
 
 def test_gluon_nvfp4_launch_binds_every_argument_by_name():
