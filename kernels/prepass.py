@@ -422,7 +422,8 @@ class _PrePass:
     TILE_WARPS = 4  # warps per key tile of K (FP8_TILE; 4 and 8 measured equal on the H200)
     # The launch options below: scripts/prepass_bandwidth.py --sweep, H200 (BENCHMARKS.md, 2026-11-30)
     BLOCKS_PER_PROGRAM = 8  # row blocks per program of the rotating launches (one read of the Hadamard matrix)
-    ROW_STAGES = 2  # software-pipelining stages of that loop (K needs 2; 3: more shared memory, slower)
+    ROW_STAGES = 2  # software-pipelining stages of that loop (Q: 1 and 2 measured equal; 3: more shared memory)
+    TILE_STAGES = 2  # the same for K's key tiles (FP8_TILE)
     V_WARPS = 4  # (8 measured 2x slower)
     V_CHANNELS = 128  # channels per program of the transposed V launches (of 32, 64, 128: fastest)
     V_F16X2 = True  # e4m3 V of bf16/fp16 inputs quantized on f16 pairs (GPU only: inline PTX)
@@ -487,7 +488,8 @@ class _PrePass:
             ROT_PARTS=self.rotation_parts(x, smooth=mean.dim() == 3),
             FMT=FMT_CODE[fmt], QB=fmt.block if fmt else 32, OCP=rule is ScaleRule.OCP, QMAX=rule.qmax,
             D=self.d, BLOCK_S=block_s, OUT=out_mode, BLOCKS_PER_PROGRAM=per_program, num_warps=warps,
-            num_stages=fitting_stages(self.dev, self.ROW_STAGES, ROW_SHARED_MEMORY),  # (1 on ~100 KB GPUs)
+            num_stages=fitting_stages(self.dev, self.TILE_STAGES if out_mode == FP8_TILE else self.ROW_STAGES,
+                                      ROW_SHARED_MEMORY),  # (1 on ~100 KB GPUs)
         )
 
     def values(self, out_mode, out, amax=None, fac=None):

@@ -46,10 +46,10 @@ def launches(run, q, k, v):
 
 #: launch options swept by --sweep: (launch name prefix, attribute of _PrePass, values)
 SWEEP = [
-    ("Q", {"BLOCKS_PER_PROGRAM": (1, 8), "ROW_STAGES": (1, 2)}),
-    ("K", {"BLOCKS_PER_PROGRAM": (1, 8), "TILE_WARPS": (4, 8)}),
+    ("Q", {"BLOCKS_PER_PROGRAM": (1, 8), "ROW_STAGES": (1, 2), "Q_WARPS": (4, 8)}),
+    ("K", {"BLOCKS_PER_PROGRAM": (1, 8), "TILE_WARPS": (4, 8), "TILE_STAGES": (1, 2)}),
     ("V: quantize", {"V_TRANSPOSE_MMA": (False,), "V_CHANNELS": (64, 128), "V_F16X2": (False, True)}),
-    ("V: quantize", {"V_TRANSPOSE_MMA": (True,), "V_CHANNELS_MMA": (64, 128)}),
+    ("V: quantize", {"V_TRANSPOSE_MMA": (True,), "V_CHANNELS_MMA": (32, 64, 128), "V_WARPS": (4, 8)}),
 ]
 
 
