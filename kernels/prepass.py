@@ -161,11 +161,13 @@ def _prepass_v(
     HAS_ALIVE: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
     DV_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr,
     F16X2: tl.constexpr = False, MMA_T: tl.constexpr = False, IEEE: tl.constexpr = False,
+    TILES: tl.constexpr = 1,
 ):
     """V: quantized along tokens (blocks of QB consecutive keys per channel); each program takes
-    BLOCK_S tokens of BLOCK_DV of the DV_PAD channels (grid axis 2). (Several tiles per program,
-    with the next tile's loads issued before this one's arithmetic, measured slower on the H200:
-    more registers, fewer programs per SM; BENCHMARKS.md.)
+    BLOCK_S tokens of BLOCK_DV of the DV_PAD channels (grid axis 2) — the tensor-core transposed
+    e4m3 path TILES such tiles. (Several tiles per program, with the next tile's loads issued
+    before this one's arithmetic, measured slower on the H200 for the other paths: more
+    registers, fewer programs per SM; BENCHMARKS.md.)
 
     OUT: 0 writes Out's dtype; FP8_AMAX folds each channel's largest |v| (before quantization:
     the shift follows from it, :func:`.fp4_math.fp8_shift_from_raw_max`) into Amax[b, h, :];
@@ -178,17 +180,20 @@ def _prepass_v(
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
-    rows = pid * BLOCK_S + tl.arange(0, BLOCK_S)
     cols = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    ok = rows < S
-    if HAS_ALIVE:
-        ok = ok & (tl.load(Alive + b * sab + rows * sas, mask=rows < S, other=0) != 0)
-    x = tl.load(V + b * svb + h * svh + rows[:, None] * svs + cols[None, :] * svd,
-                mask=ok[:, None] & (cols[None, :] < DV), other=0.0)
-    if OUT == 3 and MMA_T:  # FP8_HEAD, transposed by the tensor cores (V's own dtype)
-        _v_e4m3_mma_transposed(x, Pi, Out, Amax, Fac, b, h, bh, pid, cols, sob, soh, sod,
-                               OCP, QMAX, DV_PAD, BLOCK_DV, BLOCK_S, QB, IEEE)
+    if OUT == 3 and MMA_T:  # FP8_HEAD, transposed by the tensor cores (V's own dtype): TILES tiles per
+        # program, Π and the channel shifts read once for all of them
+        k = tl.arange(0, BLOCK_S)
+        pi = tl.load(Pi + k[:, None] * BLOCK_S + k[None, :])
+        c = fp8_shift_from_raw_max(tl.load(Amax + bh * DV_PAD + cols).to(tl.float32, bitcast=True), OCP, QMAX)
+        for i in tl.range(TILES):
+            tile = pid * TILES + i
+            x = _v_tile(V, Alive, b, h, tile, cols, S, DV, svb, svh, svs, svd, sab, sas, HAS_ALIVE, BLOCK_S)
+            _v_e4m3_mma_transposed(x, pi, c, Out, Fac, b, h, bh, tile, cols, S, sob, soh, sod,
+                                   DV_PAD, BLOCK_DV, BLOCK_S, QB, OCP, QMAX, IEEE)
     else:
+        x = _v_tile(V, Alive, b, h, pid, cols, S, DV, svb, svh, svs, svd, sab, sas, HAS_ALIVE, BLOCK_S)
+        rows = pid * BLOCK_S + tl.arange(0, BLOCK_S)
         x = x.to(tl.float32)
         if OUT == 4:  # E2M1_PACKED, transposed: codes along tokens (B, H, Dv, S_pad // 2), scales
             # (B, H, Dv, S_pad // QB); S_pad is a multiple of BLOCK_S, so every program writes whole tiles
@@ -220,6 +225,18 @@ def _prepass_v(
 
 
 @triton.jit
+def _v_tile(V, Alive, b, h, tile, cols, S, DV, svb, svh, svs, svd, sab, sas, HAS_ALIVE: tl.constexpr,
+            BLOCK_S: tl.constexpr):
+    """Tokens [tile·BLOCK_S, +BLOCK_S) of V's channels ``cols``, zero for dead keys and past the ends."""
+    rows = tile * BLOCK_S + tl.arange(0, BLOCK_S)
+    ok = rows < S
+    if HAS_ALIVE:
+        ok = ok & (tl.load(Alive + b * sab + rows * sas, mask=rows < S, other=0) != 0)
+    return tl.load(V + b * svb + h * svh + rows[:, None] * svs + cols[None, :] * svd,
+                   mask=ok[:, None] & (cols[None, :] < DV), other=0.0)
+
+
+@triton.jit
 def _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
                QB: tl.constexpr, y, c):
     """FP8_HEAD's stores: y (BLOCK_S tokens × channels ``cols``, e4m3) transposed, its tokens in the
@@ -235,24 +252,24 @@ def _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD: tl.constexp
 
 
 @triton.jit
-def _v_e4m3_mma_transposed(x, Pi, Out, Amax, Fac, b, h, bh, pid, cols, sob, soh, sod, OCP: tl.constexpr,
-                           QMAX: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
-                           QB: tl.constexpr, IEEE: tl.constexpr):
+def _v_e4m3_mma_transposed(x, pi, c, Out, Fac, b, h, bh, pid, cols, S, sob, soh, sod, DV_PAD: tl.constexpr,
+                           BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr,
+                           QMAX: tl.constexpr, IEEE: tl.constexpr):
     """FP8_HEAD with the transposition done by an MMA: Vᵀ · Π, Π (:func:`_key_order_matrix`) the
     0/1 matrix that puts token ``mma_key_order(c)`` in column c — one product x · 1 per output,
     the rest zeros: exact (fp32 accumulation of bf16/fp16 inputs; IEEE fp32 in the interpreter).
     In the MMA's accumulator a lane holds the columns 8j + 2t + e of its rows (channels), i.e.
     the 32 tokens of block t: block maxima are in-thread reductions, no byte-wise transposition
     through shared memory; the stored order (:func:`v8t_key_order`) is the column digits
-    (i, a, b, t, e) relabelled (i, a, t, b, e), as :func:`.attention_fwd.as_mma_operand` does."""
+    (i, a, b, t, e) relabelled (i, a, t, b, e), as :func:`.attention_fwd.as_mma_operand` does.
+    ``pi``: Π; ``c``: the channel shifts; tile ``pid`` is written only if it holds one of the S
+    tokens (a program's tiles past the last one are not)."""
     tl.static_assert(BLOCK_S == 128 and QB == 32, "the loop's key tiles of 128 and P blocks of 32")
     k = tl.arange(0, BLOCK_S)
-    pi = tl.load(Pi + k[:, None] * BLOCK_S + k[None, :])
     if IEEE:
         xt = tl.dot(tl.trans(x.to(tl.float32)), pi, input_precision="ieee")
     else:
         xt = tl.dot(tl.trans(x), pi)
-    c = fp8_shift_from_raw_max(tl.load(Amax + bh * DV_PAD + cols).to(tl.float32, bitcast=True), OCP, QMAX)
     xb = tl.reshape(xt, (BLOCK_DV, BLOCK_S // 8, 4, 2))  # column 8j + 2t + e: block t
     amax = tl.max(tl.max(tl.abs(xb), axis=3), axis=1)
     e = tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126)
@@ -260,7 +277,9 @@ def _v_e4m3_mma_transposed(x, Pi, Out, Amax, Fac, b, h, bh, pid, cols, sob, soh,
     y = (tl.reshape(q, (BLOCK_DV, BLOCK_S)) * pow2(c)[:, None]).to(tl.float8e4nv)
     y = tl.reshape(tl.permute(tl.reshape(y, (BLOCK_DV, BLOCK_S // 32, 2, 2, 4, 2)), (0, 1, 2, 4, 3, 5)),
                    (BLOCK_DV, BLOCK_S))
-    tl.store(Out + b * sob + h * soh + cols[:, None] * sod + (pid * BLOCK_S + k)[None, :], y)
+    first = pid * BLOCK_S + k * 0  # (the tile's first token, as a tensor: a mask for every column)
+    tl.store(Out + b * sob + h * soh + cols[:, None] * sod + (pid * BLOCK_S + k)[None, :], y,
+             mask=(first < S)[None, :] & (cols[:, None] >= 0))
     if pid == 0:
         tl.store(Fac + bh * DV_PAD + cols, pow2(-c))
 
@@ -308,6 +327,8 @@ def fitting_stages(device: torch.device, stages: int, need: dict[int, int]) -> i
 
 #: shared memory of the row pre-pass by stages (K's 128-row key tiles, bf16 inputs: the most)
 ROW_SHARED_MEMORY = {1: 98304, 2: 106496}
+#: the same for the tensor-core V path at 64 channels and 4 tiles per program
+V_SHARED_MEMORY = {1: 49152, 2: 73728, 3: 90112}
 
 
 def next_pow2(n: int, floor: int = 16) -> int:
@@ -428,10 +449,13 @@ class _PrePass:
     V_CHANNELS = 128  # channels per program of the transposed V launches (of 32, 64, 128: fastest)
     V_F16X2 = True  # e4m3 V of bf16/fp16 inputs quantized on f16 pairs (GPU only: inline PTX)
     # e4m3 V of bf16/fp16 inputs transposed by the tensor cores (exact; offline 12 SASS instructions
-    # per element against ~17, no byte-wise shared-memory traffic): 0.198 ms against 0.219 at 480p,
-    # with 64 channels per program (128: 0.255 ms); fp32 V takes the f16-pair/fp32 path
+    # per element against ~17, no byte-wise shared-memory traffic), 64 channels and 4 key tiles per
+    # program (Π read once for all): 0.167 ms at 480p against 0.188 with one tile, 0.218 the
+    # f16-pair path; 128 channels slower (0.182 ms at best). fp32 V takes the f16-pair/fp32 path
     V_TRANSPOSE_MMA = True
     V_CHANNELS_MMA = 64
+    V_TILES_MMA = 4
+    V_STAGES = 3  # software-pipelining stages of its loop over the tiles (2: 0.171 ms)
 
     def __init__(self, q, k, v, recipe, key_alive):
         self.q, self.k, self.v, self.recipe = q, k, v, recipe
@@ -503,7 +527,8 @@ class _PrePass:
             not gpu or self.v.dtype in (torch.bfloat16, torch.float16))
         chunk = min(self.V_CHANNELS_MMA if mma_t else self.V_CHANNELS, dv_pad) if transposed else dv_pad
         pi = _key_order_matrix(self.dev, self.v.dtype if gpu else torch.float32) if mma_t else self.none
-        _prepass_v[(triton.cdiv(self.sk, block_s), self.b * self.h, dv_pad // chunk)](
+        tiles = self.V_TILES_MMA if mma_t else 1
+        _prepass_v[(triton.cdiv(triton.cdiv(self.sk, block_s), tiles), self.b * self.h, dv_pad // chunk)](
             self.v, self.alive, out, amax if amax is not None else self.none, fac if fac is not None else self.none,
             pi,
             self.h, self.sk, dv,
@@ -515,7 +540,7 @@ class _PrePass:
             BLOCK_S=block_s, OUT=out_mode, num_warps=self.V_WARPS,
             # (exact for V's own precision only: bf16 or fp16, at most 11 significant bits)
             F16X2=out_mode == FP8_HEAD and gpu and self.V_F16X2 and self.v.dtype in (torch.bfloat16, torch.float16),
-            MMA_T=mma_t, IEEE=not gpu,
+            MMA_T=mma_t, IEEE=not gpu, TILES=tiles, num_stages=fitting_stages(self.dev, self.V_STAGES, V_SHARED_MEMORY),
         )
 
     def run(self, work_dtype):

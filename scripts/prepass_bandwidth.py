@@ -9,7 +9,7 @@ over that of a bf16 copy of Q timed in the same process. ``--sweep`` also times 
 options of ``_PrePass`` (row blocks per program, pipelining stages, warps, V channels per program,
 V's f16-pair and tensor-core paths), ``--plot`` draws the table. Markdown to stdout (BENCHMARKS.md keeps it).
 
-    python scripts/prepass_bandwidth.py --seqs 32760 75600 [--sweep] [--plot docs/prepass-bandwidth.png]
+    python scripts/prepass_bandwidth.py --seqs 32760 75600 [--sweep [Q K V]] [--plot docs/prepass-bandwidth.png]
     python scripts/prepass_bandwidth.py --replot BENCHMARKS.md --plot docs/prepass-bandwidth.png   # no GPU
 """
 
@@ -48,8 +48,10 @@ def launches(run, q, k, v):
 SWEEP = [
     ("Q", {"BLOCKS_PER_PROGRAM": (1, 8), "ROW_STAGES": (1, 2), "Q_WARPS": (4, 8)}),
     ("K", {"BLOCKS_PER_PROGRAM": (1, 8), "TILE_WARPS": (4, 8), "TILE_STAGES": (1, 2)}),
+    ("V: channel maxima", {"V_WARPS": (4, 8), "V_CHANNELS": (64, 128)}),
     ("V: quantize", {"V_TRANSPOSE_MMA": (False,), "V_CHANNELS": (64, 128), "V_F16X2": (False, True)}),
-    ("V: quantize", {"V_TRANSPOSE_MMA": (True,), "V_CHANNELS_MMA": (32, 64, 128), "V_WARPS": (4, 8)}),
+    ("V: quantize", {"V_TRANSPOSE_MMA": (True,), "V_CHANNELS_MMA": (64, 128), "V_TILES_MMA": (1, 2, 4),
+                     "V_STAGES": (2, 3)}),
 ]
 
 
@@ -108,7 +110,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs", type=int, nargs="+", default=[32760, 75600])
     ap.add_argument("--heads", type=int, default=40)
     ap.add_argument("--method", default="mxattn", help="an MXFP4 method (the e4m3 pre-pass)")
-    ap.add_argument("--sweep", action="store_true", help="also time the launch options")
+    ap.add_argument("--sweep", nargs="*", metavar="LAUNCH",
+                    help="also time the launch options (of the launches whose names start with LAUNCH: Q, K, V; all "
+                         "when none is given)")
     ap.add_argument("--plot", help="write a bar chart of × copy bandwidth per launch (png)")
     ap.add_argument("--replot", metavar="MARKDOWN",
                     help="no GPU: draw --plot from the launch tables kept in a markdown file (this script's output)")
@@ -156,9 +160,9 @@ def main(argv=None) -> int:
         rows.append((s, "whole pre-pass (as the attention call runs it)", t, total_bytes / t / 1e6 / gbps))
         print(f"| whole pre-pass (as the attention call runs it) | {t:.3f} | {total_bytes / t / 1e6:.0f} | "
               f"{rows[-1][3]:.2f} |", flush=True)
-        if args.sweep:
+        if args.sweep is not None:
             print("\n| launch | options | ms | × copy |\n| --- | --- | --- | --- |")
-            for prefix, grid in SWEEP:
+            for prefix, grid in [(p, g) for p, g in SWEEP if not args.sweep or p.startswith(tuple(args.sweep))]:
                 for values in itertools.product(*grid.values()):
                     opts = dict(zip(grid, values))
                     run = pp._PrePass(q, k, v, recipe, None)

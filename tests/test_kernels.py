@@ -774,12 +774,13 @@ def test_prepass_row_blocks_per_program_change_nothing(method):
 
 
 @pytest.mark.parametrize("method", ["mxfp4-ocp", "mxattn"])
-@pytest.mark.parametrize("dv", [48, 128])
-def test_prepass_v_transposed_by_the_tensor_cores_equals_default(method, dv):
-    """The opt-in e4m3 V̂ᵀ path that transposes by an MMA (Vᵀ·Π, ``_PrePass.V_TRANSPOSE_MMA``)
-    writes the same values and channel factors as the default path: key tiles with a partial
-    last one, dead keys, padded channels, block magnitudes over 2^-12 .. 2^6 (interpreter: fp32
-    inputs; GPU: bf16)."""
+@pytest.mark.parametrize("dv, tiles", [(48, 1), (128, 1), (128, 2)])
+def test_prepass_v_transposed_by_the_tensor_cores_equals_default(method, dv, tiles):
+    """The e4m3 V̂ᵀ path that transposes by an MMA (Vᵀ·Π, ``_PrePass.V_TRANSPOSE_MMA``, the GPU
+    default for bf16/fp16 V) writes the same values and channel factors as the other path: key
+    tiles with a partial last one, dead keys, padded channels, block magnitudes over 2^-12 .. 2^6,
+    one or two tiles per program (3 tiles: the second program's second tile lies past the end
+    and must not be written) (interpreter: fp32 inputs; GPU: bf16)."""
     from fp4video.kernels import prepass as pp
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -792,7 +793,7 @@ def test_prepass_v_transposed_by_the_tensor_cores_equals_default(method, dv):
     outs = []
     for mma in (False, True):
         run = pp._PrePass(q, k, v, METHODS[method], alive)
-        run.V_TRANSPOSE_MMA = mma
+        run.V_TRANSPOSE_MMA, run.V_TILES_MMA = mma, tiles
         _, _, _, _, v8, v_fac = run.run_fp8()
         outs.append((v8.float(), v_fac))
     assert outs[0][0].abs().amax() > 0
@@ -1067,7 +1068,7 @@ def test_launches_fit_the_shared_memory_of_the_gpu(monkeypatch):
     dropped: on H100/H200 (228 KB per SM) every launch as configured; on A100 (164 KB) the NVFP4
     loop with 2 stages (160 KB; 3 take 224 KB); on ~100 KB GPUs (Ada, sm_86: 99 KB per block)
     the e4m3 loop with 2 (74 KB; 3 take 106.5 KB), the NVFP4 loop, the row pre-pass and the bf16
-    loop of older GPUs (160 KB at 3) with 1.
+    loop of older GPUs (160 KB at 3) with 1; the tensor-core V pre-pass (90 KB at 3) fits everywhere.
     Without the device property (older torch) the capability decides; the interpreter: no limit."""
     from types import SimpleNamespace
 
@@ -1080,18 +1081,19 @@ def test_launches_fit_the_shared_memory_of_the_gpu(monkeypatch):
     def stages(dev):
         return (af.fp8_launch(dev)[2], pp.fitting_stages(dev, an.LAUNCH[2], an.SHARED_MEMORY),
                 pp.fitting_stages(dev, pp._PrePass.ROW_STAGES, pp.ROW_SHARED_MEMORY),
-                pp.fitting_stages(dev, af.LAUNCH[af.P_MX][2], af.BF16_LOOP_SHARED_MEMORY))
+                pp.fitting_stages(dev, af.LAUNCH[af.P_MX][2], af.BF16_LOOP_SHARED_MEMORY),
+                pp.fitting_stages(dev, pp._PrePass.V_STAGES, pp.V_SHARED_MEMORY))
 
-    for per_sm, want in ((228 << 10, (3, 3, 2, 3)), (164 << 10, (3, 2, 2, 3)), (100 << 10, (2, 1, 1, 1))):
+    for per_sm, want in ((228 << 10, (3, 3, 2, 3, 3)), (164 << 10, (3, 2, 2, 3, 3)), (100 << 10, (2, 1, 1, 1, 3))):
         monkeypatch.setattr(torch.cuda, "get_device_properties",
                             lambda device=None, n=per_sm: SimpleNamespace(shared_memory_per_multiprocessor=n))
         assert pp.shared_memory_per_block(cuda) == per_sm - 1024
         assert stages(cuda) == want, per_sm
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace())
-    for cap, want in (((8, 9), (2, 1, 1, 1)), ((9, 0), (3, 3, 2, 3)), ((8, 0), (3, 2, 2, 3))):
+    for cap, want in (((8, 9), (2, 1, 1, 1, 3)), ((9, 0), (3, 3, 2, 3, 3)), ((8, 0), (3, 2, 2, 3, 3))):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
         assert stages(cuda) == want, cap
-    assert stages(torch.device("cpu")) == (3, 3, 2, 3)
+    assert stages(torch.device("cpu")) == (3, 3, 2, 3, 3)
 
 
 @pytest.mark.gpu
@@ -1109,3 +1111,4 @@ def test_hopper_keeps_the_measured_stages_gpu():
     assert af.fp8_launch(dev) == af.LAUNCH["fp8"]
     assert pp.fitting_stages(dev, an.LAUNCH[2], an.SHARED_MEMORY) == an.LAUNCH[2]
     assert pp.fitting_stages(dev, pp._PrePass.ROW_STAGES, pp.ROW_SHARED_MEMORY) == pp._PrePass.ROW_STAGES
+    assert pp.fitting_stages(dev, pp._PrePass.V_STAGES, pp.V_SHARED_MEMORY) == pp._PrePass.V_STAGES
