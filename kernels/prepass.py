@@ -447,7 +447,8 @@ class _PrePass:
     TILE_STAGES = 2  # the same for K's key tiles (FP8_TILE)
     V_WARPS = 4  # (8 measured 2x slower)
     V_CHANNELS = 128  # channels per program of the transposed V launches (of 32, 64, 128: fastest)
-    V_F16X2 = True  # e4m3 V of bf16/fp16 inputs quantized on f16 pairs (GPU only: inline PTX)
+    V_F16X2 = True  # e4m3 V of bf16/fp16 inputs quantized on f16 pairs (GPU only: inline PTX), where
+    # the tensor-core path below is off
     # e4m3 V of bf16/fp16 inputs transposed by the tensor cores (exact; offline 12 SASS instructions
     # per element against ~17, no byte-wise shared-memory traffic), 64 channels and 4 key tiles per
     # program (Π read once for all): 0.167 ms at 480p against 0.188 with one tile, 0.218 the
