@@ -234,7 +234,7 @@ def _mx_block_reduce(x5, MAX: tl.constexpr):
 
 
 @triton.jit
-def mx_view(qk, QB: tl.constexpr):
+def _mx_view(qk, QB: tl.constexpr):
     """S tile (BLOCK_M, BLOCK_N) in :func:`mma_key_order` as (row, a, b, t, e): column
     c = 2·NB·j + 2·t + e with j = (QB / 8)·a + b holds key QB·t + 2·j + e, so P block t is the
     columns with that t, within one lane of the MMA's quad."""
@@ -257,7 +257,7 @@ def mx_quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.conste
     """
     BLOCK_M: tl.constexpr = qk.shape[0]
     BLOCK_N: tl.constexpr = qk.shape[1]
-    s5 = mx_view(qk, QB)
+    s5 = _mx_view(qk, QB)
     block_max = _mx_block_reduce(s5, True) * q_scale[:, None]
     m_new = tl.maximum(m_i, tl.max(block_max, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

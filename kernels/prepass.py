@@ -452,7 +452,7 @@ class _PrePass:
     # e4m3 V of bf16/fp16 inputs transposed by the tensor cores (exact; offline 12 SASS instructions
     # per element against ~17, no byte-wise shared-memory traffic), 64 channels and 4 key tiles per
     # program (Π read once for all): 0.167 ms at 480p against 0.188 with one tile, 0.218 the
-    # f16-pair path; 128 channels slower (0.182 ms at best). fp32 V takes the f16-pair/fp32 path
+    # f16-pair path; 128 channels slower (0.182 ms at best). fp32 V takes the fp32 path
     V_TRANSPOSE_MMA = True
     V_CHANNELS_MMA = 64
     V_TILES_MMA = 4

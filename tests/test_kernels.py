@@ -445,7 +445,7 @@ def test_v8t_key_order_puts_each_p_block_in_one_lane():
 @pytest.mark.parametrize("method", ["mxfp4-ocp", "mxattn"])
 def test_e4m3_loop_shifts_each_key_tile_by_its_own_largest_block(method):
     """The e4m3 loop quantizes P in units of 2^k per row and key tile, k from the tile's largest
-    block (taken from its largest logit): a tile whose weights are all ~2^-20 of the row maximum
+    block exponent: a tile whose weights are all ~2^-20 of the row maximum
     (an earlier tile's) keeps every block exact, where a shift from the row maximum would flush
     them below e4m3's subnormals. V is zero on the dominant tile, so the output is that small
     tile's P̂·V̂ alone: it must match the reference (interpreter or GPU)."""
