@@ -86,10 +86,10 @@ def main(argv=None) -> int:
             t_loop = bench(lambda mod=mod, prepared=prepared: mod.attention_prepared(
                 prepared, None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype, dv=128))
             t_all = bench(call)
-            del prepared
+            prepared = None
             print(f"| {s} | {name} | {t_pre:.2f} | {t_loop:.2f} | {t_all:.2f} | {t_ref / t_all:.3f} | "
                   f"{cossim(outs[name], outs['current']):.6f} |", flush=True)
-        del q, k, v, outs
+        q = k = v = outs = None  # (frees the GPU memory before the next length; the closures above are done)
         torch.cuda.empty_cache()
     return 0
 

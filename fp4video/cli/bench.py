@@ -160,8 +160,8 @@ def bench_kernel(args) -> str:
                                                       out_dtype=q.dtype, dv=v.shape[-1]))
             rows.append((s, f"fp4video {m}", t_total, t_pre, t_loop, t_best / t_total, cossim(out.float(), ref.float())))
             print(f"  S={s} {m}: {t_total:.2f} ms", file=sys.stderr, flush=True)
-            del prepared
-        del q, k, v, ref
+            prepared = None
+        q = k = v = ref = None  # (frees the GPU memory before the next length; the closures above are done)
         torch.cuda.empty_cache()
     masked = f", last {args.masked_keys} keys masked (key padding)" if args.masked_keys else ""
     layout = ", (B, S, H, D) storage as in diffusers" if args.layout == "bshd" else ""
