@@ -37,7 +37,8 @@ from fp4video.recipe import AttentionRecipe, RowSum
 from fp4video.reference import KEY_TILE
 
 from .fp4_math import fake_quant_rows, mx_block_exponent, pow2, round_e2m1_at_scale
-from .prepass import fitting_stages, next_pow2, prepass, prepass_fp8, prepass_packed, prepass_tiles
+from .launch import fitting_stages
+from .prepass import next_pow2, prepass, prepass_fp8, prepass_packed, prepass_tiles
 
 # P quantization modes (constexpr)
 P_NONE, P_MX = 0, 1
@@ -518,7 +519,7 @@ def _key_mask(key_alive, dev):
 
 
 #: shared memory of the e4m3 loop at 64 × 4 and of the bf16 loop (``_fp4_attn_fwd``) at 128 × 8,
-#: by stages (offline sm_90 compiles, head dim 128): what ``prepass.fitting_stages`` checks
+#: by stages (offline sm_90 compiles, head dim 128): what ``launch.fitting_stages`` checks
 FP8_SHARED_MEMORY = {2: 73732, 3: 106504}
 BF16_LOOP_SHARED_MEMORY = {1: 65536, 2: 131072, 3: 163840}
 

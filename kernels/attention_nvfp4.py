@@ -33,16 +33,16 @@ from fp4video.recipe import AttentionRecipe, PScale, RowSum
 from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
 
 from .attention_fwd import LOG2E, _key_mask, _tile_logits, program_rows, store_out_lse
-from .prepass import fitting_stages
 from .fp4_math import (const_div_rn, div_const_rn, e2m1_times_scale, nvfp4_block_scale, recip_rn_few_bits,
                        round_e2m1_at_scale)
+from .launch import fitting_stages
 
 #: rn(1 / (448·6)) in fp32, for div_const_rn
 RCP_P_RANGE = tl.constexpr(float(torch.tensor(1.0 / TWO_LEVEL_P_RANGE, dtype=torch.float32)))
 
 #: BLOCK_M, warps, stages (scripts/kernel_breakdown.py --method sage3 sweeps them)
 LAUNCH = (128, 8, 3)  # H200, S=32,760: 88.98 ms with 1 stage, 74.48 with 2, 65.95 with 3 (sage3)
-#: its shared memory by stages (offline sm_90 compiles, head dim 128): prepass.fitting_stages
+#: its shared memory by stages (offline sm_90 compiles, head dim 128): launch.fitting_stages
 SHARED_MEMORY = {1: 65536, 2: 163840, 3: 229376}
 
 

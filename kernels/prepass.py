@@ -22,6 +22,7 @@ from fp4video.rotation import hadamard_matrix
 
 from .fp4_math import (fake_quant_rows, fp8_shift_from_raw_max, mx_block_exponent, mx_pack_rows, pow2,
                        round_e2m1_f16x2_times4, round_e2m1_signed)
+from .launch import fitting_stages
 
 FMT_CODE = {None: 0, Format.MXFP4: 1, Format.NVFP4: 2}
 #: output modes of the pre-pass kernels (0: the work dtype)
@@ -181,11 +182,12 @@ def _prepass_v(
     b = bh // H
     h = bh % H
     cols = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    if OUT == 3:  # FP8_HEAD: the channel shifts, from the maxima FP8_AMAX folded (before quantization)
+        c = fp8_shift_from_raw_max(tl.load(Amax + bh * DV_PAD + cols).to(tl.float32, bitcast=True), OCP, QMAX)
     if OUT == 3 and MMA_T:  # FP8_HEAD, transposed by the tensor cores (V's own dtype): TILES tiles per
         # program, Π and the channel shifts read once for all of them
         k = tl.arange(0, BLOCK_S)
         pi = tl.load(Pi + k[:, None] * BLOCK_S + k[None, :])
-        c = fp8_shift_from_raw_max(tl.load(Amax + bh * DV_PAD + cols).to(tl.float32, bitcast=True), OCP, QMAX)
         for i in tl.range(TILES):
             tile = pid * TILES + i
             x = _v_tile(V, Alive, b, h, tile, cols, S, DV, svb, svh, svs, svd, sab, sas, HAS_ALIVE, BLOCK_S)
@@ -205,7 +207,6 @@ def _prepass_v(
         elif OUT == 2:  # FP8_AMAX: a plain read, no quantization
             tl.atomic_max(Amax + bh * DV_PAD + cols, tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True))
         elif OUT == 3 and F16X2:  # FP8_HEAD on the GPU: the quantization on f16 pairs (same values)
-            c = fp8_shift_from_raw_max(tl.load(Amax + bh * DV_PAD + cols).to(tl.float32, bitcast=True), OCP, QMAX)
             _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD, BLOCK_S, QB,
                        _v_e4m3_f16x2(x, c, OCP, QMAX, BLOCK_S, BLOCK_DV, QB), c)
         else:
@@ -219,7 +220,6 @@ def _prepass_v(
             if OUT == 0 or OUT == 6:
                 tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=out_ok)
             else:  # FP8_HEAD
-                c = fp8_shift_from_raw_max(tl.load(Amax + bh * DV_PAD + cols).to(tl.float32, bitcast=True), OCP, QMAX)
                 _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD, BLOCK_S, QB,
                            (x * pow2(c)[None, :]).to(tl.float8e4nv), c)
 
@@ -304,25 +304,6 @@ def _v_e4m3_f16x2(x, c, OCP: tl.constexpr, QMAX: tl.constexpr, BLOCK_S: tl.const
     unit = pow2(tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126))
     q = round_e2m1_f16x2_times4(xb, unit.to(tl.float16)[:, None, :], (unit * 6.0).to(tl.float16)[:, None, :])
     return tl.reshape(q, (BLOCK_S, BLOCK_DV)).to(tl.float8e4nv)
-
-
-def shared_memory_per_block(device: torch.device) -> int:
-    """Bytes of shared memory one program may use on this GPU: the SM's less the 1 KB CUDA keeps
-    (H100/H200 227 KB, A100 163 KB, Ada and sm_86 99 KB); unlimited in the CPU interpreter."""
-    if device.type != "cuda":
-        return 1 << 30
-    per_sm = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", None)
-    if per_sm is None:  # older torch: by capability
-        cap = torch.cuda.get_device_capability(device)
-        per_sm = {(8, 0): 164 << 10, (9, 0): 228 << 10, (10, 0): 228 << 10}.get(cap, 100 << 10)
-    return per_sm - (1 << 10)
-
-
-def fitting_stages(device: torch.device, stages: int, need: dict[int, int]) -> int:
-    """The most software-pipelining stages, up to ``stages``, whose shared memory ``need[s]`` (bytes,
-    from offline sm_90 compiles at head dim 128; smaller head dims need less) fits this GPU."""
-    limit = shared_memory_per_block(device)
-    return max([s for s in range(1, stages + 1) if need.get(s, 0) <= limit] or [1])
 
 
 #: shared memory of the row pre-pass by stages (K's 128-row key tiles, bf16 inputs: the most)

@@ -1074,20 +1074,21 @@ def test_launches_fit_the_shared_memory_of_the_gpu(monkeypatch):
 
     from fp4video.kernels import attention_fwd as af
     from fp4video.kernels import attention_nvfp4 as an
+    from fp4video.kernels import launch
     from fp4video.kernels import prepass as pp
 
     cuda = torch.device("cuda", 0)
 
     def stages(dev):
-        return (af.fp8_launch(dev)[2], pp.fitting_stages(dev, an.LAUNCH[2], an.SHARED_MEMORY),
-                pp.fitting_stages(dev, pp._PrePass.ROW_STAGES, pp.ROW_SHARED_MEMORY),
-                pp.fitting_stages(dev, af.LAUNCH[af.P_MX][2], af.BF16_LOOP_SHARED_MEMORY),
-                pp.fitting_stages(dev, pp._PrePass.V_STAGES, pp.V_SHARED_MEMORY))
+        return (af.fp8_launch(dev)[2], launch.fitting_stages(dev, an.LAUNCH[2], an.SHARED_MEMORY),
+                launch.fitting_stages(dev, pp._PrePass.ROW_STAGES, pp.ROW_SHARED_MEMORY),
+                launch.fitting_stages(dev, af.LAUNCH[af.P_MX][2], af.BF16_LOOP_SHARED_MEMORY),
+                launch.fitting_stages(dev, pp._PrePass.V_STAGES, pp.V_SHARED_MEMORY))
 
     for per_sm, want in ((228 << 10, (3, 3, 2, 3, 3)), (164 << 10, (3, 2, 2, 3, 3)), (100 << 10, (2, 1, 1, 1, 3))):
         monkeypatch.setattr(torch.cuda, "get_device_properties",
                             lambda device=None, n=per_sm: SimpleNamespace(shared_memory_per_multiprocessor=n))
-        assert pp.shared_memory_per_block(cuda) == per_sm - 1024
+        assert launch.shared_memory_per_block(cuda) == per_sm - 1024
         assert stages(cuda) == want, per_sm
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace())
     for cap, want in (((8, 9), (2, 1, 1, 1, 3)), ((9, 0), (3, 3, 2, 3, 3)), ((8, 0), (3, 2, 2, 3, 3))):
@@ -1102,13 +1103,14 @@ def test_hopper_keeps_the_measured_stages_gpu():
     benchmarked: the e4m3 loop and the NVFP4 loop at 3 stages, the row pre-pass at 2."""
     from fp4video.kernels import attention_fwd as af
     from fp4video.kernels import attention_nvfp4 as an
+    from fp4video.kernels import launch
     from fp4video.kernels import prepass as pp
 
     dev = torch.device("cuda", torch.cuda.current_device())
     if torch.cuda.get_device_capability(dev) != (9, 0):
         pytest.skip("a Hopper GPU")
-    assert pp.shared_memory_per_block(dev) >= 227 * 1024
+    assert launch.shared_memory_per_block(dev) >= 227 * 1024
     assert af.fp8_launch(dev) == af.LAUNCH["fp8"]
-    assert pp.fitting_stages(dev, an.LAUNCH[2], an.SHARED_MEMORY) == an.LAUNCH[2]
-    assert pp.fitting_stages(dev, pp._PrePass.ROW_STAGES, pp.ROW_SHARED_MEMORY) == pp._PrePass.ROW_STAGES
-    assert pp.fitting_stages(dev, pp._PrePass.V_STAGES, pp.V_SHARED_MEMORY) == pp._PrePass.V_STAGES
+    assert launch.fitting_stages(dev, an.LAUNCH[2], an.SHARED_MEMORY) == an.LAUNCH[2]
+    assert launch.fitting_stages(dev, pp._PrePass.ROW_STAGES, pp.ROW_SHARED_MEMORY) == pp._PrePass.ROW_STAGES
+    assert launch.fitting_stages(dev, pp._PrePass.V_STAGES, pp.V_SHARED_MEMORY) == pp._PrePass.V_STAGES
