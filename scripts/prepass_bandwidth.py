@@ -117,6 +117,9 @@ def main(argv=None) -> int:
     ap.add_argument("--replot", metavar="MARKDOWN",
                     help="no GPU: draw --plot from the launch tables kept in a markdown file (this script's output)")
     args = ap.parse_args(argv)
+    unknown = [n for n in args.sweep or [] if not any(p.startswith(n) for p, _ in SWEEP)]
+    if unknown:
+        ap.error(f"--sweep {' '.join(unknown)}: no launch of that name (launches: Q, K, V: channel maxima, V: quantize)")
     if args.replot:
         from pathlib import Path
 

@@ -1061,6 +1061,10 @@ S = 200: bf16 copy of Q 0.368 ms = 4210 GB/s
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert png.stat().st_size > 10_000
+    # a --sweep launch name that matches none is an error naming it, not an empty sweep
+    run = subprocess.run([sys.executable, str(script), "--sweep", "V", "Kx"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and "--sweep Kx: no launch of that name" in run.stderr, run.stderr[-2000:]
 
 
 def test_launches_fit_the_shared_memory_of_the_gpu(monkeypatch):
