@@ -28,6 +28,8 @@ maximum is below 2^-124 (weights ~1e-37 of the row maximum) are flushed to zero.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -38,7 +40,7 @@ from fp4video.reference import KEY_TILE
 
 from .fp4_math import fake_quant_rows, mx_block_exponent, pow2, round_e2m1_at_scale
 from .launch import fitting_stages
-from .prepass import next_pow2, prepass, prepass_fp8, prepass_packed, prepass_tiles
+from .prepass import _PrePass, next_pow2, prepass, prepass_fp8, prepass_packed, prepass_tiles
 
 # P quantization modes (constexpr)
 P_NONE, P_MX = 0, 1
@@ -181,22 +183,29 @@ def as_mma_operand(p8, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK: tl.constexpr, TAIL: tl.constexpr,
                  D: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr, PRECISE_QK: tl.constexpr,
-                 IEEE: tl.constexpr = False, TILE_ORDERED: tl.constexpr = False):
+                 IEEE: tl.constexpr = False, TILE_ORDERED: tl.constexpr = False, TMA: tl.constexpr = False,
+                 k_row=0):
     """Q̂·K̂ᵀ of one key tile with its keys in :func:`mma_key_order`, masked keys at -inf (the e4m3
     MXFP4 loop and the bf16 NVFP4 loop of :mod:`.attention_nvfp4`). In the e4m3 loop the logit in
     log2 units is qk · q_scale, q_scale > 0 per row (Q̂'s row factor times this tile's K̂ factor,
     scale and log2(e)). PRECISE_QK: fp8 partial sums promoted to fp32 every 32; IEEE: fp32 operands
     multiplied exactly (the CPU interpreter's work dtype). TILE_ORDERED: K̂ is stored in that order
-    already, padded to whole tiles (:func:`.prepass.prepass_tiles`): rows read as stored."""
+    already, padded to whole tiles (:func:`.prepass.prepass_tiles`): rows read as stored; TMA
+    (with TILE_ORDERED): ``K_base`` is a tensor descriptor of K̂'s rows, this head's first at
+    ``k_row``."""
     order = mma_key_order(tl.arange(0, BLOCK_N), BLOCK_N // QB, QB)
     keys = start + order
-    rows = tl.arange(0, BLOCK_N) if TILE_ORDERED else order
-    # the tile's offsets are loop-invariant, plus one scalar per tile (fewer address instructions)
-    ptrs = (K_base + start * sks) + (rows[:, None] * sks + tl.arange(0, D)[None, :])
-    if TAIL and not TILE_ORDERED:
-        k = tl.load(ptrs, mask=(keys < SK)[:, None], other=0.0)
+    if TMA:
+        tl.static_assert(TILE_ORDERED, "TMA loads K̂ tiles as stored: in tile key order")
+        k = K_base.load([k_row + start, 0])
     else:
-        k = tl.load(ptrs)
+        rows = tl.arange(0, BLOCK_N) if TILE_ORDERED else order
+        # the tile's offsets are loop-invariant, plus one scalar per tile (fewer address instructions)
+        ptrs = (K_base + start * sks) + (rows[:, None] * sks + tl.arange(0, D)[None, :])
+        if TAIL and not TILE_ORDERED:
+            k = tl.load(ptrs, mask=(keys < SK)[:, None], other=0.0)
+        else:
+            k = tl.load(ptrs)
     if PRECISE_QK:
         qk = tl.dot(q, tl.trans(k), max_num_imprecise_acc=32)
     elif IEEE:
@@ -244,7 +253,7 @@ def _mx_view(qk, QB: tl.constexpr):
 
 @triton.jit
 def mx_quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
-                  QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr):
+                  QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr, SUM_ROWS: tl.constexpr = True):
     """Online softmax and MXFP4 quantization of one key tile of logits ``qk`` (keys in
     :func:`mma_key_order`, masked keys at -inf; the logit in log2 units is qk · q_scale, q_scale > 0
     per row) of :func:`_mx_fp8_attn_fwd`. Returns (P̂ as the e4m3 A operand of P̂·V̂
@@ -275,8 +284,11 @@ def mx_quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.conste
     else:
         p_hat = p
     alpha = tl.exp2(m_i - m_safe + (k_new - k_i).to(tl.float32))
-    part = tl.sum(_mx_block_reduce(p_hat if PNQ else p, False), axis=1)  # PNQ: the row sum of the quantized tile
-    l_new = tl.fma(alpha, l_i, part)
+    if SUM_ROWS:
+        part = tl.sum(_mx_block_reduce(p_hat if PNQ else p, False), axis=1)  # PNQ: the row sum of the quantized tile
+        l_new = tl.fma(alpha, l_i, part)
+    else:  # the caller sums P̂'s rows (on the tensor cores)
+        l_new = l_i
     p8 = as_mma_operand(tl.reshape(p_hat, (BLOCK_M, BLOCK_N)).to(tl.float8e4nv), BLOCK_M, BLOCK_N)
     return p8, m_new, k_new, l_new, alpha
 
@@ -286,36 +298,58 @@ def _mx_fp8_tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd,
                  OCP: tl.constexpr, QMAX: tl.constexpr,
                  PNQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr,
-                 PRECISE_PV: tl.constexpr):
+                 PRECISE_PV: tl.constexpr, Ones, so, ROWSUM_MMA: tl.constexpr, TMA: tl.constexpr, v_row):
     """:func:`mx_quantize_p` and P̂·V̂ of one key tile of :func:`_mx_fp8_attn_fwd`, given its
-    logits from :func:`_tile_logits`: returns the updated (m, k, l, acc)."""
+    logits from :func:`_tile_logits`: returns the updated (m, k, l, acc). ROWSUM_MMA: ``l`` is a
+    (BLOCK_M, 16) accumulator of P̂·E, E the tile's columns of ``Ones`` (16 × keys, e4m3: ones in
+    column 0, zeros elsewhere), so the row sums run on the tensor cores."""
     p8, m_new, k_new, l_i, alpha = mx_quantize_p(qk, q_scale, m_i, k_i, l_i, OCP, QMAX, PNQ, QB, EXP_FLOOR,
-                                                 QUANTIZE_P)
-    # V̂ᵀ is stored in P̂'s operand order (prepass.v8t_key_order), padded with zeros to whole tiles:
-    # plain loads
-    vt = tl.load(V_base + tl.arange(0, BLOCK_DV)[:, None] * svd + (start + tl.arange(0, BLOCK_N))[None, :])
-    if PRECISE_PV:  # promote the fp8 MMA's partial sums to fp32 every 32 keys
-        acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None], max_num_imprecise_acc=32)
-    else:
-        acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
+                                                 QUANTIZE_P, not ROWSUM_MMA)
+    acc, l_i = _pv(p8, alpha, acc, l_i, V_base, start, svd, BLOCK_DV, BLOCK_N, PRECISE_PV, Ones, so, ROWSUM_MMA,
+                   TMA, v_row)
     return m_new, k_new, l_i, acc
 
 
 @triton.jit
+def _pv(p8, alpha, acc, l_i, V_base, start, svd, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISE_PV: tl.constexpr, Ones, so, ROWSUM_MMA: tl.constexpr, TMA: tl.constexpr, v_row):
+    """(acc · alpha + P̂·V̂, l) of the key tile at ``start``; ROWSUM_MMA: also l · alpha + P̂·Eᵀ
+    (``l`` is then a (BLOCK_M, 16) accumulator, E the tile's columns of ``Ones``). TMA: ``V_base``
+    is a tensor descriptor of V̂ᵀ's rows (channels), this head's first at ``v_row``."""
+    if ROWSUM_MMA:
+        if TMA:
+            e = Ones.load([0, start])
+        else:
+            e = tl.load(Ones + tl.arange(0, 16)[:, None] * so + (start + tl.arange(0, BLOCK_N))[None, :])
+        l_i = tl.dot(p8, tl.trans(e), l_i * alpha[:, None])
+    # V̂ᵀ is stored in P̂'s operand order (prepass.v8t_key_order), padded with zeros to whole tiles:
+    # plain loads
+    if TMA:
+        vt = V_base.load([v_row, start])
+    else:
+        vt = tl.load(V_base + tl.arange(0, BLOCK_DV)[:, None] * svd + (start + tl.arange(0, BLOCK_N))[None, :])
+    if PRECISE_PV:  # promote the fp8 MMA's partial sums to fp32 every 32 keys
+        return tl.dot(p8, tl.trans(vt), acc * alpha[:, None], max_num_imprecise_acc=32), l_i
+    else:
+        return tl.dot(p8, tl.trans(vt), acc * alpha[:, None]), l_i
+
+
+@triton.jit
 def _mx_fp8_attn_fwd(
-    Q8, QFac, K8, KFac, V8T, VFac, KeyMask, Out, Lse,
+    Q8, QFac, K8, KFac, V8T, VFac, KeyMask, Out, Lse, Ones,
     H, SQ, SK, DV,
     sqb, sqh, sqs,
     skb, skh, sks,
     svb, svh, svd,
-    smb, sms,
+    smb, sms, so, SK_PAD,
     sob, soh, sos, sod,
     slb, slh, sls,
     scale_log2,
     HAS_MASK: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
     D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr = True, WARP_SPEC: tl.constexpr = False,
-    PRECISE_QK: tl.constexpr = False, PRECISE_PV: tl.constexpr = False,
+    PRECISE_QK: tl.constexpr = False, PRECISE_PV: tl.constexpr = False, OVERLAP_PV: tl.constexpr = False,
+    ROWSUM_MMA: tl.constexpr = False, TMA: tl.constexpr = False, K_TILE_ORDER: tl.constexpr = False,
 ):
     """MXFP4 attention on e4m3 tensor cores (Hopper/Ada fp8 MMA).
 
@@ -341,27 +375,61 @@ def _mx_fp8_attn_fwd(
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     k_i = tl.zeros((BLOCK_M,), tl.int32)  # units of acc and l: 2^k_i
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    if ROWSUM_MMA:
+        l_i = tl.zeros((BLOCK_M, 16), tl.float32)
+    else:
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    K_base = K8 + b * skb + h * skh
-    V_base = V8T + b * svb + h * svh
+    if TMA:  # tensor descriptors of K̂ (B·H·SK_PAD rows, tile key order) and V̂ᵀ (B·H·BLOCK_DV rows)
+        K_base = K8
+        V_base = V8T
+    else:
+        K_base = K8 + b * skb + h * skh
+        V_base = V8T + b * svb + h * svh
+    k_row = bh * SK_PAD
+    v_row = bh * BLOCK_DV
     M_base = KeyMask + b * smb
     KF_base = KFac + bh * tl.cdiv(SK, BLOCK_N)
     # full key tiles without a bounds mask (the key-padding mask, if any, applies to every
     # tile), then the partial last tile
     n_full = (SK // BLOCK_N) * BLOCK_N
-    for start in tl.range(0, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
-        qk_scale = q_scale * tl.load(KF_base + start // BLOCK_N)
-        qk = _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB, PRECISE_QK)
-        m_i, k_i, l_i, acc = _mx_fp8_tile(
-            qk, qk_scale, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV,
-            BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV)
+    if OVERLAP_PV:
+        # each step: the softmax of the previous key tile (while its predecessor's P̂·V̂ runs), then
+        # Q̂·K̂ᵀ of this tile issued (and waited on) before the previous tile's P̂·V̂, so that the wait
+        # covers Q̂·K̂ᵀ alone. The first step's "previous tile" is all -inf: a no-op on the state
+        # (alpha = 0, P̂ = 0), which leaves the loop unpeeled (a peeled first Q̂·K̂ᵀ takes a K̂ buffer
+        # of its own: a third program's worth of shared memory)
+        qk = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
+        for start in range(0, n_full, BLOCK_N):
+            prev = tl.maximum(start - BLOCK_N, 0)
+            p8, m_i, k_i, l_i, alpha = mx_quantize_p(qk, q_scale * tl.load(KF_base + prev // BLOCK_N), m_i, k_i,
+                                                     l_i, OCP, QMAX, PNQ, QB, EXP_FLOOR, QUANTIZE_P, not ROWSUM_MMA)
+            qk = _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB, PRECISE_QK,
+                              False, K_TILE_ORDER, TMA, k_row)
+            acc, l_i = _pv(p8, alpha, acc, l_i, V_base, prev, svd, BLOCK_DV, BLOCK_N, PRECISE_PV, Ones, so,
+                           ROWSUM_MMA, TMA, v_row)
+        last = tl.maximum(n_full - BLOCK_N, 0)
+        p8, m_i, k_i, l_i, alpha = mx_quantize_p(qk, q_scale * tl.load(KF_base + last // BLOCK_N), m_i, k_i, l_i,
+                                                 OCP, QMAX, PNQ, QB, EXP_FLOOR, QUANTIZE_P, not ROWSUM_MMA)
+        acc, l_i = _pv(p8, alpha, acc, l_i, V_base, last, svd, BLOCK_DV, BLOCK_N, PRECISE_PV, Ones, so, ROWSUM_MMA,
+                       TMA, v_row)
+    else:
+        for start in tl.range(0, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
+            qk_scale = q_scale * tl.load(KF_base + start // BLOCK_N)
+            qk = _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB, PRECISE_QK,
+                              False, K_TILE_ORDER, TMA, k_row)
+            m_i, k_i, l_i, acc = _mx_fp8_tile(
+                qk, qk_scale, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV,
+                BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV, Ones, so, ROWSUM_MMA, TMA, v_row)
     if n_full < SK:
         qk_scale = q_scale * tl.load(KF_base + n_full // BLOCK_N)
-        qk = _tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, QB, PRECISE_QK)
+        qk = _tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, QB, PRECISE_QK,
+                          False, K_TILE_ORDER, TMA, k_row)
         m_i, k_i, l_i, acc = _mx_fp8_tile(
             qk, qk_scale, m_i, k_i, l_i, acc, V_base, n_full, svd, OCP, QMAX, PNQ, BLOCK_DV,
-            BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV)
+            BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV, Ones, so, ROWSUM_MMA, TMA, v_row)
+    if ROWSUM_MMA:
+        l_i = tl.sum(l_i, axis=1)  # P̂·E's column 0 (the others are zero)
 
     v_fac = tl.load(VFac + bh * BLOCK_DV + tl.arange(0, BLOCK_DV))  # acc is in units of V̂'s channel factors
     store_out_lse(Out, Lse, acc, v_fac[None, :], l_i, m_i, k_i.to(tl.float32), b, h, offs_m, row_ok,
@@ -417,8 +485,8 @@ def prepare(q, k, v, recipe: AttentionRecipe, key_alive):
     path = mx_kernel(recipe, q.device)
     if path == "scaled":
         return ("scaled", prepass_packed(q, k, v, recipe, key_alive))
-    if path == "fp8":
-        return ("fp8", prepass_fp8(q, k, v, recipe, key_alive))
+    if path == "fp8":  # (…, Sk, whether K̂'s rows are in tile key order)
+        return ("fp8", (*prepass_fp8(q, k, v, recipe, key_alive), k.shape[-2], _PrePass.K_TILE_ORDER))
     if recipe.pv_format is Format.NVFP4:  # the NVFP4 loops read K̂, V̂ in tile key order, whole tiles
         return ("nvfp4", (*prepass_tiles(q, k, v, recipe, key_alive, work_dtype(q)), k.shape[-2]))
     if recipe.quantized:
@@ -532,31 +600,53 @@ def fp8_launch(device: torch.device) -> tuple[int, int, int]:
     return bm, nw, fitting_stages(device, ns, FP8_SHARED_MEMORY)
 
 
-def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, key_alive, *, recipe, scale, out_dtype, dv,
+@functools.lru_cache(maxsize=8)
+def _ones_column(device: torch.device, width: int) -> torch.Tensor:
+    """E (16 × ``width``, e4m3): row 0 ones, the others zero, so that P̂·Eᵀ's column 0 is P̂'s row
+    sums (the e4m3 loop's ``rowsum_mma``). Built once per device and width; read it, never write it."""
+    e = torch.zeros(16, width, device=device, dtype=torch.float8_e4m3fn)
+    e[0] = 1.0
+    return e
+
+
+def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive, *, recipe, scale, out_dtype, dv,
                    block_m, num_warps, num_stages, quantize_p=True, warp_specialize=False, precise_qk=False,
-                   precise_pv=False, max_registers=None):
+                   precise_pv=False, overlap_pv=False, rowsum_mma=False, tma=False, max_registers=None):
     b, h, sq, d = q8.shape
-    sk, dvp = k8.shape[-2], v8t.shape[-2]
+    sk_pad, dvp = k8.shape[-2], v8t.shape[-2]
+    if tma and not k_tile_order:
+        raise ValueError("tma=True loads K̂ tiles as stored: it needs K̂ in tile key order (_PrePass.K_TILE_ORDER)")
     if v8t.shape[-1] % KEY_TILE:
         raise ValueError(f"V̂ᵀ must be padded to whole key tiles of {KEY_TILE} (prepass_fp8 does), got {v8t.shape[-1]}")
     dev = q8.device
     out = torch.empty(b, h, sq, dv, device=dev, dtype=out_dtype)
     lse = torch.empty(b, h, sq, device=dev, dtype=torch.float32)
     km = _key_mask(key_alive, dev)
+    rowsum_mma = rowsum_mma and recipe.row_sum is RowSum.QUANTIZED  # P̂·E sums the quantized tile
+    ones = _ones_column(dev, v8t.shape[-1]) if rowsum_mma else km
+    so = ones.stride(0)
     bm, nw, ns = fp8_launch(dev)
     block_m, num_warps, num_stages = block_m or bm, num_warps or nw, num_stages or ns
+    kt, vt = k8, v8t
+    if tma:  # K̂ as (B·H·Sk_pad, D) rows and V̂ᵀ as (B·H·Dv_pad, Sk_pad) rows, whole tiles by TMA
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        kt = TensorDescriptor.from_tensor(k8.reshape(b * h * sk_pad, d), [KEY_TILE, d])
+        vt = TensorDescriptor.from_tensor(v8t.reshape(b * h * dvp, v8t.shape[-1]), [dvp, KEY_TILE])
+        if rowsum_mma:
+            ones = TensorDescriptor.from_tensor(ones, [16, KEY_TILE])
     _mx_fp8_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
-        q8, q_fac, k8, k_fac, v8t, v_fac, km, out, lse,
+        q8, q_fac, kt, k_fac, vt, v_fac, km, out, lse, ones,
         h, sq, sk, dv,
         *q8.stride()[:3], *k8.stride()[:3], *v8t.stride()[:3],
-        km.stride(0), km.stride(1),
+        km.stride(0), km.stride(1), so, sk_pad,
         *out.stride(), *lse.stride(),
         scale * LOG2E,
         HAS_MASK=key_alive is not None, OCP=recipe.scale_rule is ScaleRule.OCP, QMAX=recipe.scale_rule.qmax,
         PNQ=recipe.row_sum is RowSum.QUANTIZED, D=d, BLOCK_DV=dvp, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
         QB=recipe.pv_format.block, EXP_FLOOR=TILE_EXP_FLOOR, QUANTIZE_P=quantize_p, WARP_SPEC=warp_specialize,
-        PRECISE_QK=precise_qk, PRECISE_PV=precise_pv,
-        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
+        PRECISE_QK=precise_qk, PRECISE_PV=precise_pv, OVERLAP_PV=overlap_pv, ROWSUM_MMA=rowsum_mma,
+        TMA=tma, K_TILE_ORDER=k_tile_order, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
         **({"maxnreg": max_registers} if max_registers else {}),  # registers per thread (ptxas spills the rest)
     )
     return out, lse

@@ -26,7 +26,7 @@ from .launch import fitting_stages
 
 FMT_CODE = {None: 0, Format.MXFP4: 1, Format.NVFP4: 2}
 #: output modes of the pre-pass kernels (0: the work dtype)
-FP8_ROW, FP8_AMAX, FP8_HEAD, E2M1_PACKED, FP8_TILE, TILE_ROWS = 1, 2, 3, 4, 5, 6
+FP8_ROW, FP8_AMAX, FP8_HEAD, E2M1_PACKED, FP8_TILE, TILE_ROWS, FP8_TILE_ORDERED = 1, 2, 3, 4, 5, 6, 7
 
 
 @triton.jit
@@ -109,14 +109,14 @@ def _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, blk,
         else:
             x = tl.dot(x, hm, input_precision=ROT_PRECISION)
     out_ptrs = Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :]
-    if OUT == 1 or OUT == 5:  # FP8_ROW, FP8_TILE
+    if OUT == 1 or OUT == 5 or OUT == 7:  # FP8_ROW, FP8_TILE, FP8_TILE_ORDERED
         # the shift c follows from the largest |x · norm| before quantization (fp8_shift_from_raw_max),
         # so one product x · (norm · 2^c) both normalizes and shifts (2^c is exact: equal to
         # shifting the quantized values), and the blocks are quantized at their scales times 2^c
         xb = tl.reshape(x, (BLOCK_S, D // QB, QB))
         block_max = tl.max(tl.abs(xb), axis=2)
         big = tl.max(block_max, axis=1)
-        if OUT == 5:
+        if OUT != 1:  # one shift per key tile
             big = tl.max(big, axis=0)
         c = fp8_shift_from_raw_max(big * norm, OCP, QMAX)
         factor = norm * pow2(c)
@@ -129,7 +129,10 @@ def _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, blk,
         # (all-zero blocks: any unit rounds them to 0)
         q = round_e2m1_signed(xs, pow2(tl.minimum(tl.maximum(e, -126), 126))[:, :, None])
         y = tl.reshape(q, (BLOCK_S, D)).to(tl.float8e4nv)
-        tl.store(out_ptrs, y, mask=(rows < S)[:, None])
+        if OUT == 7:  # a whole key tile (zero rows past S), its rows in the loops' key order
+            tl.store(Out + b * sob + h * soh + tile_key_position(rows, BLOCK_S)[:, None] * sos + cols[None, :], y)
+        else:
+            tl.store(out_ptrs, y, mask=(rows < S)[:, None])
         if OUT == 1:
             tl.store(Fac + bh * S + rows, pow2(-c), mask=rows < S)
         else:
@@ -435,6 +438,7 @@ class _PrePass:
     # program (Π read once for all): 0.167 ms at 480p against 0.188 with one tile, 0.218 the
     # f16-pair path; 128 channels slower (0.182 ms at best). fp32 V takes the fp32 path
     V_TRANSPOSE_MMA = True
+    K_TILE_ORDER = False  # e4m3 K̂ in tile key order, padded to whole tiles (what TMA copies)
     V_CHANNELS_MMA = 64
     V_TILES_MMA = 4
     V_STAGES = 3  # software-pipelining stages of its loop over the tiles (2: 0.171 ms)
@@ -475,7 +479,8 @@ class _PrePass:
         mean = self.mean if is_k else self.none
         # FP8_TILE: one program per key tile of the attention loop (as many rows per thread as
         # BLOCK_S rows with 4 warps)
-        block_s, warps = (KEY_TILE, self.TILE_WARPS) if out_mode == FP8_TILE else (self.BLOCK_S, self.Q_WARPS)
+        per_tile = out_mode in (FP8_TILE, FP8_TILE_ORDERED)
+        block_s, warps = (KEY_TILE, self.TILE_WARPS) if per_tile else (self.BLOCK_S, self.Q_WARPS)
         rows_written = -(-s // KEY_TILE) * KEY_TILE if out_mode == TILE_ROWS else s  # TILE_ROWS: zero padding too
         blocks = triton.cdiv(rows_written, block_s)
         per_program = min(self.BLOCKS_PER_PROGRAM, blocks) if self.recipe.hadamard else 1
@@ -494,7 +499,7 @@ class _PrePass:
             ROT_PARTS=self.rotation_parts(x, smooth=mean.dim() == 3),
             FMT=FMT_CODE[fmt], QB=fmt.block if fmt else 32, OCP=rule is ScaleRule.OCP, QMAX=rule.qmax,
             D=self.d, BLOCK_S=block_s, OUT=out_mode, BLOCKS_PER_PROGRAM=per_program, num_warps=warps,
-            num_stages=fitting_stages(self.dev, self.TILE_STAGES if out_mode == FP8_TILE else self.ROW_STAGES,
+            num_stages=fitting_stages(self.dev, self.TILE_STAGES if per_tile else self.ROW_STAGES,
                                       ROW_SHARED_MEMORY),  # (1 on ~100 KB GPUs)
         )
 
@@ -567,7 +572,10 @@ class _PrePass:
         b, h, dev, f8 = self.b, self.h, self.dev, torch.float8_e4m3fn
         dvp = next_pow2(self.dv, floor=32)
         q8 = torch.empty(b, h, self.sq, self.d, device=dev, dtype=f8)
-        k8 = torch.empty(b, h, self.sk, self.d, device=dev, dtype=f8)
+        if self.K_TILE_ORDER:  # in tile key order, padded with zero rows (written by the kernel) to whole key tiles
+            k8 = torch.empty(b, h, -(-self.sk // KEY_TILE) * KEY_TILE, self.d, device=dev, dtype=f8)
+        else:
+            k8 = torch.empty(b, h, self.sk, self.d, device=dev, dtype=f8)
         # transposed, padded with zeros (written by the kernel) to whole key tiles, in the loop's P̂ operand order
         v8 = torch.empty(b, h, dvp, -(-self.sk // KEY_TILE) * KEY_TILE, device=dev, dtype=f8)
         q_fac = torch.empty(b, h, self.sq, device=dev)
@@ -575,7 +583,7 @@ class _PrePass:
         v_fac = torch.empty(b, h, dvp, device=dev)
         v_amax = torch.zeros(b, h, dvp, device=dev, dtype=torch.int32)
         self.rows(self.q, self.sq, False, FP8_ROW, q8, fac=q_fac)
-        self.rows(self.k, self.sk, True, FP8_TILE, k8, fac=k_fac)
+        self.rows(self.k, self.sk, True, FP8_TILE_ORDERED if self.K_TILE_ORDER else FP8_TILE, k8, fac=k_fac)
         self.values(FP8_AMAX, v8, amax=v_amax)
         self.values(FP8_HEAD, v8, amax=v_amax, fac=v_fac)
         return q8, q_fac, k8, k_fac, v8, v_fac

@@ -61,10 +61,13 @@ def compile_loop_kernel(args):
         from fp4video.kernels.attention_fwd import LAUNCH, TILE_EXP_FLOOR, _mx_fp8_attn_fwd as fn
 
         ptr = {"Q8": "*fp8e4nv", "QFac": "*fp32", "K8": "*fp8e4nv", "KFac": "*fp32", "V8T": "*fp8e4nv",
-               "VFac": "*fp32", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
+               "VFac": "*fp32", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32", "Ones": "*fp8e4nv"}
         consts = dict(HAS_MASK=False, OCP=args.ocp, QMAX=7.25, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=LAUNCH["fp8"][0],
                       BLOCK_N=128, QB=32, EXP_FLOOR=TILE_EXP_FLOOR, QUANTIZE_P=not args.no_quantize_p,
-                      WARP_SPEC=False, PRECISE_QK=args.precise, PRECISE_PV=args.precise)
+                      WARP_SPEC=False, PRECISE_QK=args.precise, PRECISE_PV=args.precise, OVERLAP_PV=bool(os.environ.get("ROT")), ROWSUM_MMA=bool(os.environ.get("RS")), TMA=bool(os.environ.get("TMA")), K_TILE_ORDER=bool(os.environ.get("TMA")))
+        if os.environ.get("TMA"):
+            ptr["K8"] = ptr["V8T"] = "tensordesc<fp8e4nv[128, 128]>"
+            ptr["Ones"] = "tensordesc<fp8e4nv[16, 128]>"
         stages, warps = LAUNCH["fp8"][2], LAUNCH["fp8"][1]
     names = fn.arg_names
     missing = [names[i] for i in fn.constexprs if names[i] not in consts]
@@ -74,10 +77,12 @@ def compile_loop_kernel(args):
     # as Triton specializes a Wan-480p launch (S = 32,760, H = 40): pointers, and every stride that
     # is a multiple of 16 there, are marked 16-divisible
     aligned = [n for n in names if sig[n].startswith("*") or n in (
-        "sqb", "sqh", "sqs", "skb", "skh", "sks", "svb", "svh", "svd", "svs", "sob", "soh", "sos", "slb", "SK_PAD")]
+        "sqb", "sqh", "sqs", "skb", "skh", "sks", "svb", "svh", "svd", "svs", "sob", "soh", "sos", "slb", "SK_PAD", "so") and not sig[n].startswith("tensordesc")]
     src = source(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    options = dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+    options = dict(num_warps=warps, num_stages=int(os.environ.get("STAGES", stages)), enable_fp_fusion=False)
+    if os.environ.get("MAXNREG"):
+        options["maxnreg"] = int(os.environ["MAXNREG"])
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 

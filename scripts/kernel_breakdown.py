@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import sys
 
 import torch
@@ -26,12 +27,46 @@ from fp4video.kernels.attention_fwd import attention_prepared, prepare
 from fp4video.metrics import cossim
 
 
-def config_name(bm, nw, ns, regs):
-    return f"{bm}x{nw}x{ns}" + (f", ≤ {regs} registers" if regs else "")
+#: config suffix letters -> the e4m3 loop's options they turn on
+FLAGS = {"o": ("overlap_pv", "P̂·V̂ overlapped"), "s": ("rowsum_mma", "row sums on the tensor cores"),
+         "t": ("tma", "K̂/V̂ tiles by TMA")}
+
+
+def prepare_for(flags, q, k, v, recipe):
+    """The pre-pass a config's loop reads: K̂ in tile key order for TMA (flag t)."""
+    previous = pp._PrePass.K_TILE_ORDER
+    pp._PrePass.K_TILE_ORDER = "t" in flags or previous
+    try:
+        return prepare(q, k, v, recipe, None)
+    finally:
+        pp._PrePass.K_TILE_ORDER = previous
+
+
+def config_name(bm, nw, ns, regs, flags=""):
+    return f"{bm}x{nw}x{ns}" + (f", ≤ {regs} registers" if regs else "") + "".join(f", {FLAGS[f][1]}" for f in flags)
+
+
+def parse_config(text: str):
+    """``BMxWARPSxSTAGES[rN][flags]`` -> (bm, warps, stages, register cap or None, flags)."""
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(?:r(\d+))?([%s]*)" % "".join(FLAGS), text)
+    if not m:
+        raise SystemExit(f"error: launch config {text!r} is not BMxWARPSxSTAGES[rN][{''.join(FLAGS)}], "
+                         "e.g. 64x4x3 or 64x4x2r168ts")
+    bm, nw, ns, regs, flags = m.groups()
+    return int(bm), int(nw), int(ns), int(regs) if regs else None, flags
+
+
+def loop_options(regs, flags):
+    """The e4m3 loop's options for a config (register cap, the flags' options)."""
+    return {**({"max_registers": regs} if regs else {}), **{FLAGS[f][0]: True for f in flags}}
+
+
+#: milliseconds each timing repeats its call for (``--rep``; at Wan 720p 80 ms is a single call)
+REP_MS = 80
 
 
 def bench(fn):
-    return triton.testing.do_bench(fn, warmup=20, rep=80, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=20, rep=REP_MS, return_mode="median")
 
 
 def prepass_tables(args, recipe, q, k, v, gbps):
@@ -52,38 +87,39 @@ def prepass_tables(args, recipe, q, k, v, gbps):
 
 
 def main(argv=None) -> int:
+    global REP_MS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, default=32760)
     ap.add_argument("--heads", type=int, default=40)
     ap.add_argument("--method", default="mxattn")
     ap.add_argument("--configs", default="128x8x3,64x4x2,64x4x3,64x4x2r168",
                     help="BLOCK_MxWARPSxSTAGES list for the loop; a suffix rN caps the registers per thread at N "
-                         "(e4m3 loop: 64x4x2r168 lets three programs share an SM)")
+                         "(e4m3 loop: 64x4x2r168 lets three programs share an SM), then flags: o issues each "
+                         "tile's P̂·V̂ after the next tile's Q̂·K̂ᵀ (overlap_pv), s sums P̂'s rows on the tensor cores "
+                         "(rowsum_mma)")
     ap.add_argument("--warp-specialize", action="store_true", help="also try tl.range(warp_specialize=True)")
     ap.add_argument("--skip-prepass", action="store_true", help="time the attention loop only")
+    ap.add_argument("--rep", type=int, default=REP_MS, help="milliseconds of calls per timing (median taken)")
     args = ap.parse_args(argv)
+    REP_MS = args.rep
     recipe = METHODS[args.method]
-    # BLOCK_MxWARPSxSTAGES, optionally rN: at most N registers per thread (the e4m3 loop)
-    configs = [tuple(int(x) for x in c.split("r")[0].split("x")) + ((int(c.split("r")[1]),) if "r" in c else (None,))
-               for c in args.configs.split(",")]
+    configs = [parse_config(c) for c in args.configs.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
 
     # correctness of every loop variant on a smaller problem (against the reference backend)
     q, k, v = (torch.randn(1, 4, 4000, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     ref = fp4_attention(q, k, v, method=args.method, backend="reference").float()
-    prepared = prepare(q, k, v, recipe, None)
     print("| check (S=4000, H=4) | config | cosine to reference |\n| --- | --- | --- |")
-    for bm, nw, ns, regs in list(configs):
+    for config in list(configs):
+        bm, nw, ns, regs, flags = config
         try:
-            out, _ = attention_prepared(prepared, None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype, dv=128,
-                                        block_m=bm, num_warps=nw, num_stages=ns,
-                                        **({"max_registers": regs} if regs else {}))
+            out, _ = attention_prepared(prepare_for(flags, q, k, v, recipe), None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype, dv=128,
+                                        block_m=bm, num_warps=nw, num_stages=ns, **loop_options(regs, flags))
         except Exception as e:  # noqa: BLE001  (e.g. more shared memory than the GPU has: report, drop it)
-            print(f"| {args.method} | {config_name(bm, nw, ns, regs)} | failed: {type(e).__name__} (not timed) |",
-                  flush=True)
-            configs.remove((bm, nw, ns, regs))
+            print(f"| {args.method} | {config_name(*config)} | failed: {type(e).__name__} (not timed) |", flush=True)
+            configs.remove(config)
             continue
-        print(f"| {args.method} | {config_name(bm, nw, ns, regs)} | {cossim(out.float(), ref):.6f} |", flush=True)
+        print(f"| {args.method} | {config_name(*config)} | {cossim(out.float(), ref):.6f} |", flush=True)
 
     # long rows: the fp8 MMAs accumulate over every key tile
     ql, kl, vl = (torch.randn(1, 1, args.seq, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
@@ -109,24 +145,22 @@ def main(argv=None) -> int:
     if not args.skip_prepass:
         prepass_tables(args, recipe, q, k, v, gbps)
 
-    prepared = prepare(q, k, v, recipe, None)
+    prepared = {flags: prepare_for(flags, q, k, v, recipe) for *_, flags in configs}
     print("\n| loop | config | ms | TFLOP/s | × cuDNN |\n| --- | --- | --- | --- | --- |")
     flops = 4 * args.heads * args.seq**2 * 128
     # the floor (P only cast to e4m3) and warp specialization exist in the e4m3 MXFP4 loop only
-    fp8 = prepared[0] == "fp8"
+    fp8 = next(iter(prepared.values()))[0] == "fp8"
     variants = [(True, False)] + ([(False, False)] if fp8 else []) + ([(True, True)] if args.warp_specialize and fp8 else [])
-    for (quant, ws), (bm, nw, ns, regs) in itertools.product(variants, configs):
+    for (quant, ws), (bm, nw, ns, regs, flags) in itertools.product(variants, configs):
         try:
-            opts = dict(quantize_p=quant, warp_specialize=ws) if fp8 else {}
-            if regs:
-                opts["max_registers"] = regs
-            t = bench(lambda: attention_prepared(prepared, None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype,
+            opts = dict(quantize_p=quant, warp_specialize=ws, **loop_options(regs, flags)) if fp8 else {}
+            t = bench(lambda: attention_prepared(prepared[flags], None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype,
                                                  dv=128, block_m=bm, num_warps=nw, num_stages=ns, **opts))
             what = (args.method if quant else "P cast to e4m3 (floor)") + (", warp-specialized" if ws else "")
-            print(f"| {what} | {config_name(bm, nw, ns, regs)} | {t:.2f} | {flops / t / 1e9:.0f} | {t_ref / t:.2f} |",
+            print(f"| {what} | {config_name(bm, nw, ns, regs, flags)} | {t:.2f} | {flops / t / 1e9:.0f} | {t_ref / t:.2f} |",
                   flush=True)
         except Exception as e:  # noqa: BLE001
-            print(f"| quantize_p={quant} | {config_name(bm, nw, ns, regs)} | failed: {type(e).__name__}: {e} | | |",
+            print(f"| quantize_p={quant} | {config_name(bm, nw, ns, regs, flags)} | failed: {type(e).__name__}: {e} | | |",
                   flush=True)
     return 0
 

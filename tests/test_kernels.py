@@ -465,6 +465,29 @@ def test_e4m3_loop_shifts_each_key_tile_by_its_own_largest_block(method):
     assert cossim(got.double(), want.double()) >= 0.9999, cossim(got.double(), want.double())
 
 
+@pytest.mark.parametrize("sk, masked", [(100, False), (128, True), (256, False), (300, True), (640, False)])
+def test_e4m3_loop_overlapping_pv_equals_the_plain_loop(sk, masked):
+    """The e4m3 loop with P̂·V̂ of each key tile issued after the next tile's Q̂·K̂ᵀ (``overlap_pv``,
+    so that P̂·V̂ runs under the next softmax) computes the same products in the same order: equal
+    bit for bit, for key counts below one tile, of exactly one tile (the loop body never runs),
+    with a tail tile, and under a key-padding mask (interpreter or GPU)."""
+    from fp4video.kernels.attention_fwd import attention_prepared, key_padding, prepare
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    q, k, v = rand(1, 2, 70, 64, seed=40), rand(1, 2, sk, 64, seed=41), rand(1, 2, sk, 64, seed=42)
+    mask = (rand(1, 1, 1, sk, seed=43) > -0.8).to(dev) if masked else None
+    q, k, v = (t.to(dev, dt) for t in (q, k, v))
+    alive = key_padding(mask, 1, sk)
+    prepared = prepare(q, k, v, METHODS["mxattn"], alive)
+    assert prepared[0] == "fp8"
+    outs = [attention_prepared(prepared, alive, recipe=METHODS["mxattn"], scale=0.125, out_dtype=q.dtype, dv=64,
+                               overlap_pv=overlap) for overlap in (False, True)]
+    want = fp4_attention(q, k, v, method="mxattn", attn_mask=mask, backend="reference").float()
+    assert cossim(outs[0][0].float(), want) > 0.9999
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_prepass_fp8_window_is_16_binades():
     """A block whose scale 2^e is 2^-16 of the binade of the head's largest value (6 = 1.5·2^2, so
     e = -14) stays exact in e4m3; one binade lower loses its smallest values (e4m3 subnormals end
