@@ -8,7 +8,8 @@ Five loops, picked per recipe and GPU by :func:`mx_kernel` / :func:`prepare`:
 
 - ``_mx_fp8_attn_fwd`` (MXFP4 methods on sm_89+, e.g. Hopper): Q̂, K̂, V̂ and P̂ on e4m3 tensor
   cores, block scales folded into power-of-two factors (:func:`.prepass.prepass_fp8`); exact
-  inside e4m3's window (README, ``scripts/fp8_window_report.py``).
+  inside e4m3's window (README, ``scripts/fp8_window_report.py``). On Hopper its K̂/V̂ᵀ tiles
+  come by TMA (:func:`tma_loop`; K̂ stored in tile key order) and three programs share an SM.
 - :mod:`.attention_scaled` (MXFP4 methods on sm_100+): ``tl.dot_scaled`` on packed E2M1 with
   E8M0 scales, Blackwell's native FP4 MMAs.
 - :mod:`.attention_nvfp4` (NVFP4 methods): the pre-pass writes the dequantized values in bf16
@@ -28,8 +29,6 @@ maximum is below 2^-124 (weights ~1e-37 of the row maximum) are flushed to zero.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -40,7 +39,7 @@ from fp4video.reference import KEY_TILE
 
 from .fp4_math import fake_quant_rows, mx_block_exponent, pow2, round_e2m1_at_scale
 from .launch import fitting_stages
-from .prepass import _PrePass, next_pow2, prepass, prepass_fp8, prepass_packed, prepass_tiles
+from .prepass import next_pow2, prepass, prepass_fp8, prepass_packed, prepass_tiles
 
 # P quantization modes (constexpr)
 P_NONE, P_MX = 0, 1
@@ -253,7 +252,7 @@ def _mx_view(qk, QB: tl.constexpr):
 
 @triton.jit
 def mx_quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
-                  QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr, SUM_ROWS: tl.constexpr = True):
+                  QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr):
     """Online softmax and MXFP4 quantization of one key tile of logits ``qk`` (keys in
     :func:`mma_key_order`, masked keys at -inf; the logit in log2 units is qk · q_scale, q_scale > 0
     per row) of :func:`_mx_fp8_attn_fwd`. Returns (P̂ as the e4m3 A operand of P̂·V̂
@@ -284,11 +283,8 @@ def mx_quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.conste
     else:
         p_hat = p
     alpha = tl.exp2(m_i - m_safe + (k_new - k_i).to(tl.float32))
-    if SUM_ROWS:
-        part = tl.sum(_mx_block_reduce(p_hat if PNQ else p, False), axis=1)  # PNQ: the row sum of the quantized tile
-        l_new = tl.fma(alpha, l_i, part)
-    else:  # the caller sums P̂'s rows (on the tensor cores)
-        l_new = l_i
+    part = tl.sum(_mx_block_reduce(p_hat if PNQ else p, False), axis=1)  # PNQ: the row sum of the quantized tile
+    l_new = tl.fma(alpha, l_i, part)
     p8 = as_mma_operand(tl.reshape(p_hat, (BLOCK_M, BLOCK_N)).to(tl.float8e4nv), BLOCK_M, BLOCK_N)
     return p8, m_new, k_new, l_new, alpha
 
@@ -298,30 +294,12 @@ def _mx_fp8_tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd,
                  OCP: tl.constexpr, QMAX: tl.constexpr,
                  PNQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr,
-                 PRECISE_PV: tl.constexpr, Ones, so, ROWSUM_MMA: tl.constexpr, TMA: tl.constexpr, v_row):
+                 PRECISE_PV: tl.constexpr, TMA: tl.constexpr, v_row):
     """:func:`mx_quantize_p` and P̂·V̂ of one key tile of :func:`_mx_fp8_attn_fwd`, given its
-    logits from :func:`_tile_logits`: returns the updated (m, k, l, acc). ROWSUM_MMA: ``l`` is a
-    (BLOCK_M, 16) accumulator of P̂·E, E the tile's columns of ``Ones`` (16 × keys, e4m3: ones in
-    column 0, zeros elsewhere), so the row sums run on the tensor cores."""
+    logits from :func:`_tile_logits`: returns the updated (m, k, l, acc). TMA: ``V_base`` is a
+    tensor descriptor of V̂ᵀ's rows (channels), this head's first at ``v_row``."""
     p8, m_new, k_new, l_i, alpha = mx_quantize_p(qk, q_scale, m_i, k_i, l_i, OCP, QMAX, PNQ, QB, EXP_FLOOR,
-                                                 QUANTIZE_P, not ROWSUM_MMA)
-    acc, l_i = _pv(p8, alpha, acc, l_i, V_base, start, svd, BLOCK_DV, BLOCK_N, PRECISE_PV, Ones, so, ROWSUM_MMA,
-                   TMA, v_row)
-    return m_new, k_new, l_i, acc
-
-
-@triton.jit
-def _pv(p8, alpha, acc, l_i, V_base, start, svd, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-        PRECISE_PV: tl.constexpr, Ones, so, ROWSUM_MMA: tl.constexpr, TMA: tl.constexpr, v_row):
-    """(acc · alpha + P̂·V̂, l) of the key tile at ``start``; ROWSUM_MMA: also l · alpha + P̂·Eᵀ
-    (``l`` is then a (BLOCK_M, 16) accumulator, E the tile's columns of ``Ones``). TMA: ``V_base``
-    is a tensor descriptor of V̂ᵀ's rows (channels), this head's first at ``v_row``."""
-    if ROWSUM_MMA:
-        if TMA:
-            e = Ones.load([0, start])
-        else:
-            e = tl.load(Ones + tl.arange(0, 16)[:, None] * so + (start + tl.arange(0, BLOCK_N))[None, :])
-        l_i = tl.dot(p8, tl.trans(e), l_i * alpha[:, None])
+                                                 QUANTIZE_P)
     # V̂ᵀ is stored in P̂'s operand order (prepass.v8t_key_order), padded with zeros to whole tiles:
     # plain loads
     if TMA:
@@ -329,27 +307,28 @@ def _pv(p8, alpha, acc, l_i, V_base, start, svd, BLOCK_DV: tl.constexpr, BLOCK_N
     else:
         vt = tl.load(V_base + tl.arange(0, BLOCK_DV)[:, None] * svd + (start + tl.arange(0, BLOCK_N))[None, :])
     if PRECISE_PV:  # promote the fp8 MMA's partial sums to fp32 every 32 keys
-        return tl.dot(p8, tl.trans(vt), acc * alpha[:, None], max_num_imprecise_acc=32), l_i
+        acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None], max_num_imprecise_acc=32)
     else:
-        return tl.dot(p8, tl.trans(vt), acc * alpha[:, None]), l_i
+        acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
+    return m_new, k_new, l_i, acc
 
 
 @triton.jit
 def _mx_fp8_attn_fwd(
-    Q8, QFac, K8, KFac, V8T, VFac, KeyMask, Out, Lse, Ones,
+    Q8, QFac, K8, KFac, V8T, VFac, KeyMask, Out, Lse,
     H, SQ, SK, DV,
     sqb, sqh, sqs,
     skb, skh, sks,
     svb, svh, svd,
-    smb, sms, so, SK_PAD,
+    smb, sms, SK_PAD,
     sob, soh, sos, sod,
     slb, slh, sls,
     scale_log2,
     HAS_MASK: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
     D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr = True, WARP_SPEC: tl.constexpr = False,
-    PRECISE_QK: tl.constexpr = False, PRECISE_PV: tl.constexpr = False, OVERLAP_PV: tl.constexpr = False,
-    ROWSUM_MMA: tl.constexpr = False, TMA: tl.constexpr = False, K_TILE_ORDER: tl.constexpr = False,
+    PRECISE_QK: tl.constexpr = False, PRECISE_PV: tl.constexpr = False, TMA: tl.constexpr = False,
+    K_TILE_ORDER: tl.constexpr = False,
 ):
     """MXFP4 attention on e4m3 tensor cores (Hopper/Ada fp8 MMA).
 
@@ -363,7 +342,9 @@ def _mx_fp8_attn_fwd(
     ``l`` are kept in the current tile's units (their rescale factor is one exp2 per row), so no
     per-element scaling is added. Within a tile, keys sit in :func:`mma_key_order` (K̂ rows are
     loaded in that order, V̂ᵀ is stored in it), so each P block lives in one lane; P̂·V̂ sums the
-    same products as in key order.
+    same products as in key order. TMA (with K_TILE_ORDER: K̂ stored in that order, whole tiles):
+    ``K8`` and ``V8T`` are tensor descriptors of K̂'s rows (B·H·SK_PAD) and V̂ᵀ's (B·H·BLOCK_DV),
+    one box per key tile; else pointers.
     """
     b, h, offs_m, row_ok = program_rows(H, SQ, BLOCK_M)
     bh = tl.program_id(1)
@@ -375,10 +356,7 @@ def _mx_fp8_attn_fwd(
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     k_i = tl.zeros((BLOCK_M,), tl.int32)  # units of acc and l: 2^k_i
-    if ROWSUM_MMA:
-        l_i = tl.zeros((BLOCK_M, 16), tl.float32)
-    else:
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     if TMA:  # tensor descriptors of K̂ (B·H·SK_PAD rows, tile key order) and V̂ᵀ (B·H·BLOCK_DV rows)
         K_base = K8
@@ -393,43 +371,20 @@ def _mx_fp8_attn_fwd(
     # full key tiles without a bounds mask (the key-padding mask, if any, applies to every
     # tile), then the partial last tile
     n_full = (SK // BLOCK_N) * BLOCK_N
-    if OVERLAP_PV:
-        # each step: the softmax of the previous key tile (while its predecessor's P̂·V̂ runs), then
-        # Q̂·K̂ᵀ of this tile issued (and waited on) before the previous tile's P̂·V̂, so that the wait
-        # covers Q̂·K̂ᵀ alone. The first step's "previous tile" is all -inf: a no-op on the state
-        # (alpha = 0, P̂ = 0), which leaves the loop unpeeled (a peeled first Q̂·K̂ᵀ takes a K̂ buffer
-        # of its own: a third program's worth of shared memory)
-        qk = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
-        for start in range(0, n_full, BLOCK_N):
-            prev = tl.maximum(start - BLOCK_N, 0)
-            p8, m_i, k_i, l_i, alpha = mx_quantize_p(qk, q_scale * tl.load(KF_base + prev // BLOCK_N), m_i, k_i,
-                                                     l_i, OCP, QMAX, PNQ, QB, EXP_FLOOR, QUANTIZE_P, not ROWSUM_MMA)
-            qk = _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB, PRECISE_QK,
-                              False, K_TILE_ORDER, TMA, k_row)
-            acc, l_i = _pv(p8, alpha, acc, l_i, V_base, prev, svd, BLOCK_DV, BLOCK_N, PRECISE_PV, Ones, so,
-                           ROWSUM_MMA, TMA, v_row)
-        last = tl.maximum(n_full - BLOCK_N, 0)
-        p8, m_i, k_i, l_i, alpha = mx_quantize_p(qk, q_scale * tl.load(KF_base + last // BLOCK_N), m_i, k_i, l_i,
-                                                 OCP, QMAX, PNQ, QB, EXP_FLOOR, QUANTIZE_P, not ROWSUM_MMA)
-        acc, l_i = _pv(p8, alpha, acc, l_i, V_base, last, svd, BLOCK_DV, BLOCK_N, PRECISE_PV, Ones, so, ROWSUM_MMA,
-                       TMA, v_row)
-    else:
-        for start in tl.range(0, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
-            qk_scale = q_scale * tl.load(KF_base + start // BLOCK_N)
-            qk = _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB, PRECISE_QK,
-                              False, K_TILE_ORDER, TMA, k_row)
-            m_i, k_i, l_i, acc = _mx_fp8_tile(
-                qk, qk_scale, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV,
-                BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV, Ones, so, ROWSUM_MMA, TMA, v_row)
+    for start in tl.range(0, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
+        qk_scale = q_scale * tl.load(KF_base + start // BLOCK_N)
+        qk = _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB, PRECISE_QK,
+                          False, K_TILE_ORDER, TMA, k_row)
+        m_i, k_i, l_i, acc = _mx_fp8_tile(
+            qk, qk_scale, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV,
+            BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV, TMA, v_row)
     if n_full < SK:
         qk_scale = q_scale * tl.load(KF_base + n_full // BLOCK_N)
         qk = _tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, QB, PRECISE_QK,
                           False, K_TILE_ORDER, TMA, k_row)
         m_i, k_i, l_i, acc = _mx_fp8_tile(
             qk, qk_scale, m_i, k_i, l_i, acc, V_base, n_full, svd, OCP, QMAX, PNQ, BLOCK_DV,
-            BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV, Ones, so, ROWSUM_MMA, TMA, v_row)
-    if ROWSUM_MMA:
-        l_i = tl.sum(l_i, axis=1)  # P̂·E's column 0 (the others are zero)
+            BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV, TMA, v_row)
 
     v_fac = tl.load(VFac + bh * BLOCK_DV + tl.arange(0, BLOCK_DV))  # acc is in units of V̂'s channel factors
     store_out_lse(Out, Lse, acc, v_fac[None, :], l_i, m_i, k_i.to(tl.float32), b, h, offs_m, row_ok,
@@ -450,9 +405,14 @@ def supports(recipe: AttentionRecipe, q: torch.Tensor, mask: torch.Tensor | None
 #: an H200 (2026-11-29, S=32,760, H=40, D=128; BENCHMARKS.md): fp16/MXFP4 best at 128/8/3.
 #: ``"fp8"``: the MXFP4 e4m3 kernel, 64 rows and one warpgroup per program, so that two programs
 #: share an SM (221 registers, 106.5 KB shared memory) and one's MMAs overlap the other's softmax:
-#: 32.41 ms against 36.16 at 128/8/3 (``kernel_breakdown.py``, 2026-11-30). NVFP4:
-#: ``attention_nvfp4.LAUNCH``.
-LAUNCH = {P_NONE: (128, 8, 3), P_MX: (128, 8, 3), "fp8": (64, 4, 3)}
+#: 32.41 ms against 36.16 at 128/8/3 (``kernel_breakdown.py``, 2026-11-30). ``"fp8-tma"``: the same
+#: loop reading K̂/V̂ᵀ tiles by TMA (Hopper), 2 stages and at most :data:`FP8_TMA_MAX_REGISTERS`
+#: registers, so that three programs share an SM (73.8 KB of shared memory each, no spills):
+#: 169.34 ms against 172.91 at Wan 720p (2026-11-30, sixth session). NVFP4: ``attention_nvfp4.LAUNCH``.
+LAUNCH = {P_NONE: (128, 8, 3), P_MX: (128, 8, 3), "fp8": (64, 4, 3), "fp8-tma": (64, 4, 2)}
+#: registers per thread of the TMA e4m3 loop: 3 programs × 128 threads × 168 ≤ 64 K (it needs 170
+#: uncapped; ptxas fits 168 without spills, offline sm_90 compile)
+FP8_TMA_MAX_REGISTERS = 168
 
 
 def mx_kernel(recipe: AttentionRecipe, device: torch.device) -> str | None:
@@ -475,6 +435,18 @@ def mx_kernel(recipe: AttentionRecipe, device: torch.device) -> str | None:
     return "fp8" if os.environ.get("TRITON_INTERPRET") == "1" else None
 
 
+def tma_loop(device: torch.device) -> bool:
+    """Whether the e4m3 loop reads its K̂/V̂ᵀ tiles by TMA on this device (Hopper and later: the
+    bulk tensor copies; the pre-pass then stores K̂ in tile key order, what a TMA box copies), with
+    a Triton that has host tensor descriptors (3.3+). Ada (sm_89) has no TMA; the CPU interpreter
+    runs it only when asked (``tma=True``)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("triton.tools.tensor_descriptor") is not None
+
+
 def uses_fp8(recipe: AttentionRecipe, device: torch.device) -> bool:
     """MXFP4 Q·K and P·V run on e4m3 tensor cores."""
     return mx_kernel(recipe, device) == "fp8"
@@ -485,8 +457,9 @@ def prepare(q, k, v, recipe: AttentionRecipe, key_alive):
     path = mx_kernel(recipe, q.device)
     if path == "scaled":
         return ("scaled", prepass_packed(q, k, v, recipe, key_alive))
-    if path == "fp8":  # (…, Sk, whether K̂'s rows are in tile key order)
-        return ("fp8", (*prepass_fp8(q, k, v, recipe, key_alive), k.shape[-2], _PrePass.K_TILE_ORDER))
+    if path == "fp8":  # (…, Sk, whether K̂'s rows are in tile key order: where the loop uses TMA)
+        tiled = tma_loop(q.device)
+        return ("fp8", (*prepass_fp8(q, k, v, recipe, key_alive, k_tile_order=tiled), k.shape[-2], tiled))
     if recipe.pv_format is Format.NVFP4:  # the NVFP4 loops read K̂, V̂ in tile key order, whole tiles
         return ("nvfp4", (*prepass_tiles(q, k, v, recipe, key_alive, work_dtype(q)), k.shape[-2]))
     if recipe.quantized:
@@ -586,67 +559,63 @@ def _key_mask(key_alive, dev):
     return torch.empty(1, 1, dtype=torch.int8, device=dev)
 
 
-#: shared memory of the e4m3 loop at 64 × 4 and of the bf16 loop (``_fp4_attn_fwd``) at 128 × 8,
-#: by stages (offline sm_90 compiles, head dim 128): what ``launch.fitting_stages`` checks
+#: shared memory of the e4m3 loop at 64 × 4 (pointer loads; TMA) and of the bf16 loop
+#: (``_fp4_attn_fwd``) at 128 × 8, by stages (offline sm_90 compiles, head dim 128): what
+#: ``launch.fitting_stages`` checks
 FP8_SHARED_MEMORY = {2: 73732, 3: 106504}
+FP8_TMA_SHARED_MEMORY = {2: 73764, 3: 106568}
 BF16_LOOP_SHARED_MEMORY = {1: 65536, 2: 131072, 3: 163840}
 
 
-def fp8_launch(device: torch.device) -> tuple[int, int, int]:
-    """``LAUNCH["fp8"]`` for this GPU: its 3 stages take ~107 KB of shared memory per program at
-    head dim 128, more than Ada's (sm_89) 99 KB per block, so there it runs 2 stages (~74 KB;
-    chosen by that limit, not timed: no Ada GPU here)."""
-    bm, nw, ns = LAUNCH["fp8"]
-    return bm, nw, fitting_stages(device, ns, FP8_SHARED_MEMORY)
-
-
-@functools.lru_cache(maxsize=8)
-def _ones_column(device: torch.device, width: int) -> torch.Tensor:
-    """E (16 × ``width``, e4m3): row 0 ones, the others zero, so that P̂·Eᵀ's column 0 is P̂'s row
-    sums (the e4m3 loop's ``rowsum_mma``). Built once per device and width; read it, never write it."""
-    e = torch.zeros(16, width, device=device, dtype=torch.float8_e4m3fn)
-    e[0] = 1.0
-    return e
+def fp8_launch(device: torch.device, tma: bool = False) -> tuple[int, int, int]:
+    """``LAUNCH["fp8"]`` (``LAUNCH["fp8-tma"]``) for this GPU: the pointer loop's 3 stages take
+    ~107 KB of shared memory per program at head dim 128, more than Ada's (sm_89) 99 KB per block,
+    so there it runs 2 stages (~74 KB; chosen by that limit, not timed: no Ada GPU here)."""
+    bm, nw, ns = LAUNCH["fp8-tma" if tma else "fp8"]
+    return bm, nw, fitting_stages(device, ns, FP8_TMA_SHARED_MEMORY if tma else FP8_SHARED_MEMORY)
 
 
 def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive, *, recipe, scale, out_dtype, dv,
                    block_m, num_warps, num_stages, quantize_p=True, warp_specialize=False, precise_qk=False,
-                   precise_pv=False, overlap_pv=False, rowsum_mma=False, tma=False, max_registers=None):
+                   precise_pv=False, tma=None, max_registers=None):
+    """The e4m3 loop on :func:`.prepass.prepass_fp8`'s outputs for ``sk`` keys (``k_tile_order``:
+    K̂'s rows are in tile key order, padded to whole tiles). ``tma``: K̂/V̂ᵀ tiles by TMA (None:
+    where K̂ is in tile order, i.e. as :func:`prepare` chose for the device)."""
     b, h, sq, d = q8.shape
     sk_pad, dvp = k8.shape[-2], v8t.shape[-2]
+    tma = k_tile_order if tma is None else tma
     if tma and not k_tile_order:
-        raise ValueError("tma=True loads K̂ tiles as stored: it needs K̂ in tile key order (_PrePass.K_TILE_ORDER)")
-    if v8t.shape[-1] % KEY_TILE:
-        raise ValueError(f"V̂ᵀ must be padded to whole key tiles of {KEY_TILE} (prepass_fp8 does), got {v8t.shape[-1]}")
+        raise ValueError("tma=True copies K̂ tiles as stored: it needs K̂ in tile key order "
+                         "(prepass_fp8(..., k_tile_order=True))")
+    if v8t.shape[-1] % KEY_TILE or (k_tile_order and sk_pad % KEY_TILE):
+        raise ValueError(f"V̂ᵀ (and K̂ in tile order) must be padded to whole key tiles of {KEY_TILE} (prepass_fp8 "
+                         f"does), got {v8t.shape[-1]} (and {sk_pad})")
     dev = q8.device
     out = torch.empty(b, h, sq, dv, device=dev, dtype=out_dtype)
     lse = torch.empty(b, h, sq, device=dev, dtype=torch.float32)
     km = _key_mask(key_alive, dev)
-    rowsum_mma = rowsum_mma and recipe.row_sum is RowSum.QUANTIZED  # P̂·E sums the quantized tile
-    ones = _ones_column(dev, v8t.shape[-1]) if rowsum_mma else km
-    so = ones.stride(0)
-    bm, nw, ns = fp8_launch(dev)
+    bm, nw, ns = fp8_launch(dev, tma)
+    if tma and max_registers is None and not any((block_m, num_warps, num_stages)):
+        max_registers = FP8_TMA_MAX_REGISTERS  # three programs per SM (its launch's point)
     block_m, num_warps, num_stages = block_m or bm, num_warps or nw, num_stages or ns
     kt, vt = k8, v8t
-    if tma:  # K̂ as (B·H·Sk_pad, D) rows and V̂ᵀ as (B·H·Dv_pad, Sk_pad) rows, whole tiles by TMA
+    if tma:  # K̂ as (B·H·Sk_pad, D) rows and V̂ᵀ as (B·H·Dv_pad, Sk_pad) rows: one box per key tile
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         kt = TensorDescriptor.from_tensor(k8.reshape(b * h * sk_pad, d), [KEY_TILE, d])
         vt = TensorDescriptor.from_tensor(v8t.reshape(b * h * dvp, v8t.shape[-1]), [dvp, KEY_TILE])
-        if rowsum_mma:
-            ones = TensorDescriptor.from_tensor(ones, [16, KEY_TILE])
     _mx_fp8_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
-        q8, q_fac, kt, k_fac, vt, v_fac, km, out, lse, ones,
+        q8, q_fac, kt, k_fac, vt, v_fac, km, out, lse,
         h, sq, sk, dv,
         *q8.stride()[:3], *k8.stride()[:3], *v8t.stride()[:3],
-        km.stride(0), km.stride(1), so, sk_pad,
+        km.stride(0), km.stride(1), sk_pad,
         *out.stride(), *lse.stride(),
         scale * LOG2E,
         HAS_MASK=key_alive is not None, OCP=recipe.scale_rule is ScaleRule.OCP, QMAX=recipe.scale_rule.qmax,
         PNQ=recipe.row_sum is RowSum.QUANTIZED, D=d, BLOCK_DV=dvp, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
         QB=recipe.pv_format.block, EXP_FLOOR=TILE_EXP_FLOOR, QUANTIZE_P=quantize_p, WARP_SPEC=warp_specialize,
-        PRECISE_QK=precise_qk, PRECISE_PV=precise_pv, OVERLAP_PV=overlap_pv, ROWSUM_MMA=rowsum_mma,
-        TMA=tma, K_TILE_ORDER=k_tile_order, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
+        PRECISE_QK=precise_qk, PRECISE_PV=precise_pv, TMA=tma, K_TILE_ORDER=k_tile_order,
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
         **({"maxnreg": max_registers} if max_registers else {}),  # registers per thread (ptxas spills the rest)
     )
     return out, lse

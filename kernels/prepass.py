@@ -129,8 +129,10 @@ def _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, blk,
         # (all-zero blocks: any unit rounds them to 0)
         q = round_e2m1_signed(xs, pow2(tl.minimum(tl.maximum(e, -126), 126))[:, :, None])
         y = tl.reshape(q, (BLOCK_S, D)).to(tl.float8e4nv)
-        if OUT == 7:  # a whole key tile (zero rows past S), its rows in the loops' key order
-            tl.store(Out + b * sob + h * soh + tile_key_position(rows, BLOCK_S)[:, None] * sos + cols[None, :], y)
+        if OUT == 7:  # a whole key tile (zero rows past S), its rows in the loops' key order; none past the
+            # last tile (a program's last blocks can lie beyond it)
+            tl.store(Out + b * sob + h * soh + tile_key_position(rows, BLOCK_S)[:, None] * sos + cols[None, :], y,
+                     mask=(rows < tl.cdiv(S, BLOCK_S) * BLOCK_S)[:, None])
         else:
             tl.store(out_ptrs, y, mask=(rows < S)[:, None])
         if OUT == 1:
@@ -351,19 +353,21 @@ def prepass_packed(q, k, v, recipe: AttentionRecipe, key_alive):
     return _PrePass(q, k, v, recipe, key_alive).run_packed()
 
 
-def prepass_fp8(q, k, v, recipe: AttentionRecipe, key_alive):
+def prepass_fp8(q, k, v, recipe: AttentionRecipe, key_alive, k_tile_order: bool = False):
     """MXFP4 Q̂, K̂, V̂ as e4m3 for fp8 tensor cores, with power-of-two factors.
 
     Returns ``(q8, q_fac (B, H, Sq), k8, k_fac (B, H, Sk / 128 rounded up), v8t, v_fac (B, H,
     Dv_padded))``: the dequantized value is ``q8 · q_fac`` (per query row), ``k8 · k_fac`` (per
-    key tile of 128, the attention loop's: one factor per tile of S), ``v8t · v_fac``
+    key tile of 128, the attention loop's: one factor per tile of S; ``k_tile_order``: ``k8`` is
+    (B, H, Sk rounded up to whole tiles, D), its rows within each tile in the loops' key order, as
+    a TMA box copies them to the loop: :func:`k8_in_key_order`), ``v8t · v_fac``
     (per channel; ``v8t`` is (B, H, Dv_padded, Sk rounded up to whole key tiles of 128), V
     transposed, its tokens within each tile in the order the attention loop's P̂ operand holds them:
     :func:`v8t_key_order` / :func:`v8t_in_key_order`). E2M1 × 2^e is exact in e4m3 when the block's exponent is within 16 of the
     row's / key tile's / channel's largest value exponent (see :func:`.fp4_math.fp8_shift`); blocks
     further below lose low bits (e4m3 subnormals) or flush to zero.
     """
-    return _PrePass(q, k, v, recipe, key_alive).run_fp8()
+    return _PrePass(q, k, v, recipe, key_alive).run_fp8(k_tile_order)
 
 
 def v8t_key_order(n: int, qb: int = 32, tile: int = KEY_TILE) -> torch.Tensor:
@@ -382,6 +386,11 @@ def v8t_key_order(n: int, qb: int = 32, tile: int = KEY_TILE) -> torch.Tensor:
     c = kk - kk % 32 + 16 * a + 8 * b + 2 * t + e  # the S column operand slot k takes
     nb = tile // qb
     return k - kk + qb * ((c // 2) % nb) + 2 * (c // (2 * nb)) + c % 2
+
+
+def k8_in_key_order(k8: torch.Tensor, sk: int) -> torch.Tensor:
+    """:func:`prepass_fp8`'s ``k8`` stored in tile key order (…, Sk_pad, D) as its first ``sk`` keys in order (a copy)."""
+    return k8[..., tile_key_order(k8.shape[-2]).argsort().to(k8.device), :][..., :sk, :]
 
 
 def k_fac_per_key(k_fac: torch.Tensor, sk: int) -> torch.Tensor:
@@ -438,7 +447,6 @@ class _PrePass:
     # program (Π read once for all): 0.167 ms at 480p against 0.188 with one tile, 0.218 the
     # f16-pair path; 128 channels slower (0.182 ms at best). fp32 V takes the fp32 path
     V_TRANSPOSE_MMA = True
-    K_TILE_ORDER = False  # e4m3 K̂ in tile key order, padded to whole tiles (what TMA copies)
     V_CHANNELS_MMA = 64
     V_TILES_MMA = 4
     V_STAGES = 3  # software-pipelining stages of its loop over the tiles (2: 0.171 ms)
@@ -568,11 +576,11 @@ class _PrePass:
         self.values(E2M1_PACKED, v4t, fac=v_scale)
         return q4, q_scale, k4, k_scale, v4t, v_scale
 
-    def run_fp8(self):
+    def run_fp8(self, k_tile_order=False):
         b, h, dev, f8 = self.b, self.h, self.dev, torch.float8_e4m3fn
         dvp = next_pow2(self.dv, floor=32)
         q8 = torch.empty(b, h, self.sq, self.d, device=dev, dtype=f8)
-        if self.K_TILE_ORDER:  # in tile key order, padded with zero rows (written by the kernel) to whole key tiles
+        if k_tile_order:  # in tile key order, padded with zero rows (written by the kernel) to whole key tiles
             k8 = torch.empty(b, h, -(-self.sk // KEY_TILE) * KEY_TILE, self.d, device=dev, dtype=f8)
         else:
             k8 = torch.empty(b, h, self.sk, self.d, device=dev, dtype=f8)
@@ -583,7 +591,7 @@ class _PrePass:
         v_fac = torch.empty(b, h, dvp, device=dev)
         v_amax = torch.zeros(b, h, dvp, device=dev, dtype=torch.int32)
         self.rows(self.q, self.sq, False, FP8_ROW, q8, fac=q_fac)
-        self.rows(self.k, self.sk, True, FP8_TILE_ORDERED if self.K_TILE_ORDER else FP8_TILE, k8, fac=k_fac)
+        self.rows(self.k, self.sk, True, FP8_TILE_ORDERED if k_tile_order else FP8_TILE, k8, fac=k_fac)
         self.values(FP8_AMAX, v8, amax=v_amax)
         self.values(FP8_HEAD, v8, amax=v_amax, fac=v_fac)
         return q8, q_fac, k8, k_fac, v8, v_fac

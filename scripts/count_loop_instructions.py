@@ -2,14 +2,15 @@
 """Instructions per element of S in the attention loops, read from their sm_90 code, compiled
 offline (no GPU needed): the ALU budget BENCHMARKS.md discusses.
 
-    python scripts/count_loop_instructions.py [--no-quantize-p] [--ocp] [--precise]
+    python scripts/count_loop_instructions.py [--no-quantize-p] [--ocp] [--precise] [--pointer-loads] [--mask]
     python scripts/count_loop_instructions.py --kernel nvfp4 [--no-two-level]
     python scripts/count_loop_instructions.py --kernel nvfp4-sm90 [--no-two-level]
 
 Compiles ``_mx_fp8_attn_fwd`` (the e4m3 MXFP4 loop), ``_nv_attn_fwd`` (the bf16 NVFP4 loop) or
 ``_nv_attn_fwd_sm90`` (the ping-pong Gluon NVFP4 loop: one warpgroup's partition is counted) as
 it is launched on Hopper (its ``LAUNCH``: 128 rows and 8 warps, or for the e4m3 loop 64 rows and
-4 warps; its stages, no FMA contraction, head dim 128, no mask), disassembles the cubin with the
+4 warps, K̂/V̂ᵀ tiles by TMA, at most 168 registers; its stages, no FMA contraction, head dim 128,
+no mask), disassembles the cubin with the
 nvdisasm that ships with Triton and takes the main loop: the code from the label that a later
 conditional branch jumps back to, up to that branch, containing the MMAs. Its instruction count
 divided by the elements of S each thread owns per key tile (128 × 128 / 256 = 64 × 128 / 128 =
@@ -43,7 +44,7 @@ def compile_loop_kernel(args):
         ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
         consts = dict(HAS_MASK=False, TWO_LEVEL=not args.no_two_level, P_RANGE=TWO_LEVEL_P_RANGE, PNQ=False,
                       IEEE=False, FAST_RCP=True, HW_E4M3=True, D=128, BLOCK_DV=128, DV_PAD=False, BLOCK_M=128, BLOCK_N=128)
-        stages, warps = LAUNCH[2], 8
+        stages, warps, max_registers = LAUNCH[2], 8, None
     elif args.kernel == "nvfp4-sm90":
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon._runtime import GluonASTSource as source
@@ -56,19 +57,21 @@ def compile_loop_kernel(args):
         consts = dict(HAS_MASK=False, TWO_LEVEL=not args.no_two_level, P_RANGE=TWO_LEVEL_P_RANGE, PNQ=False,
                       D=128, BLOCK_DV=128, BLOCK_M=128, BLOCK_N=128, NUM_BUF=NUM_BUFFERS,
                       CONSUMER_REGS=CONSUMER_REGS)
-        stages, warps = 1, 4  # its own buffering; one warpgroup here, the other in a partition
+        stages, warps, max_registers = 1, 4, None  # its own buffering; one warpgroup here, the other in a partition
     else:
-        from fp4video.kernels.attention_fwd import LAUNCH, TILE_EXP_FLOOR, _mx_fp8_attn_fwd as fn
+        from fp4video.kernels.attention_fwd import (FP8_TMA_MAX_REGISTERS, LAUNCH, TILE_EXP_FLOOR,
+                                                    _mx_fp8_attn_fwd as fn)
 
+        tma = not args.pointer_loads
         ptr = {"Q8": "*fp8e4nv", "QFac": "*fp32", "K8": "*fp8e4nv", "KFac": "*fp32", "V8T": "*fp8e4nv",
-               "VFac": "*fp32", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32", "Ones": "*fp8e4nv"}
-        consts = dict(HAS_MASK=False, OCP=args.ocp, QMAX=7.25, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=LAUNCH["fp8"][0],
-                      BLOCK_N=128, QB=32, EXP_FLOOR=TILE_EXP_FLOOR, QUANTIZE_P=not args.no_quantize_p,
-                      WARP_SPEC=False, PRECISE_QK=args.precise, PRECISE_PV=args.precise, OVERLAP_PV=bool(os.environ.get("ROT")), ROWSUM_MMA=bool(os.environ.get("RS")), TMA=bool(os.environ.get("TMA")), K_TILE_ORDER=bool(os.environ.get("TMA")))
-        if os.environ.get("TMA"):
+               "VFac": "*fp32", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
+        if tma:  # K̂ (rows in tile key order) and V̂ᵀ as TMA tensor descriptors of 128 × 128 boxes
             ptr["K8"] = ptr["V8T"] = "tensordesc<fp8e4nv[128, 128]>"
-            ptr["Ones"] = "tensordesc<fp8e4nv[16, 128]>"
-        stages, warps = LAUNCH["fp8"][2], LAUNCH["fp8"][1]
+        bm, warps, stages = LAUNCH["fp8-tma" if tma else "fp8"]
+        consts = dict(HAS_MASK=args.mask, OCP=args.ocp, QMAX=7.25, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=bm,
+                      BLOCK_N=128, QB=32, EXP_FLOOR=TILE_EXP_FLOOR, QUANTIZE_P=not args.no_quantize_p,
+                      WARP_SPEC=False, PRECISE_QK=args.precise, PRECISE_PV=args.precise, TMA=tma, K_TILE_ORDER=tma)
+        max_registers = FP8_TMA_MAX_REGISTERS if tma else None
     names = fn.arg_names
     missing = [names[i] for i in fn.constexprs if names[i] not in consts]
     if missing:  # every constexpr must be fixed here, or Triton makes it a runtime argument
@@ -77,12 +80,12 @@ def compile_loop_kernel(args):
     # as Triton specializes a Wan-480p launch (S = 32,760, H = 40): pointers, and every stride that
     # is a multiple of 16 there, are marked 16-divisible
     aligned = [n for n in names if sig[n].startswith("*") or n in (
-        "sqb", "sqh", "sqs", "skb", "skh", "sks", "svb", "svh", "svd", "svs", "sob", "soh", "sos", "slb", "SK_PAD", "so") and not sig[n].startswith("tensordesc")]
+        "sqb", "sqh", "sqs", "skb", "skh", "sks", "svb", "svh", "svd", "svs", "sob", "soh", "sos", "slb", "SK_PAD")]
     src = source(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    options = dict(num_warps=warps, num_stages=int(os.environ.get("STAGES", stages)), enable_fp_fusion=False)
-    if os.environ.get("MAXNREG"):
-        options["maxnreg"] = int(os.environ["MAXNREG"])
+    options = dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+    if max_registers:  # as the launch caps them (ptxas spills past the cap)
+        options["maxnreg"] = max_registers
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -142,6 +145,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-quantize-p", action="store_true", help="the floor variant: P only cast to e4m3")
     ap.add_argument("--ocp", action="store_true", help="OCP scale rule instead of UOS")
     ap.add_argument("--precise", action="store_true", help="max_num_imprecise_acc=32 on both MMAs (PRECISE_QK/PV)")
+    ap.add_argument("--pointer-loads", action="store_true",
+                    help="mx: the loop as GPUs without TMA run it (K̂/V̂ᵀ tiles by pointer loads, 3 stages, no register "
+                         "cap); default: as Hopper runs it (TMA, 2 stages, at most 168 registers)")
+    ap.add_argument("--mask", action="store_true", help="mx: with a key-padding mask")
     ap.add_argument("--top", type=int, default=16, help="opcodes to list")
     args = ap.parse_args(argv)
 
@@ -162,7 +169,7 @@ def main(argv=None) -> int:
     n_sass, n_ptx = sum(sass_loop.values()), sum(ptx_loop.values())
     print(f"Triton {triton.__version__}, sm_90, main loop of {kernel.name}: "
           f"{n_sass / PER_THREAD:.1f} SASS instructions per element of S ({n_sass} per thread per key tile), "
-          f"{n_ptx / PER_THREAD:.1f} in PTX; {registers}")
+          f"{n_ptx / PER_THREAD:.1f} in PTX; {registers}; {kernel.metadata.shared} bytes of shared memory")
     waits = collections.Counter(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d+)", "\n".join(sass_body)))
     print("MMA waits in the loop (groups left in flight: count): "
           + (", ".join(f"{int(k, 16)}: {n}" for k, n in sorted(waits.items())) or "none"))

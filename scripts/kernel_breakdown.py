@@ -7,7 +7,7 @@ quantization is measured against) over launch configurations, and checks each lo
 output against the reference on a smaller problem first. Prints markdown tables
 (BENCHMARKS.md keeps them).
 
-    python scripts/kernel_breakdown.py [--seq 32760] [--method mxattn] [--configs 64x4x3,64x4x2r168]
+    python scripts/kernel_breakdown.py [--seq 32760] [--method mxattn] [--configs 64x4x2r168,64x4x3p] [--rep MS]
 """
 
 from __future__ import annotations
@@ -27,23 +27,21 @@ from fp4video.kernels.attention_fwd import attention_prepared, prepare
 from fp4video.metrics import cossim
 
 
-#: config suffix letters -> the e4m3 loop's options they turn on
-FLAGS = {"o": ("overlap_pv", "P̂·V̂ overlapped"), "s": ("rowsum_mma", "row sums on the tensor cores"),
-         "t": ("tma", "K̂/V̂ tiles by TMA")}
+#: config suffix letters -> the e4m3 loop's options they set
+FLAGS = {"p": ("tma", False, "K̂/V̂ᵀ by pointer loads, K̂ in key order")}
 
 
 def prepare_for(flags, q, k, v, recipe):
-    """The pre-pass a config's loop reads: K̂ in tile key order for TMA (flag t)."""
-    previous = pp._PrePass.K_TILE_ORDER
-    pp._PrePass.K_TILE_ORDER = "t" in flags or previous
-    try:
-        return prepare(q, k, v, recipe, None)
-    finally:
-        pp._PrePass.K_TILE_ORDER = previous
+    """The pre-pass a config's loop reads: as :func:`prepare` chooses for the GPU (on Hopper K̂ in
+    tile key order, for TMA), or with flag p K̂ in key order (the pointer-load loop's own layout)."""
+    prepared = prepare(q, k, v, recipe, None)
+    if "p" in flags and prepared[0] == "fp8":
+        return ("fp8", (*pp.prepass_fp8(q, k, v, recipe, None), k.shape[-2], False))
+    return prepared
 
 
 def config_name(bm, nw, ns, regs, flags=""):
-    return f"{bm}x{nw}x{ns}" + (f", ≤ {regs} registers" if regs else "") + "".join(f", {FLAGS[f][1]}" for f in flags)
+    return f"{bm}x{nw}x{ns}" + (f", ≤ {regs} registers" if regs else "") + "".join(f", {FLAGS[f][2]}" for f in flags)
 
 
 def parse_config(text: str):
@@ -51,14 +49,14 @@ def parse_config(text: str):
     m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(?:r(\d+))?([%s]*)" % "".join(FLAGS), text)
     if not m:
         raise SystemExit(f"error: launch config {text!r} is not BMxWARPSxSTAGES[rN][{''.join(FLAGS)}], "
-                         "e.g. 64x4x3 or 64x4x2r168ts")
+                         "e.g. 64x4x2r168 or 64x4x3p")
     bm, nw, ns, regs, flags = m.groups()
     return int(bm), int(nw), int(ns), int(regs) if regs else None, flags
 
 
 def loop_options(regs, flags):
     """The e4m3 loop's options for a config (register cap, the flags' options)."""
-    return {**({"max_registers": regs} if regs else {}), **{FLAGS[f][0]: True for f in flags}}
+    return {**({"max_registers": regs} if regs else {}), **{FLAGS[f][0]: FLAGS[f][1] for f in flags}}
 
 
 #: milliseconds each timing repeats its call for (``--rep``; at Wan 720p 80 ms is a single call)
@@ -92,11 +90,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=32760)
     ap.add_argument("--heads", type=int, default=40)
     ap.add_argument("--method", default="mxattn")
-    ap.add_argument("--configs", default="128x8x3,64x4x2,64x4x3,64x4x2r168",
+    ap.add_argument("--configs", default="64x4x2r168,64x4x3p,128x8x3p",
                     help="BLOCK_MxWARPSxSTAGES list for the loop; a suffix rN caps the registers per thread at N "
-                         "(e4m3 loop: 64x4x2r168 lets three programs share an SM), then flags: o issues each "
-                         "tile's P̂·V̂ after the next tile's Q̂·K̂ᵀ (overlap_pv), s sums P̂'s rows on the tensor cores "
-                         "(rowsum_mma)")
+                         "(e4m3 loop: 64x4x2r168 lets three programs share an SM), then flags: p reads K̂/V̂ᵀ by pointer "
+                         "loads (K̂ in key order) where the loop would use TMA (Hopper)")
     ap.add_argument("--warp-specialize", action="store_true", help="also try tl.range(warp_specialize=True)")
     ap.add_argument("--skip-prepass", action="store_true", help="time the attention loop only")
     ap.add_argument("--rep", type=int, default=REP_MS, help="milliseconds of calls per timing (median taken)")

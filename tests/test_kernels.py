@@ -465,27 +465,54 @@ def test_e4m3_loop_shifts_each_key_tile_by_its_own_largest_block(method):
     assert cossim(got.double(), want.double()) >= 0.9999, cossim(got.double(), want.double())
 
 
-@pytest.mark.parametrize("sk, masked", [(100, False), (128, True), (256, False), (300, True), (640, False)])
-def test_e4m3_loop_overlapping_pv_equals_the_plain_loop(sk, masked):
-    """The e4m3 loop with P̂·V̂ of each key tile issued after the next tile's Q̂·K̂ᵀ (``overlap_pv``,
-    so that P̂·V̂ runs under the next softmax) computes the same products in the same order: equal
-    bit for bit, for key counts below one tile, of exactly one tile (the loop body never runs),
-    with a tail tile, and under a key-padding mask (interpreter or GPU)."""
-    from fp4video.kernels.attention_fwd import attention_prepared, key_padding, prepare
+@pytest.mark.parametrize("sk, masked", [(100, False), (128, True), (256, False), (300, True), (640, False),
+                                        (1157, True)])
+def test_e4m3_loop_by_tma_equals_pointer_loads(sk, masked):
+    """K̂ stored in tile key order (what a TMA box copies) holds the same rows, zero-padded to whole
+    tiles; the e4m3 loop reading it — by pointers or by TMA tensor descriptors — computes the same
+    products in the same order as from K̂ in key order: equal bit for bit, for key counts below one
+    tile, of exactly one tile, with a tail tile and under a key-padding mask (interpreter; the GPU
+    twin below). 1157 keys: 10 tiles, so the pre-pass's second program of 8 tiles ends past the
+    last one (its stores there must not reach the next head's rows)."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test; test_e4m3_loop_by_tma_equals_pointer_loads_gpu covers CUDA")
+    _check_tma_equals_pointer_loads("cpu", torch.float32, 1, 2, 70, sk, 64, masked)
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    dt = torch.bfloat16 if dev == "cuda" else torch.float32
-    q, k, v = rand(1, 2, 70, 64, seed=40), rand(1, 2, sk, 64, seed=41), rand(1, 2, sk, 64, seed=42)
-    mask = (rand(1, 1, 1, sk, seed=43) > -0.8).to(dev) if masked else None
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sk, d", [(1531, 128), (75600 // 40, 64), (128, 128)])
+def test_e4m3_loop_by_tma_equals_pointer_loads_gpu(sk, d):
+    """The same on the H200, where TMA is the default: bf16, two batches of 4 heads, a key-padding mask."""
+    _check_tma_equals_pointer_loads("cuda", torch.bfloat16, 2, 4, 1000, sk, d, True)
+
+
+def _check_tma_equals_pointer_loads(dev, dt, b, h, sq, sk, d, masked):
+    from fp4video.kernels.attention_fwd import attention_prepared, key_padding
+    from fp4video.kernels.prepass import k8_in_key_order, prepass_fp8
+
+    q, k, v = rand(b, h, sq, d, seed=40), rand(b, h, sk, d, seed=41), rand(b, h, sk, d, seed=42)
+    mask = (rand(b, 1, 1, sk, seed=43) > -0.8).to(dev) if masked else None
     q, k, v = (t.to(dev, dt) for t in (q, k, v))
-    alive = key_padding(mask, 1, sk)
-    prepared = prepare(q, k, v, METHODS["mxattn"], alive)
-    assert prepared[0] == "fp8"
-    outs = [attention_prepared(prepared, alive, recipe=METHODS["mxattn"], scale=0.125, out_dtype=q.dtype, dv=64,
-                               overlap_pv=overlap) for overlap in (False, True)]
-    want = fp4_attention(q, k, v, method="mxattn", attn_mask=mask, backend="reference").float()
-    assert cossim(outs[0][0].float(), want) > 0.9999
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    alive, recipe = key_padding(mask, b, sk), METHODS["mxattn"]
+    plain = prepass_fp8(q, k, v, recipe, alive)
+    tiled = prepass_fp8(q, k, v, recipe, alive, k_tile_order=True)
+    sk_pad = -(-sk // 128) * 128
+    assert tiled[2].shape[-2] == sk_pad and torch.equal(k8_in_key_order(tiled[2], sk).float(), plain[2].float())
+    assert not k8_in_key_order(tiled[2], sk_pad)[..., sk:, :].float().any()  # the padding rows are zero
+    for x, y in zip(plain[:2] + plain[3:], tiled[:2] + tiled[3:]):  # Q̂, the factors and V̂ᵀ are unchanged
+        assert torch.equal(x.float(), y.float())
+
+    def run(pre, order, **opts):
+        return attention_prepared(("fp8", (*pre, sk, order)), alive, recipe=recipe, scale=d**-0.5, out_dtype=q.dtype,
+                                  dv=d, **opts)
+
+    want = run(plain, False)
+    for got in (run(tiled, True, tma=False), run(tiled, True, tma=True)):
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    ref = fp4_attention(q, k, v, method="mxattn", attn_mask=mask, backend="reference").float()
+    assert cossim(want[0].float(), ref) > 0.9999
+    with pytest.raises(ValueError, match="tile key order"):
+        run(plain, False, tma=True)
 
 
 def test_prepass_fp8_window_is_16_binades():
@@ -649,7 +676,12 @@ def test_scaled_kernel_compiles_to_native_fp4_mma(arch, instruction):
 def test_instruction_count_script_reads_the_fp8_loop():
     """scripts/count_loop_instructions.py (the ALU budget BENCHMARKS.md quotes) compiles the e4m3
     kernel for sm_90 offline and finds its main loop in the SASS: the loop issues e4m3 MMAs
-    (QGMMA), and quantizing P in the loop costs instructions over only casting it to e4m3."""
+    (QGMMA), and quantizing P in the loop costs instructions over only casting it to e4m3. As
+    Hopper launches it (TMA, 2 stages, at most 168 registers) three programs fit an SM: the shared
+    memory the launch table says (228 KB per SM, 1 KB per program kept by CUDA), no spills; the
+    pointer-load loop (GPUs without TMA) uses its table's shared memory too."""
+    from fp4video.kernels import attention_fwd as af
+
     import os
     import re
     import subprocess
@@ -672,6 +704,12 @@ def test_instruction_count_script_reads_the_fp8_loop():
         m = re.search(r"([\d.]+) SASS instructions per element of S", run.stdout)
         assert m and "QGMMA" in run.stdout, run.stdout
         counts[bool(flag)] = float(m.group(1))
+        shared = re.search(r"(\d+) bytes of shared memory", run.stdout)
+        assert shared and int(shared.group(1)) == af.FP8_TMA_SHARED_MEMORY[af.LAUNCH["fp8-tma"][2]], run.stdout
+        assert 3 * (int(shared.group(1)) + 1024) <= 228 * 1024
+        if regs:
+            assert int(regs.group(1)) <= af.FP8_TMA_MAX_REGISTERS and " 0 bytes spill stores" in run.stdout, run.stdout
+            assert 3 * 128 * af.FP8_TMA_MAX_REGISTERS <= 65536
         if not flag:
             # P̂ reaches the P̂·V̂ MMA without lane exchanges (attention_fwd.as_mma_operand): the
             # only shuffles left are the three row reductions (max, block exponent, sum), 2 rows
@@ -679,6 +717,11 @@ def test_instruction_count_script_reads_the_fp8_loop():
             shfl = re.search(r"^\s*([\d.]+)\s+SHFL$", run.stdout, re.M)
             assert shfl and float(shfl.group(1)) <= 0.19, run.stdout
     assert 4 < counts[True] < counts[False] < 40, counts
+    run = subprocess.run([sys.executable, str(script), "--pointer-loads"], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    shared = re.search(r"(\d+) bytes of shared memory", run.stdout)
+    assert shared and int(shared.group(1)) == af.FP8_SHARED_MEMORY[af.LAUNCH["fp8"][2]], run.stdout
     # the bf16 NVFP4 loop: bf16 MMAs (HGMMA), more work per element than the e4m3 MXFP4 loop
     run = subprocess.run([sys.executable, str(script), "--kernel", "nvfp4"], capture_output=True, text=True,
                          env=env, timeout=600)
@@ -1117,6 +1160,7 @@ def test_launches_fit_the_shared_memory_of_the_gpu(monkeypatch):
                             lambda device=None, n=per_sm: SimpleNamespace(shared_memory_per_multiprocessor=n))
         assert launch.shared_memory_per_block(cuda) == per_sm - 1024
         assert stages(cuda) == want, per_sm
+        assert af.fp8_launch(cuda, tma=True) == af.LAUNCH["fp8-tma"]  # its 2 stages (74 KB) fit everywhere
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace())
     for cap, want in (((8, 9), (2, 1, 1, 1, 3)), ((9, 0), (3, 3, 2, 3, 3)), ((8, 0), (3, 2, 2, 3, 3))):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
@@ -1124,10 +1168,26 @@ def test_launches_fit_the_shared_memory_of_the_gpu(monkeypatch):
     assert stages(torch.device("cpu")) == (3, 3, 2, 3, 3)
 
 
+def test_tma_loop_where_the_gpu_has_tma(monkeypatch):
+    """The e4m3 loop copies its tiles by TMA on sm_90 and later only (Ada, sm_89, has no TMA), and
+    not in the CPU interpreter unless asked; the pre-pass stores K̂ in tile order exactly there."""
+    from fp4video.kernels import attention_fwd as af
+
+    cuda = torch.device("cuda", 0)
+    for cap, want in (((8, 9), False), ((9, 0), True), ((10, 0), True), ((8, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
+        assert af.tma_loop(cuda) is want, cap
+    assert af.tma_loop(torch.device("cpu")) is False
+    q = rand(1, 1, 8, 64, seed=44)
+    prepared = af.prepare(q, q, q, METHODS["mxattn"], None)
+    assert prepared[0] == "fp8" and prepared[1][-2:] == (8, False) and prepared[1][2].shape[-2] == 8
+
+
 @pytest.mark.gpu
 def test_hopper_keeps_the_measured_stages_gpu():
     """On the H200 (sm_90, 228 KB per SM) the shared-memory check leaves every launch as
-    benchmarked: the e4m3 loop and the NVFP4 loop at 3 stages, the row pre-pass at 2."""
+    benchmarked: the e4m3 loop by TMA at 2 stages (by pointer loads at 3), the NVFP4 loop at 3,
+    the row pre-pass at 2."""
     from fp4video.kernels import attention_fwd as af
     from fp4video.kernels import attention_nvfp4 as an
     from fp4video.kernels import launch
@@ -1137,6 +1197,7 @@ def test_hopper_keeps_the_measured_stages_gpu():
     if torch.cuda.get_device_capability(dev) != (9, 0):
         pytest.skip("a Hopper GPU")
     assert launch.shared_memory_per_block(dev) >= 227 * 1024
+    assert af.tma_loop(dev) and af.fp8_launch(dev, tma=True) == af.LAUNCH["fp8-tma"]
     assert af.fp8_launch(dev) == af.LAUNCH["fp8"]
     assert launch.fitting_stages(dev, an.LAUNCH[2], an.SHARED_MEMORY) == an.LAUNCH[2]
     assert launch.fitting_stages(dev, pp._PrePass.ROW_STAGES, pp.ROW_SHARED_MEMORY) == pp._PrePass.ROW_STAGES
