@@ -10,7 +10,7 @@ options of ``_PrePass`` (row blocks per program, pipelining stages, warps, V cha
 V's f16-pair and tensor-core paths), ``--plot`` draws the table. Markdown to stdout (BENCHMARKS.md keeps it).
 
     python scripts/prepass_bandwidth.py --seqs 32760 75600 [--sweep [Q K V]] [--plot docs/prepass-bandwidth.png]
-    python scripts/prepass_bandwidth.py --replot BENCHMARKS.md --plot docs/prepass-bandwidth.png   # no GPU
+    python scripts/prepass_bandwidth.py --replot BENCHMARKS.md --section "sixth session" --plot docs/prepass-bandwidth.png   # no GPU
 """
 
 from __future__ import annotations
@@ -85,19 +85,20 @@ def plot(rows, path, title: str) -> None:
     print(f"\nwrote {path}")
 
 
-def parse_tables(text: str):
+def parse_tables(text: str, section: str | None = None):
     """(S, launch, ms, × copy) rows of this script's launch tables in a markdown text (its own
-    output, or BENCHMARKS.md where it is kept): for ``--replot``."""
+    output, or BENCHMARKS.md where it is kept): for ``--replot``. ``section``: only the tables
+    under a heading containing that text (BENCHMARKS.md keeps one run's tables per section)."""
     import re
 
-    rows, s = [], None
+    rows, s, heading = [], None, ""
     for line in text.splitlines():
         m = re.match(r"S = (\d+): bf16 copy", line)
         if m:
-            s = int(m.group(1))
+            s = int(m.group(1)) if section is None or section in heading else None
             continue
         if line.startswith("#"):  # a new section: its tables belong to no S until the next "S = "
-            s = None
+            s, heading = None, line
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if s is None or len(cells) != 4 or not cells[0].startswith(("Q:", "K:", "V:", "whole")):
             continue
@@ -117,6 +118,7 @@ def main(argv=None) -> int:
                     help="also time the launch options (of the launches whose names start with LAUNCH: Q, K, V; all "
                          "when none is given)")
     ap.add_argument("--plot", help="write a bar chart of × copy bandwidth per launch (png)")
+    ap.add_argument("--section", metavar="TEXT", help="--replot: only the tables under a heading containing TEXT")
     ap.add_argument("--replot", metavar="MARKDOWN",
                     help="no GPU: draw --plot from the launch tables kept in a markdown file (this script's output)")
     args = ap.parse_args(argv)
@@ -126,9 +128,10 @@ def main(argv=None) -> int:
     if args.replot:
         from pathlib import Path
 
-        rows = parse_tables(Path(args.replot).read_text())
+        rows = parse_tables(Path(args.replot).read_text(), args.section)
         if not rows or not args.plot:
-            print(f"error: --replot needs --plot and launch tables in {args.replot}", file=sys.stderr)
+            where = f" under a heading containing {args.section!r}" if args.section else ""
+            print(f"error: --replot needs --plot and launch tables in {args.replot}{where}", file=sys.stderr)
             return 2
         plot(rows, args.plot, "e4m3 pre-pass against the copy bandwidth (tables in " + Path(args.replot).name + ")")
         return 0

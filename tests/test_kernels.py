@@ -1120,6 +1120,11 @@ S = 200: bf16 copy of Q 0.368 ms = 4210 GB/s
     assert parse_tables(text) == [(100, "Q: rotate, quantize, e4m3 per row", 0.176, 0.69),
                                   (100, "whole pre-pass (as the attention call runs it)", 0.689, 0.65),
                                   (200, "V: quantize, e4m3, transposed", 0.491, 0.56)]
+    # one section's tables only (BENCHMARKS.md keeps several runs)
+    later = "\n### a later run\n\nS = 300: bf16 copy of Q 0.1 ms = 1 GB/s\n\n| launch | ms | GB/s | × copy |\n" \
+            "| --- | --- | --- | --- |\n| K: rotate, quantize, e4m3 per key tile | 0.2 | 1 | 0.61 |\n"
+    assert parse_tables(text + later, "later run") == [(300, "K: rotate, quantize, e4m3 per key tile", 0.2, 0.61)]
+    assert len(parse_tables(text + later)) == 4 and parse_tables(text + later, "no such") == []
     md, png = tmp_path / "t.md", tmp_path / "t.png"
     md.write_text(text)
     script = Path(__file__).resolve().parents[1] / "scripts" / "prepass_bandwidth.py"
