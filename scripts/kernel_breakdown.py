@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fp4video import METHODS, fp4_attention
 from fp4video.kernels import prepass as pp
-from fp4video.kernels.attention_fwd import attention_prepared, prepare
+from fp4video.kernels.attention_fwd import attention_prepared, mx_kernel, prepare
 from fp4video.metrics import cossim
 
 
@@ -34,10 +34,9 @@ FLAGS = {"p": ("tma", False, "K̂/V̂ᵀ by pointer loads, K̂ in key order")}
 def prepare_for(flags, q, k, v, recipe):
     """The pre-pass a config's loop reads: as :func:`prepare` chooses for the GPU (on Hopper K̂ in
     tile key order, for TMA), or with flag p K̂ in key order (the pointer-load loop's own layout)."""
-    prepared = prepare(q, k, v, recipe, None)
-    if "p" in flags and prepared[0] == "fp8":
+    if "p" in flags and mx_kernel(recipe, q.device) == "fp8":
         return ("fp8", (*pp.prepass_fp8(q, k, v, recipe, None), k.shape[-2], False))
-    return prepared
+    return prepare(q, k, v, recipe, None)
 
 
 def config_name(bm, nw, ns, regs, flags=""):
