@@ -436,15 +436,34 @@ def mx_kernel(recipe: AttentionRecipe, device: torch.device) -> str | None:
 
 
 def tma_loop(device: torch.device) -> bool:
-    """Whether the e4m3 loop reads its K̂/V̂ᵀ tiles by TMA on this device (Hopper and later: the
-    bulk tensor copies; the pre-pass then stores K̂ in tile key order, what a TMA box copies), with
-    a Triton that has host tensor descriptors (3.3+). Ada (sm_89) has no TMA; the CPU interpreter
-    runs it only when asked (``tma=True``)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
-        return False
+    """Whether the e4m3 loop reads its K̂/V̂ᵀ tiles by TMA on this device: where it can
+    (:func:`tma_unsupported_reason`), unless ``FP4VIDEO_MX_TMA=0`` asks for pointer loads (the
+    pre-pass then keeps K̂ in key order). ``FP4VIDEO_MX_TMA=1`` where TMA cannot run is an error."""
+    import os
+
+    forced = os.environ.get("FP4VIDEO_MX_TMA")
+    if forced not in (None, "", "0", "1"):
+        raise ValueError(f"FP4VIDEO_MX_TMA must be '0' or '1', got {forced!r}")
+    reason = tma_unsupported_reason(device)
+    if forced == "1" and reason:
+        raise ValueError(f"FP4VIDEO_MX_TMA=1, but the e4m3 loop cannot copy tiles by TMA here: {reason}")
+    return forced != "0" and reason is None
+
+
+def tma_unsupported_reason(device: torch.device) -> str | None:
+    """Why the e4m3 loop cannot read its tiles by TMA on this device, or None: TMA needs sm_90+
+    (Hopper's bulk tensor copies; Ada, sm_89, has none) and a Triton with host tensor descriptors
+    (3.3+). The CPU interpreter runs the TMA path only when asked (``tma=True``)."""
+    if device.type != "cuda":
+        return f"not a CUDA device ({device})"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (9, 0):
+        return f"sm_{cap[0]}{cap[1]} has no TMA (sm_90+)"
     import importlib.util
 
-    return importlib.util.find_spec("triton.tools.tensor_descriptor") is not None
+    if importlib.util.find_spec("triton.tools.tensor_descriptor") is None:
+        return "this Triton has no host tensor descriptors (3.3+)"
+    return None
 
 
 def uses_fp8(recipe: AttentionRecipe, device: torch.device) -> bool:
@@ -587,6 +606,8 @@ def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive
     if tma and not k_tile_order:
         raise ValueError("tma=True copies K̂ tiles as stored: it needs K̂ in tile key order "
                          "(prepass_fp8(..., k_tile_order=True))")
+    if tma and q8.is_cuda and (reason := tma_unsupported_reason(q8.device)):
+        raise ValueError(f"tma=True, but the e4m3 loop cannot copy tiles by TMA here: {reason}")
     if v8t.shape[-1] % KEY_TILE or (k_tile_order and sk_pad % KEY_TILE):
         raise ValueError(f"V̂ᵀ (and K̂ in tile order) must be padded to whole key tiles of {KEY_TILE} (prepass_fp8 "
                          f"does), got {v8t.shape[-1]} (and {sk_pad})")

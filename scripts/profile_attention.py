@@ -3,7 +3,9 @@
 
 Two steps. ``run`` calls each kernel once, so that ``ncu`` profiles one launch per method (the
 first call compiles the kernel, which launches nothing else that matches ``-k``); ``summarize`` turns ncu's raw CSV into a markdown table:
-issue-slot use, tensor-pipe activity and the warp stall reasons per issued instruction.
+issue-slot use, tensor-pipe activity and the warp stall reasons per issued instruction;
+``source`` (with ``--section SourceCounters`` in the profile) reads ncu's per-instruction page and
+tells where in each kernel's main loop the warps' stall samples fall.
 
     ncu --clock-control none -k 'regex:_nv_attn_fwd|_mx_fp8_attn_fwd|cudnn' \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
@@ -11,8 +13,11 @@ issue-slot use, tensor-pipe activity and the warp stall reasons per issued instr
         python3 scripts/profile_attention.py run --seq 16384 --heads 16 sage3 nvfp4 sage3-triton mxattn cudnn
     ncu -i prof.ncu-rep --page raw --csv > raw.csv
     python3 scripts/profile_attention.py summarize raw.csv
+    ncu -i prof.ncu-rep --page source --print-source sass --csv > source.csv
+    python3 scripts/profile_attention.py source source.csv [--chunk 36]
 
-``NAME-triton`` forces the Triton NVFP4 loop (``FP4VIDEO_NV_KERNEL=triton``); ``cudnn`` is
+``NAME-triton`` forces the Triton NVFP4 loop (``FP4VIDEO_NV_KERNEL=triton``), ``NAME-pointer``
+the e4m3 MXFP4 loop with pointer loads instead of TMA (``FP4VIDEO_MX_TMA=0``); ``cudnn`` is
 PyTorch's cuDNN SDPA. ``--clock-control none`` leaves the clocks as they are (the project's
 measuring rule); ncu then warns that results may vary from run to run.
 """
@@ -23,6 +28,9 @@ import argparse
 import csv
 import os
 import sys
+
+#: kernel name suffixes of ``run``: the environment variable each sets for its call
+VARIANTS = {"triton": ("FP4VIDEO_NV_KERNEL", "triton"), "pointer": ("FP4VIDEO_MX_TMA", "0")}
 
 #: the stall reasons reported (ncu's smsp__average_warps_issue_stalled_<reason>_per_issue_active)
 STALLS = ("selected", "barrier", "wait", "not_selected", "no_instruction", "dispatch_stall", "short_scoreboard",
@@ -45,16 +53,20 @@ def run(args) -> int:
         if name == "cudnn":
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v)
-        previous = os.environ.get("FP4VIDEO_NV_KERNEL")
-        if name.endswith("-triton"):
-            os.environ["FP4VIDEO_NV_KERNEL"] = "triton"
+        method, _, suffix = name.partition("-")
+        if suffix and suffix not in VARIANTS:
+            method, suffix = name, ""  # a method whose name has a dash
+        var, value = VARIANTS.get(suffix, (None, None))
+        previous = os.environ.get(var) if var else None
+        if var:
+            os.environ[var] = value
         try:
-            return fp4_attention(q, k, v, method=name.removesuffix("-triton"), backend="triton")
+            return fp4_attention(q, k, v, method=method, backend="triton")
         finally:
-            if previous is None:
-                os.environ.pop("FP4VIDEO_NV_KERNEL", None)
-            else:
-                os.environ["FP4VIDEO_NV_KERNEL"] = previous
+            if var and previous is None:
+                os.environ.pop(var, None)
+            elif var:
+                os.environ[var] = previous
 
     for name in args.kernels:  # one launch each (its first call compiles it, which launches nothing)
         call(name)
@@ -88,17 +100,84 @@ def summarize(args) -> int:
     return 0
 
 
+def source(args) -> int:
+    """Per kernel in ncu's source page (SASS, CSV): the share of warp-state samples per stall reason,
+    and the main loop — the instructions executed at least 90% as often as the most executed one —
+    cut into chunks of ``--chunk`` instructions with each chunk's share of the loop's samples and
+    its most frequent opcodes (markdown)."""
+    import collections
+    import csv
+    import re
+
+    with open(args.csv, newline="") as f:
+        rows = [r for r in csv.reader(f) if r]
+    kernels = []  # (name, header, rows)
+    for r in rows:
+        if r[0] == "Kernel Name":
+            kernels.append((r[1] if len(r) > 1 else "?", None, []))
+        elif r[0] == "Address" and kernels:
+            kernels[-1] = (kernels[-1][0], r, kernels[-1][2])
+        elif kernels and kernels[-1][1] is not None:
+            kernels[-1][2].append(r)
+    if not kernels:
+        print(f"error: no 'Kernel Name' blocks in {args.csv} (ncu -i REP --page source --print-source sass --csv)",
+              file=sys.stderr)
+        return 2
+    for n, (name, header, body) in enumerate(kernels):
+        col = {h: i for i, h in enumerate(header)}
+        for need in ("Source", "Warp Stall Sampling (All Samples)", "Instructions Executed"):
+            if need not in col:
+                print(f"error: kernel {name}: no column {need!r} (profile with --section SourceCounters)", file=sys.stderr)
+                return 2
+        reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
+
+        def num(r, h):
+            x = r[col[h]].replace(",", "")
+            return float(x) if x not in ("", "-", "n/a") else 0.0
+
+        samples = [num(r, "Warp Stall Sampling (All Samples)") for r in body]
+        total = sum(samples) or 1.0
+        by_reason = collections.Counter({h[6:]: sum(num(r, h) for r in body) for h in reasons})
+        print(f"\n### {n}: {name[:60]} — {int(total)} samples\n")
+        print("stall reasons, % of samples: " + ", ".join(f"{k} {100 * v / total:.1f}" for k, v in by_reason.most_common()
+                                                          if v))
+        executed = [num(r, "Instructions Executed") for r in body]
+        top = max(executed, default=0.0)
+        loop = [i for i, e in enumerate(executed) if top and e >= 0.9 * top]
+        if not loop:
+            continue
+        lo, hi = loop[0], loop[-1] + 1
+        in_loop = sum(samples[lo:hi]) or 1.0
+        print(f"\nmain loop: instructions {lo}–{hi - 1} ({hi - lo}), {100 * in_loop / total:.1f}% of the samples\n")
+        print("| loop instructions | % of the loop's samples | most frequent opcodes |\n| --- | --- | --- |")
+        for a in range(lo, hi, args.chunk):
+            b = min(a + args.chunk, hi)
+            ops = collections.Counter()
+            for r in body[a:b]:
+                m = re.match(r"\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", r[col["Source"]])
+                if m:
+                    ops[m.group(1)] += 1
+            print(f"| {a - lo}–{b - lo - 1} | {100 * sum(samples[a:b]) / in_loop:.1f} | "
+                  + ", ".join(f"{op} {c}" for op, c in ops.most_common(4)) + " |")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="one launch of each kernel (run under ncu)")
-    r.add_argument("kernels", nargs="+", help="fp4video methods, NAME-triton (the Triton NVFP4 loop) or cudnn")
+    r.add_argument("kernels", nargs="+", help="fp4video methods, NAME-triton (the Triton NVFP4 loop), NAME-pointer "
+                                                 "(the e4m3 loop without TMA) or cudnn")
     r.add_argument("--seq", type=int, default=16384)
     r.add_argument("--heads", type=int, default=16)
     s = sub.add_parser("summarize", help="markdown table from `ncu -i REP --page raw --csv`")
     s.add_argument("csv")
+    src = sub.add_parser("source", help="where the main loop's stall samples fall, from `ncu -i REP --page source "
+                                        "--print-source sass --csv`")
+    src.add_argument("csv")
+    src.add_argument("--chunk", type=int, default=36, help="loop instructions per row")
     args = ap.parse_args(argv)
-    return run(args) if args.cmd == "run" else summarize(args)
+    return {"run": run, "summarize": summarize, "source": source}[args.cmd](args)
 
 
 if __name__ == "__main__":

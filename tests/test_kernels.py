@@ -1083,6 +1083,40 @@ def test_profile_attention_summarizes_ncu_csv(tmp_path):
     assert row, run.stdout
 
 
+def test_profile_attention_source_finds_the_loop_and_its_samples(tmp_path):
+    """scripts/profile_attention.py source (BENCHMARKS.md's stall samples by loop position) reads
+    ncu's per-instruction CSV — a "Kernel Name" line, a header, one row per SASS instruction — and
+    prints the stall reasons' shares of all samples and, for the main loop (instructions executed
+    at least 90% as often as the most executed), each chunk's share of the loop's samples."""
+    import csv
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_wait",
+              "stall_barrier", "stall_wait (Not Issued)"]
+    body = [["0x0", "LDC R1, c[0x0][0x28]", "10", "1", "10", "0", "9"],  # prologue: executed once
+            ["0x10", "FFMA R2, R3, R4, R5", "30", "100", "30", "0", "0"],
+            ["0x20", "MUFU.EX2 R2, R2", "30", "100", "0", "30", "0"],
+            ["0x30", "@P0 BRA 0x10", "30", "95", "30", "0", "0"],
+            ["0x40", "EXIT", "0", "1", "0", "0", "0"]]
+    path = tmp_path / "source.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([["Kernel Name", "_mx_fp8_attn_fwd"], header, *body])
+    script = Path(__file__).resolve().parents[1] / "scripts" / "profile_attention.py"
+    run = subprocess.run([sys.executable, str(script), "source", str(path), "--chunk", "2"], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "_mx_fp8_attn_fwd — 100 samples" in run.stdout and "wait 70.0, barrier 30.0" in run.stdout, run.stdout
+    assert "instructions 1–3 (3), 90.0% of the samples" in run.stdout, run.stdout
+    assert re.search(r"^\| 0–1 \| 66\.7 \| FFMA 1, MUFU 1 \|$", run.stdout, re.M), run.stdout
+    assert re.search(r"^\| 2–2 \| 33\.3 \| BRA 1 \|$", run.stdout, re.M), run.stdout
+    path.write_text("nothing here\n")
+    run = subprocess.run([sys.executable, str(script), "source", str(path)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "no 'Kernel Name' blocks" in run.stderr
+
+
 def test_prepass_bandwidth_replots_its_tables_from_markdown(tmp_path):
     """scripts/prepass_bandwidth.py --replot (no GPU) reads the launch tables it printed, as kept
     in BENCHMARKS.md — each under its "S = …" line, the --sweep tables (an options column) and
@@ -1175,13 +1209,29 @@ def test_launches_fit_the_shared_memory_of_the_gpu(monkeypatch):
 
 def test_tma_loop_where_the_gpu_has_tma(monkeypatch):
     """The e4m3 loop copies its tiles by TMA on sm_90 and later only (Ada, sm_89, has no TMA), and
-    not in the CPU interpreter unless asked; the pre-pass stores K̂ in tile order exactly there."""
+    not in the CPU interpreter unless asked; the pre-pass stores K̂ in tile order exactly there.
+    ``FP4VIDEO_MX_TMA=0`` turns it off; ``=1`` where it cannot run, or another value, is an error
+    naming the problem."""
     from fp4video.kernels import attention_fwd as af
 
+    monkeypatch.delenv("FP4VIDEO_MX_TMA", raising=False)
     cuda = torch.device("cuda", 0)
     for cap, want in (((8, 9), False), ((9, 0), True), ((10, 0), True), ((8, 0), False)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
         assert af.tma_loop(cuda) is want, cap
+        monkeypatch.setenv("FP4VIDEO_MX_TMA", "0")
+        assert af.tma_loop(cuda) is False
+        monkeypatch.setenv("FP4VIDEO_MX_TMA", "1")
+        if want:
+            assert af.tma_loop(cuda) is True
+        else:
+            with pytest.raises(ValueError, match="sm_8.* has no TMA"):
+                af.tma_loop(cuda)
+        monkeypatch.delenv("FP4VIDEO_MX_TMA")
+    monkeypatch.setenv("FP4VIDEO_MX_TMA", "yes")
+    with pytest.raises(ValueError, match="FP4VIDEO_MX_TMA must be '0' or '1', got 'yes'"):
+        af.tma_loop(cuda)
+    monkeypatch.delenv("FP4VIDEO_MX_TMA")
     assert af.tma_loop(torch.device("cpu")) is False
     q = rand(1, 1, 8, 64, seed=44)
     prepared = af.prepare(q, q, q, METHODS["mxattn"], None)
