@@ -37,7 +37,7 @@ from fp4video.formats import Format, ScaleRule
 from fp4video.recipe import AttentionRecipe, RowSum
 from fp4video.reference import KEY_TILE
 
-from .fp4_math import fake_quant_rows, mx_block_exponent, pow2, round_e2m1_at_scale
+from .fp4_math import fake_quant_rows, mx_block_exponent, pow2, round_e2m1_at_scale, round_e2m1_f16x2_odd
 from .launch import fitting_stages
 from .prepass import next_pow2, prepass, prepass_fp8, prepass_packed, prepass_tiles
 
@@ -252,7 +252,8 @@ def _mx_view(qk, QB: tl.constexpr):
 
 @triton.jit
 def mx_quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
-                  QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr):
+                  QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr, F16_P: tl.constexpr = False,
+                  ASM: tl.constexpr = False):
     """Online softmax and MXFP4 quantization of one key tile of logits ``qk`` (keys in
     :func:`mma_key_order`, masked keys at -inf; the logit in log2 units is qk · q_scale, q_scale > 0
     per row) of :func:`_mx_fp8_attn_fwd`. Returns (P̂ as the e4m3 A operand of P̂·V̂
@@ -263,12 +264,21 @@ def mx_quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.conste
     the block maximum, E2M1 rounding), in units of 2^k per row and tile, k = 6 - (the tile's
     largest block exponent), folded into the exp2 argument: the largest P̂ value is 6·2^6 = 384 <
     448, and every block whose scale is within 2^14 of the tile's largest is exact in e4m3.
+
+    F16_P (the loop's default): the rounding runs on f16 pairs
+    (:func:`.fp4_math.round_e2m1_f16x2_odd`, ASM: inline PTX, else its fp32 stand-in) and PNQ's
+    block sums too (exact: a block's values are multiples of half its unit, at most 192 units). Its
+    magic number needs values below 128, so k = 4 - (largest block exponent): the largest P̂ is
+    6·2^4 = 96, and blocks within 2^12 of the tile's largest are exact in e4m3. The same values
+    as in fp32 but at exact ties of the E2M1 grid (rounded up, not to even); 1.8 instructions per
+    element fewer (offline sm_90 count: 11.9 against 13.8).
     """
     BLOCK_M: tl.constexpr = qk.shape[0]
     BLOCK_N: tl.constexpr = qk.shape[1]
     s5 = _mx_view(qk, QB)
     block_max = _mx_block_reduce(s5, True) * q_scale[:, None]
-    m_new = tl.maximum(m_i, tl.max(block_max, axis=1))
+    tile_max = tl.max(block_max, axis=1)
+    m_new = tl.maximum(m_i, tile_max)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     # block exponents of P̃ = exp2(s - m) from the block maxima (exp2 is monotonic); the block
     # holding the row maximum must get exactly exp2(0) = 1, which is why the kernel is compiled
@@ -276,15 +286,28 @@ def mx_quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.conste
     # amax = 1 - 2^-24 would move that block to the next lower scale under the OCP rule)
     amax = tl.exp2(block_max - m_safe[:, None])
     e_blk = tl.where(amax > 0, mx_block_exponent(amax, OCP, QMAX), EXP_FLOOR)
-    k_new = 6 - tl.maximum(tl.max(e_blk, axis=1), EXP_FLOOR)
+    # the tile's largest block exponent is the exponent of its largest block maximum: computed
+    # per row from the row's tile maximum (the same arithmetic on the same value), not reduced
+    # across the lanes that hold the blocks (shuffles on the loop's critical path)
+    top = tl.exp2(tile_max - m_safe)
+    e_top = tl.maximum(tl.where(top > 0, mx_block_exponent(top, OCP, QMAX), EXP_FLOOR), EXP_FLOOR)
+    e_blk = tl.minimum(e_blk, e_top[:, None])  # as it is (exp2 is monotonic); the f16 rounding's range relies on it
+    k_new = (4 if F16_P else 6) - e_top
     p = tl.exp2(tl.fma(s5, _mx_rows(q_scale), _mx_rows(k_new.to(tl.float32) - m_safe)))  # P̃ · 2^k_new
-    if QUANTIZE_P:
-        p_hat = round_e2m1_at_scale(p, _mx_blocks(pow2(tl.maximum(e_blk + k_new[:, None], -126))))
+    unit = pow2(tl.maximum(e_blk + k_new[:, None], -126))
+    if QUANTIZE_P and F16_P:
+        p_hat = round_e2m1_f16x2_odd(p, _mx_blocks(unit.to(tl.float16)), _mx_blocks((unit * 6.0).to(tl.float16)), ASM)
+    elif QUANTIZE_P:
+        p_hat = round_e2m1_at_scale(p, _mx_blocks(unit))
     else:
         p_hat = p
     alpha = tl.exp2(m_i - m_safe + (k_new - k_i).to(tl.float32))
-    part = tl.sum(_mx_block_reduce(p_hat if PNQ else p, False), axis=1)  # PNQ: the row sum of the quantized tile
-    l_new = tl.fma(alpha, l_i, part)
+    # l per row and block (lane): summed over the lanes once, after the loop
+    if PNQ and F16_P and QUANTIZE_P:  # block sums on f16 pairs (exact: multiples of unit / 2, at most 192 units)
+        part = tl.sum(tl.sum(tl.sum(p_hat, axis=2), axis=1).to(tl.float32), axis=2)
+    else:
+        part = _mx_block_reduce(p_hat if PNQ else p, False)  # PNQ: the sums of the quantized blocks
+    l_new = tl.fma(alpha[:, None], l_i, part)
     p8 = as_mma_operand(tl.reshape(p_hat, (BLOCK_M, BLOCK_N)).to(tl.float8e4nv), BLOCK_M, BLOCK_N)
     return p8, m_new, k_new, l_new, alpha
 
@@ -294,12 +317,21 @@ def _mx_fp8_tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd,
                  OCP: tl.constexpr, QMAX: tl.constexpr,
                  PNQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr,
-                 PRECISE_PV: tl.constexpr, TMA: tl.constexpr, v_row):
+                 PRECISE_PV: tl.constexpr, TMA: tl.constexpr, v_row, F16_P: tl.constexpr = False,
+                 ASM: tl.constexpr = False, FRESH_PV: tl.constexpr = False):
     """:func:`mx_quantize_p` and P̂·V̂ of one key tile of :func:`_mx_fp8_attn_fwd`, given its
     logits from :func:`_tile_logits`: returns the updated (m, k, l, acc). TMA: ``V_base`` is a
-    tensor descriptor of V̂ᵀ's rows (channels), this head's first at ``v_row``."""
+    tensor descriptor of V̂ᵀ's rows (channels), this head's first at ``v_row``.
+
+    FRESH_PV: P̂·V̂ goes into a fresh accumulator and is added to the rescaled one by an FMA (as
+    many instructions as rescaling it before the MMA), so the MMA is awaited within its tile. Left
+    in flight into the next tile (the plain form), its accumulator and P̂ stay reserved while the
+    next tile's Q̂·K̂ᵀ runs, and ptxas, short of registers at three programs per SM, made every
+    MMA wait for the previous one (its warning C7512); this way both chains issue back to back
+    (Wan 720p loop: 158.2 ms against 171.6, H200). The tile's products are also summed in fp32
+    by the FMA instead of in the fp8 MMA's accumulator."""
     p8, m_new, k_new, l_i, alpha = mx_quantize_p(qk, q_scale, m_i, k_i, l_i, OCP, QMAX, PNQ, QB, EXP_FLOOR,
-                                                 QUANTIZE_P)
+                                                 QUANTIZE_P, F16_P, ASM)
     # V̂ᵀ is stored in P̂'s operand order (prepass.v8t_key_order), padded with zeros to whole tiles:
     # plain loads
     if TMA:
@@ -308,6 +340,8 @@ def _mx_fp8_tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd,
         vt = tl.load(V_base + tl.arange(0, BLOCK_DV)[:, None] * svd + (start + tl.arange(0, BLOCK_N))[None, :])
     if PRECISE_PV:  # promote the fp8 MMA's partial sums to fp32 every 32 keys
         acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None], max_num_imprecise_acc=32)
+    elif FRESH_PV:
+        acc = tl.fma(acc, alpha[:, None], tl.dot(p8, tl.trans(vt)))
     else:
         acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
     return m_new, k_new, l_i, acc
@@ -328,7 +362,8 @@ def _mx_fp8_attn_fwd(
     D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QB: tl.constexpr, EXP_FLOOR: tl.constexpr, QUANTIZE_P: tl.constexpr = True, WARP_SPEC: tl.constexpr = False,
     PRECISE_QK: tl.constexpr = False, PRECISE_PV: tl.constexpr = False, TMA: tl.constexpr = False,
-    K_TILE_ORDER: tl.constexpr = False,
+    K_TILE_ORDER: tl.constexpr = False, F16_P: tl.constexpr = False, ASM: tl.constexpr = False,
+    FRESH_PV: tl.constexpr = False,
 ):
     """MXFP4 attention on e4m3 tensor cores (Hopper/Ada fp8 MMA).
 
@@ -336,9 +371,10 @@ def _mx_fp8_attn_fwd(
     row / key tile / value channel). P̃ is quantized per block of QB keys exactly as the reference
     does (block exponent from the block maximum, E2M1 rounding), but computed in units of
     2^k per row and tile, k = 6 - (the tile's largest block exponent), folded into the exp2
-    argument: the largest P̂ value is then 6·2^6 = 384 < 448, and every block whose scale is
-    within 2^14 of the tile's largest block scale is exact in e4m3 (smaller ones lose low bits to
-    e4m3's subnormals; their weights are below 2^-14·7.25 of the tile's largest). ``acc`` and
+    argument: the largest P̂ value is then 6·2^4 = 96 (F16_P; 384 = 6·2^6 without), and every
+    block whose scale is within 2^12 (2^14) of the tile's largest block scale is exact in e4m3
+    (smaller ones lose low bits to e4m3's subnormals; their weights are below 2^-12·7.25 of the
+    tile's largest). ``acc`` and
     ``l`` are kept in the current tile's units (their rescale factor is one exp2 per row), so no
     per-element scaling is added. Within a tile, keys sit in :func:`mma_key_order` (K̂ rows are
     loaded in that order, V̂ᵀ is stored in it), so each P block lives in one lane; P̂·V̂ sums the
@@ -356,7 +392,7 @@ def _mx_fp8_attn_fwd(
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     k_i = tl.zeros((BLOCK_M,), tl.int32)  # units of acc and l: 2^k_i
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    l_i = tl.zeros((BLOCK_M, BLOCK_N // QB), tl.float32)  # per row and P block (lane): summed at the end
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     if TMA:  # tensor descriptors of K̂ (B·H·SK_PAD rows, tile key order) and V̂ᵀ (B·H·BLOCK_DV rows)
         K_base = K8
@@ -377,17 +413,17 @@ def _mx_fp8_attn_fwd(
                           False, K_TILE_ORDER, TMA, k_row)
         m_i, k_i, l_i, acc = _mx_fp8_tile(
             qk, qk_scale, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV,
-            BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV, TMA, v_row)
+            BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV, TMA, v_row, F16_P, ASM, FRESH_PV)
     if n_full < SK:
         qk_scale = q_scale * tl.load(KF_base + n_full // BLOCK_N)
         qk = _tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, QB, PRECISE_QK,
                           False, K_TILE_ORDER, TMA, k_row)
         m_i, k_i, l_i, acc = _mx_fp8_tile(
             qk, qk_scale, m_i, k_i, l_i, acc, V_base, n_full, svd, OCP, QMAX, PNQ, BLOCK_DV,
-            BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV, TMA, v_row)
+            BLOCK_M, BLOCK_N, QB, EXP_FLOOR, QUANTIZE_P, PRECISE_PV, TMA, v_row, F16_P, ASM, FRESH_PV)
 
     v_fac = tl.load(VFac + bh * BLOCK_DV + tl.arange(0, BLOCK_DV))  # acc is in units of V̂'s channel factors
-    store_out_lse(Out, Lse, acc, v_fac[None, :], l_i, m_i, k_i.to(tl.float32), b, h, offs_m, row_ok,
+    store_out_lse(Out, Lse, acc, v_fac[None, :], tl.sum(l_i, axis=1), m_i, k_i.to(tl.float32), b, h, offs_m, row_ok,
                   tl.arange(0, BLOCK_DV), DV, sob, soh, sos, sod, slb, slh, sls)
 
 
@@ -406,13 +442,19 @@ def supports(recipe: AttentionRecipe, q: torch.Tensor, mask: torch.Tensor | None
 #: ``"fp8"``: the MXFP4 e4m3 kernel, 64 rows and one warpgroup per program, so that two programs
 #: share an SM (221 registers, 106.5 KB shared memory) and one's MMAs overlap the other's softmax:
 #: 32.41 ms against 36.16 at 128/8/3 (``kernel_breakdown.py``, 2026-11-30). ``"fp8-tma"``: the same
-#: loop reading K̂/V̂ᵀ tiles by TMA (Hopper), 2 stages and at most :data:`FP8_TMA_MAX_REGISTERS`
-#: registers, so that three programs share an SM (73.8 KB of shared memory each, no spills):
-#: 169.34 ms against 172.91 at Wan 720p (2026-11-30, sixth session). NVFP4: ``attention_nvfp4.LAUNCH``.
+#: loop reading K̂/V̂ᵀ tiles by TMA (Hopper), 2 stages, which with P rounded on f16 pairs and
+#: P̂·V̂ in a fresh accumulator needs at most :data:`FP8_TMA_REGISTER_BUDGET` registers, so that
+#: three programs share an SM (73.8 KB of shared memory each, no spills): 158.24 ms at Wan 720p
+#: against 160.14 with the budget imposed as a cap and 165.59 at 3 stages (2026-11-30, seventh
+#: session; 169.34 in the sixth). NVFP4: ``attention_nvfp4.LAUNCH``.
 LAUNCH = {P_NONE: (128, 8, 3), P_MX: (128, 8, 3), "fp8": (64, 4, 3), "fp8-tma": (64, 4, 2)}
-#: registers per thread of the TMA e4m3 loop: 3 programs × 128 threads × 168 ≤ 64 K (it needs 170
-#: uncapped; ptxas fits 168 without spills, offline sm_90 compile)
-FP8_TMA_MAX_REGISTERS = 168
+#: registers per thread that let three TMA e4m3 programs share an SM: 3 × 128 threads × 168 ≤ 64 K
+#: (ptxas allocates 8 at a time). The loop takes 167 by itself; with a key-padding mask it would
+#: take 202 (two programs per SM), so masked launches are capped at it (no spills, MMAs still
+#: asynchronous; offline sm_90 compiles, tests/test_kernels.py): HunyuanVideo 720p 280.26 ms
+#: against 364.40 uncapped; unmasked, the cap costs 1.4% (158.88 against 156.67 ms at Wan 720p;
+#: H200, 2026-11-30, seventh session)
+FP8_TMA_REGISTER_BUDGET = 168
 
 
 def mx_kernel(recipe: AttentionRecipe, device: torch.device) -> str | None:
@@ -596,10 +638,15 @@ def fp8_launch(device: torch.device, tma: bool = False) -> tuple[int, int, int]:
 
 def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive, *, recipe, scale, out_dtype, dv,
                    block_m, num_warps, num_stages, quantize_p=True, warp_specialize=False, precise_qk=False,
-                   precise_pv=False, tma=None, max_registers=None):
+                   precise_pv=False, tma=None, max_registers=None, f16_p=True, fresh_pv=None):
     """The e4m3 loop on :func:`.prepass.prepass_fp8`'s outputs for ``sk`` keys (``k_tile_order``:
     K̂'s rows are in tile key order, padded to whole tiles). ``tma``: K̂/V̂ᵀ tiles by TMA (None:
-    where K̂ is in tile order, i.e. as :func:`prepare` chose for the device)."""
+    where K̂ is in tile order, i.e. as :func:`prepare` chose for the device). ``f16_p``: P
+    rounded on f16 pairs (:func:`.fp4_math.round_e2m1_f16x2_odd`), else in fp32 (slower; the
+    same values but at exact ties). ``fresh_pv``: ``FRESH_PV`` (None: with TMA, where it pays;
+    the pointer-load loop, not register-bound, is faster overlapping P̂·V̂ with the next tile:
+    163.49 against 169.04 ms at Wan 720p). ``max_registers``: a cap (ptxas spills past it; None:
+    :data:`FP8_TMA_REGISTER_BUDGET` for the masked TMA loop, else none)."""
     b, h, sq, d = q8.shape
     sk_pad, dvp = k8.shape[-2], v8t.shape[-2]
     tma = k_tile_order if tma is None else tma
@@ -616,8 +663,8 @@ def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive
     lse = torch.empty(b, h, sq, device=dev, dtype=torch.float32)
     km = _key_mask(key_alive, dev)
     bm, nw, ns = fp8_launch(dev, tma)
-    if tma and max_registers is None and not any((block_m, num_warps, num_stages)):
-        max_registers = FP8_TMA_MAX_REGISTERS  # three programs per SM (its launch's point)
+    if tma and key_alive is not None and max_registers is None and not any((block_m, num_warps, num_stages)):
+        max_registers = FP8_TMA_REGISTER_BUDGET  # three programs per SM (the mask's loads need registers)
     block_m, num_warps, num_stages = block_m or bm, num_warps or nw, num_stages or ns
     kt, vt = k8, v8t
     if tma:  # K̂ as (B·H·Sk_pad, D) rows and V̂ᵀ as (B·H·Dv_pad, Sk_pad) rows: one box per key tile
@@ -636,6 +683,7 @@ def _attention_fp8(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive
         PNQ=recipe.row_sum is RowSum.QUANTIZED, D=d, BLOCK_DV=dvp, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
         QB=recipe.pv_format.block, EXP_FLOOR=TILE_EXP_FLOOR, QUANTIZE_P=quantize_p, WARP_SPEC=warp_specialize,
         PRECISE_QK=precise_qk, PRECISE_PV=precise_pv, TMA=tma, K_TILE_ORDER=k_tile_order,
+        F16_P=f16_p, ASM=q8.is_cuda, FRESH_PV=tma if fresh_pv is None else fresh_pv,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
         **({"maxnreg": max_registers} if max_registers else {}),  # registers per thread (ptxas spills the rest)
     )

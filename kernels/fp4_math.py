@@ -125,6 +125,40 @@ def round_e2m1_f16x2_times4(x, unit, six_units):
 
 
 @triton.jit
+def f16_round_to_odd(p):
+    """p >= 0 (fp32, f16's normal range) rounded to f16's 11 significant bits by truncation with
+    the last bit set ("round to odd"): what :func:`round_e2m1_f16x2_odd` starts from, in fp32
+    (the CPU interpreter's stand-in for its ``cvt.rz`` and ``or``)."""
+    return ((p.to(tl.int32, bitcast=True) & -8192) | 8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_e2m1_f16x2_odd(p, unit, six_units, ASM: tl.constexpr):
+    """:func:`round_e2m1_at_scale`(p, unit) for fp32 p >= 0 as f16, computed on f16 pairs.
+
+    p is first rounded to f16 *to odd* (truncated, last bit set): an odd value is never a tie of
+    a coarser format, and f16 keeps 9 bits more than E2M1, so rounding it again to nearest even
+    gives what rounding p once would (Boldo & Melquiond) — except where p is exactly an E2M1
+    midpoint, which then rounds up instead of to even (p comes from exp2: a 2^-22 chance, below
+    the rate at which the GPU's approximate exp2 already moves p across a midpoint). The rounding
+    itself is :func:`round_e2m1_at_scale`'s on f16 pairs with magic 512·binade (binade <= 64:
+    needs p < 128 — six_units <= 96); ``unit`` (a power of two, 2^-11 to 16 where the result
+    matters) and ``six_units`` = 6·unit as f16. ASM (the GPU): inline PTX, 8 instructions per
+    pair (sm_80+); else the same arithmetic in fp32 (bit for bit for unit >= 2^-11)."""
+    if ASM:
+        asm: tl.constexpr = ("{ .reg .b32 x, b, c; "
+                             "cvt.rz.f16x2.f32 x, $2, $1; or.b32 x, x, 0x00010001; "
+                             "min.f16x2 x, x, $4; max.f16x2 b, x, $3; and.b32 b, b, 0x7C007C00; "
+                             "mov.b32 c, 0x60006000; fma.rn.f16x2 x, b, c, x; "
+                             "mov.b32 c, 0xE000E000; fma.rn.f16x2 $0, b, c, x; }")
+        return tl.inline_asm_elementwise(asm, "=r,r,r,r,r", [p, tl.broadcast_to(unit, p.shape),
+                                                             tl.broadcast_to(six_units, p.shape)],
+                                         dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        return round_e2m1_at_scale(f16_round_to_odd(p), unit.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
 def e2m1_times_scale(x, scale, OUT_DTYPE: tl.constexpr, PACKED: tl.constexpr):
     """round_e2m1(x) · scale as ``OUT_DTYPE`` (bf16, fp16 or fp32): x >= 0 (fp32) in units of the
     E4M3 block scale ``scale`` (fp32, broadcastable to x). The product of an E2M1 value (two

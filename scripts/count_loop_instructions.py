@@ -3,19 +3,22 @@
 offline (no GPU needed): the ALU budget BENCHMARKS.md discusses.
 
     python scripts/count_loop_instructions.py [--no-quantize-p] [--ocp] [--precise] [--pointer-loads] [--mask]
+                                              [--fp32-p] [--pv-into-acc] [--max-registers N]
     python scripts/count_loop_instructions.py --kernel nvfp4 [--no-two-level]
     python scripts/count_loop_instructions.py --kernel nvfp4-sm90 [--no-two-level]
 
 Compiles ``_mx_fp8_attn_fwd`` (the e4m3 MXFP4 loop), ``_nv_attn_fwd`` (the bf16 NVFP4 loop) or
 ``_nv_attn_fwd_sm90`` (the ping-pong Gluon NVFP4 loop: one warpgroup's partition is counted) as
 it is launched on Hopper (its ``LAUNCH``: 128 rows and 8 warps, or for the e4m3 loop 64 rows and
-4 warps, K̂/V̂ᵀ tiles by TMA, at most 168 registers; its stages, no FMA contraction, head dim 128,
-no mask), disassembles the cubin with the
+4 warps, K̂/V̂ᵀ tiles by TMA, P rounded on f16 pairs, P̂·V̂ in a fresh accumulator, with a mask
+at most 168 registers; its stages, no FMA contraction, head dim 128, no mask unless asked),
+disassembles the cubin with the
 nvdisasm that ships with Triton and takes the main loop: the code from the label that a later
 conditional branch jumps back to, up to that branch, containing the MMAs. Its instruction count
 divided by the elements of S each thread owns per key tile (128 × 128 / 256 = 64 × 128 / 128 =
 64) is the count per element. Also prints the PTX count of the same loop body (what Triton
-emits, before ptxas) and ptxas's register and spill report.
+emits, before ptxas) and ptxas's register and spill report, and whether ptxas serialized the
+MMAs (its warnings C7512 / C7513: each MMA then waits for the previous one).
 """
 
 from __future__ import annotations
@@ -59,8 +62,7 @@ def compile_loop_kernel(args):
                       CONSUMER_REGS=CONSUMER_REGS)
         stages, warps, max_registers = 1, 4, None  # its own buffering; one warpgroup here, the other in a partition
     else:
-        from fp4video.kernels.attention_fwd import (FP8_TMA_MAX_REGISTERS, LAUNCH, TILE_EXP_FLOOR,
-                                                    _mx_fp8_attn_fwd as fn)
+        from fp4video.kernels.attention_fwd import LAUNCH, TILE_EXP_FLOOR, _mx_fp8_attn_fwd as fn
 
         tma = not args.pointer_loads
         ptr = {"Q8": "*fp8e4nv", "QFac": "*fp32", "K8": "*fp8e4nv", "KFac": "*fp32", "V8T": "*fp8e4nv",
@@ -70,8 +72,11 @@ def compile_loop_kernel(args):
         bm, warps, stages = LAUNCH["fp8-tma" if tma else "fp8"]
         consts = dict(HAS_MASK=args.mask, OCP=args.ocp, QMAX=7.25, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=bm,
                       BLOCK_N=128, QB=32, EXP_FLOOR=TILE_EXP_FLOOR, QUANTIZE_P=not args.no_quantize_p,
-                      WARP_SPEC=False, PRECISE_QK=args.precise, PRECISE_PV=args.precise, TMA=tma, K_TILE_ORDER=tma)
-        max_registers = FP8_TMA_MAX_REGISTERS if tma else None
+                      WARP_SPEC=False, PRECISE_QK=args.precise, PRECISE_PV=args.precise, TMA=tma, K_TILE_ORDER=tma,
+                      F16_P=not args.fp32_p, ASM=True, FRESH_PV=tma and not args.pv_into_acc)
+        max_registers = args.max_registers
+        if max_registers is None and tma and args.mask:  # as the masked TMA loop is launched
+            from fp4video.kernels.attention_fwd import FP8_TMA_REGISTER_BUDGET as max_registers
     names = fn.arg_names
     missing = [names[i] for i in fn.constexprs if names[i] not in consts]
     if missing:  # every constexpr must be fixed here, or Triton makes it a runtime argument
@@ -129,8 +134,10 @@ def ptxas_registers(ptx: str, bin_dir: str, tmp: str) -> str:
                              capture_output=True, text=True)
         regs = re.search(r"Used (\d+) registers", run.stderr + run.stdout)
         spills = re.search(r"(\d+) bytes spill stores", run.stderr + run.stdout)
-        # C7513: ptxas found a register hazard between asynchronous MMAs and made them all wait
-        serialized = "; MMAs SERIALIZED by ptxas (C7513)" if "C7513" in run.stderr + run.stdout else ""
+        # C7513: ptxas found a register hazard between asynchronous MMAs and made them all wait;
+        # C7512: it had too few registers to keep them in flight, and did the same
+        codes = [c for c in ("C7512", "C7513") if c in run.stderr + run.stdout]
+        serialized = f"; MMAs SERIALIZED by ptxas ({', '.join(codes)})" if codes else ""
         if run.returncode == 0 and regs:
             return f"{regs.group(1)} registers, {spills.group(1) if spills else '?'} bytes spill stores{serialized}"
     return "registers: no ptxas here took this PTX"
@@ -149,6 +156,11 @@ def main(argv=None) -> int:
                     help="mx: the loop as GPUs without TMA run it (K̂/V̂ᵀ tiles by pointer loads, 3 stages, no register "
                          "cap); default: as Hopper runs it (TMA, 2 stages, at most 168 registers)")
     ap.add_argument("--mask", action="store_true", help="mx: with a key-padding mask")
+    ap.add_argument("--fp32-p", action="store_true", help="mx: P rounded in fp32 (default: on f16 pairs, as launched)")
+    ap.add_argument("--pv-into-acc", action="store_true",
+                    help="mx: P̂·V̂ accumulated into the rescaled accumulator, awaited in the next tile (the TMA "
+                         "loop's default is a fresh accumulator, FRESH_PV)")
+    ap.add_argument("--max-registers", type=int, help="mx: cap the registers per thread (maxnreg)")
     ap.add_argument("--top", type=int, default=16, help="opcodes to list")
     args = ap.parse_args(argv)
 

@@ -7,7 +7,7 @@ quantization is measured against) over launch configurations, and checks each lo
 output against the reference on a smaller problem first. Prints markdown tables
 (BENCHMARKS.md keeps them).
 
-    python scripts/kernel_breakdown.py [--seq 32760] [--method mxattn] [--configs 64x4x2r168,64x4x3p] [--rep MS]
+    python scripts/kernel_breakdown.py [--seq 32760] [--method mxattn] [--configs 64x4x2r168,64x4x3p] [--rep MS] [--no-floor]
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from fp4video.metrics import cossim
 
 
 #: config suffix letters -> the e4m3 loop's options they set
-FLAGS = {"p": ("tma", False, "K̂/V̂ᵀ by pointer loads, K̂ in key order")}
+FLAGS = {"p": ("tma", False, "K̂/V̂ᵀ by pointer loads, K̂ in key order"),
+         "f": ("f16_p", False, "P rounded in fp32 (not on f16 pairs)"),
+         "s": ("fresh_pv", False, "P̂·V̂ accumulated into the rescaled accumulator")}
 
 
 def prepare_for(flags, q, k, v, recipe):
@@ -89,12 +91,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=32760)
     ap.add_argument("--heads", type=int, default=40)
     ap.add_argument("--method", default="mxattn")
-    ap.add_argument("--configs", default="64x4x2r168,64x4x3p,128x8x3p",
+    ap.add_argument("--configs", default="64x4x2,64x4x3p,128x8x3p",
                     help="BLOCK_MxWARPSxSTAGES list for the loop; a suffix rN caps the registers per thread at N "
-                         "(e4m3 loop: 64x4x2r168 lets three programs share an SM), then flags: p reads K̂/V̂ᵀ by pointer "
-                         "loads (K̂ in key order) where the loop would use TMA (Hopper)")
+                         "(e4m3 loop: r168 keeps three programs per SM where the loop needs more), then flags: p reads "
+                         "K̂/V̂ᵀ by pointer loads (K̂ in key order) where the loop would use TMA (Hopper); f rounds P in "
+                         "fp32 instead of on f16 pairs; s accumulates P̂·V̂ into the rescaled accumulator (the TMA "
+                         "loop's default is a fresh one)")
     ap.add_argument("--warp-specialize", action="store_true", help="also try tl.range(warp_specialize=True)")
     ap.add_argument("--skip-prepass", action="store_true", help="time the attention loop only")
+    ap.add_argument("--no-floor", action="store_true", help="do not time the floor (P only cast to e4m3)")
     ap.add_argument("--rep", type=int, default=REP_MS, help="milliseconds of calls per timing (median taken)")
     args = ap.parse_args(argv)
     REP_MS = args.rep
@@ -146,7 +151,7 @@ def main(argv=None) -> int:
     flops = 4 * args.heads * args.seq**2 * 128
     # the floor (P only cast to e4m3) and warp specialization exist in the e4m3 MXFP4 loop only
     fp8 = next(iter(prepared.values()))[0] == "fp8"
-    variants = [(True, False)] + ([(False, False)] if fp8 else []) + ([(True, True)] if args.warp_specialize and fp8 else [])
+    variants = [(True, False)] + ([(False, False)] if fp8 and not args.no_floor else []) + ([(True, True)] if args.warp_specialize and fp8 else [])
     for (quant, ws), (bm, nw, ns, regs, flags) in itertools.product(variants, configs):
         try:
             opts = dict(quantize_p=quant, warp_specialize=ws, **loop_options(regs, flags)) if fp8 else {}
