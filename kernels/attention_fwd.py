@@ -451,9 +451,9 @@ LAUNCH = {P_NONE: (128, 8, 3), P_MX: (128, 8, 3), "fp8": (64, 4, 3), "fp8-tma": 
 #: registers per thread that let three TMA e4m3 programs share an SM: 3 × 128 threads × 168 ≤ 64 K
 #: (ptxas allocates 8 at a time). The loop takes 167 by itself; with a key-padding mask it would
 #: take 202 (two programs per SM), so masked launches are capped at it (no spills, MMAs still
-#: asynchronous; offline sm_90 compiles, tests/test_kernels.py): HunyuanVideo 720p 280.26 ms
-#: against 364.40 uncapped; unmasked, the cap costs 1.4% (158.88 against 156.67 ms at Wan 720p;
-#: H200, 2026-11-30, seventh session)
+#: asynchronous; offline sm_90 compiles, tests/test_kernels.py): HunyuanVideo 720p 280.30 ms
+#: against 361.89 uncapped; unmasked, the cap costs 1.2% (160.14 against 158.24 ms at Wan 720p;
+#: ``kernel_breakdown.py``, H200, 2026-11-30, seventh session)
 FP8_TMA_REGISTER_BUDGET = 168
 
 

@@ -30,15 +30,16 @@ from fp4video.metrics import cossim
 #: config suffix letters -> the e4m3 loop's options they set
 FLAGS = {"p": ("tma", False, "K̂/V̂ᵀ by pointer loads, K̂ in key order"),
          "f": ("f16_p", False, "P rounded in fp32 (not on f16 pairs)"),
-         "s": ("fresh_pv", False, "P̂·V̂ accumulated into the rescaled accumulator")}
+         "s": ("fresh_pv", False, "P̂·V̂ accumulated into the rescaled accumulator"),
+         "a": ("fresh_pv", True, "P̂·V̂ in a fresh accumulator")}
 
 
-def prepare_for(flags, q, k, v, recipe):
+def prepare_for(flags, q, k, v, recipe, key_alive=None):
     """The pre-pass a config's loop reads: as :func:`prepare` chooses for the GPU (on Hopper K̂ in
     tile key order, for TMA), or with flag p K̂ in key order (the pointer-load loop's own layout)."""
     if "p" in flags and mx_kernel(recipe, q.device) == "fp8":
-        return ("fp8", (*pp.prepass_fp8(q, k, v, recipe, None), k.shape[-2], False))
-    return prepare(q, k, v, recipe, None)
+        return ("fp8", (*pp.prepass_fp8(q, k, v, recipe, key_alive), k.shape[-2], False))
+    return prepare(q, k, v, recipe, key_alive)
 
 
 def config_name(bm, nw, ns, regs, flags=""):
@@ -95,11 +96,14 @@ def main(argv=None) -> int:
                     help="BLOCK_MxWARPSxSTAGES list for the loop; a suffix rN caps the registers per thread at N "
                          "(e4m3 loop: r168 keeps three programs per SM where the loop needs more), then flags: p reads "
                          "K̂/V̂ᵀ by pointer loads (K̂ in key order) where the loop would use TMA (Hopper); f rounds P in "
-                         "fp32 instead of on f16 pairs; s accumulates P̂·V̂ into the rescaled accumulator (the TMA "
-                         "loop's default is a fresh one)")
+                         "fp32 instead of on f16 pairs; s accumulates P̂·V̂ into the rescaled accumulator, a into a "
+                         "fresh one (defaults: a with TMA, s with pointer loads)")
     ap.add_argument("--warp-specialize", action="store_true", help="also try tl.range(warp_specialize=True)")
     ap.add_argument("--skip-prepass", action="store_true", help="time the attention loop only")
     ap.add_argument("--no-floor", action="store_true", help="do not time the floor (P only cast to e4m3)")
+    ap.add_argument("--masked-keys", type=int, default=0,
+                    help="time the loops with the last N keys masked (key padding; HunyuanVideo 720p: --heads 24 "
+                         "--seq 119056 --masked-keys 56); cuDNN SDPA gets the same mask")
     ap.add_argument("--rep", type=int, default=REP_MS, help="milliseconds of calls per timing (median taken)")
     args = ap.parse_args(argv)
     REP_MS = args.rep
@@ -135,18 +139,29 @@ def main(argv=None) -> int:
 
     q, k, v = (torch.randn(1, args.heads, args.seq, 128, device="cuda", dtype=torch.bfloat16, generator=g)
                for _ in range(3))
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        t_ref = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    alive = None
+    if args.masked_keys:
+        alive = torch.ones(1, args.seq, dtype=torch.bool, device="cuda")
+        alive[:, args.seq - args.masked_keys:] = False
+    mask = None if alive is None else alive[:, None, None, :]
+    baseline = "cuDNN SDPA"
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            t_ref = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    except RuntimeError:  # this cuDNN cannot take the mask: SDPA's own choice (as `bench kernel` falls back)
+        baseline = "SDPA (default dispatch)"
+        t_ref = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
     copy = torch.empty_like(q)
     t_copy = bench(lambda: copy.copy_(q))
     gbps = 2 * q.numel() * 2 / t_copy / 1e6
-    print(f"\n{torch.cuda.get_device_name()}, S={args.seq}, H={args.heads}, D=128: cuDNN SDPA {t_ref:.2f} ms; "
+    print(f"\n{torch.cuda.get_device_name()}, S={args.seq}, H={args.heads}, D=128"
+          f"{f', last {args.masked_keys} keys masked' if alive is not None else ''}: {baseline} {t_ref:.2f} ms; "
           f"bf16 copy of Q {t_copy:.3f} ms = {gbps:.0f} GB/s")
 
     if not args.skip_prepass:
         prepass_tables(args, recipe, q, k, v, gbps)
 
-    prepared = {flags: prepare_for(flags, q, k, v, recipe) for *_, flags in configs}
+    prepared = {flags: prepare_for(flags, q, k, v, recipe, alive) for *_, flags in configs}
     print("\n| loop | config | ms | TFLOP/s | × cuDNN |\n| --- | --- | --- | --- | --- |")
     flops = 4 * args.heads * args.seq**2 * 128
     # the floor (P only cast to e4m3) and warp specialization exist in the e4m3 MXFP4 loop only
@@ -155,7 +170,7 @@ def main(argv=None) -> int:
     for (quant, ws), (bm, nw, ns, regs, flags) in itertools.product(variants, configs):
         try:
             opts = dict(quantize_p=quant, warp_specialize=ws, **loop_options(regs, flags)) if fp8 else {}
-            t = bench(lambda: attention_prepared(prepared[flags], None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype,
+            t = bench(lambda: attention_prepared(prepared[flags], alive, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype,
                                                  dv=128, block_m=bm, num_warps=nw, num_stages=ns, **opts))
             what = (args.method if quant else "P cast to e4m3 (floor)") + (", warp-specialized" if ws else "")
             print(f"| {what} | {config_name(bm, nw, ns, regs, flags)} | {t:.2f} | {flops / t / 1e9:.0f} | {t_ref / t:.2f} |",
