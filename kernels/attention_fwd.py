@@ -8,8 +8,9 @@ Five loops, picked per recipe and GPU by :func:`mx_kernel` / :func:`prepare`:
 
 - ``_mx_fp8_attn_fwd`` (MXFP4 methods on sm_89+, e.g. Hopper): Q̂, K̂, V̂ and P̂ on e4m3 tensor
   cores, block scales folded into power-of-two factors (:func:`.prepass.prepass_fp8`); exact
-  inside e4m3's window (README, ``scripts/fp8_window_report.py``). On Hopper its K̂/V̂ᵀ tiles
-  come by TMA (:func:`tma_loop`; K̂ stored in tile key order) and three programs share an SM.
+  inside e4m3's window (README, ``scripts/fp8_window_report.py``); P rounded on f16 pairs
+  (:func:`.fp4_math.round_e2m1_f16x2_odd`). On Hopper its K̂/V̂ᵀ tiles come by TMA
+  (:func:`tma_loop`; K̂ stored in tile key order) and three programs share an SM.
 - :mod:`.attention_scaled` (MXFP4 methods on sm_100+): ``tl.dot_scaled`` on packed E2M1 with
   E8M0 scales, Blackwell's native FP4 MMAs.
 - :mod:`.attention_nvfp4` (NVFP4 methods): the pre-pass writes the dequantized values in bf16
@@ -258,7 +259,8 @@ def mx_quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.conste
     :func:`mma_key_order`, masked keys at -inf; the logit in log2 units is qk · q_scale, q_scale > 0
     per row) of :func:`_mx_fp8_attn_fwd`. Returns (P̂ as the e4m3 A operand of P̂·V̂
     (:func:`as_mma_operand`), m_new, k_new, l_new, alpha): the caller rescales its accumulator by
-    alpha and adds P̂·V̂.
+    alpha and adds P̂·V̂. ``l`` is kept per row and P block (each lane's share), summed by the caller
+    after the loop.
 
     P̃ = exp2(s - m) is quantized per block of QB keys as the reference does (block exponent from
     the block maximum, E2M1 rounding), in units of 2^k per row and tile, k = 6 - (the tile's
@@ -291,7 +293,7 @@ def mx_quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.conste
     # across the lanes that hold the blocks (shuffles on the loop's critical path)
     top = tl.exp2(tile_max - m_safe)
     e_top = tl.maximum(tl.where(top > 0, mx_block_exponent(top, OCP, QMAX), EXP_FLOOR), EXP_FLOOR)
-    e_blk = tl.minimum(e_blk, e_top[:, None])  # as it is (exp2 is monotonic); the f16 rounding's range relies on it
+    e_blk = tl.minimum(e_blk, e_top[:, None])  # a no-op (exp2 is monotonic); the f16 rounding's unit <= 16 relies on it
     k_new = (4 if F16_P else 6) - e_top
     p = tl.exp2(tl.fma(s5, _mx_rows(q_scale), _mx_rows(k_new.to(tl.float32) - m_safe)))  # P̃ · 2^k_new
     unit = pow2(tl.maximum(e_blk + k_new[:, None], -126))
@@ -370,8 +372,8 @@ def _mx_fp8_attn_fwd(
     Q̂, K̂, V̂ come from :func:`.prepass.prepass_fp8` (e4m3 values, power-of-two factors per query
     row / key tile / value channel). P̃ is quantized per block of QB keys exactly as the reference
     does (block exponent from the block maximum, E2M1 rounding), but computed in units of
-    2^k per row and tile, k = 6 - (the tile's largest block exponent), folded into the exp2
-    argument: the largest P̂ value is then 6·2^4 = 96 (F16_P; 384 = 6·2^6 without), and every
+    2^k per row and tile, k = 4 - (the tile's largest block exponent) (F16_P; 6 without), folded
+    into the exp2 argument: the largest P̂ value is then 6·2^4 = 96 (384 = 6·2^6 without), and every
     block whose scale is within 2^12 (2^14) of the tile's largest block scale is exact in e4m3
     (smaller ones lose low bits to e4m3's subnormals; their weights are below 2^-12·7.25 of the
     tile's largest). ``acc`` and

@@ -7,7 +7,8 @@ quantization is measured against) over launch configurations, and checks each lo
 output against the reference on a smaller problem first. Prints markdown tables
 (BENCHMARKS.md keeps them).
 
-    python scripts/kernel_breakdown.py [--seq 32760] [--method mxattn] [--configs 64x4x2r168,64x4x3p] [--rep MS] [--no-floor]
+    python scripts/kernel_breakdown.py [--seq 32760] [--heads 40] [--method mxattn] [--configs 64x4x2,64x4x3p]
+                                       [--rep MS] [--no-floor] [--masked-keys N] [--skip-prepass]
 """
 
 from __future__ import annotations
