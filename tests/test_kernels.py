@@ -1351,3 +1351,32 @@ def test_hopper_keeps_the_measured_stages_gpu():
     assert launch.fitting_stages(dev, an.LAUNCH[2], an.SHARED_MEMORY) == an.LAUNCH[2]
     assert launch.fitting_stages(dev, pp._PrePass.ROW_STAGES, pp.ROW_SHARED_MEMORY) == pp._PrePass.ROW_STAGES
     assert launch.fitting_stages(dev, pp._PrePass.V_STAGES, pp.V_SHARED_MEMORY) == pp._PrePass.V_STAGES
+
+
+def test_kernel_breakdown_config_flags_are_loop_options():
+    """scripts/kernel_breakdown.py's config strings (BENCHMARKS.md's tables name them) become the
+    e4m3 loop's options as their flags say, and each flag's loop runs and matches the reference
+    (interpreter; the GPU runs them in the script itself)."""
+    import importlib.util
+    from pathlib import Path
+
+    from fp4video.kernels.attention_fwd import attention_prepared, prepare
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "kernel_breakdown.py"
+    spec = importlib.util.spec_from_file_location("kernel_breakdown", path)
+    kb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kb)
+    assert kb.parse_config("64x4x2r168fs") == (64, 4, 2, 168, "fs")
+    assert kb.loop_options(168, "fs") == {"max_registers": 168, "f16_p": False, "fresh_pv": False}
+    assert kb.loop_options(None, "pa") == {"tma": False, "fresh_pv": True}
+    with pytest.raises(SystemExit, match="BMxWARPSxSTAGES"):
+        kb.parse_config("64x4x2z")
+    if torch.cuda.is_available():
+        return
+    q, k, v = rand(1, 1, 40, 64, seed=70), rand(1, 1, 200, 64, seed=71), rand(1, 1, 200, 64, seed=72)
+    recipe = METHODS["mxattn"]
+    ref = fp4_attention(q, k, v, method="mxattn", backend="reference")
+    for flags in ("f", "s", "a", "fs", "fa"):
+        out, _ = attention_prepared(prepare(q, k, v, recipe, None), None, recipe=recipe, scale=0.125,
+                                    out_dtype=q.dtype, dv=64, **kb.loop_options(None, flags))
+        assert (out - ref).abs().max() < 1e-5, flags
