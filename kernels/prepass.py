@@ -438,6 +438,8 @@ class _PrePass:
     BLOCKS_PER_PROGRAM = 8  # row blocks per program of the rotating launches (one read of the Hadamard matrix)
     ROW_STAGES = 2  # software-pipelining stages of that loop (Q: 1 and 2 measured equal; 3: more shared memory)
     TILE_STAGES = 2  # the same for K's key tiles (FP8_TILE)
+    ROW_MAX_REGISTERS = None  # register caps (maxnreg, GPU) of the row launches and of K's per-tile
+    TILE_MAX_REGISTERS = None  # launch: None lets ptxas take up to 255
     V_WARPS = 4  # (8 measured 2x slower)
     V_CHANNELS = 128  # channels per program of the transposed V launches (of 32, 64, 128: fastest)
     V_F16X2 = True  # e4m3 V of bf16/fp16 inputs quantized on f16 pairs (GPU only: inline PTX), where
@@ -509,7 +511,12 @@ class _PrePass:
             D=self.d, BLOCK_S=block_s, OUT=out_mode, BLOCKS_PER_PROGRAM=per_program, num_warps=warps,
             num_stages=fitting_stages(self.dev, self.TILE_STAGES if per_tile else self.ROW_STAGES,
                                       ROW_SHARED_MEMORY),  # (1 on ~100 KB GPUs)
+            **self.register_cap(self.TILE_MAX_REGISTERS if per_tile else self.ROW_MAX_REGISTERS),
         )
+
+    def register_cap(self, cap):
+        """The launch option capping registers per thread (CUDA only; the interpreter has none)."""
+        return {"maxnreg": cap} if cap and self.dev.type == "cuda" else {}
 
     def values(self, out_mode, out, amax=None, fac=None):
         rule, fmt, dv = self.recipe.scale_rule, self.recipe.pv_format, self.v.shape[-1]

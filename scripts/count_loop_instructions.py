@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--precise", action="store_true", help="max_num_imprecise_acc=32 on both MMAs (PRECISE_QK/PV)")
     ap.add_argument("--pointer-loads", action="store_true",
                     help="mx: the loop as GPUs without TMA run it (K̂/V̂ᵀ tiles by pointer loads, 3 stages, no register "
-                         "cap); default: as Hopper runs it (TMA, 2 stages, at most 168 registers)")
+                         "cap); default: as Hopper runs it (TMA, 2 stages; masked: at most 168 registers)")
     ap.add_argument("--mask", action="store_true", help="mx: with a key-padding mask")
     ap.add_argument("--fp32-p", action="store_true", help="mx: P rounded in fp32 (default: on f16 pairs, as launched)")
     ap.add_argument("--pv-into-acc", action="store_true",

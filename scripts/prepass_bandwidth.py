@@ -9,7 +9,7 @@ over that of a bf16 copy of Q timed in the same process. ``--sweep`` also times 
 options of ``_PrePass`` (row blocks per program, pipelining stages, warps, V channels per program,
 V's f16-pair and tensor-core paths), ``--plot`` draws the table. Markdown to stdout (BENCHMARKS.md keeps it).
 
-    python scripts/prepass_bandwidth.py --seqs 32760 75600 [--sweep [Q K V]] [--plot docs/prepass-bandwidth.png]
+    python scripts/prepass_bandwidth.py --seqs 32760 75600 [--sweep [Q K V]] [--set OPTION=VALUE ...] [--plot PNG]
     python scripts/prepass_bandwidth.py --replot BENCHMARKS.md --section "sixth session" --plot docs/prepass-bandwidth.png   # no GPU
 """
 
@@ -50,7 +50,9 @@ def launches(run, q, k, v):
 #: launch options swept by --sweep: (launch name prefix, attribute of _PrePass, values)
 SWEEP = [
     ("Q", {"BLOCKS_PER_PROGRAM": (1, 8), "ROW_STAGES": (1, 2), "Q_WARPS": (4, 8)}),
+    ("Q", {"ROW_MAX_REGISTERS": (None, 168)}),
     ("K", {"BLOCKS_PER_PROGRAM": (1, 8), "TILE_WARPS": (4, 8), "TILE_STAGES": (1, 2)}),
+    ("K", {"TILE_WARPS": (4, 8), "TILE_MAX_REGISTERS": (None, 128, 168)}),
     ("V: channel maxima", {"V_WARPS": (4, 8), "V_CHANNELS": (64, 128)}),
     ("V: quantize", {"V_TRANSPOSE_MMA": (False,), "V_CHANNELS": (64, 128), "V_F16X2": (False, True)}),
     ("V: quantize", {"V_TRANSPOSE_MMA": (True,), "V_CHANNELS_MMA": (64, 128), "V_TILES_MMA": (1, 2, 4),
@@ -117,6 +119,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", nargs="*", metavar="LAUNCH",
                     help="also time the launch options (of the launches whose names start with LAUNCH: Q, K, V; all "
                          "when none is given)")
+    ap.add_argument("--set", nargs="+", default=[], metavar="OPTION=VALUE",
+                    help="launch options of _PrePass for the whole run (e.g. TILE_WARPS=8 TILE_MAX_REGISTERS=128; "
+                         "values: integers, True, False, None)")
     ap.add_argument("--plot", help="write a bar chart of × copy bandwidth per launch (png)")
     ap.add_argument("--section", metavar="TEXT", help="--replot: only the tables under a heading containing TEXT")
     ap.add_argument("--replot", metavar="MARKDOWN",
@@ -142,6 +147,14 @@ def main(argv=None) -> int:
     from fp4video.kernels import prepass as pp
     from fp4video.kernels.attention_fwd import prepare
 
+    for item in args.set:
+        name, _, text = item.partition("=")
+        if not name.isupper() or not hasattr(pp._PrePass, name) or not text:
+            ap.error(f"--set {item}: not OPTION=VALUE with OPTION a launch option of _PrePass")
+        setattr(pp._PrePass, name, {"None": None, "True": True, "False": False}.get(text, None) if text in (
+            "None", "True", "False") else int(text))
+    if args.set:
+        print(f"launch options: {' '.join(args.set)}")
     recipe = METHODS[args.method]
     if recipe.qk_format is None or recipe.qk_format.name != "MXFP4":
         print(f"error: {args.method} has no e4m3 pre-pass (MXFP4 methods only)", file=sys.stderr)

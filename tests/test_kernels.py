@@ -1380,3 +1380,34 @@ def test_kernel_breakdown_config_flags_are_loop_options():
         out, _ = attention_prepared(prepare(q, k, v, recipe, None), None, recipe=recipe, scale=0.125,
                                     out_dtype=q.dtype, dv=64, **kb.loop_options(None, flags))
         assert (out - ref).abs().max() < 1e-5, flags
+
+
+def test_prepass_registers_script_reports_q_and_k_launches():
+    """scripts/prepass_registers.py compiles the pre-pass's Q and K launches for sm_90 offline and
+    reports registers, spills, shared memory and programs per SM; --set changes a launch option
+    (K at 8 warps) and a name that is not one is refused."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton ships no ptxas")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "prepass_registers.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(script), "--set", "TILE_WARPS=8"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = re.findall(r"^\| ([QK]): [^|]+\| (\d+) \| (\d+) \| (\w+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$",
+                      run.stdout, re.M)
+    assert [r[0] for r in rows] == ["Q", "K"] and rows[1][1] == "8", run.stdout
+    for _, warps, _, _, regs, _, shared, programs, warps_per_sm in rows:
+        assert 0 < int(regs) <= 255 and int(shared) > 0 and int(warps_per_sm) == int(programs) * int(warps)
+        per_thread = -(-int(regs) // 8) * 8
+        assert int(programs) * per_thread * 32 * int(warps) <= 65536
+    bad = subprocess.run([sys.executable, str(script), "--set", "NOT_AN_OPTION=3"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert bad.returncode != 0 and "launch option of _PrePass" in bad.stderr
