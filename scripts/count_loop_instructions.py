@@ -120,27 +120,36 @@ def loop_opcodes(lines, label_re, branch_re, op_re, is_mma):
     return best, body
 
 
-def ptxas_registers(ptx: str, bin_dir: str, tmp: str) -> str:
-    """Registers and spills as ``ptxas -v`` reports them (the first of Triton's ptxas that takes
-    this PTX version)."""
-    path = os.path.join(tmp, "loop.ptx")
+def ptxas_report(ptx: str, bin_dir: str, tmp: str):
+    """(registers, spill-store bytes, serialization warnings) as ``ptxas -v`` reports them for
+    sm_90a, from the first of Triton's ptxas that takes this PTX version; None if none does.
+    C7513: ptxas found a register hazard between asynchronous MMAs and made them all wait; C7512:
+    it had too few registers to keep them in flight, and did the same."""
+    path = os.path.join(tmp, "kernel.ptx")
     with open(path, "w") as f:
         f.write(ptx)
     for name in ("ptxas-blackwell", "ptxas"):
         exe = os.path.join(bin_dir, name)
         if not os.path.exists(exe):
             continue
-        run = subprocess.run([exe, "-v", "--gpu-name", "sm_90a", path, "-o", os.path.join(tmp, "loop.o")],
+        run = subprocess.run([exe, "-v", "--gpu-name", "sm_90a", path, "-o", os.path.join(tmp, "kernel.o")],
                              capture_output=True, text=True)
-        regs = re.search(r"Used (\d+) registers", run.stderr + run.stdout)
-        spills = re.search(r"(\d+) bytes spill stores", run.stderr + run.stdout)
-        # C7513: ptxas found a register hazard between asynchronous MMAs and made them all wait;
-        # C7512: it had too few registers to keep them in flight, and did the same
-        codes = [c for c in ("C7512", "C7513") if c in run.stderr + run.stdout]
-        serialized = f"; MMAs SERIALIZED by ptxas ({', '.join(codes)})" if codes else ""
+        text = run.stderr + run.stdout
+        regs, spills = re.search(r"Used (\d+) registers", text), re.search(r"(\d+) bytes spill stores", text)
         if run.returncode == 0 and regs:
-            return f"{regs.group(1)} registers, {spills.group(1) if spills else '?'} bytes spill stores{serialized}"
-    return "registers: no ptxas here took this PTX"
+            codes = [c for c in ("C7512", "C7513") if c in text]
+            return int(regs.group(1)), int(spills.group(1)) if spills else 0, codes
+    return None
+
+
+def ptxas_registers(ptx: str, bin_dir: str, tmp: str) -> str:
+    """:func:`ptxas_report` as this script prints it."""
+    report = ptxas_report(ptx, bin_dir, tmp)
+    if report is None:
+        return "registers: no ptxas here took this PTX"
+    regs, spills, codes = report
+    serialized = f"; MMAs SERIALIZED by ptxas ({', '.join(codes)})" if codes else ""
+    return f"{regs} registers, {spills} bytes spill stores{serialized}"
 
 
 def main(argv=None) -> int:

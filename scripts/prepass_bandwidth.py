@@ -22,6 +22,19 @@ import sys
 import torch
 
 
+def set_launch_options(cls, items) -> None:
+    """Apply ``OPTION=VALUE`` items (integers, True, False, None) to the launch options of
+    ``cls`` (``_PrePass``); ValueError naming the item for anything else."""
+    for item in items:
+        name, _, text = item.partition("=")
+        if not name.isupper() or not hasattr(cls, name) or not text:
+            raise ValueError(f"--set {item}: not OPTION=VALUE with OPTION a launch option of {cls.__name__}")
+        words = {"None": None, "True": True, "False": False}
+        if text not in words and not text.lstrip("-").isdigit():
+            raise ValueError(f"--set {item}: the value must be an integer, True, False or None")
+        setattr(cls, name, words[text] if text in words else int(text))
+
+
 def bench(fn, rep_ms: int = 200) -> float:
     import triton
 
@@ -147,12 +160,10 @@ def main(argv=None) -> int:
     from fp4video.kernels import prepass as pp
     from fp4video.kernels.attention_fwd import prepare
 
-    for item in args.set:
-        name, _, text = item.partition("=")
-        if not name.isupper() or not hasattr(pp._PrePass, name) or not text:
-            ap.error(f"--set {item}: not OPTION=VALUE with OPTION a launch option of _PrePass")
-        setattr(pp._PrePass, name, {"None": None, "True": True, "False": False}.get(text, None) if text in (
-            "None", "True", "False") else int(text))
+    try:
+        set_launch_options(pp._PrePass, args.set)
+    except ValueError as e:
+        ap.error(str(e))
     if args.set:
         print(f"launch options: {' '.join(args.set)}")
     recipe = METHODS[args.method]

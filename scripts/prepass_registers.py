@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import subprocess
 import sys
 import tempfile
 
@@ -41,30 +39,6 @@ def compile_rows(out_mode: int, block_s: int, warps: int, stages: int, per_progr
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def ptxas_report(ptx: str) -> tuple[int, int]:
-    """(registers, spill-store bytes) as the first of Triton's ptxas that takes this PTX version
-    reports them."""
-    import triton
-
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    text = "no ptxas in " + bin_dir
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        for name in ("ptxas-blackwell", "ptxas"):
-            exe = os.path.join(bin_dir, name)
-            if not os.path.exists(exe):
-                continue
-            run = subprocess.run([exe, "-v", "--gpu-name", "sm_90a", path, "-o", os.path.join(tmp, "k.o")],
-                                 capture_output=True, text=True)
-            text = run.stderr + run.stdout
-            regs, spills = re.search(r"Used (\d+) registers", text), re.search(r"(\d+) bytes spill stores", text)
-            if run.returncode == 0 and regs:
-                return int(regs.group(1)), int(spills.group(1)) if spills else 0
-    raise SystemExit(f"error: no ptxas here took the pre-pass PTX:\n{text[-2000:]}")
-
-
 def programs_per_sm(regs: int, warps: int, shared: int) -> int:
     per_thread = -(-regs // 8) * 8  # allocated 8 at a time
     by_regs = REGISTERS_PER_SM // (per_thread * 32 * warps)
@@ -75,18 +49,21 @@ def programs_per_sm(regs: int, warps: int, shared: int) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--set", nargs="+", default=[], metavar="OPTION=VALUE",
-                    help="launch options of _PrePass (integers or None), as prepass_bandwidth.py --set takes them")
+                    help="launch options of _PrePass (integers, True, False, None), as prepass_bandwidth.py --set takes them")
     args = ap.parse_args(argv)
     import triton
 
     from fp4video.kernels import prepass as pp
 
-    for item in args.set:
-        name, _, text = item.partition("=")
-        if not name.isupper() or not hasattr(pp._PrePass, name) or not text:
-            ap.error(f"--set {item}: not OPTION=VALUE with OPTION a launch option of _PrePass")
-        setattr(pp._PrePass, name, None if text == "None" else int(text))
+    from count_loop_instructions import ptxas_report
+    from prepass_bandwidth import set_launch_options
+
+    try:
+        set_launch_options(pp._PrePass, args.set)
+    except ValueError as e:
+        ap.error(str(e))
     P = pp._PrePass
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     launches = {
         "Q: rotate, quantize, e4m3 per row": (pp.FP8_ROW, P.BLOCK_S, P.Q_WARPS, P.ROW_STAGES, P.ROW_MAX_REGISTERS),
         "K: rotate, quantize, e4m3 per key tile": (pp.FP8_TILE_ORDERED, pp.KEY_TILE, P.TILE_WARPS, P.TILE_STAGES,
@@ -98,7 +75,11 @@ def main(argv=None) -> int:
           "| warps per SM |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, (mode, block_s, warps, stages, cap) in launches.items():
         kernel = compile_rows(mode, block_s, warps, stages, P.BLOCKS_PER_PROGRAM, cap)
-        regs, spills = ptxas_report(kernel.asm["ptx"])
+        with tempfile.TemporaryDirectory() as tmp:
+            report = ptxas_report(kernel.asm["ptx"], bin_dir, tmp)
+        if report is None:
+            raise SystemExit(f"error: no ptxas in {bin_dir} took the pre-pass PTX")
+        regs, spills, _ = report
         n = programs_per_sm(regs, warps, kernel.metadata.shared)
         print(f"| {name} | {warps} | {stages} | {cap or 'none'} | {regs} | {spills} | {kernel.metadata.shared} | {n} "
               f"| {n * warps} |")

@@ -1385,7 +1385,7 @@ def test_kernel_breakdown_config_flags_are_loop_options():
 def test_prepass_registers_script_reports_q_and_k_launches():
     """scripts/prepass_registers.py compiles the pre-pass's Q and K launches for sm_90 offline and
     reports registers, spills, shared memory and programs per SM; --set changes a launch option
-    (K at 8 warps) and a name that is not one is refused."""
+    (K at 8 warps); a name that is not one, or a value that is not a number, is refused."""
     import os
     import re
     import subprocess
@@ -1411,3 +1411,6 @@ def test_prepass_registers_script_reports_q_and_k_launches():
     bad = subprocess.run([sys.executable, str(script), "--set", "NOT_AN_OPTION=3"], capture_output=True, text=True,
                          env=env, timeout=600)
     assert bad.returncode != 0 and "launch option of _PrePass" in bad.stderr
+    bad = subprocess.run([sys.executable, str(script), "--set", "TILE_WARPS=eight"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert bad.returncode != 0 and "must be an integer" in bad.stderr
