@@ -42,7 +42,7 @@ def tile_key_position(keys, TILE: tl.constexpr):
 @triton.jit
 def _prepass_rows(
     X, Alive, Mean, Hm, Out, Fac,
-    H, S, D_IN, h_norm,
+    H, S, D_IN, h_norm, n_blocks, n_heads,
     sxb, sxh, sxs, sxd,
     sab, sas,
     smb, smh,
@@ -51,25 +51,34 @@ def _prepass_rows(
     ROT_PARTS: tl.constexpr,
     FMT: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
     D: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
-    """Q or K: rows of D channels, quantized along D; each program takes BLOCKS_PER_PROGRAM
-    consecutive blocks of BLOCK_S rows (the Hadamard matrix is read once for all of them).
+    """Q or K: rows of D channels, quantized along D, in blocks of BLOCK_S rows (``n_blocks`` per
+    head, ``n_heads`` = B·H heads). Each program reads the Hadamard matrix once, then takes
+    BLOCKS_PER_PROGRAM consecutive blocks of head program_id(1) or, PERSISTENT (a grid of one
+    dimension, a few programs per SM), every num_programs-th block of all heads' blocks: one
+    software pipeline over all of them, no per-program start and drain.
 
     OUT: 0 writes the values in Out's dtype; FP8_ROW writes e4m3 values shifted per row (factor
     2^-c per row into Fac[b, h, row]); FP8_TILE shifted per block of BLOCK_S rows (one key tile
     of the attention loop; factor into Fac[b, h, tile]); E2M1_PACKED packed codes and scales.
     """
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
     cols = tl.arange(0, D)
     hm = Hm
     if ROTATE:  # entries ±1 (0 in the padding)
         hm = tl.load(Hm + cols[:, None] * D + cols[None, :])
-    for i in range(BLOCKS_PER_PROGRAM):
-        _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, tl.program_id(0) * BLOCKS_PER_PROGRAM + i,
-                    S, D_IN, h_norm, sxb, sxh, sxs, sxd, sab, sas, smb, smh, sob, soh, sos,
-                    HAS_ALIVE, SMOOTH, ROTATE, ROT_PRECISION, ROT_PARTS, FMT, QB, OCP, QMAX, D, BLOCK_S, OUT)
+    if PERSISTENT:
+        for item in tl.range(tl.program_id(0), n_blocks * n_heads, tl.num_programs(0)):
+            bh = item // n_blocks
+            _rows_block(X, Alive, Mean, hm, Out, Fac, bh // H, bh % H, bh, item % n_blocks,
+                        S, D_IN, h_norm, sxb, sxh, sxs, sxd, sab, sas, smb, smh, sob, soh, sos,
+                        HAS_ALIVE, SMOOTH, ROTATE, ROT_PRECISION, ROT_PARTS, FMT, QB, OCP, QMAX, D, BLOCK_S, OUT)
+    else:
+        bh = tl.program_id(1)
+        for i in range(BLOCKS_PER_PROGRAM):
+            _rows_block(X, Alive, Mean, hm, Out, Fac, bh // H, bh % H, bh, tl.program_id(0) * BLOCKS_PER_PROGRAM + i,
+                        S, D_IN, h_norm, sxb, sxh, sxs, sxd, sab, sas, smb, smh, sob, soh, sos,
+                        HAS_ALIVE, SMOOTH, ROTATE, ROT_PRECISION, ROT_PARTS, FMT, QB, OCP, QMAX, D, BLOCK_S, OUT)
 
 
 @triton.jit
@@ -198,6 +207,13 @@ def _prepass_v(
             x = _v_tile(V, Alive, b, h, tile, cols, S, DV, svb, svh, svs, svd, sab, sas, HAS_ALIVE, BLOCK_S)
             _v_e4m3_mma_transposed(x, pi, c, Out, Fac, b, h, bh, tile, cols, S, sob, soh, sod,
                                    DV_PAD, BLOCK_DV, BLOCK_S, QB, OCP, QMAX, IEEE)
+    elif OUT == 2:  # FP8_AMAX: a plain read of TILES tiles, no quantization; one atomic per channel
+        amax = tl.zeros((BLOCK_DV,), tl.float32)
+        for i in tl.range(TILES):
+            x = _v_tile(V, Alive, b, h, pid * TILES + i, cols, S, DV, svb, svh, svs, svd, sab, sas, HAS_ALIVE,
+                        BLOCK_S)
+            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
+        tl.atomic_max(Amax + bh * DV_PAD + cols, amax.to(tl.int32, bitcast=True))
     else:
         x = _v_tile(V, Alive, b, h, pid, cols, S, DV, svb, svh, svs, svd, sab, sas, HAS_ALIVE, BLOCK_S)
         rows = pid * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -209,8 +225,6 @@ def _prepass_v(
             tl.store(Out + b * sob + h * soh + cols[:, None] * sod + half[None, :], codes)
             nb = pid * (BLOCK_S // QB) + tl.arange(0, BLOCK_S // QB)
             tl.store(Fac + (bh * DV_PAD + cols)[:, None] * (sod * 2 // QB) + nb[None, :], scales)
-        elif OUT == 2:  # FP8_AMAX: a plain read, no quantization
-            tl.atomic_max(Amax + bh * DV_PAD + cols, tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True))
         elif OUT == 3 and F16X2:  # FP8_HEAD on the GPU: the quantization on f16 pairs (same values)
             _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD, BLOCK_S, QB,
                        _v_e4m3_f16x2(x, c, OCP, QMAX, BLOCK_S, BLOCK_DV, QB), c)
@@ -312,9 +326,16 @@ def _v_e4m3_f16x2(x, c, OCP: tl.constexpr, QMAX: tl.constexpr, BLOCK_S: tl.const
 
 
 #: shared memory of the row pre-pass by stages (K's 128-row key tiles, bf16 inputs: the most)
-ROW_SHARED_MEMORY = {1: 98304, 2: 106496}
+ROW_SHARED_MEMORY = {1: 98304, 2: 106496, 3: 139264}
 #: the same for the tensor-core V path at 64 channels and 4 tiles per program
 V_SHARED_MEMORY = {1: 49152, 2: 73728, 3: 90112}
+
+
+def multiprocessors(device: torch.device) -> int:
+    """SMs of a CUDA device; 1 in the interpreter (a persistent grid of a few programs there)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def next_pow2(n: int, floor: int = 16) -> int:
@@ -438,9 +459,16 @@ class _PrePass:
     BLOCKS_PER_PROGRAM = 8  # row blocks per program of the rotating launches (one read of the Hadamard matrix)
     ROW_STAGES = 2  # software-pipelining stages of that loop (Q: 1 and 2 measured equal; 3: more shared memory)
     TILE_STAGES = 2  # the same for K's key tiles (FP8_TILE)
-    ROW_MAX_REGISTERS = None  # register caps (maxnreg, GPU) of the row launches and of K's per-tile
-    TILE_MAX_REGISTERS = None  # launch: None lets ptxas take up to 255
+    # Persistent launches: this many programs per SM, each striding over all heads' row blocks (None:
+    # a program per BLOCKS_PER_PROGRAM blocks of one head). The e4m3 Q launch (FP8_ROW) at 2 per SM
+    # with 3 stages: 0.170 ms at Wan 480p against 0.177 (3 per SM: 0.175; 2 per SM with 2 stages:
+    # 0.210); K's per-tile launch measured no faster (0.207 against 0.203), so not persistent
+    Q8_PROGRAMS_PER_SM = 2
+    Q8_STAGES = 3
+    TILE_PROGRAMS_PER_SM = None
     V_WARPS = 4  # (8 measured 2x slower)
+    V_TILES_AMAX = 4  # key tiles per program of V's channel maxima (one atomic max per channel and program):
+    # 0.101 ms at Wan 480p against 0.109 with one (2: 0.103, 8: 0.110)
     V_CHANNELS = 128  # channels per program of the transposed V launches (of 32, 64, 128: fastest)
     V_F16X2 = True  # e4m3 V of bf16/fp16 inputs quantized on f16 pairs (GPU only: inline PTX), where
     # the tensor-core path below is off
@@ -494,10 +522,16 @@ class _PrePass:
         rows_written = -(-s // KEY_TILE) * KEY_TILE if out_mode == TILE_ROWS else s  # TILE_ROWS: zero padding too
         blocks = triton.cdiv(rows_written, block_s)
         per_program = min(self.BLOCKS_PER_PROGRAM, blocks) if self.recipe.hadamard else 1
+        per_sm = self.TILE_PROGRAMS_PER_SM if per_tile else self.Q8_PROGRAMS_PER_SM if out_mode == FP8_ROW else None
+        stages = self.TILE_STAGES if per_tile else self.Q8_STAGES if out_mode == FP8_ROW else self.ROW_STAGES
+        if per_sm:  # persistent: a few programs per SM stride over all heads' blocks
+            grid = (min(blocks * self.b * self.h, per_sm * multiprocessors(self.dev)), 1)
+        else:
+            grid = (triton.cdiv(blocks, per_program), self.b * self.h)
         hm = self.hm if self.recipe.hadamard and self.dev.type == "cuda" and self.ROTATION == "bf16" else self.hm32
-        _prepass_rows[(triton.cdiv(blocks, per_program), self.b * self.h)](
+        _prepass_rows[grid](
             x, self.alive, mean, hm, out, fac if fac is not None else self.none,
-            self.h, s, self.d_in, self.dp ** -0.5 if self.recipe.hadamard else 1.0,
+            self.h, s, self.d_in, self.dp ** -0.5 if self.recipe.hadamard else 1.0, blocks, self.b * self.h,
             *x.stride(),
             self.alive.stride(0), self.alive.stride(1),
             mean.stride(0), mean.stride(1),
@@ -508,15 +542,10 @@ class _PrePass:
             ROT_PRECISION=self.ROTATION if self.dev.type == "cuda" else "ieee",
             ROT_PARTS=self.rotation_parts(x, smooth=mean.dim() == 3),
             FMT=FMT_CODE[fmt], QB=fmt.block if fmt else 32, OCP=rule is ScaleRule.OCP, QMAX=rule.qmax,
-            D=self.d, BLOCK_S=block_s, OUT=out_mode, BLOCKS_PER_PROGRAM=per_program, num_warps=warps,
-            num_stages=fitting_stages(self.dev, self.TILE_STAGES if per_tile else self.ROW_STAGES,
-                                      ROW_SHARED_MEMORY),  # (1 on ~100 KB GPUs)
-            **self.register_cap(self.TILE_MAX_REGISTERS if per_tile else self.ROW_MAX_REGISTERS),
+            D=self.d, BLOCK_S=block_s, OUT=out_mode, BLOCKS_PER_PROGRAM=per_program, PERSISTENT=bool(per_sm),
+            num_warps=warps,
+            num_stages=fitting_stages(self.dev, stages, ROW_SHARED_MEMORY),  # (1 on ~100 KB GPUs)
         )
-
-    def register_cap(self, cap):
-        """The launch option capping registers per thread (CUDA only; the interpreter has none)."""
-        return {"maxnreg": cap} if cap and self.dev.type == "cuda" else {}
 
     def values(self, out_mode, out, amax=None, fac=None):
         rule, fmt, dv = self.recipe.scale_rule, self.recipe.pv_format, self.v.shape[-1]
@@ -529,7 +558,7 @@ class _PrePass:
             not gpu or self.v.dtype in (torch.bfloat16, torch.float16))
         chunk = min(self.V_CHANNELS_MMA if mma_t else self.V_CHANNELS, dv_pad) if transposed else dv_pad
         pi = _key_order_matrix(self.dev, self.v.dtype if gpu else torch.float32) if mma_t else self.none
-        tiles = self.V_TILES_MMA if mma_t else 1
+        tiles = self.V_TILES_MMA if mma_t else self.V_TILES_AMAX if out_mode == FP8_AMAX else 1
         _prepass_v[(triton.cdiv(triton.cdiv(self.sk, block_s), tiles), self.b * self.h, dv_pad // chunk)](
             self.v, self.alive, out, amax if amax is not None else self.none, fac if fac is not None else self.none,
             pi,

@@ -33,6 +33,28 @@ import tempfile
 
 PER_THREAD = 64  # elements of one tile of S per thread: 128 × 128 over 8 warps, or 64 × 128 over 4
 
+#: the integer arguments of a Wan-480p launch (B = 1, H = 40, S = 32,760, D = 128; K̂/V̂ᵀ padded to
+#: 32,768 keys, no mask: a 1 × 1 dummy), by name across the kernels compiled here
+_S, _SP = 32760, 32768
+WAN_480P_INTS = dict(H=40, SQ=_S, SK=_S, SK_PAD=_SP, DV=128, sqb=40 * _S * 128, sqh=_S * 128, sqs=128,
+                     skb=40 * _SP * 128, skh=_SP * 128, sks=128, svb=40 * 128 * _SP, svh=128 * _SP, svs=128,
+                     svd=_SP, smb=1, sms=1, sob=40 * _S * 128, soh=_S * 128, sos=128, sod=1,
+                     slb=40 * _S, slh=_S, sls=1)
+
+
+def launch_signature(fn, consts: dict, ptr: dict, ints: dict, floats=()):
+    """(signature, constexprs, attributes) for ``ASTSource`` as Triton's launcher specializes a
+    launch of ``fn`` with these integer arguments: one equal to 1 becomes the constant 1, a
+    multiple of 16 is marked 16-divisible, as is every pointer (torch aligns its allocations);
+    ``ptr``: the types of the pointer (or descriptor) arguments, ``floats``: the fp32 ones.
+    (Compiled without this, unit strides stay runtime values and loads and stores go scalar.)"""
+    names = fn.arg_names
+    consts = {**{n: 1 for n, v in ints.items() if v == 1 and n in names}, **consts}
+    sig = {n: "constexpr" if n in consts else ptr.get(n, "fp32" if n in floats else "i32") for n in names}
+    aligned = [n for n in names if sig[n].startswith("*") or (sig[n] == "i32" and n in ints and ints[n] % 16 == 0)]
+    return (sig, {(names.index(k),): v for k, v in consts.items()},
+            {(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+
 
 def compile_loop_kernel(args):
     import triton
@@ -81,13 +103,9 @@ def compile_loop_kernel(args):
     missing = [names[i] for i in fn.constexprs if names[i] not in consts]
     if missing:  # every constexpr must be fixed here, or Triton makes it a runtime argument
         raise SystemExit(f"error: constexpr arguments not set by this script: {missing}")
-    sig = {n: "constexpr" if n in consts else ptr.get(n, "fp32" if n == "scale_log2" else "i32") for n in names}
-    # as Triton specializes a Wan-480p launch (S = 32,760, H = 40): pointers, and every stride that
-    # is a multiple of 16 there, are marked 16-divisible
-    aligned = [n for n in names if sig[n].startswith("*") or n in (
-        "sqb", "sqh", "sqs", "skb", "skh", "sks", "svb", "svh", "svd", "svs", "sob", "soh", "sos", "slb", "SK_PAD")]
-    src = source(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    ints = dict(WAN_480P_INTS, smb=_S if args.mask else 1)  # the mask: (B, S) int8
+    sig, constexprs, attrs = launch_signature(fn, consts, ptr, ints, floats=("scale_log2",))
+    src = source(fn, sig, constexprs=constexprs, attrs=attrs)
     options = dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     if max_registers:  # as the launch caps them (ptxas spills past the cap)
         options["maxnreg"] = max_registers
@@ -118,6 +136,17 @@ def loop_opcodes(lines, label_re, branch_re, op_re, is_mma):
     if best is None:
         raise SystemExit("error: no loop with MMAs found")
     return best, body
+
+
+def sass_mma_loop(kernel, nvdisasm: str, tmp: str):
+    """:func:`loop_opcodes` of a compiled kernel's SASS (disassembled by ``nvdisasm``): the
+    innermost loop issuing warpgroup MMAs."""
+    path = os.path.join(tmp, "loop.cubin")
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+    return loop_opcodes(sass.splitlines(), r"^(\.L_x_\d+):", r"BRA\s+`?\(?(\.L_x_\d+)",
+                        r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", lambda op: "GMMA" in op)
 
 
 def ptxas_report(ptx: str, bin_dir: str, tmp: str):
@@ -180,13 +209,8 @@ def main(argv=None) -> int:
                             r"^\s*(?:@%?!?\w+\s+)?([a-z][\w.]*)", lambda op: op.startswith("wgmma.mma"))
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "loop.cubin")
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+        sass_loop, sass_body = sass_mma_loop(kernel, nvdisasm, tmp)
         registers = ptxas_registers(kernel.asm["ptx"], os.path.dirname(nvdisasm), tmp)
-    sass_loop, sass_body = loop_opcodes(sass.splitlines(), r"^(\.L_x_\d+):", r"BRA\s+`?\(?(\.L_x_\d+)",
-                             r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", lambda op: "GMMA" in op)
     n_sass, n_ptx = sum(sass_loop.values()), sum(ptx_loop.values())
     print(f"Triton {triton.__version__}, sm_90, main loop of {kernel.name}: "
           f"{n_sass / PER_THREAD:.1f} SASS instructions per element of S ({n_sass} per thread per key tile), "

@@ -6,11 +6,11 @@ K (the same, e4m3 per key tile), V's channel maxima, V (quantize, e4m3, transpos
 whole pre-pass as the attention call runs it, timed alone (medians). "× copy" is the launch's
 achieved bandwidth (the bytes it must move: bf16 read, e4m3 written; the maxima pass reads only)
 over that of a bf16 copy of Q timed in the same process. ``--sweep`` also times the launch
-options of ``_PrePass`` (row blocks per program, pipelining stages, warps, V channels per program,
-V's f16-pair and tensor-core paths), ``--plot`` draws the table. Markdown to stdout (BENCHMARKS.md keeps it).
+options of ``_PrePass`` (row blocks per program, persistent launches, pipelining stages, warps, V
+channels and maxima tiles per program, V's f16-pair and tensor-core paths), ``--plot`` draws the table. Markdown to stdout (BENCHMARKS.md keeps it).
 
     python scripts/prepass_bandwidth.py --seqs 32760 75600 [--sweep [Q K V]] [--set OPTION=VALUE ...] [--plot PNG]
-    python scripts/prepass_bandwidth.py --replot BENCHMARKS.md --section "sixth session" --plot docs/prepass-bandwidth.png   # no GPU
+    python scripts/prepass_bandwidth.py --replot BENCHMARKS.md --section "eighth session" --plot docs/prepass-bandwidth.png   # no GPU
 """
 
 from __future__ import annotations
@@ -62,11 +62,12 @@ def launches(run, q, k, v):
 
 #: launch options swept by --sweep: (launch name prefix, attribute of _PrePass, values)
 SWEEP = [
-    ("Q", {"BLOCKS_PER_PROGRAM": (1, 8), "ROW_STAGES": (1, 2), "Q_WARPS": (4, 8)}),
-    ("Q", {"ROW_MAX_REGISTERS": (None, 168)}),
+    ("Q", {"Q8_PROGRAMS_PER_SM": (None,), "BLOCKS_PER_PROGRAM": (1, 8, 16), "Q8_STAGES": (1, 2), "Q_WARPS": (4, 8)}),
+    ("Q", {"Q8_PROGRAMS_PER_SM": (None, 2, 3), "Q8_STAGES": (2, 3)}),
     ("K", {"BLOCKS_PER_PROGRAM": (1, 8), "TILE_WARPS": (4, 8), "TILE_STAGES": (1, 2)}),
-    ("K", {"TILE_WARPS": (4, 8), "TILE_MAX_REGISTERS": (None, 128, 168)}),
+    ("K", {"TILE_PROGRAMS_PER_SM": (None, 1, 2), "TILE_WARPS": (4, 8)}),
     ("V: channel maxima", {"V_WARPS": (4, 8), "V_CHANNELS": (64, 128)}),
+    ("V: channel maxima", {"V_TILES_AMAX": (1, 2, 4, 8), "V_STAGES": (1, 3)}),
     ("V: quantize", {"V_TRANSPOSE_MMA": (False,), "V_CHANNELS": (64, 128), "V_F16X2": (False, True)}),
     ("V: quantize", {"V_TRANSPOSE_MMA": (True,), "V_CHANNELS_MMA": (64, 128), "V_TILES_MMA": (1, 2, 4),
                      "V_STAGES": (2, 3)}),
@@ -106,13 +107,16 @@ def parse_tables(text: str, section: str | None = None):
     under a heading containing that text (BENCHMARKS.md keeps one run's tables per section)."""
     import re
 
-    rows, s, heading = [], None, ""
+    rows, s, heading, in_code = [], None, "", False
     for line in text.splitlines():
+        if line.startswith("```"):  # (a "#" inside a code block is a shell comment, not a heading)
+            in_code = not in_code
+            continue
         m = re.match(r"S = (\d+): bf16 copy", line)
-        if m:
+        if m and not in_code:
             s = int(m.group(1)) if section is None or section in heading else None
             continue
-        if line.startswith("#"):  # a new section: its tables belong to no S until the next "S = "
+        if line.startswith("#") and not in_code:  # a new section: its tables belong to no S until the next "S = "
             s, heading = None, line
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if s is None or len(cells) != 4 or not cells[0].startswith(("Q:", "K:", "V:", "whole")):
@@ -133,7 +137,7 @@ def main(argv=None) -> int:
                     help="also time the launch options (of the launches whose names start with LAUNCH: Q, K, V; all "
                          "when none is given)")
     ap.add_argument("--set", nargs="+", default=[], metavar="OPTION=VALUE",
-                    help="launch options of _PrePass for the whole run (e.g. TILE_WARPS=8 TILE_MAX_REGISTERS=128; "
+                    help="launch options of _PrePass for the whole run (e.g. TILE_WARPS=8 Q8_PROGRAMS_PER_SM=None; "
                          "values: integers, True, False, None)")
     ap.add_argument("--plot", help="write a bar chart of × copy bandwidth per launch (png)")
     ap.add_argument("--section", metavar="TEXT", help="--replot: only the tables under a heading containing TEXT")

@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """Registers, spills and shared memory of the e4m3 pre-pass's row launches (Q, and K per key
 tile), compiled offline for sm_90 as ``_PrePass`` launches them for bf16 inputs at head dim 128
-(no GPU needed), and how many programs of each fit an H200 SM: what bounds their occupancy.
+and Wan 480p's strides (no GPU needed), and how many programs of each fit an H200 SM: what bounds
+their occupancy, and the SASS instructions per element of the loop over row blocks (the
+arithmetic that bounds them: FMNMX, the block maxima and E2M1 clamps, apart).
 
-    python scripts/prepass_registers.py [--set TILE_WARPS=8 TILE_MAX_REGISTERS=128 ...]
+    python scripts/prepass_registers.py [--set TILE_WARPS=8 Q8_STAGES=2 ...]
 
-A memory-bound launch wants many warps per SM; ptxas gives these up to 255 registers per thread
-unless ``ROW_MAX_REGISTERS`` / ``TILE_MAX_REGISTERS`` cap them (then it may spill).
+The compile specializes the launch as Triton's launcher does (unit strides constant, multiples of
+16 marked: ``count_loop_instructions.launch_signature``); without that the loads go scalar and
+the register counts are not those of the real launch (255 and spills instead of 120 / 198 and
+none, Triton 3.6: checked against the compiled kernels on the H200, 2026-11-30).
 """
 
 from __future__ import annotations
@@ -19,24 +23,25 @@ import tempfile
 REGISTERS_PER_SM, SHARED_PER_SM, SHARED_RESERVED = 65536, 228 * 1024, 1024  # H200 (sm_90)
 
 
-def compile_rows(out_mode: int, block_s: int, warps: int, stages: int, per_program: int, cap: int | None):
+def compile_rows(out_mode: int, block_s: int, warps: int, stages: int, per_program: int, persistent: bool):
     """The ``_prepass_rows`` launch for MXFP4 (UOS) with the Hadamard rotation in bf16, compiled for sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from count_loop_instructions import launch_signature
     from fp4video.kernels.prepass import _prepass_rows as fn
 
     consts = dict(HAS_ALIVE=False, SMOOTH=False, ROTATE=True, ROT_PRECISION="bf16", ROT_PARTS=1, FMT=1, QB=32,
-                  OCP=False, QMAX=7.25, D=128, BLOCK_S=block_s, OUT=out_mode, BLOCKS_PER_PROGRAM=per_program)
-    names = fn.arg_names
+                  OCP=False, QMAX=7.25, D=128, BLOCK_S=block_s, OUT=out_mode, BLOCKS_PER_PROGRAM=per_program,
+                  PERSISTENT=persistent)
     ptr = {"X": "*bf16", "Alive": "*i8", "Mean": "*fp32", "Hm": "*bf16", "Out": "*fp8e4nv", "Fac": "*fp32"}
-    sig = {n: "constexpr" if n in consts else ptr.get(n, "fp32" if n == "h_norm" else "i32") for n in names}
-    aligned = [n for n in names if sig[n].startswith("*") or n in ("sxb", "sxh", "sxs", "sob", "soh", "sos")]
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    options = dict(num_warps=warps, num_stages=stages, **({"maxnreg": cap} if cap else {}))
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    s, s_pad = 32760, 32768  # Wan 480p, H = 40; K̂ padded to whole key tiles; the unused Alive and Mean: 1 × 1
+    ints = dict(H=40, S=s, D_IN=128, n_blocks=-(-s // block_s), n_heads=40, sxb=40 * s * 128, sxh=s * 128, sxs=128,
+                sxd=1, sab=1, sas=1, smb=1, smh=1, sob=40 * s_pad * 128, soh=s_pad * 128, sos=128)
+    sig, constexprs, attrs = launch_signature(fn, consts, ptr, ints, floats=("h_norm",))
+    src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
 def programs_per_sm(regs: int, warps: int, shared: int) -> int:
@@ -55,7 +60,7 @@ def main(argv=None) -> int:
 
     from fp4video.kernels import prepass as pp
 
-    from count_loop_instructions import ptxas_report
+    from count_loop_instructions import ptxas_report, sass_mma_loop
     from prepass_bandwidth import set_launch_options
 
     try:
@@ -65,24 +70,30 @@ def main(argv=None) -> int:
     P = pp._PrePass
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     launches = {
-        "Q: rotate, quantize, e4m3 per row": (pp.FP8_ROW, P.BLOCK_S, P.Q_WARPS, P.ROW_STAGES, P.ROW_MAX_REGISTERS),
+        "Q: rotate, quantize, e4m3 per row": (pp.FP8_ROW, P.BLOCK_S, P.Q_WARPS, P.Q8_STAGES, P.Q8_PROGRAMS_PER_SM),
         "K: rotate, quantize, e4m3 per key tile": (pp.FP8_TILE_ORDERED, pp.KEY_TILE, P.TILE_WARPS, P.TILE_STAGES,
-                                                   P.TILE_MAX_REGISTERS),
+                                                   P.TILE_PROGRAMS_PER_SM),
     }
     print(f"Triton {triton.__version__}, sm_90 (offline), bf16 inputs, head dim 128, "
-          f"{P.BLOCKS_PER_PROGRAM} row blocks per program" + (f"; {' '.join(args.set)}" if args.set else ""))
-    print("\n| launch | warps | stages | register cap | registers | spill stores (B) | shared (B) | programs per SM "
-          "| warps per SM |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, (mode, block_s, warps, stages, cap) in launches.items():
-        kernel = compile_rows(mode, block_s, warps, stages, P.BLOCKS_PER_PROGRAM, cap)
+          f"{P.BLOCKS_PER_PROGRAM} row blocks per program unless persistent" + (f"; {' '.join(args.set)}" if args.set else ""))
+    print("\n| launch | warps | stages | persistent (programs per SM) | registers | spill stores (B) | shared (B) "
+          "| programs per SM | warps per SM | SASS per element (FMNMX) |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, (mode, block_s, warps, stages, per_sm) in launches.items():
+        kernel = compile_rows(mode, block_s, warps, stages, P.BLOCKS_PER_PROGRAM, bool(per_sm))
         with tempfile.TemporaryDirectory() as tmp:
             report = ptxas_report(kernel.asm["ptx"], bin_dir, tmp)
+            ops, _ = sass_mma_loop(kernel, os.path.join(bin_dir, "nvdisasm"), tmp)
+        per_thread = block_s * 128 / (warps * 32)  # elements of a row block each thread quantizes
+        fmnmx = sum(n for op, n in ops.items() if op.startswith("FMNMX"))
         if report is None:
             raise SystemExit(f"error: no ptxas in {bin_dir} took the pre-pass PTX")
         regs, spills, _ = report
         n = programs_per_sm(regs, warps, kernel.metadata.shared)
-        print(f"| {name} | {warps} | {stages} | {cap or 'none'} | {regs} | {spills} | {kernel.metadata.shared} | {n} "
-              f"| {n * warps} |")
+        if per_sm:  # the persistent grid's programs, where they fit
+            n = min(n, per_sm)
+        print(f"| {name} | {warps} | {stages} | {per_sm or 'no'} | {regs} | {spills} | {kernel.metadata.shared} | {n} "
+              f"| {n * warps} | {sum(ops.values()) / per_thread:.1f} ({fmnmx / per_thread:.1f}) |")
     return 0
 
 

@@ -913,24 +913,33 @@ def test_scaled_kernel_matches_reference_gpu(method, monkeypatch):
 
 
 @pytest.mark.parametrize("method", ["mxattn", "mxattn-sk"])
-def test_prepass_row_blocks_per_program_change_nothing(method):
+@pytest.mark.parametrize("k_tile_order", [False, True])
+def test_prepass_row_launch_forms_change_nothing(method, k_tile_order):
     """The rotating Q/K launches loop over BLOCKS_PER_PROGRAM row blocks per program (the Hadamard
-    matrix read once): with 8 (the default), including programs whose last blocks lie past the
-    end, the e4m3 outputs and factors equal those of one block per program, bit for bit."""
+    matrix read once), or, persistent (``Q8_PROGRAMS_PER_SM``, Q's default, and
+    ``TILE_PROGRAMS_PER_SM``), a few programs stride over all heads' blocks: with 8 blocks per
+    program, including programs whose last blocks lie past the end, and persistent with 3 and 2
+    programs (the interpreter counts one SM; several heads and batches per program), the e4m3 outputs and
+    factors equal those of one block per program, bit for bit; so do V's channel maxima read 4
+    key tiles per program (``V_TILES_AMAX``; 9 tiles: the last program's last three lie past the end)."""
     from fp4video.kernels import prepass as pp
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    q, k, v = rand(1, 2, 600, 64, seed=31, device=dev), rand(1, 2, 1100, 64, seed=32, device=dev) * 5, \
-        rand(1, 2, 1100, 64, seed=33, device=dev)
-    alive = rand(1, 1100, seed=34, device=dev) > -1.5
+    q, k, v = rand(2, 2, 600, 64, seed=31, device=dev), rand(2, 2, 1100, 64, seed=32, device=dev) * 5, \
+        rand(2, 2, 1100, 64, seed=33, device=dev)
+    alive = rand(2, 1100, seed=34, device=dev) > -1.5
     outs = []
-    for per_program in (1, 8):
+    one = {"Q8_PROGRAMS_PER_SM": None, "V_TILES_AMAX": 1}
+    for options in ({**one, "BLOCKS_PER_PROGRAM": 1}, {**one, "BLOCKS_PER_PROGRAM": 8},
+                    {"Q8_PROGRAMS_PER_SM": 3, "TILE_PROGRAMS_PER_SM": 2, "V_TILES_AMAX": 4}):
         run = pp._PrePass(q, k, v, METHODS[method], alive)
-        run.BLOCKS_PER_PROGRAM = per_program
-        outs.append(run.run_fp8())
-    for name, a, b in zip(("q8", "q_fac", "k8", "k_fac", "v8t", "v_fac"), *outs):
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), name
+        for name, value in options.items():
+            setattr(run, name, value)
+        outs.append(run.run_fp8(k_tile_order))
+    for one, other in ((outs[0], outs[1]), (outs[0], outs[2])):
+        for name, a, b in zip(("q8", "q_fac", "k8", "k_fac", "v8t", "v_fac"), one, other):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), name
 
 
 @pytest.mark.parametrize("method", ["mxfp4-ocp", "mxattn"])
@@ -1214,7 +1223,7 @@ def test_profile_attention_source_finds_the_loop_and_its_samples(tmp_path):
 def test_prepass_bandwidth_replots_its_tables_from_markdown(tmp_path):
     """scripts/prepass_bandwidth.py --replot (no GPU) reads the launch tables it printed, as kept
     in BENCHMARKS.md — each under its "S = …" line, the --sweep tables (an options column) and
-    tables after a new heading left out — and draws them."""
+    tables after a new heading (not a "#" comment in a code block) left out — and draws them."""
     import subprocess
     import sys
     from pathlib import Path
@@ -1253,6 +1262,10 @@ S = 200: bf16 copy of Q 0.368 ms = 4210 GB/s
             "| --- | --- | --- | --- |\n| K: rotate, quantize, e4m3 per key tile | 0.2 | 1 | 0.61 |\n"
     assert parse_tables(text + later, "later run") == [(300, "K: rotate, quantize, e4m3 per key tile", 0.2, 0.61)]
     assert len(parse_tables(text + later)) == 4 and parse_tables(text + later, "no such") == []
+    # a shell comment in a code block is no heading: the section's tables after it still count
+    code = "\n```bash\n# the commands\npython3 scripts/prepass_bandwidth.py\n```\n"
+    assert parse_tables(text + later.replace("\nS = 300", code + "\nS = 300"), "later run") == \
+        [(300, "K: rotate, quantize, e4m3 per key tile", 0.2, 0.61)]
     md, png = tmp_path / "t.md", tmp_path / "t.png"
     md.write_text(text)
     script = Path(__file__).resolve().parents[1] / "scripts" / "prepass_bandwidth.py"
@@ -1336,7 +1349,7 @@ def test_tma_loop_where_the_gpu_has_tma(monkeypatch):
 def test_hopper_keeps_the_measured_stages_gpu():
     """On the H200 (sm_90, 228 KB per SM) the shared-memory check leaves every launch as
     benchmarked: the e4m3 loop by TMA at 2 stages (by pointer loads at 3), the NVFP4 loop at 3,
-    the row pre-pass at 2."""
+    the row pre-pass at 2 (e4m3 Q at 3)."""
     from fp4video.kernels import attention_fwd as af
     from fp4video.kernels import attention_nvfp4 as an
     from fp4video.kernels import launch
@@ -1350,6 +1363,7 @@ def test_hopper_keeps_the_measured_stages_gpu():
     assert af.fp8_launch(dev) == af.LAUNCH["fp8"]
     assert launch.fitting_stages(dev, an.LAUNCH[2], an.SHARED_MEMORY) == an.LAUNCH[2]
     assert launch.fitting_stages(dev, pp._PrePass.ROW_STAGES, pp.ROW_SHARED_MEMORY) == pp._PrePass.ROW_STAGES
+    assert launch.fitting_stages(dev, pp._PrePass.Q8_STAGES, pp.ROW_SHARED_MEMORY) == pp._PrePass.Q8_STAGES
     assert launch.fitting_stages(dev, pp._PrePass.V_STAGES, pp.V_SHARED_MEMORY) == pp._PrePass.V_STAGES
 
 
@@ -1384,7 +1398,8 @@ def test_kernel_breakdown_config_flags_are_loop_options():
 
 def test_prepass_registers_script_reports_q_and_k_launches():
     """scripts/prepass_registers.py compiles the pre-pass's Q and K launches for sm_90 offline and
-    reports registers, spills, shared memory and programs per SM; --set changes a launch option
+    reports registers, spills, shared memory, programs per SM and the loop's SASS instructions
+    per element; --set changes a launch option
     (K at 8 warps); a name that is not one, or a value that is not a number, is refused."""
     import os
     import re
@@ -1396,18 +1411,25 @@ def test_prepass_registers_script_reports_q_and_k_launches():
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this Triton ships no ptxas")
+    from fp4video.kernels import prepass as pp
+
     script = Path(__file__).resolve().parents[1] / "scripts" / "prepass_registers.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, str(script), "--set", "TILE_WARPS=8"], capture_output=True, text=True,
                          env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    rows = re.findall(r"^\| ([QK]): [^|]+\| (\d+) \| (\d+) \| (\w+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$",
-                      run.stdout, re.M)
+    rows = re.findall(r"^\| ([QK]): [^|]+\| (\d+) \| (\d+) \| (\w+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) "
+                      r"\| ([\d.]+) \(([\d.]+)\) \|$", run.stdout, re.M)
     assert [r[0] for r in rows] == ["Q", "K"] and rows[1][1] == "8", run.stdout
-    for _, warps, _, _, regs, _, shared, programs, warps_per_sm in rows:
+    for _, warps, _, _, regs, spills, shared, programs, warps_per_sm, per_element, fmnmx in rows:
+        assert 0 < float(fmnmx) < float(per_element) < 64  # the loop's SASS over a row block's elements
         assert 0 < int(regs) <= 255 and int(shared) > 0 and int(warps_per_sm) == int(programs) * int(warps)
         per_thread = -(-int(regs) // 8) * 8
         assert int(programs) * per_thread * 32 * int(warps) <= 65536
+        # compiled as the launcher specializes the launch (unit strides constant): vector loads, no
+        # spills at head dim 128 (scalar loads took 255 registers and spilled 348 B in K's launch)
+        assert int(spills) == 0 and int(regs) < 255, run.stdout
+    assert rows[0][3] == str(pp._PrePass.Q8_PROGRAMS_PER_SM), run.stdout  # Q's launch: persistent
     bad = subprocess.run([sys.executable, str(script), "--set", "NOT_AN_OPTION=3"], capture_output=True, text=True,
                          env=env, timeout=600)
     assert bad.returncode != 0 and "launch option of _PrePass" in bad.stderr
