@@ -457,12 +457,13 @@ class _PrePass:
     TILE_WARPS = 4  # warps per key tile of K (FP8_TILE; 4 and 8 measured equal on the H200)
     # The launch options below: scripts/prepass_bandwidth.py --sweep, H200 (BENCHMARKS.md, 2026-11-30)
     BLOCKS_PER_PROGRAM = 8  # row blocks per program of the rotating launches (one read of the Hadamard matrix)
-    ROW_STAGES = 2  # software-pipelining stages of that loop (Q: 1 and 2 measured equal; 3: more shared memory)
+    ROW_STAGES = 2  # software-pipelining stages of that loop (the e4m3 Q launch: Q8_STAGES)
     TILE_STAGES = 2  # the same for K's key tiles (FP8_TILE)
     # Persistent launches: this many programs per SM, each striding over all heads' row blocks (None:
     # a program per BLOCKS_PER_PROGRAM blocks of one head). The e4m3 Q launch (FP8_ROW) at 2 per SM
-    # with 3 stages: 0.170 ms at Wan 480p against 0.177 (3 per SM: 0.175; 2 per SM with 2 stages:
-    # 0.210); K's per-tile launch measured no faster (0.207 against 0.203), so not persistent
+    # with 3 stages: 0.170 ms at Wan 480p against 0.177 not persistent (3 per SM: 0.175 with 3
+    # stages, 0.186 with 2; 2 per SM with 2 stages: 0.210); K's per-tile launch measured no faster
+    # (0.207 against 0.203), so it is not persistent
     Q8_PROGRAMS_PER_SM = 2
     Q8_STAGES = 3
     TILE_PROGRAMS_PER_SM = None
