@@ -4,11 +4,12 @@
 Each launch of :func:`fp4video.kernels.prepass.prepass_fp8` — Q (rotate, quantize, e4m3 per row),
 K (the same, e4m3 per key tile), V's channel maxima, V (quantize, e4m3, transposed) — and the
 whole pre-pass as the attention call runs it, timed alone (medians), and replayed from a CUDA
-graph (GPU time without the CPU's launch work, which bounds short sequences). "× copy" is the launch's
-achieved bandwidth (the bytes it must move: bf16 read, e4m3 written; the maxima pass reads only)
+graph (GPU time without the CPU's launch work, which bounds short sequences). "× copy" is the
+launch's achieved bandwidth (the bytes it must move: bf16 read, e4m3 written; the maxima pass reads only)
 over that of a bf16 copy of Q timed in the same process. ``--sweep`` also times the launch
 options of ``_PrePass`` (row blocks per program, persistent launches, pipelining stages, warps, V
-channels and maxima tiles per program, V's f16-pair and tensor-core paths), ``--plot`` draws the table. Markdown to stdout (BENCHMARKS.md keeps it).
+channels and maxima tiles per program, V's f16-pair and tensor-core paths), ``--plot`` draws the
+table. Markdown to stdout (BENCHMARKS.md keeps it).
 
     python scripts/prepass_bandwidth.py --seqs 32760 75600 [--sweep [Q K V]] [--set OPTION=VALUE ...] [--plot PNG]
     python scripts/prepass_bandwidth.py --replot BENCHMARKS.md --section "eighth session" --plot docs/prepass-bandwidth.png   # no GPU
