@@ -331,8 +331,10 @@ ROW_SHARED_MEMORY = {1: 98304, 2: 106496, 3: 139264}
 V_SHARED_MEMORY = {1: 49152, 2: 73728, 3: 90112}
 
 
+@functools.lru_cache(maxsize=None)
 def multiprocessors(device: torch.device) -> int:
-    """SMs of a CUDA device; 1 in the interpreter (a persistent grid of a few programs there)."""
+    """SMs of a CUDA device (asked once: every attention call's Q launch sizes its grid by it); 1
+    in the interpreter (a persistent grid of a few programs there)."""
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count

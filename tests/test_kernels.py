@@ -237,6 +237,19 @@ def test_recip_of_e4m3_values_is_correctly_rounded():
     assert torch.equal(out[: len(s)].cpu(), want)
 
 
+def e2m1_rounding_cases(n_random: int, exponents):
+    """Inputs of the E2M1 rounding tests: multiples a of units 2^e — every grid point, tie and
+    saturating value, their float neighbours and ``n_random`` values in [0, 7.25) — for each e of
+    ``exponents``; returns (a, e, unit, p = a · unit, exact: the units are powers of two)."""
+    grid = torch.tensor([0.0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 6.5, 7, 7.25, 8, 9])
+    a = torch.cat([grid, torch.nextafter(grid, torch.tensor(-1.0)).clamp(min=0), torch.nextafter(grid, torch.tensor(99.0)),
+                   torch.rand(n_random, generator=torch.Generator().manual_seed(0)) * 7.25])
+    e = torch.tensor(list(exponents))
+    a, e = a.repeat(len(e)), e.repeat_interleave(len(a))
+    unit = torch.ldexp(torch.ones_like(a), e)
+    return a, e, unit, a * unit
+
+
 @pytest.mark.parametrize("signed", [False, True])
 def test_round_e2m1_at_scale_matches_reference_rounding(signed):
     """The magic-number rounding equals formats.round_e2m1(p / 2^e) · 2^e for every grid point,
@@ -246,13 +259,7 @@ def test_round_e2m1_at_scale_matches_reference_rounding(signed):
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
 
-    grid = torch.tensor([0.0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 6.5, 7, 7.25, 8, 9])
-    a = torch.cat([grid, torch.nextafter(grid, torch.tensor(-1.0)).clamp(min=0), torch.nextafter(grid, torch.tensor(99.0)),
-                   torch.rand(1024, generator=torch.Generator().manual_seed(0)) * 7.25])
-    e = torch.arange(-30, 10)
-    a, e = a.repeat(len(e)), e.repeat_interleave(len(a))
-    unit = torch.ldexp(torch.ones_like(a), e)
-    p = a * unit  # exact: powers of two
+    a, e, unit, p = e2m1_rounding_cases(1024, range(-30, 10))
     n = 1 << (len(p) - 1).bit_length()
     pad = lambda x: torch.nn.functional.pad(x, (0, n - len(x)), value=1.0)  # noqa: E731
     want = round_e2m1(a) * unit
@@ -290,13 +297,7 @@ def check_round_e2m1_on_f16_pairs(dev):
     PTX, against the reference and against the stand-in on 2^22 random fp32 values."""
     from fp4video.formats import round_e2m1
 
-    grid = torch.tensor([0.0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 6.5, 7, 7.25, 8, 9])
-    a = torch.cat([grid, torch.nextafter(grid, torch.tensor(-1.0)).clamp(min=0), torch.nextafter(grid, torch.tensor(99.0)),
-                   torch.rand(2048, generator=torch.Generator().manual_seed(0)) * 7.25])
-    e = torch.arange(-11, 5)
-    a, e = a.repeat(len(e)), e.repeat_interleave(len(a))
-    unit = torch.ldexp(torch.ones_like(a), e)
-    p = a * unit  # exact: powers of two
+    a, e, unit, p = e2m1_rounding_cases(2048, range(-11, 5))
     ties_up = torch.isin(a, torch.tensor([0.25, 1.25, 2.5, 5.0]))
     want = torch.where(ties_up, round_e2m1(a + 0.25 * torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))),
                        round_e2m1(a)) * unit
