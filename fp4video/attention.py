@@ -20,6 +20,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _check_inputs(q, k, v, layout):
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    given = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}" if all(
+        isinstance(t, torch.Tensor) for t in (q, k, v)) else ""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -49,7 +51,7 @@ def _check_inputs(q, k, v, layout):
     if sk != sv:
         raise ValueError(f"k and v sequence lengths differ: {sk} vs {sv}")
     if min(sq, sk, d, dv) < 1:
-        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} ({layout})")
+        raise ValueError(f"empty input: {given} (layout {layout!r}: {'B, H, S, D' if layout == 'bhsd' else 'B, S, H, D'})")
     return q, k, v
 
 
@@ -140,20 +142,53 @@ def fp4_attention(
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
 
-    if _resolve_backend(backend, recipe, qb, mask) == "triton":
-        from . import kernels
+    path = _resolve_backend(backend, recipe, qb, mask)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    with torch.no_grad():
+        if path == "triton":
+            from . import kernels
 
-        out, lse = kernels.attention(qb, kb, vb, recipe=recipe, mask=mask, scale=float(scale))
-    else:
-        out, lse = _reference(qb, kb, vb, recipe, mask, float(scale))
+            out, lse = kernels.attention(qb, kb, vb, recipe=recipe, mask=mask, scale=float(scale))
+        else:
+            out, lse = _reference(qb, kb, vb, recipe, mask, float(scale))
+    if grad:  # inference-only: a backward through the op raises instead of returning zeros
+        out, lse = _NoBackward.apply(out, lse, q, k, v)
 
-    out = out.to(q.dtype)
+    if out.dtype != q.dtype:  # saturating, as the kernels store: FP4 rounding may step past the dtype's range
+        big = torch.finfo(q.dtype).max
+        out = out.clamp(-big, big).to(q.dtype)
     if layout == "bshd":
         out, lse = out.transpose(1, 2), lse.transpose(1, 2)
     return (out, lse) if return_lse else out
 
 
+class _NoBackward(torch.autograd.Function):
+    """Passes (out, lse) through, attached to q, k, v; its backward raises."""
+
+    @staticmethod
+    def forward(ctx, out, lse, q, k, v):
+        return out.view_as(out), lse.view_as(lse)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            "fp4_attention is inference-only: FP4 rounding has no useful gradient and fp4video "
+            "implements no backward. Run the model under torch.no_grad() / torch.inference_mode(), "
+            "or use method='fp16' through diffusers' own attention (fp4video.uninstall) to train"
+        )
+
+
 def _reference(q, k, v, recipe, mask, scale):
     sk = k.shape[-2]
-    qh, kh, vh = reference.prepare_qkv(q, k, v, recipe, key_alive=key_alive_from_mask(mask))
-    return reference.attention_tiled(qh, kh, vh, scale=scale, recipe=recipe, mask=mask, sk=sk)
+    key_alive = key_alive_from_mask(mask)
+    bad = reference.nonfinite_heads(q, k, v, key_alive)
+    if bad.any():  # computed on zeros there, then NaN (the NaN/Inf policy)
+        q, k, v = (torch.where(torch.isfinite(t), t, 0.0) for t in (q, k, v))
+        out, lse = _reference(q, k, v, recipe, mask, scale)
+        return reference.poison_heads(out, lse, bad)
+    qh, kh, vh = reference.prepare_qkv(q, k, v, recipe, key_alive=key_alive)
+    out, lse = reference.attention_tiled(qh, kh, vh, scale=scale, recipe=recipe, mask=mask, sk=sk)
+    if recipe.smooth_k:  # the LSE of the unsmoothed logits
+        kz = k.float() if key_alive is None else torch.where(key_alive.unsqueeze(-1), k.float(), 0.0)
+        lse = lse + reference.smoothing_lse_shift(q, reference.smoothing_mean(kz, key_alive), scale)
+    return out, lse

@@ -47,6 +47,8 @@ __all__ = [
     "unpack_nibbles",
     "mx_exponent",
     "block_scales",
+    "NVFP4_TENSOR_RANGE",
+    "nvfp4_tensor_scale",
     "quantize",
     "quantize_dequantize",
     "int8_quantize_dequantize",
@@ -97,6 +99,10 @@ def _parse(enum_cls, value, what):
 
 
 # --- element rounding ----------------------------------------------------------------------
+
+
+_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                if hasattr(torch, n))
 
 
 def _float_work(x: torch.Tensor) -> torch.Tensor:
@@ -249,12 +255,32 @@ def block_scales(
         return scale, (e + E8M0_BIAS).to(torch.uint8)
     if scale_rule is not None:
         raise ValueError(f"scale_rule applies to mxfp4 only, got scale_rule={scale_rule!r} for nvfp4")
-    g = 1.0 if global_scale is None else float(global_scale)
-    if not (g > 0 and math.isfinite(g)):
-        raise ValueError(f"global_scale must be a positive finite number, got {global_scale!r}")
+    if isinstance(global_scale, torch.Tensor):  # one scale per slice (a head), broadcast over its blocks
+        g = global_scale.float()
+        if not bool(((g > 0) & torch.isfinite(g)).all()):
+            raise ValueError("global_scale must hold positive finite numbers")
+    else:
+        g = 1.0 if global_scale is None else float(global_scale)
+        if not (g > 0 and math.isfinite(g)):
+            raise ValueError(f"global_scale must be a positive finite number, got {global_scale!r}")
     s_e4m3 = round_e4m3(amax / E2M1_MAX / g)  # fp32 divisions, then one rounding to E4M3
     s_e4m3 = torch.where(amax > 0, s_e4m3, torch.ones_like(s_e4m3))
     return s_e4m3 * g, s_e4m3.to(torch.float8_e4m3fn)
+
+
+#: NVFP4's tensor scale maps a tensor's largest magnitude into (1344, 2688], the top of E4M3 × E2M1.
+NVFP4_TENSOR_RANGE = E4M3_MAX * E2M1_MAX
+
+
+def nvfp4_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
+    """NVFP4's FP32 tensor scale for tensors (slices) with largest magnitude ``amax >= 0``, as a
+    power of two: ``g = 2^ceil(log2(amax / (448·6)))`` (1 for all-zero tensors; exponents kept in
+    [-126, 126]). Block scales ``round_e4m3(block amax / 6 / g)`` then never exceed 448, whatever
+    the tensor's range (without it, NVFP4 saturates above 2688 and flushes blocks whose maximum is
+    below ~0.006). A power of two keeps every dequantized value ``e2m1 · e4m3 · g`` exact in
+    bf16, and the division by g exact."""
+    e = mx_exponent(amax, NVFP4_TENSOR_RANGE).clamp(-126, 126)
+    return torch.ldexp(torch.ones_like(amax, dtype=torch.float32), e)
 
 
 # --- block quantization ------------------------------------------------------------------------
@@ -273,8 +299,14 @@ def _check_blockable(x: torch.Tensor, dim: int, block: int) -> int:
             f"dimension {d} of shape {tuple(x.shape)} has size {x.shape[d]}, "
             f"not a multiple of the block size {block}"
         )
-    if x.numel() and not torch.isfinite(x).all():
-        raise ValueError("quantize: input contains NaN or Inf")
+    if x.numel():
+        bad = ~torch.isfinite(x)
+        if bad.any():
+            first = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"quantize: the input (shape {tuple(x.shape)}, {x.dtype}) holds {int(bad.sum())} NaN/Inf "
+                f"value(s), the first at index {first}; FP4 formats encode finite numbers only"
+            )
     return d
 
 
@@ -284,6 +316,8 @@ def _quantize_blocks(x, fmt, scale_rule, dim, global_scale):
     Works on a view with ``dim`` moved last and split into ``(..., n_blocks, block)``.
     """
     fmt = _parse(Format, fmt, "format")
+    if x.dtype in _FLOAT8:  # exact in fp32 (isfinite and the arithmetic below have no float8 kernels)
+        x = x.float()
     d = _check_blockable(x, dim, fmt.block)
     xm = x.float().movedim(d, -1)
     blocks = xm.reshape(*xm.shape[:-1], xm.shape[-1] // fmt.block, fmt.block)
@@ -296,7 +330,18 @@ def _quantize_blocks(x, fmt, scale_rule, dim, global_scale):
         nonzero = (scale > 0).unsqueeze(-1)
         scaled = torch.where(nonzero, blocks / torch.where(nonzero, scale.unsqueeze(-1), 1.0), 0.0)
     elements = round_e2m1(scaled)
+    if fmt is Format.MXFP4 and elements.dtype == torch.float32:
+        elements = _saturate_finite(elements, mx_exponent_from_storage(storage))
     return elements, scale, storage, d, xm.shape
+
+
+def _saturate_finite(elements: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """E2M1 elements of blocks with exponent ``e`` saturated at the largest value whose product
+    with 2^e is a finite fp32 number: 3 at e = 126 (4·2^126 = 2^128 overflows), 1.5 at e = 127.
+    Only the UOS and TFS rules reach those exponents (for maxima above ~10^38), rounding up past
+    the block maximum; below e = 126 nothing changes."""
+    limit = torch.where(e >= 127, 1.5, torch.where(e >= 126, 3.0, E2M1_MAX)).unsqueeze(-1)
+    return torch.maximum(torch.minimum(elements, limit), -limit)
 
 
 def mx_exponent_from_storage(storage: torch.Tensor) -> torch.Tensor:
@@ -371,6 +416,8 @@ def quantize(
     and for NaN/Inf input.
     """
     fmt = _parse(Format, fmt, "format")
+    if isinstance(global_scale, torch.Tensor):
+        raise TypeError("quantize takes one float global_scale; per-slice tensor scales: quantize_dequantize")
     elements, _, storage, d, _ = _quantize_blocks(x, fmt, scale_rule, dim, global_scale)
     codes = pack_nibbles(e2m1_codes(elements.flatten(-2)))
     rule = None

@@ -15,6 +15,9 @@ switch              what it does                                                
                     pre-scale into [0, 448·6], then E4M3 block scales)
 ``row_sum``         ``exact`` (sum of the unquantized P̃) or ``quantized`` (PNQ:      MXAttention
                     the row sum accumulates the same quantized tile that meets V)
+``tensor_scale``    NVFP4 only: an FP32 power-of-two scale per head of Q, K and V     NVFP4
+                    (:func:`fp4video.formats.nvfp4_tensor_scale`), so block scales
+                    cover any range (on by default)
 ==================  ==============================================================  ==========
 """
 
@@ -51,6 +54,7 @@ class AttentionRecipe:
     smooth_k: bool = False
     p_scale: PScale = PScale.DIRECT
     row_sum: RowSum = RowSum.EXACT
+    tensor_scale: bool = True
     name: str = "custom"
 
     def __post_init__(self):
@@ -65,7 +69,7 @@ class AttentionRecipe:
         object.__setattr__(self, "scale_rule", _parse(ScaleRule, self.scale_rule, "scale_rule"))
         object.__setattr__(self, "p_scale", _parse(PScale, self.p_scale, "p_scale"))
         object.__setattr__(self, "row_sum", _parse(RowSum, self.row_sum, "row_sum"))
-        for flag in ("hadamard", "smooth_k"):
+        for flag in ("hadamard", "smooth_k", "tensor_scale"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if self.p_scale is PScale.TWO_LEVEL and self.pv_format is not Format.NVFP4:
@@ -103,6 +107,8 @@ class AttentionRecipe:
         ]
         if Format.MXFP4 in (self.qk_format, self.pv_format):
             parts.append(f"rule={self.scale_rule.value}")
+        if Format.NVFP4 in (self.qk_format, self.pv_format) and not self.tensor_scale:
+            parts.append("no-tensor-scale")
         if self.hadamard:
             parts.append("hadamard")
         if self.smooth_k:

@@ -13,7 +13,8 @@ Two stages, as in a fused kernel:
 2. **Online softmax over key tiles** of :data:`KEY_TILE` keys (:func:`attention_tiled`): for
    tile j, ``s = scale · Q̂ K̂_jᵀ``, running max ``m``, ``P̃ = exp(s − m)``, P̃ quantized in blocks
    along keys, ``acc = α·acc + P̂ V̂_j`` and the row sum ``ℓ = α·ℓ + ΣP̃`` (or ``ΣP̂`` under PNQ).
-   The output is ``acc / ℓ``; the LSE is ``m + log ℓ`` (natural log, of the scaled logits).
+   The output is ``acc / ℓ``; the LSE is ``m + log ℓ`` (natural log, of the scaled logits; with
+   K smoothing plus :func:`smoothing_lse_shift`, so that it is the LSE of the unsmoothed logits).
 
 :func:`attention_materialized` quantizes the whole ``P̃ = exp(S − rowmax S)`` at once instead:
 it equals the tiled result exactly whenever every row's maximum lies in the first key tile
@@ -26,7 +27,7 @@ import math
 
 import torch
 
-from .formats import E2M1_MAX, E4M3_MAX, Format, quantize_dequantize
+from .formats import E2M1_MAX, E4M3_MAX, Format, nvfp4_tensor_scale, quantize_dequantize
 from .recipe import AttentionRecipe, PScale, RowSum
 from .rotation import hadamard_matrix, next_power_of_two
 
@@ -34,8 +35,12 @@ __all__ = [
     "KEY_TILE",
     "QUERY_CHUNK",
     "TWO_LEVEL_P_RANGE",
+    "TWO_LEVEL_P_FLOOR",
     "key_alive_from_mask",
     "smoothing_mean",
+    "nonfinite_heads",
+    "poison_heads",
+    "smoothing_lse_shift",
     "prepare_qkv",
     "quantize_p",
     "attention_tiled",
@@ -49,6 +54,11 @@ KEY_TILE = 128
 QUERY_CHUNK = 4096
 #: Two-level P scaling maps each row's tile maximum to 448 · 6, the top of E4M3 × E2M1.
 TWO_LEVEL_P_RANGE = E4M3_MAX * E2M1_MAX
+#: The smallest tile maximum the two-level pre-scale follows: a row whose largest P̃ in a tile lies
+#: below 2^-64 (its logits > 44 nats under the running maximum) is scaled as if its maximum were
+#: 2^-64, so ``448·6 / max`` stays finite (≤ 2^75.4) and so do the kernels' accumulator units.
+#: Such a tile carries < 2^-64 of the row's weight; its small values flush to zero.
+TWO_LEVEL_P_FLOOR = 2.0**-64
 
 
 def _ceil_to(n: int, m: int) -> int:
@@ -81,6 +91,41 @@ def smoothing_mean(k: torch.Tensor, key_alive: torch.Tensor | None = None) -> to
         return kf.mean(dim=-2, keepdim=True)
     w = key_alive.to(torch.bool).unsqueeze(-1).to(kf.dtype).expand_as(kf)
     return kf.sum(-2, keepdim=True) / w.sum(-2, keepdim=True).clamp(min=1)
+
+
+def nonfinite_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    key_alive: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, H) bool: heads whose Q, or whose K or V at a live key, hold a NaN or ±Inf.
+
+    The NaN/Inf policy of every method and backend: such a head's whole output and LSE are NaN
+    (block scales, K's mean and the Hadamard rotation would spread a non-finite value through
+    the head anyway, and a NaN is never turned into a finite, wrong number). Keys no query sees
+    are ignored, as everywhere. ``key_alive``: (B|1, H|1, Sk) bool or None."""
+
+    def bad(x, alive=None):
+        f = ~torch.isfinite(x)
+        if alive is not None:
+            f = f & alive.to(torch.bool).unsqueeze(-1)
+        return f.flatten(-2).any(-1)
+
+    b, h = q.shape[0], q.shape[1]
+    return (bad(q) | bad(k, key_alive) | bad(v, key_alive)).expand(b, h)
+
+
+def poison_heads(out: torch.Tensor, lse: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` (B, H, Sq, Dv) and ``lse`` (B, H, Sq) set to NaN in place at the heads ``bad`` (B, H)."""
+    out.masked_fill_(bad[..., None, None], float("nan"))
+    lse.masked_fill_(bad[..., None], float("nan"))
+    return out, lse
+
+
+def smoothing_lse_shift(q: torch.Tensor, mean: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale · q·mean`` per query row, (B, H, Sq) fp32: what K smoothing takes off every logit of
+    a row. Softmax ignores it, the log-sum-exp does not: adding it back gives the LSE of the
+    unsmoothed logits, which is what merging partial results (ring attention) needs, since each
+    key shard has its own mean. ``q``: (B, H, Sq, D) as given; ``mean``: (B|1, H|1, 1, D) from
+    :func:`smoothing_mean`."""
+    return (q.float() @ mean.float().transpose(-1, -2)).squeeze(-1) * scale
 
 
 def prepare_qkv(
@@ -117,36 +162,42 @@ def prepare_qkv(
         h = hadamard_matrix(dp, device=qf.device)
         qf, kf = qf @ h, kf @ h
     if recipe.qk_format is not None:
-        rule = recipe.scale_rule if recipe.qk_format is Format.MXFP4 else None
-        qf = quantize_dequantize(qf, recipe.qk_format, scale_rule=rule, dim=-1)
-        kf = quantize_dequantize(kf, recipe.qk_format, scale_rule=rule, dim=-1)
+        qf = _quantize(qf, recipe.qk_format, recipe, dim=-1)
+        kf = _quantize(kf, recipe.qk_format, recipe, dim=-1)
 
     skp = _ceil_to(sk, key_tile)
     if skp != sk:
         kf = torch.nn.functional.pad(kf, (0, 0, 0, skp - sk))
         vf = torch.nn.functional.pad(vf, (0, 0, 0, skp - sk))
     if recipe.pv_format is not None:
-        rule = recipe.scale_rule if recipe.pv_format is Format.MXFP4 else None
-        vf = quantize_dequantize(vf, recipe.pv_format, scale_rule=rule, dim=-2)
+        vf = _quantize(vf, recipe.pv_format, recipe, dim=-2)
     return qf, kf, vf
+
+
+def _quantize(x: torch.Tensor, fmt: Format, recipe: AttentionRecipe, dim: int) -> torch.Tensor:
+    """Q, K or V (B, H, S, D) fp32 fake-quantized: MXFP4 with the recipe's scale rule, NVFP4 with
+    one tensor scale per head (``recipe.tensor_scale``) from its largest magnitude."""
+    if fmt is Format.MXFP4:
+        return quantize_dequantize(x, fmt, scale_rule=recipe.scale_rule, dim=dim)
+    g = nvfp4_tensor_scale(x.abs().amax(dim=(-2, -1), keepdim=True)) if recipe.tensor_scale else None
+    return quantize_dequantize(x, fmt, dim=dim, global_scale=g)
 
 
 def quantize_p(p: torch.Tensor, recipe: AttentionRecipe) -> torch.Tensor:
     """Quantize-dequantize softmax exponentials ``p >= 0`` in blocks along the last dim.
 
-    Two-level (SageAttention3): ``p2 = p · (448·6 / rowmax p)`` in FP32, E4M3 block scales on
-    p2, dequantized as ``p̂2 · (rowmax p / (448·6))``; the row max is over ``p``'s last dim
-    (one key tile in the online softmax).
+    Two-level (SageAttention3): ``p2 = p · (448·6 / r)`` in FP32 with ``r = max(rowmax p,
+    2^-64)`` (:data:`TWO_LEVEL_P_FLOOR`), E4M3 block scales on p2, dequantized as
+    ``p̂2 · (r / (448·6))``; the row max is over ``p``'s last dim (one key tile in the online
+    softmax). The floor keeps the pre-scale finite for tiles far below the running maximum.
     """
     fmt = recipe.pv_format
     if fmt is None:
         return p
     if recipe.p_scale is PScale.TWO_LEVEL:
-        rmax = p.amax(dim=-1, keepdim=True)
-        live = rmax > 0
-        inv_s1 = torch.where(live, TWO_LEVEL_P_RANGE / torch.where(live, rmax, 1.0), 0.0)
-        p2 = quantize_dequantize(p * inv_s1, fmt, dim=-1)
-        return p2 * (rmax / TWO_LEVEL_P_RANGE)
+        r = p.amax(dim=-1, keepdim=True).clamp(min=TWO_LEVEL_P_FLOOR)
+        p2 = quantize_dequantize(p * (TWO_LEVEL_P_RANGE / r), fmt, dim=-1)
+        return p2 * (r / TWO_LEVEL_P_RANGE)
     rule = recipe.scale_rule if fmt is Format.MXFP4 else None
     return quantize_dequantize(p, fmt, scale_rule=rule, dim=-1)
 
@@ -157,8 +208,8 @@ def _bias_from_mask(mask: torch.Tensor | None, skp: int, sk: int, device: torch.
         if skp == sk:
             return None
         mask = torch.ones(1, 1, 1, sk, dtype=torch.bool, device=device)
-    if skp != sk:
-        mask = torch.nn.functional.pad(mask, (0, skp - sk), value=False)
+    if skp != sk:  # (a mask broadcast over keys is expanded first: padding applies to the real keys)
+        mask = torch.nn.functional.pad(mask.expand(*mask.shape[:-1], sk), (0, skp - sk), value=False)
     return mask
 
 

@@ -36,11 +36,12 @@ import triton.language as tl
 
 from fp4video.formats import Format, ScaleRule
 from fp4video.recipe import AttentionRecipe, RowSum
-from fp4video.reference import KEY_TILE
+from fp4video.reference import KEY_TILE, poison_heads
 
 from .fp4_math import fake_quant_rows, mx_block_exponent, pow2, round_e2m1_at_scale, round_e2m1_f16x2_odd
 from .launch import fitting_stages
-from .prepass import next_pow2, prepass, prepass_fp8, prepass_packed, prepass_tiles
+from .prepass import (E4M3_V_SPAN_LIMIT, k_smoothing_mean, next_pow2, nonfinite_heads, prepass, prepass_fp8,
+                      prepass_fp8_window, prepass_packed, prepass_tiles, smoothing_lse_shift)
 
 # P quantization modes (constexpr)
 P_NONE, P_MX = 0, 1
@@ -51,6 +52,10 @@ def _quantize_p(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, P_MODE: tl.cons
                 QB: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr):
     """Quantize-dequantize p >= 0 ([BLOCK_M, BLOCK_N]) in blocks of QB along keys."""
     return fake_quant_rows(p, BLOCK_M, BLOCK_N, P_MODE, QB, OCP, QMAX, False)
+
+
+#: the largest finite bfloat16, (2 - 2^-7) · 2^127
+BF16_MAX = tl.constexpr(3.3895313892515355e38)
 
 
 @triton.jit
@@ -72,6 +77,12 @@ def store_out_lse(Out, Lse, acc, factor, l_i, m_log2, shift, b, h, offs_m, row_o
     live = l_i > 0
     l_safe = tl.where(live, l_i, 1.0)
     out = tl.where(live[:, None], acc * (factor / l_safe[:, None]), 0.0)
+    # saturate at the output dtype's largest finite value: FP4 rounding may step past it (fp16 V at
+    # 60,000 rounds to 65,536 under UOS), and a convex combination of the inputs never lies beyond it
+    if Out.dtype.element_ty == tl.float16:
+        out = tl.minimum(tl.maximum(out, -65504.0, tl.PropagateNan.ALL), 65504.0, tl.PropagateNan.ALL)
+    elif Out.dtype.element_ty == tl.bfloat16:
+        out = tl.minimum(tl.maximum(out, -BF16_MAX, tl.PropagateNan.ALL), BF16_MAX, tl.PropagateNan.ALL)
     lse = tl.where(live, (m_log2 + tl.log2(l_safe) - shift) * 0.6931471805599453, float("-inf"))
     tl.store(Out + b * sob + h * soh + offs_m[:, None] * sos + offs_dv[None, :] * sod,
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
@@ -515,18 +526,27 @@ def uses_fp8(recipe: AttentionRecipe, device: torch.device) -> bool:
     return mx_kernel(recipe, device) == "fp8"
 
 
-def prepare(q, k, v, recipe: AttentionRecipe, key_alive):
-    """The pre-pass for this recipe and device: a tuple the attention loop takes."""
+def prepare(q, k, v, recipe: AttentionRecipe, key_alive, mean=None):
+    """The pre-pass for this recipe and device: a tuple the attention loop takes. ``mean``: K's
+    smoothing mean (:func:`.prepass.k_smoothing_mean`) when the caller has it already."""
     path = mx_kernel(recipe, q.device)
     if path == "scaled":
-        return ("scaled", prepass_packed(q, k, v, recipe, key_alive))
+        return ("scaled", prepass_packed(q, k, v, recipe, key_alive, mean))
     if path == "fp8":  # (…, Sk, whether K̂'s rows are in tile key order: where the loop uses TMA)
         tiled = tma_loop(q.device)
-        return ("fp8", (*prepass_fp8(q, k, v, recipe, key_alive, k_tile_order=tiled), k.shape[-2], tiled))
+        tensors, v_span = prepass_fp8_window(q, k, v, recipe, key_alive, k_tile_order=tiled, mean=mean)
+        # V wider than the e4m3 window: the exact bf16 loop instead (the check reads one number back
+        # from the GPU, which cannot happen while a CUDA graph is captured: there it is skipped)
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing or int(v_span.max()) <= E4M3_V_SPAN_LIMIT:
+            return ("fp8", (*tensors, k.shape[-2], tiled))
+        return ("work", prepass(q, k, v, recipe, key_alive, work_dtype(q), mean))
     if recipe.pv_format is Format.NVFP4:  # the NVFP4 loops read K̂, V̂ in tile key order, whole tiles
-        return ("nvfp4", (*prepass_tiles(q, k, v, recipe, key_alive, work_dtype(q)), k.shape[-2]))
+        return ("nvfp4", (*prepass_tiles(q, k, v, recipe, key_alive, work_dtype(q), mean), k.shape[-2]))
     if recipe.quantized:
-        return ("work", prepass(q, k, v, recipe, key_alive, work_dtype(q)))
+        return ("work", prepass(q, k, v, recipe, key_alive, work_dtype(q), mean))
+    if not q.is_cuda and q.dtype != torch.float32:  # the CPU interpreter's 16-bit dots are wrong: fp32 (exact)
+        return ("work", (q.float(), k.float(), v.float()))
     return ("work", (q, k, v))  # the inputs as they are: no copy, any strides
 
 
@@ -543,9 +563,14 @@ def key_padding(mask, b: int, sk: int):
 
 def attention_with_key_alive(q, k, v, *, recipe: AttentionRecipe, key_alive, scale: float, **launch):
     """:func:`attention` with the key-padding mask as ``key_alive`` (B, Sk) bool or None."""
-    prepared = prepare(q, k, v, recipe, key_alive)
-    return attention_prepared(prepared, key_alive, recipe=recipe, scale=scale, out_dtype=q.dtype,
-                              dv=v.shape[-1], **launch)
+    bad = nonfinite_heads(q, k, v, key_alive)  # the NaN/Inf policy: those heads' outputs become NaN
+    mean = k_smoothing_mean(k, key_alive) if recipe.smooth_k else None
+    prepared = prepare(q, k, v, recipe, key_alive, mean)
+    out, lse = attention_prepared(prepared, key_alive, recipe=recipe, scale=scale, out_dtype=q.dtype,
+                                  dv=v.shape[-1], **launch)
+    if mean is not None:  # the loops' LSE is of the smoothed logits: back to the unsmoothed ones
+        lse = lse + smoothing_lse_shift(q, mean, scale)
+    return poison_heads(out, lse, bad)
 
 
 def work_dtype(q: torch.Tensor) -> torch.dtype:

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from fp4video.recipe import AttentionRecipe, PScale, RowSum
-from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
+from fp4video.reference import KEY_TILE, TWO_LEVEL_P_FLOOR, TWO_LEVEL_P_RANGE
 
 from .attention_fwd import LOG2E, _key_mask, _tile_logits, program_rows, store_out_lse
 from .fp4_math import (const_div_rn, div_const_rn, e2m1_times_scale, nvfp4_block_scale, recip_rn_few_bits,
@@ -39,6 +39,7 @@ from .launch import fitting_stages
 
 #: rn(1 / (448·6)) in fp32, for div_const_rn
 RCP_P_RANGE = tl.constexpr(float(torch.tensor(1.0 / TWO_LEVEL_P_RANGE, dtype=torch.float32)))
+P_FLOOR = tl.constexpr(TWO_LEVEL_P_FLOOR)
 
 #: BLOCK_M, warps, stages (scripts/kernel_breakdown.py --method sage3 sweeps them)
 LAUNCH = (128, 8, 3)  # H200, S=32,760: 88.98 ms with 1 stage, 74.48 with 2, 65.95 with 3 (sage3)
@@ -124,11 +125,13 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
     p = tl.exp2(tl.fma(s6, scale_log2, -_rows6(m_safe)))
     if TWO_LEVEL:  # P̃ · (448·6 / rowmax P̃) is quantized; P̂ = that · (rowmax / (448·6))
         rmax = tl.exp2(tl.fma(tile_max, scale_log2, -m_safe))  # the largest amax (monotonic): no reduction
-        # a tile whose largest P̃ is below 2^-126 (subnormal: no fast reciprocal) counts as empty:
-        # its P̂ would be < 1e-38 of the row's weights, below what fp32 accumulation keeps
-        live = rmax >= 1.1754943508222875e-38
-        inv_s1 = tl.where(live, const_div_rn(P_RANGE, tl.where(live, rmax, 1.0), FAST_RCP), 0.0)
-        r_new = tl.where(live, div_const_rn(rmax, P_RANGE, RCP_P_RANGE), r_i)
+        # the reference's floor (TWO_LEVEL_P_FLOOR): the pre-scale and the accumulator's units stay
+        # finite however far below the running maximum the tile lies; a tile with no live key
+        # (rmax = 0: its P̂ is 0 whatever the factor) keeps the accumulator's units
+        live = rmax > 0
+        r_floor = tl.maximum(rmax, P_FLOOR)
+        inv_s1 = const_div_rn(P_RANGE, r_floor, FAST_RCP)
+        r_new = tl.where(live, div_const_rn(r_floor, P_RANGE, RCP_P_RANGE), r_i)
         amax = amax * _rows3(inv_s1)  # the block maxima of the scaled P̃ (a monotonic rounding)
         # r_i / r_new without a division: 1 / r_new = rmax⁻¹·P_RANGE ≈ inv_s1 (within 2 ulp; the
         # accumulator's rescaling is not part of the reference's rounding); a dead tile keeps r

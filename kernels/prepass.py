@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4video.formats import Format, ScaleRule
+from fp4video.formats import Format, ScaleRule, nvfp4_tensor_scale
 from fp4video.recipe import AttentionRecipe
 from fp4video.reference import KEY_TILE, qk_padded_dim, smoothing_mean
 from fp4video.rotation import hadamard_matrix
@@ -26,7 +26,7 @@ from .launch import fitting_stages
 
 FMT_CODE = {None: 0, Format.MXFP4: 1, Format.NVFP4: 2}
 #: output modes of the pre-pass kernels (0: the work dtype)
-FP8_ROW, FP8_AMAX, FP8_HEAD, E2M1_PACKED, FP8_TILE, TILE_ROWS, FP8_TILE_ORDERED = 1, 2, 3, 4, 5, 6, 7
+FP8_ROW, FP8_AMAX, FP8_HEAD, E2M1_PACKED, FP8_TILE, TILE_ROWS, FP8_TILE_ORDERED, HEAD_AMAX = 1, 2, 3, 4, 5, 6, 7, 8
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def _prepass_rows(
     ROT_PARTS: tl.constexpr,
     FMT: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
     D: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, TSCALE: tl.constexpr = False,
 ):
     """Q or K: rows of D channels, quantized along D, in blocks of BLOCK_S rows (``n_blocks`` per
     head, ``n_heads`` = B·H heads). Each program reads the Hadamard matrix once, then takes
@@ -61,7 +61,10 @@ def _prepass_rows(
 
     OUT: 0 writes the values in Out's dtype; FP8_ROW writes e4m3 values shifted per row (factor
     2^-c per row into Fac[b, h, row]); FP8_TILE shifted per block of BLOCK_S rows (one key tile
-    of the attention loop; factor into Fac[b, h, tile]); E2M1_PACKED packed codes and scales.
+    of the attention loop; factor into Fac[b, h, tile]); E2M1_PACKED packed codes and scales;
+    HEAD_AMAX no values, the largest |x| (as quantized: smoothed, rotated) of each head into
+    Fac[b·H + h] (fp32, atomic). TSCALE (NVFP4, OUT 0 or TILE_ROWS): Fac holds each head's tensor
+    scale g and 1/g (powers of two, Fac[2·(b·H + h)] and the next): blocks are quantized on x / g.
     """
     cols = tl.arange(0, D)
     hm = Hm
@@ -72,13 +75,15 @@ def _prepass_rows(
             bh = item // n_blocks
             _rows_block(X, Alive, Mean, hm, Out, Fac, bh // H, bh % H, bh, item % n_blocks,
                         S, D_IN, h_norm, sxb, sxh, sxs, sxd, sab, sas, smb, smh, sob, soh, sos,
-                        HAS_ALIVE, SMOOTH, ROTATE, ROT_PRECISION, ROT_PARTS, FMT, QB, OCP, QMAX, D, BLOCK_S, OUT)
+                        HAS_ALIVE, SMOOTH, ROTATE, ROT_PRECISION, ROT_PARTS, FMT, QB, OCP, QMAX, D, BLOCK_S, OUT,
+                        TSCALE)
     else:
         bh = tl.program_id(1)
         for i in range(BLOCKS_PER_PROGRAM):
             _rows_block(X, Alive, Mean, hm, Out, Fac, bh // H, bh % H, bh, tl.program_id(0) * BLOCKS_PER_PROGRAM + i,
                         S, D_IN, h_norm, sxb, sxh, sxs, sxd, sab, sas, smb, smh, sob, soh, sos,
-                        HAS_ALIVE, SMOOTH, ROTATE, ROT_PRECISION, ROT_PARTS, FMT, QB, OCP, QMAX, D, BLOCK_S, OUT)
+                        HAS_ALIVE, SMOOTH, ROTATE, ROT_PRECISION, ROT_PARTS, FMT, QB, OCP, QMAX, D, BLOCK_S, OUT,
+                        TSCALE)
 
 
 @triton.jit
@@ -86,7 +91,8 @@ def _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, blk,
                 S, D_IN, h_norm, sxb, sxh, sxs, sxd, sab, sas, smb, smh, sob, soh, sos,
                 HAS_ALIVE: tl.constexpr, SMOOTH: tl.constexpr, ROTATE: tl.constexpr, ROT_PRECISION: tl.constexpr,
                 ROT_PARTS: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr,
-                QMAX: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr):
+                QMAX: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr,
+                TSCALE: tl.constexpr = False):
     """Block ``blk`` of BLOCK_S rows of :func:`_prepass_rows`."""
     rows = blk * BLOCK_S + tl.arange(0, BLOCK_S)
     cols = tl.arange(0, D)
@@ -148,6 +154,8 @@ def _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, blk,
             tl.store(Fac + bh * S + rows, pow2(-c), mask=rows < S)
         else:
             tl.store(Fac + bh * tl.cdiv(S, BLOCK_S) + blk, pow2(-c), mask=blk * BLOCK_S < S)
+    elif OUT == 8:  # HEAD_AMAX
+        tl.atomic_max(Fac + bh, tl.max(tl.max(tl.abs(x * norm), axis=1), axis=0))
     elif OUT == 4:  # E2M1_PACKED: codes along D into Out, E8M0 scales into Fac (B, H, S, D // QB)
         codes, scales = mx_pack_rows(x * norm, BLOCK_S, D, QB, OCP, QMAX)
         half = tl.arange(0, D // 2)
@@ -156,7 +164,9 @@ def _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, blk,
         tl.store(Fac + (bh * S + rows)[:, None] * (D // QB) + nb[None, :], scales, mask=(rows < S)[:, None])
     else:
         x = x * norm
-        if FMT != 0:
+        if FMT != 0 and TSCALE:  # (x / g exact: g is a power of two)
+            x = fake_quant_rows(x * tl.load(Fac + 2 * bh + 1), BLOCK_S, D, FMT, QB, OCP, QMAX, True) * tl.load(Fac + 2 * bh)
+        elif FMT != 0:
             x = fake_quant_rows(x, BLOCK_S, D, FMT, QB, OCP, QMAX, True)
         if OUT == 0:
             tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=(rows < S)[:, None])
@@ -176,7 +186,7 @@ def _prepass_v(
     HAS_ALIVE: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
     DV_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr,
     F16X2: tl.constexpr = False, MMA_T: tl.constexpr = False, IEEE: tl.constexpr = False,
-    TILES: tl.constexpr = 1,
+    TILES: tl.constexpr = 1, TSCALE: tl.constexpr = False,
 ):
     """V: quantized along tokens (blocks of QB consecutive keys per channel); each program takes
     BLOCK_S tokens of BLOCK_DV of the DV_PAD channels (grid axis 2) — the tensor-core transposed
@@ -208,12 +218,18 @@ def _prepass_v(
             _v_e4m3_mma_transposed(x, pi, c, Out, Fac, b, h, bh, tile, cols, S, sob, soh, sod,
                                    DV_PAD, BLOCK_DV, BLOCK_S, QB, OCP, QMAX, IEEE)
     elif OUT == 2:  # FP8_AMAX: a plain read of TILES tiles, no quantization; one atomic per channel
+        # for the channel maxima, and one for the smallest nonzero block maximum (Fac: the e4m3
+        # window check of prepass_fp8_window)
         amax = tl.zeros((BLOCK_DV,), tl.float32)
+        bmin = tl.full((BLOCK_DV,), float("inf"), tl.float32)
         for i in tl.range(TILES):
             x = _v_tile(V, Alive, b, h, pid * TILES + i, cols, S, DV, svb, svh, svs, svd, sab, sas, HAS_ALIVE,
                         BLOCK_S)
-            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
+            blk = tl.max(tl.reshape(tl.abs(x.to(tl.float32)), (BLOCK_S // QB, QB, BLOCK_DV)), axis=1)
+            amax = tl.maximum(amax, tl.max(blk, axis=0))
+            bmin = tl.minimum(bmin, tl.min(tl.where(blk > 0, blk, float("inf")), axis=0))
         tl.atomic_max(Amax + bh * DV_PAD + cols, amax.to(tl.int32, bitcast=True))
+        tl.atomic_min(Fac + bh * DV_PAD + cols, bmin.to(tl.int32, bitcast=True))
     else:
         x = _v_tile(V, Alive, b, h, pid, cols, S, DV, svb, svh, svs, svd, sab, sas, HAS_ALIVE, BLOCK_S)
         rows = pid * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -229,7 +245,10 @@ def _prepass_v(
             _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD, BLOCK_S, QB,
                        _v_e4m3_f16x2(x, c, OCP, QMAX, BLOCK_S, BLOCK_DV, QB), c)
         else:
-            if FMT != 0:
+            if FMT != 0 and TSCALE:  # NVFP4 with the head's tensor scale g, 1/g in Fac (as in _prepass_rows)
+                x = tl.trans(fake_quant_rows(tl.trans(x * tl.load(Fac + 2 * bh + 1)), BLOCK_DV, BLOCK_S, FMT, QB, OCP,
+                                             QMAX, True)) * tl.load(Fac + 2 * bh)
+            elif FMT != 0:
                 x = tl.trans(fake_quant_rows(tl.trans(x), BLOCK_DV, BLOCK_S, FMT, QB, OCP, QMAX, True))
             out_ptrs = Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :] * sod
             out_ok = (rows < S)[:, None] & (cols[None, :] < DV)
@@ -344,15 +363,15 @@ def next_pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << (n - 1).bit_length())
 
 
-def prepass(q, k, v, recipe: AttentionRecipe, key_alive, work_dtype):
+def prepass(q, k, v, recipe: AttentionRecipe, key_alive, work_dtype, mean=None):
     """(q̂, k̂, v̂) for the attention kernel, in ``work_dtype``. ``key_alive``: (B, Sk) bool or None."""
-    return _PrePass(q, k, v, recipe, key_alive).run(work_dtype)
+    return _PrePass(q, k, v, recipe, key_alive, mean).run(work_dtype)
 
 
-def prepass_tiles(q, k, v, recipe: AttentionRecipe, key_alive, work_dtype):
+def prepass_tiles(q, k, v, recipe: AttentionRecipe, key_alive, work_dtype, mean=None):
     """:func:`prepass` with K̂ and V̂ in tile key order, padded with zero rows to whole key tiles
     of 128 (B, H, Sk_pad, ·): the NVFP4 loops' input (:mod:`.attention_nvfp4`)."""
-    return _PrePass(q, k, v, recipe, key_alive).run_tiles(work_dtype)
+    return _PrePass(q, k, v, recipe, key_alive, mean).run_tiles(work_dtype)
 
 
 def tile_key_order(n: int, tile: int = KEY_TILE) -> torch.Tensor:
@@ -365,7 +384,7 @@ def tile_key_order(n: int, tile: int = KEY_TILE) -> torch.Tensor:
     return r - p + 32 * ((p // 2) % 4) + 2 * (p // 8) + p % 2
 
 
-def prepass_packed(q, k, v, recipe: AttentionRecipe, key_alive):
+def prepass_packed(q, k, v, recipe: AttentionRecipe, key_alive, mean=None):
     """MXFP4 Q̂, K̂, V̂ as packed E2M1 codes (two per byte, the first in the low nibble) and E8M0
     scales (uint8, exponent + 127), the storage ``tl.dot_scaled`` and Blackwell's FP4 MMAs take.
 
@@ -373,10 +392,10 @@ def prepass_packed(q, k, v, recipe: AttentionRecipe, key_alive):
     Sk_pad/2), v_scale (B, H, Dv_pad, Sk_pad/32))``; V is transposed (blocks run along tokens) and
     padded with zero codes to a multiple of 128 tokens. Requires an MXFP4 recipe.
     """
-    return _PrePass(q, k, v, recipe, key_alive).run_packed()
+    return _PrePass(q, k, v, recipe, key_alive, mean).run_packed()
 
 
-def prepass_fp8(q, k, v, recipe: AttentionRecipe, key_alive, k_tile_order: bool = False):
+def prepass_fp8(q, k, v, recipe: AttentionRecipe, key_alive, k_tile_order: bool = False, mean=None):
     """MXFP4 Q̂, K̂, V̂ as e4m3 for fp8 tensor cores, with power-of-two factors.
 
     Returns ``(q8, q_fac (B, H, Sq), k8, k_fac (B, H, Sk / 128 rounded up), v8t, v_fac (B, H,
@@ -390,7 +409,23 @@ def prepass_fp8(q, k, v, recipe: AttentionRecipe, key_alive, k_tile_order: bool 
     row's / key tile's / channel's largest value exponent (see :func:`.fp4_math.fp8_shift`); blocks
     further below lose low bits (e4m3 subnormals) or flush to zero.
     """
-    return _PrePass(q, k, v, recipe, key_alive).run_fp8(k_tile_order)
+    return _PrePass(q, k, v, recipe, key_alive, mean).run_fp8(k_tile_order)
+
+
+#: V channels whose block maxima span more than this many binades lose bits in the e4m3 loop:
+#: its per-channel e4m3 window holds 16 binades of V̂, and P̂'s 2^12 window meets V's range too
+#: (a P block 2^-13 of the tile's top that rounds coarsely, times a V 2^13 above the rest). With
+#: 10, the loop equals the reference to worst-row cosine 0.9999 on sharp inputs with V outlier
+#: tokens (interpreter, tests/test_robustness.py); wider heads take the exact bf16 loop.
+E4M3_V_SPAN_LIMIT = 10
+
+
+def prepass_fp8_window(q, k, v, recipe: AttentionRecipe, key_alive, k_tile_order: bool = False, mean=None):
+    """:func:`prepass_fp8` and, beside its outputs, the widest span of V's channels in binades (an int
+    tensor on the device, (B, H, Dv_padded): largest over smallest nonzero block maximum), which
+    says whether the e4m3 loop is exact here (:data:`E4M3_V_SPAN_LIMIT`)."""
+    p = _PrePass(q, k, v, recipe, key_alive, mean)
+    return p.run_fp8(k_tile_order), p.v_span
 
 
 def v8t_key_order(n: int, qb: int = 32, tile: int = KEY_TILE) -> torch.Tensor:
@@ -449,6 +484,76 @@ def _sign_hadamard(dp: int, d: int, device: torch.device, dtype: torch.dtype) ->
     return hm
 
 
+def k_smoothing_mean(k: torch.Tensor, key_alive) -> torch.Tensor:
+    """K's smoothing mean (B, H, D) fp32 over the live keys (``key_alive``: (B, Sk) bool or None):
+    :func:`fp4video.reference.smoothing_mean` of K with its dead keys zeroed."""
+    kf = k.float()
+    if key_alive is not None:
+        kf = torch.where(key_alive[:, None, :, None], kf, 0.0)
+    return smoothing_mean(kf, key_alive[:, None, :] if key_alive is not None else None)[..., 0, :].contiguous()
+
+
+@triton.jit
+def _row_dot(X, Mean, Out, H, S, D_IN, sxb, sxh, sxs, sxd, smb, smh, scale,
+             D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Out[b, h, s] = scale · Σ_d X[b, h, s, d] · Mean[b, h, d] in fp32 (one read of X)."""
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, D)
+    x = tl.load(X + b * sxb + h * sxh + rows[:, None] * sxs + cols[None, :] * sxd,
+                mask=(rows < S)[:, None] & (cols < D_IN)[None, :], other=0.0).to(tl.float32)
+    mean = tl.load(Mean + b * smb + h * smh + cols, mask=cols < D_IN, other=0.0)
+    tl.store(Out + bh * S + rows, tl.sum(x * mean[None, :], axis=1) * scale, mask=rows < S)
+
+
+@triton.jit
+def _nonfinite_heads(X, Alive, Flag, H, S, D_IN, sxb, sxh, sxs, sxd, sab, sas,
+                     HAS_ALIVE: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Flag[b·H + h] = 1 where X[b, h] holds a NaN or ±Inf in a row that is live (HAS_ALIVE: at a
+    key with Alive[b, s] != 0); other flags are left as they are."""
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, D)
+    ok = rows < S
+    if HAS_ALIVE:
+        ok = ok & (tl.load(Alive + b * sab + rows * sas, mask=rows < S, other=0) != 0)
+    x = tl.load(X + b * sxb + h * sxh + rows[:, None] * sxs + cols[None, :] * sxd,
+                mask=ok[:, None] & (cols < D_IN)[None, :], other=0.0).to(tl.float32)
+    bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32))
+    if bad > 0:
+        tl.atomic_max(Flag + bh, 1)
+
+
+def nonfinite_heads(q, k, v, key_alive) -> torch.Tensor:
+    """:func:`fp4video.reference.nonfinite_heads` in one read of each tensor: (B, H) bool for
+    (B, H, S, D) views (any strides); ``key_alive``: (B, Sk) bool or None."""
+    b, h = q.shape[:2]
+    flag = torch.zeros(b * h, device=q.device, dtype=torch.int32)
+    alive = key_alive.to(torch.int8).contiguous() if key_alive is not None else \
+        torch.empty(1, 1, dtype=torch.int8, device=q.device)
+    block_s = 64
+    for x, masked in ((q, False), (k, True), (v, True)):
+        s, d = x.shape[-2:]
+        _nonfinite_heads[(triton.cdiv(s, block_s), b * h)](
+            x, alive, flag, h, s, d, *x.stride(), alive.stride(0), alive.stride(1),
+            HAS_ALIVE=masked and key_alive is not None, D=next_pow2(d), BLOCK_S=block_s, num_warps=4)
+    return flag.view(b, h) != 0
+
+
+def smoothing_lse_shift(q: torch.Tensor, mean: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`fp4video.reference.smoothing_lse_shift` on the GPU without an fp32 copy of Q:
+    ``scale · q·mean`` (B, H, Sq) fp32 for ``q`` (B, H, Sq, D) (any strides) and ``mean`` (B, H, D)."""
+    b, h, sq, d = q.shape
+    out = torch.empty(b, h, sq, device=q.device, dtype=torch.float32)
+    block_s = 64
+    _row_dot[(triton.cdiv(sq, block_s), b * h)](
+        q, mean, out, h, sq, d, *q.stride(), mean.stride(0), mean.stride(1), float(scale),
+        D=next_pow2(d), BLOCK_S=block_s, num_warps=4)
+    return out
+
+
 class _PrePass:
     """Launches of the row (Q, K) and V pre-pass kernels for one attention call."""
 
@@ -484,7 +589,7 @@ class _PrePass:
     V_TILES_MMA = 4
     V_STAGES = 3  # software-pipelining stages of its loop over the tiles (2: 0.171 ms)
 
-    def __init__(self, q, k, v, recipe, key_alive):
+    def __init__(self, q, k, v, recipe, key_alive, mean=None):
         self.q, self.k, self.v, self.recipe = q, k, v, recipe
         self.b, self.h, self.sq, self.d_in = q.shape
         self.sk, self.dv = k.shape[-2], v.shape[-1]
@@ -501,11 +606,8 @@ class _PrePass:
         else:
             self.hm = self.hm32 = torch.empty(1, device=dev)
         self.mean = self.none
-        if recipe.smooth_k:
-            kf = k.float()
-            if key_alive is not None:
-                kf = torch.where(key_alive[:, None, :, None], kf, 0.0)
-            self.mean = smoothing_mean(kf, key_alive[:, None, :] if key_alive is not None else None)[..., 0, :].contiguous()
+        if recipe.smooth_k:  # (given by a caller that also needs it: the LSE's shift)
+            self.mean = k_smoothing_mean(k, key_alive) if mean is None else mean
 
     @staticmethod
     def rotation_parts(x, smooth: bool) -> int:
@@ -515,8 +617,11 @@ class _PrePass:
             return 3
         return {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 3)
 
-    def rows(self, x, s, is_k, out_mode, out, fac=None):
+    def rows(self, x, s, is_k, out_mode, out, fac=None, tscale=None):
+        """``tscale``: the heads' NVFP4 tensor scales (:meth:`tensor_scales`), for OUT 0 / TILE_ROWS."""
         rule, fmt = self.recipe.scale_rule, self.recipe.qk_format
+        if tscale is not None:
+            fac = tscale
         mean = self.mean if is_k else self.none
         # FP8_TILE: one program per key tile of the attention loop (as many rows per thread as
         # BLOCK_S rows with 4 warps)
@@ -546,12 +651,14 @@ class _PrePass:
             ROT_PARTS=self.rotation_parts(x, smooth=mean.dim() == 3),
             FMT=FMT_CODE[fmt], QB=fmt.block if fmt else 32, OCP=rule is ScaleRule.OCP, QMAX=rule.qmax,
             D=self.d, BLOCK_S=block_s, OUT=out_mode, BLOCKS_PER_PROGRAM=per_program, PERSISTENT=bool(per_sm),
-            num_warps=warps,
+            TSCALE=tscale is not None, num_warps=warps,
             num_stages=fitting_stages(self.dev, stages, ROW_SHARED_MEMORY),  # (1 on ~100 KB GPUs)
         )
 
-    def values(self, out_mode, out, amax=None, fac=None):
+    def values(self, out_mode, out, amax=None, fac=None, tscale=None):
         rule, fmt, dv = self.recipe.scale_rule, self.recipe.pv_format, self.v.shape[-1]
+        if tscale is not None:
+            fac = tscale
         transposed = out_mode in (FP8_AMAX, FP8_HEAD, E2M1_PACKED)  # (B, H, Dv, S_pad) outputs
         block_s = self.BLOCK_S_V if out_mode else self.BLOCK_S  # whole key tiles unless OUT = 0
         dv_pad = out.shape[-2] if transposed else next_pow2(dv)
@@ -575,16 +682,44 @@ class _PrePass:
             # (exact for V's own precision only: bf16 or fp16, at most 11 significant bits)
             F16X2=out_mode == FP8_HEAD and gpu and self.V_F16X2 and self.v.dtype in (torch.bfloat16, torch.float16),
             MMA_T=mma_t, IEEE=not gpu, TILES=tiles, num_stages=fitting_stages(self.dev, self.V_STAGES, V_SHARED_MEMORY),
+            TSCALE=tscale is not None,
         )
+
+    def tensor_scales(self):
+        """The NVFP4 tensor scales (:func:`fp4video.formats.nvfp4_tensor_scale`) of Q, K and V, one
+        per head as (B·H, 2) fp32 rows (g, 1/g), each None where the tensor is not NVFP4 or the
+        recipe has no tensor scale. Q's and K's maxima are those of the rows as quantized (smoothed,
+        rotated: one extra read of each, HEAD_AMAX); V's of its live keys."""
+        r = self.recipe
+        if not r.tensor_scale:
+            return None, None, None
+
+        def pair(amax):
+            g = nvfp4_tensor_scale(amax.float().reshape(-1))
+            return torch.stack([g, 1.0 / g], dim=-1).contiguous()
+
+        ts_q = ts_k = ts_v = None
+        if r.qk_format is Format.NVFP4:
+            dummy = torch.empty(1, 1, 1, device=self.dev)
+            amax_q = torch.zeros(self.b * self.h, device=self.dev)
+            amax_k = torch.zeros(self.b * self.h, device=self.dev)
+            self.rows(self.q, self.sq, False, HEAD_AMAX, dummy, fac=amax_q)
+            self.rows(self.k, self.sk, True, HEAD_AMAX, dummy, fac=amax_k)
+            ts_q, ts_k = pair(amax_q), pair(amax_k)
+        if r.pv_format is Format.NVFP4:
+            v = self.v if self.key_alive is None else torch.where(self.key_alive[:, None, :, None], self.v, 0)
+            ts_v = pair(torch.linalg.vector_norm(v, ord=float("inf"), dim=(-2, -1)))
+        return ts_q, ts_k, ts_v
 
     def run(self, work_dtype):
         b, h, dev = self.b, self.h, self.dev
         q_hat = torch.empty(b, h, self.sq, self.d, device=dev, dtype=work_dtype)
         k_hat = torch.empty(b, h, self.sk, self.d, device=dev, dtype=work_dtype)
         v_hat = torch.empty(b, h, self.sk, self.dv, device=dev, dtype=work_dtype)
-        self.rows(self.q, self.sq, False, 0, q_hat)
-        self.rows(self.k, self.sk, True, 0, k_hat)
-        self.values(0, v_hat)
+        ts_q, ts_k, ts_v = self.tensor_scales()
+        self.rows(self.q, self.sq, False, 0, q_hat, tscale=ts_q)
+        self.rows(self.k, self.sk, True, 0, k_hat, tscale=ts_k)
+        self.values(0, v_hat, tscale=ts_v)
         return q_hat, k_hat, v_hat
 
     def run_tiles(self, work_dtype):
@@ -595,9 +730,10 @@ class _PrePass:
         q_hat = torch.empty(b, h, self.sq, self.d, device=dev, dtype=work_dtype)
         k_hat = torch.empty(b, h, sk_pad, self.d, device=dev, dtype=work_dtype)
         v_hat = torch.empty(b, h, sk_pad, self.dv, device=dev, dtype=work_dtype)
-        self.rows(self.q, self.sq, False, 0, q_hat)
-        self.rows(self.k, self.sk, True, TILE_ROWS, k_hat)
-        self.values(TILE_ROWS, v_hat)
+        ts_q, ts_k, ts_v = self.tensor_scales()
+        self.rows(self.q, self.sq, False, 0, q_hat, tscale=ts_q)
+        self.rows(self.k, self.sk, True, TILE_ROWS, k_hat, tscale=ts_k)
+        self.values(TILE_ROWS, v_hat, tscale=ts_v)
         return q_hat, k_hat, v_hat
 
     def run_packed(self):
@@ -629,8 +765,12 @@ class _PrePass:
         k_fac = torch.empty(b, h, triton.cdiv(self.sk, KEY_TILE), device=dev)
         v_fac = torch.empty(b, h, dvp, device=dev)
         v_amax = torch.zeros(b, h, dvp, device=dev, dtype=torch.int32)
+        v_bmin = torch.full((b, h, dvp), 0x7F800000, device=dev, dtype=torch.int32)  # +inf's bits
         self.rows(self.q, self.sq, False, FP8_ROW, q8, fac=q_fac)
         self.rows(self.k, self.sk, True, FP8_TILE_ORDERED if k_tile_order else FP8_TILE, k8, fac=k_fac)
-        self.values(FP8_AMAX, v8, amax=v_amax)
+        self.values(FP8_AMAX, v8, amax=v_amax, fac=v_bmin)
         self.values(FP8_HEAD, v8, amax=v_amax, fac=v_fac)
+        # binades between each channel's largest and smallest nonzero block maximum (the bits of
+        # non-negative floats order as integers; channels without a nonzero block: 0)
+        self.v_span = torch.where(v_bmin < 0x7F800000, (v_amax >> 23) - (v_bmin >> 23), 0)
         return q8, q_fac, k8, k_fac, v8, v_fac

@@ -420,3 +420,40 @@ def test_attention_backends_through_diffusers_dispatcher():
     assert torch.equal(via_backend, installed) and not torch.equal(via_backend, stock)
     assert torch.equal(again, stock)
     assert (fp16 - stock).abs().max() < 1e-5
+
+
+def test_set_attn_processor_with_block_or_step_rules_refuses_instead_of_ignoring_them():
+    """The design card's one-liner with a policy that needs install(): an error that says what to
+    call, at the first attention call, instead of the default method everywhere."""
+    pipe = tiny_wan_pipeline(two_experts=False, seed=5)
+    for rule in ({"method": "fp16", "blocks": [0]}, {"method": "fp16", "steps": {"last": 1}},
+                 {"method": "fp16", "experts": ["low_noise"]}):
+        pipe.transformer.set_attn_processor(FP4Processor(policy=Policy(method="mxattn", rules=[rule])))
+        with pytest.raises(RuntimeError, match=r"fp4video\.install\(pipe, policy\)"):
+            run(pipe, steps=1)
+    # kind rules need nothing install() provides: they route from the module itself
+    pipe.transformer.set_attn_processor(FP4Processor(policy=Policy(
+        method="mxattn", rules=[{"method": "sage3", "kinds": ["cross"]}])))
+    run(pipe, steps=1)
+    proc = pipe.transformer.blocks[0].attn1.processor
+    assert {(c["kind"], c["method"]) for c in proc.context.calls} == {("self", "mxattn"), ("cross", "sage3")}
+
+
+def test_policy_that_does_not_fit_the_model_is_refused_or_warned(pipe):
+    with pytest.raises(ValueError, match="negative"):
+        Policy.model_validate({"method": "mxattn", "rules": [{"method": "fp16", "blocks": [-1]}]})
+    n_blocks = len(pipe.transformer.blocks)
+    bad = Policy.model_validate({"method": "mxattn", "rules": [{"method": "fp16", "blocks": [0, n_blocks]}]})
+    with pytest.raises(ValueError, match=rf"rules\[0\].*block\(s\) \[{n_blocks}\]"):
+        install(pipe, bad)
+    assert not any(hasattr(m, "_fp4video_block") for m in pipe.transformer.modules())  # left as it was
+    assert getattr(pipe, "_fp4video_context", None) is None
+    every = Policy.model_validate({"method": "mxattn", "rules": [{"method": "fp16", "steps": {"last": 50}}]})
+    install(pipe, every)
+    try:
+        with pytest.warns(UserWarning, match=r"rules\[0\].*covers every one of the 2 denoising steps"):
+            run(pipe, steps=2)
+    finally:
+        uninstall(pipe)
+    assert Policy.model_validate({"rules": [{"method": "fp16", "steps": {"range": [50, 60]}}]}).step_warnings(40) \
+        == ["rules[0] {method: fp16, steps: {'range': (50, 60)}} covers none of the 40 denoising steps"]

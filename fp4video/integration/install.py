@@ -4,6 +4,7 @@ keep the denoising step current for the policy; ``uninstall`` restores the stock
 from __future__ import annotations
 
 import re
+import warnings
 
 import torch
 
@@ -69,6 +70,13 @@ def install(pipe, policy: Policy | str | None = None, *, backend: str = "auto", 
         sites = annotate(model)
         if not sites:
             raise ValueError(f"{type(model).__name__} has no Wan or HunyuanVideo attention modules fp4video knows")
+        try:
+            policy.check_blocks(max(sites.values()) + 1, type(model).__name__)
+        except ValueError:
+            for module in model.modules():  # leave the model as it was
+                if hasattr(module, "_fp4video_block"):
+                    del module._fp4video_block
+            raise
         new = {}
         for name, proc in original.items():
             refiner = _HY_REFINER.search(name)
@@ -104,7 +112,9 @@ def uninstall(pipe) -> None:
 def _step_hook(pipe, ctx: AttentionContext, expert):
     """Before each transformer call: the denoising step is the position of the pipeline's current
     timestep in its scheduler's schedule (right under classifier-free guidance, which calls the
-    transformer twice per step, and with two experts)."""
+    transformer twice per step, and with two experts). Warns once per schedule length about step
+    rules that cover every step or none."""
+    warned = set()
 
     def hook(module, args):
         ctx.expert = expert
@@ -117,5 +127,9 @@ def _step_hook(pipe, ctx: AttentionContext, expert):
         hits = (timesteps == torch.as_tensor(t, device=timesteps.device).flatten()[0]).nonzero()
         ctx.step = int(hits[0]) // getattr(scheduler, "order", 1) if len(hits) else None
         ctx.num_steps = len(timesteps) // getattr(scheduler, "order", 1)
+        if ctx.num_steps not in warned:
+            warned.add(ctx.num_steps)
+            for msg in ctx.policy.step_warnings(ctx.num_steps):
+                warnings.warn(f"fp4video policy: {msg}", stacklevel=2)
 
     return hook

@@ -64,7 +64,7 @@ class StepRange(_Strict):
 
 class Rule(_Strict):
     method: str
-    blocks: list[int] | None = Field(None, description="transformer block indices")
+    blocks: list[int] | None = Field(None, description="transformer block indices (0-based)")
     steps: StepRange | None = None
     kinds: list[Literal["self", "cross", "image"]] | None = None
     experts: list[Literal["high_noise", "low_noise"]] | None = None
@@ -73,6 +73,23 @@ class Rule(_Strict):
     @classmethod
     def _known_method(cls, v):
         return _check_method(v)
+
+    @field_validator("blocks")
+    @classmethod
+    def _non_negative_blocks(cls, v):
+        if v is not None and any(b < 0 for b in v):
+            raise ValueError(f"block indices count from 0 (no negative indices), got {v}")
+        return v
+
+    def describe(self) -> str:
+        """The rule as one YAML-like line, for messages."""
+        parts = [f"method: {self.method}"]
+        for name in ("blocks", "kinds", "experts"):
+            if getattr(self, name) is not None:
+                parts.append(f"{name}: {getattr(self, name)}")
+        if self.steps is not None:
+            parts.append(f"steps: {self.steps.model_dump(exclude_none=True)}")
+        return "{" + ", ".join(parts) + "}"
 
     def matches(self, *, block: int, step: int | None, num_steps: int | None, kind: str, expert: str | None) -> bool:
         if self.blocks is not None and block not in self.blocks:
@@ -102,6 +119,34 @@ class Policy(_Strict):
     @classmethod
     def _known_method(cls, v):
         return _check_method(v)
+
+    @property
+    def needs_install(self) -> bool:
+        """Whether a rule names blocks, steps or experts: facts about a call that only
+        :func:`fp4video.install` provides (it annotates block indices, follows the pipeline's
+        denoising step and tells the Wan2.2 experts apart)."""
+        return any(r.blocks is not None or r.steps is not None or r.experts is not None for r in self.rules)
+
+    def check_blocks(self, n_blocks: int, model: str = "the model") -> None:
+        """Raise ``ValueError`` naming every rule whose block indices ``model`` does not have."""
+        bad = [f"rules[{i}] {r.describe()}: block(s) {[b for b in r.blocks if b >= n_blocks]}"
+               for i, r in enumerate(self.rules) if r.blocks is not None and any(b >= n_blocks for b in r.blocks)]
+        if bad:
+            raise ValueError(f"the policy names blocks {model} does not have (it has {n_blocks}, 0 to "
+                             f"{n_blocks - 1}): " + "; ".join(bad))
+
+    def step_warnings(self, num_steps: int) -> list[str]:
+        """Step rules that cover every one or none of ``num_steps`` denoising steps (almost
+        always a policy written for another schedule), one message each."""
+        out = []
+        for i, r in enumerate(self.rules):
+            if r.steps is None:
+                continue
+            n = sum(r.steps.contains(s, num_steps) for s in range(num_steps))
+            if n in (0, num_steps):
+                out.append(f"rules[{i}] {r.describe()} covers {'every one' if n else 'none'} of the "
+                           f"{num_steps} denoising steps")
+        return out
 
     def method_for(self, *, block: int, step: int | None, num_steps: int | None, kind: str,
                    expert: str | None) -> str:

@@ -71,7 +71,9 @@ class FP4Processor:
     ``FP4Processor(method="mxattn")`` applies one method everywhere;
     ``FP4Processor(policy=Policy(...))`` picks per block, step, kind and expert (block indices and
     steps are known once :func:`fp4video.install` has annotated the model). ``fp4video.install``
-    creates the processors itself; use this class directly with ``set_attn_processor``.
+    creates the processors itself; with ``set_attn_processor`` directly, a policy may have kind
+    rules only: one with block, step or expert rules raises at the first call, saying to use
+    ``fp4video.install``.
     """
 
     _attention_backend = None  # read by diffusers' own code paths
@@ -92,7 +94,16 @@ class FP4Processor:
         """q, k, v: (B, S, H, D). Returns (B, S, H, D) in q's dtype. ``replicated``: under context
         parallelism, the number of trailing tokens every rank holds in full (HunyuanVideo's text)."""
         ctx = self.context
-        block = getattr(attn, "_fp4video_block", -1)
+        block = getattr(attn, "_fp4video_block", None)
+        if block is None:
+            if ctx.policy.needs_install:
+                raise RuntimeError(
+                    "this FP4Processor's policy has block / step / expert rules, but the model was not "
+                    "set up by fp4video.install, so block indices, the denoising step and the Wan2.2 "
+                    "expert are unknown and the rules could not apply. Call fp4video.install(pipe, policy) "
+                    "instead of set_attn_processor (it covers both Wan2.2 experts); set_attn_processor("
+                    "FP4Processor(method=...)) is for one method everywhere")
+            block = -1
         method = ctx.method_for(block, kind)
         used = method
         if parallel_config is not None and replicated:
