@@ -526,19 +526,26 @@ def uses_fp8(recipe: AttentionRecipe, device: torch.device) -> bool:
     return mx_kernel(recipe, device) == "fp8"
 
 
-def prepare(q, k, v, recipe: AttentionRecipe, key_alive, mean=None):
+def _capturing(q) -> bool:
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def prepare(q, k, v, recipe: AttentionRecipe, key_alive, mean=None, bad=None):
     """The pre-pass for this recipe and device: a tuple the attention loop takes. ``mean``: K's
-    smoothing mean (:func:`.prepass.k_smoothing_mean`) when the caller has it already."""
+    smoothing mean (:func:`.prepass.k_smoothing_mean`) when the caller has it already; ``bad``:
+    the heads holding a NaN/Inf (:func:`.prepass.nonfinite_heads`), if known."""
     path = mx_kernel(recipe, q.device)
     if path == "scaled":
         return ("scaled", prepass_packed(q, k, v, recipe, key_alive, mean))
     if path == "fp8":  # (…, Sk, whether K̂'s rows are in tile key order: where the loop uses TMA)
         tiled = tma_loop(q.device)
         tensors, v_span = prepass_fp8_window(q, k, v, recipe, key_alive, k_tile_order=tiled, mean=mean)
-        # V wider than the e4m3 window: the exact bf16 loop instead (the check reads one number back
-        # from the GPU, which cannot happen while a CUDA graph is captured: there it is skipped)
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        if capturing or int(v_span.max()) <= E4M3_V_SPAN_LIMIT:
+        # V wider than the e4m3 window: the exact bf16 loop instead (heads with a NaN/Inf, which
+        # become NaN anyway, do not count). The check reads one number back from the GPU, which
+        # cannot happen while a CUDA graph is captured: there it is skipped
+        if bad is not None:
+            v_span = v_span.masked_fill(bad[..., None], 0)
+        if _capturing(q) or int(v_span.max()) <= E4M3_V_SPAN_LIMIT:
             return ("fp8", (*tensors, k.shape[-2], tiled))
         return ("work", prepass(q, k, v, recipe, key_alive, work_dtype(q), mean))
     if recipe.pv_format is Format.NVFP4:  # the NVFP4 loops read K̂, V̂ in tile key order, whole tiles
@@ -565,12 +572,15 @@ def attention_with_key_alive(q, k, v, *, recipe: AttentionRecipe, key_alive, sca
     """:func:`attention` with the key-padding mask as ``key_alive`` (B, Sk) bool or None."""
     bad = nonfinite_heads(q, k, v, key_alive)  # the NaN/Inf policy: those heads' outputs become NaN
     mean = k_smoothing_mean(k, key_alive) if recipe.smooth_k else None
-    prepared = prepare(q, k, v, recipe, key_alive, mean)
+    prepared = prepare(q, k, v, recipe, key_alive, mean, bad)
     out, lse = attention_prepared(prepared, key_alive, recipe=recipe, scale=scale, out_dtype=q.dtype,
                                   dv=v.shape[-1], **launch)
     if mean is not None:  # the loops' LSE is of the smoothed logits: back to the unsmoothed ones
         lse = lse + smoothing_lse_shift(q, mean, scale)
-    return poison_heads(out, lse, bad)
+    # one number read back (the loop is queued by then): a pass over the output only where a head is bad
+    if _capturing(q) or bool(bad.any()):
+        poison_heads(out, lse, bad)
+    return out, lse
 
 
 def work_dtype(q: torch.Tensor) -> torch.dtype:

@@ -15,7 +15,7 @@ EXAMPLES = """examples:
   fp4video accuracy --json > acc.json     # one JSON object on stdout (tables suppressed)
 """
 
-N_STEPS = 9  # progress steps reported by harness.report.run_all
+N_STEPS = 10  # progress steps reported by harness.report.run_all
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

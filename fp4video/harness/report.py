@@ -12,7 +12,7 @@ import torch
 from ..attention import fp4_attention
 from ..metrics import compare
 from ..recipe import METHODS
-from . import source000, source001
+from . import robustness, source000, source001
 
 #: Data sets on which our own combinations are judged against the published methods.
 COMBINATION_DATA = ("source000 t=1", "source000 t=4", "outlier channels")
@@ -52,7 +52,10 @@ def run_all(seed: int = 0, progress=None) -> dict:
     step("fp4video methods")
     methods = method_table(seed)
     combos = combination_table(seed)
-    return {"seed": seed, "source000": s000, "source001": s001, "methods": methods, "combinations": combos}
+    step("robustness")
+    robust = robustness.robustness_table(list(METHODS), seed)
+    return {"seed": seed, "source000": s000, "source001": s001, "methods": methods, "combinations": combos,
+            "robustness": robust}
 
 
 def summary_json(r: dict) -> dict:
@@ -80,6 +83,7 @@ def summary_json(r: dict) -> dict:
         "source000": s000,
         "source001": detail,
         "combinations": r["combinations"],
+        "robustness": r["robustness"],
     }
 
 
@@ -194,6 +198,11 @@ def tables(r: dict) -> list[dict]:
                       ["method", *combos.keys()],
                       [(m, *[f"{100 * combos[d][m]['cossim']:.2f} / {combos[d][m]['rel_l1']:.3f}" for d in combos])
                        for m in COMBINATION_METHODS]))
+    rob = r["robustness"]
+    out.append(_table("Robustness — CosSim % / worst-row CosSim % against fp64 (fp4video.harness.robustness)",
+                      ["method", *rob.keys()],
+                      [(m, *[f"{100 * rob[d][m]['cossim']:.2f} / {100 * rob[d][m]['worst_row_cossim']:.1f}"
+                             for d in rob]) for m in METHODS]))
     return out
 
 

@@ -1,0 +1,122 @@
+"""Sharp inputs where FP4 attention breaks down, and a table of every method on them.
+
+Video DiTs have what Gaussian test inputs lack: a few Q/K channels 10–100× larger than the rest,
+attention sinks (a few keys every query attends to), sharp attention (large logits), and V tokens
+far larger than the rest. :func:`make_inputs` builds each of them, alone or together, so that the
+same inputs serve the accuracy table (``fp4video accuracy``), the property tests and the GPU
+tests. Each distribution is a :class:`Sharpness`; :data:`DISTRIBUTIONS` names the table's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Sharpness", "DISTRIBUTIONS", "make_inputs", "row_cosine", "row_relative_error", "robustness_table"]
+
+
+@dataclass(frozen=True)
+class Sharpness:
+    """How far an input departs from i.i.d. Gaussians (each 0 / 1 means off).
+
+    ``temperature``: Q multiplied by it (logits grow with it; 1 = unit-variance logits at
+    scale 1/sqrt(D)); ``outlier_channels`` Q/K channels multiplied by ``outlier_factor``;
+    ``sinks`` keys aligned with the mean query (``sink_strength`` × its direction), which every
+    query attends to; ``k_mean`` / ``v_mean``: the std of a per-channel mean added to K / V;
+    ``v_outlier_tokens`` V rows multiplied by ``v_outlier_factor``."""
+
+    temperature: float = 1.0
+    outlier_channels: int = 0
+    outlier_factor: float = 30.0
+    sinks: int = 0
+    sink_strength: float = 20.0
+    k_mean: float = 0.0
+    v_mean: float = 0.0
+    v_outlier_tokens: int = 0
+    v_outlier_factor: float = 1e3
+
+
+#: The distributions of the robustness table: name -> Sharpness.
+DISTRIBUTIONS = {
+    "gaussian": Sharpness(),
+    "sharp (t=4)": Sharpness(temperature=4.0),
+    "outlier channels": Sharpness(outlier_channels=4, outlier_factor=30.0),
+    "attention sinks": Sharpness(sinks=4, sink_strength=20.0),
+    "K and V means": Sharpness(k_mean=2.6, v_mean=1.0),
+    "V outlier tokens": Sharpness(v_outlier_tokens=4, v_outlier_factor=1e3),
+    "all of them": Sharpness(temperature=2.0, outlier_channels=4, sinks=4, k_mean=2.6, v_mean=1.0,
+                             v_outlier_tokens=4, v_outlier_factor=1e2),
+}
+
+
+def make_inputs(sharp: Sharpness, *, batch: int = 1, heads: int = 2, sq: int = 256, sk: int = 512,
+                head_dim: int = 64, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu"):
+    """(q, k, v) in (B, H, S, D) layout, drawn on the CPU in fp32 from ``seed`` (the same values on
+    every device), then cast."""
+    g = torch.Generator().manual_seed(seed)
+    d = head_dim
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    q, k, v = randn(batch, heads, sq, d), randn(batch, heads, sk, d), randn(batch, heads, sk, d)
+    if sharp.outlier_channels:
+        ch = torch.randperm(d, generator=g)[: sharp.outlier_channels]
+        q[..., ch] *= sharp.outlier_factor
+        k[..., ch] *= sharp.outlier_factor
+    if sharp.sinks:
+        tok = torch.randperm(sk, generator=g)[: sharp.sinks]
+        direction = q.mean(dim=2, keepdim=True)
+        direction = direction / direction.norm(dim=-1, keepdim=True).clamp(min=1e-6)
+        k[:, :, tok] = k[:, :, tok] + sharp.sink_strength * direction
+    if sharp.k_mean:
+        k = k + sharp.k_mean * randn(batch, heads, 1, d)
+    if sharp.v_mean:
+        v = v + sharp.v_mean * randn(batch, heads, 1, d)
+    if sharp.v_outlier_tokens:
+        tok = torch.randperm(sk, generator=g)[: sharp.v_outlier_tokens]
+        v[:, :, tok] *= sharp.v_outlier_factor
+    q = q * sharp.temperature
+    return tuple(t.to(dtype=dtype, device=device) for t in (q, k, v))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.double().reshape(-1, x.shape[-1])
+
+
+def row_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of every output row (the last dim), fp64; rows that are zero in both
+    count as 1 (equal), a zero row against a nonzero one as 0."""
+    a, b = _rows(a), _rows(b)
+    na, nb = a.norm(dim=-1), b.norm(dim=-1)
+    cos = (a * b).sum(-1) / (na * nb).clamp(min=1e-300)
+    return torch.where((na == 0) & (nb == 0), torch.ones_like(cos), cos)
+
+
+def row_relative_error(got: torch.Tensor, want: torch.Tensor, floor: float = 1e-6) -> torch.Tensor:
+    """``||got - want|| / max(||want||, floor · largest ||want||)`` per row, fp64: a row the
+    reference makes (nearly) zero is judged against the tensor's scale, not its own."""
+    g, w = _rows(got), _rows(want)
+    nw = w.norm(dim=-1)
+    return (g - w).norm(dim=-1) / torch.clamp(nw, min=floor * float(nw.max().clamp(min=1e-300)))
+
+
+def robustness_table(methods, seed: int = 0, distributions=None) -> dict:
+    """{distribution: {method: {cossim, worst_row_cossim, rows_below_0.99, rel_l1}}} of the
+    reference backend against fp64 attention on the same inputs."""
+    from ..attention import fp4_attention
+    from ..metrics import compare
+
+    out = {}
+    for name, sharp in (distributions or DISTRIBUTIONS).items():
+        q, k, v = make_inputs(sharp, seed=seed)
+        ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+        row = {}
+        for m in methods:
+            got = fp4_attention(q, k, v, method=m, backend="reference")
+            c = row_cosine(got, ref)
+            row[m] = {**compare(got, ref), "worst_row_cossim": float(c.min()),
+                      "rows_below_0.99": float((c < 0.99).double().mean())}
+        out[name] = row
+    return out
