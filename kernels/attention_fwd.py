@@ -40,7 +40,7 @@ from fp4video.reference import KEY_TILE, poison_heads
 
 from .fp4_math import fake_quant_rows, mx_block_exponent, pow2, round_e2m1_at_scale, round_e2m1_f16x2_odd
 from .launch import fitting_stages
-from .prepass import (E4M3_V_SPAN_LIMIT, k_smoothing_mean, next_pow2, nonfinite_heads, prepass, prepass_fp8,
+from .prepass import (E4M3_V_SPAN_LIMIT, k_smoothing_mean, next_pow2, nonfinite_heads, prepass,
                       prepass_fp8_window, prepass_packed, prepass_tiles, smoothing_lse_shift)
 
 # P quantization modes (constexpr)

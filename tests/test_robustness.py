@@ -58,6 +58,11 @@ def _inputs(sharp, seed, sq, sk, d=64, heads=2, device="cpu", dtype=torch.float3
     return make_inputs(sharp, heads=heads, sq=sq, sk=sk, head_dim=d, seed=seed, device=device, dtype=dtype)
 
 
+def _key_padding(masked: bool, sk: int, seed: int):
+    """A random key-padding mask (about 30% of the keys masked), or None."""
+    return torch.rand(1, 1, 1, sk, generator=torch.Generator().manual_seed(seed)) < 0.7 if masked else None
+
+
 # --- properties --------------------------------------------------------------------------------
 
 
@@ -66,10 +71,7 @@ def _inputs(sharp, seed, sq, sk, d=64, heads=2, device="cpu", dtype=torch.float3
        sk=st.sampled_from([1, 100, 384]), masked=st.booleans())
 def test_finite_input_gives_finite_output_on_the_reference(sharp, method, seed, sk, masked):
     q, k, v = _inputs(sharp, seed, 40, sk)
-    copies = [t.clone() for t in (q, k, v)]
-    mask = None
-    if masked:
-        mask = torch.rand(1, 1, 1, sk, generator=torch.Generator().manual_seed(seed)) < 0.7
+    copies, mask = [t.clone() for t in (q, k, v)], _key_padding(masked, sk, seed)
     out, lse = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="reference")
     _finite_rows_ok(out, lse)
     assert all(torch.equal(a, b) for a, b in zip((q, k, v), copies)), "inputs were modified"
@@ -81,10 +83,7 @@ def test_finite_input_gives_finite_output_on_the_reference(sharp, method, seed, 
 def test_kernel_equals_reference_per_row(sharp, method, seed, sk, masked):
     """Finite in, finite out on the kernels too, and every row as the reference's."""
     q, k, v = _inputs(sharp, seed, 64, sk)
-    copies = [t.clone() for t in (q, k, v)]
-    mask = None
-    if masked:
-        mask = torch.rand(1, 1, 1, sk, generator=torch.Generator().manual_seed(seed)) < 0.7
+    copies, mask = [t.clone() for t in (q, k, v)], _key_padding(masked, sk, seed)
     got, lse = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="triton")
     want, lse_ref = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="reference")
     _finite_rows_ok(got, lse)
