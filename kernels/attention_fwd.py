@@ -526,35 +526,49 @@ def uses_fp8(recipe: AttentionRecipe, device: torch.device) -> bool:
     return mx_kernel(recipe, device) == "fp8"
 
 
-def _capturing(q) -> bool:
-    return q.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def prepare(q, k, v, recipe: AttentionRecipe, key_alive, mean=None, bad=None):
+def prepare(q, k, v, recipe: AttentionRecipe, key_alive, mean=None):
     """The pre-pass for this recipe and device: a tuple the attention loop takes. ``mean``: K's
-    smoothing mean (:func:`.prepass.k_smoothing_mean`) when the caller has it already; ``bad``:
-    the heads holding a NaN/Inf (:func:`.prepass.nonfinite_heads`), if known."""
+    smoothing mean (:func:`.prepass.k_smoothing_mean`) when the caller has it already."""
+    return _prepare_checked(q, k, v, recipe, key_alive, mean, None)[0]
+
+
+def _prepare_checked(q, k, v, recipe: AttentionRecipe, key_alive, mean, bad):
+    """:func:`prepare`, and whether any head is ``bad`` (holds a NaN/Inf; True where unknown). Both
+    decisions here read the GPU's answer back in **one** transfer: whether V fits the e4m3 loop's
+    window (else the exact bf16 loop runs), and whether heads need poisoning. While a CUDA graph is
+    captured nothing can be read back: the window check is skipped and heads are always poisoned."""
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+    def read_back(*flags):
+        """(whether any head is bad, *flags as ints) in one transfer; True / None for what is
+        unknown or cannot be read back."""
+        wanted = ([bad.any()] if bad is not None else []) + list(flags)
+        if capturing or not wanted:
+            return (True, *[None] * len(flags))
+        values = torch.stack([f.to(torch.int32) for f in wanted]).tolist()
+        return (bool(values.pop(0)) if bad is not None else True, *values)
+
     path = mx_kernel(recipe, q.device)
-    if path == "scaled":
-        return ("scaled", prepass_packed(q, k, v, recipe, key_alive, mean))
     if path == "fp8":  # (…, Sk, whether K̂'s rows are in tile key order: where the loop uses TMA)
         tiled = tma_loop(q.device)
         tensors, v_span = prepass_fp8_window(q, k, v, recipe, key_alive, k_tile_order=tiled, mean=mean)
-        # V wider than the e4m3 window: the exact bf16 loop instead (heads with a NaN/Inf, which
-        # become NaN anyway, do not count). The check reads one number back from the GPU, which
-        # cannot happen while a CUDA graph is captured: there it is skipped
-        if bad is not None:
+        if bad is not None:  # heads with a NaN/Inf become NaN anyway: their V does not count
             v_span = v_span.masked_fill(bad[..., None], 0)
-        if _capturing(q) or int(v_span.max()) <= E4M3_V_SPAN_LIMIT:
-            return ("fp8", (*tensors, k.shape[-2], tiled))
-        return ("work", prepass(q, k, v, recipe, key_alive, work_dtype(q), mean))
-    if recipe.pv_format is Format.NVFP4:  # the NVFP4 loops read K̂, V̂ in tile key order, whole tiles
-        return ("nvfp4", (*prepass_tiles(q, k, v, recipe, key_alive, work_dtype(q), mean), k.shape[-2]))
-    if recipe.quantized:
-        return ("work", prepass(q, k, v, recipe, key_alive, work_dtype(q), mean))
-    if not q.is_cuda and q.dtype != torch.float32:  # the CPU interpreter's 16-bit dots are wrong: fp32 (exact)
-        return ("work", (q.float(), k.float(), v.float()))
-    return ("work", (q, k, v))  # the inputs as they are: no copy, any strides
+        has_bad, widest = read_back(v_span.max())
+        if widest is None or widest <= E4M3_V_SPAN_LIMIT:
+            return ("fp8", (*tensors, k.shape[-2], tiled)), has_bad
+        return ("work", prepass(q, k, v, recipe, key_alive, work_dtype(q), mean)), has_bad
+    if path == "scaled":
+        prepared = ("scaled", prepass_packed(q, k, v, recipe, key_alive, mean))
+    elif recipe.pv_format is Format.NVFP4:  # the NVFP4 loops read K̂, V̂ in tile key order, whole tiles
+        prepared = ("nvfp4", (*prepass_tiles(q, k, v, recipe, key_alive, work_dtype(q), mean), k.shape[-2]))
+    elif recipe.quantized:
+        prepared = ("work", prepass(q, k, v, recipe, key_alive, work_dtype(q), mean))
+    elif not q.is_cuda and q.dtype != torch.float32:  # the CPU interpreter's 16-bit dots are wrong: fp32 (exact)
+        prepared = ("work", (q.float(), k.float(), v.float()))
+    else:
+        prepared = ("work", (q, k, v))  # the inputs as they are: no copy, any strides
+    return prepared, read_back()[0]
 
 
 def attention(q, k, v, *, recipe: AttentionRecipe, mask, scale: float, **launch):
@@ -572,13 +586,12 @@ def attention_with_key_alive(q, k, v, *, recipe: AttentionRecipe, key_alive, sca
     """:func:`attention` with the key-padding mask as ``key_alive`` (B, Sk) bool or None."""
     bad = nonfinite_heads(q, k, v, key_alive)  # the NaN/Inf policy: those heads' outputs become NaN
     mean = k_smoothing_mean(k, key_alive) if recipe.smooth_k else None
-    prepared = prepare(q, k, v, recipe, key_alive, mean, bad)
+    prepared, has_bad = _prepare_checked(q, k, v, recipe, key_alive, mean, bad)
     out, lse = attention_prepared(prepared, key_alive, recipe=recipe, scale=scale, out_dtype=q.dtype,
                                   dv=v.shape[-1], **launch)
     if mean is not None:  # the loops' LSE is of the smoothed logits: back to the unsmoothed ones
         lse = lse + smoothing_lse_shift(q, mean, scale)
-    # one number read back (the loop is queued by then): a pass over the output only where a head is bad
-    if _capturing(q) or bool(bad.any()):
+    if has_bad:  # a pass over the output only where some head holds a NaN/Inf
         poison_heads(out, lse, bad)
     return out, lse
 

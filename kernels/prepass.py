@@ -689,7 +689,7 @@ class _PrePass:
         """The NVFP4 tensor scales (:func:`fp4video.formats.nvfp4_tensor_scale`) of Q, K and V, one
         per head as (B·H, 2) fp32 rows (g, 1/g), each None where the tensor is not NVFP4 or the
         recipe has no tensor scale. Q's and K's maxima are those of the rows as quantized (smoothed,
-        rotated: one extra read of each, HEAD_AMAX); V's of its live keys."""
+        rotated: one extra read of each, HEAD_AMAX); V's of its live keys (FP8_AMAX's channel maxima)."""
         r = self.recipe
         if not r.tensor_scale:
             return None, None, None
@@ -706,9 +706,12 @@ class _PrePass:
             self.rows(self.q, self.sq, False, HEAD_AMAX, dummy, fac=amax_q)
             self.rows(self.k, self.sk, True, HEAD_AMAX, dummy, fac=amax_k)
             ts_q, ts_k = pair(amax_q), pair(amax_k)
-        if r.pv_format is Format.NVFP4:
-            v = self.v if self.key_alive is None else torch.where(self.key_alive[:, None, :, None], self.v, 0)
-            ts_v = pair(torch.linalg.vector_norm(v, ord=float("inf"), dim=(-2, -1)))
+        if r.pv_format is Format.NVFP4:  # V's channel maxima over its live keys (FP8_AMAX's read)
+            dvp = next_pow2(self.dv, floor=32)
+            amax = torch.zeros(self.b, self.h, dvp, device=self.dev, dtype=torch.int32)
+            bmin = torch.empty(self.b, self.h, dvp, device=self.dev, dtype=torch.int32)
+            self.values(FP8_AMAX, torch.empty(1, 1, dvp, 1, device=self.dev), amax=amax, fac=bmin)
+            ts_v = pair(amax.view(torch.float32).amax(dim=-1))
         return ts_q, ts_k, ts_v
 
     def run(self, work_dtype):

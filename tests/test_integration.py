@@ -446,7 +446,9 @@ def test_policy_that_does_not_fit_the_model_is_refused_or_warned(pipe):
     bad = Policy.model_validate({"method": "mxattn", "rules": [{"method": "fp16", "blocks": [0, n_blocks]}]})
     with pytest.raises(ValueError, match=rf"rules\[0\].*block\(s\) \[{n_blocks}\]"):
         install(pipe, bad)
-    assert not any(hasattr(m, "_fp4video_block") for m in pipe.transformer.modules())  # left as it was
+    for model in (pipe.transformer, pipe.transformer_2):  # both experts left as they were
+        assert not any(hasattr(m, "_fp4video_block") for m in model.modules())
+        assert not any(isinstance(p, FP4Processor) for p in model.attn_processors.values())
     assert getattr(pipe, "_fp4video_context", None) is None
     every = Policy.model_validate({"method": "mxattn", "rules": [{"method": "fp16", "steps": {"last": 50}}]})
     install(pipe, every)

@@ -65,25 +65,16 @@ def install(pipe, policy: Policy | str | None = None, *, backend: str = "auto", 
         raise RuntimeError("fp4video is already installed on this pipeline: call fp4video.uninstall(pipe) first")
     ctx = AttentionContext(policy=policy, backend=backend, record=record)
     processor = FP4Processor(context=ctx)
-    for expert, model in _transformers(pipe):
+    models = _transformers(pipe)
+    try:  # every model is checked before any is changed: an error leaves the pipeline as it was
+        all_sites = [_checked_sites(model, policy) for _, model in models]
+    except (ValueError, NotImplementedError):
+        for _, model in models:
+            _unannotate(model)
+        raise
+    for (expert, model), sites in zip(models, all_sites):
         original = dict(model.attn_processors)
-        sites = annotate(model)
-        if not sites:
-            raise ValueError(f"{type(model).__name__} has no Wan or HunyuanVideo attention modules fp4video knows")
-        try:
-            policy.check_blocks(max(sites.values()) + 1, type(model).__name__)
-        except ValueError:
-            for module in model.modules():  # leave the model as it was
-                if hasattr(module, "_fp4video_block"):
-                    del module._fp4video_block
-            raise
-        new = {}
-        for name, proc in original.items():
-            refiner = _HY_REFINER.search(name)
-            new[name] = processor if name in sites else proc
-            if refiner and policy.refiner:
-                raise NotImplementedError("quantizing HunyuanVideo's token refiner is not supported yet (refiner: false)")
-        model.set_attn_processor(new)
+        model.set_attn_processor({name: processor if name in sites else proc for name, proc in original.items()})
         parallel = getattr(model, "_parallel_config", None)  # enable_parallelism ran before install
         if parallel is not None and getattr(parallel, "context_parallel_config", None) is not None:
             processor._parallel_config = parallel
@@ -103,10 +94,25 @@ def uninstall(pipe) -> None:
         model.set_attn_processor(original)
         hook.remove()
         del model._fp4video_saved
-        for module in model.modules():
-            if hasattr(module, "_fp4video_block"):
-                del module._fp4video_block
+        _unannotate(model)
     pipe._fp4video_context = None
+
+
+def _checked_sites(model: torch.nn.Module, policy: Policy) -> dict[str, int]:
+    """:func:`annotate`, refusing a model fp4video does not know or a policy that does not fit it."""
+    sites = annotate(model)
+    if not sites:
+        raise ValueError(f"{type(model).__name__} has no Wan or HunyuanVideo attention modules fp4video knows")
+    policy.check_blocks(max(sites.values()) + 1, type(model).__name__)
+    if policy.refiner and any(_HY_REFINER.search(name) for name in model.attn_processors):
+        raise NotImplementedError("quantizing HunyuanVideo's token refiner is not supported yet (refiner: false)")
+    return sites
+
+
+def _unannotate(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if hasattr(module, "_fp4video_block"):
+            del module._fp4video_block
 
 
 def _step_hook(pipe, ctx: AttentionContext, expert):
