@@ -94,7 +94,9 @@ def test_kernel_equals_reference_per_row(sharp, method, seed, sk, masked):
         f"(worst {float(err.max()):.3g} at row {int(err.argmax())})")
     live = torch.isfinite(lse_ref)
     assert torch.equal(live, torch.isfinite(lse))
-    assert float((lse - lse_ref)[live].abs().amax()) < 5e-2 if live.any() else True
+    # (fp32 LSEs: sharp inputs reach 10^5-10^6, where one ulp is already 0.06)
+    lse_err = ((lse - lse_ref).abs() - 1e-6 * lse_ref.abs())[live]
+    assert float(lse_err.amax()) < 5e-2 if live.any() else True
 
 
 def _merge(parts):
