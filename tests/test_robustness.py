@@ -29,11 +29,14 @@ from fp4video.harness.robustness import DISTRIBUTIONS, Sharpness, make_inputs, r
 ALL = list(METHODS)
 QUANTIZED = [m for m in ALL if m != "fp16"]
 HAS_CUDA = torch.cuda.is_available()
-#: kernel vs reference, per row, under the interpreter (exact exp, fp32 sums in another order):
-#: a P̃ element on an E2M1 rounding boundary may round the other way in a few rows
-ROW_TOL, ROW_SHARE = 2e-2, 0.02
+#: kernel vs reference, per row, under the interpreter (exp2 in log2 units against exp, fp32 sums
+#: in another order): a P̃ element on an E2M1 rounding boundary may round the other way, which on
+#: near-one-hot rows (temperature 64, outlier channels) moves a row by ~2%, in up to a few percent
+#: of the rows; a real defect (a flushed window, a lost tile) moves rows by 50-100%
+ROW_TOL, ROW_SHARE, ROW_WORST = 2e-2, 0.05, 0.2
 
-SLOW = settings(max_examples=12, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+SLOW = settings(max_examples=12, deadline=None, derandomize=True, database=None,
+                phases=[Phase.explicit, Phase.generate],
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 sharpness = st.builds(
@@ -89,7 +92,7 @@ def test_kernel_equals_reference_per_row(sharp, method, seed, sk, masked):
     _finite_rows_ok(got, lse)
     assert all(torch.equal(a, b) for a, b in zip((q, k, v), copies)), "inputs were modified"
     err = row_relative_error(got, want)
-    assert float((err > ROW_TOL).double().mean()) <= ROW_SHARE, (
+    assert float((err > ROW_TOL).double().mean()) <= ROW_SHARE and float(err.max()) < ROW_WORST, (
         f"{method}: {int((err > ROW_TOL).sum())} of {err.numel()} rows off by more than {ROW_TOL} "
         f"(worst {float(err.max()):.3g} at row {int(err.argmax())})")
     live = torch.isfinite(lse_ref)
@@ -190,7 +193,8 @@ def test_two_level_p_stays_finite_when_a_tile_is_far_below_the_running_max(metho
     _finite_rows_ok(out, lse)
     if backend == "triton":
         want = fp4_attention(q, k, v, method=method, backend="reference")
-        assert float((row_relative_error(out, want) > ROW_TOL).double().mean()) <= ROW_SHARE
+        err = row_relative_error(out, want)
+        assert float((err > ROW_TOL).double().mean()) <= ROW_SHARE and float(err.max()) < ROW_WORST
 
 
 def test_two_level_floor_is_what_quantize_p_applies():
