@@ -438,7 +438,7 @@ def quantize(
 
 def int8_quantize_dequantize(x: torch.Tensor, *, dim: int = -1) -> torch.Tensor:
     """Symmetric INT8 with one FP32 scale ``amax / 127`` per vector along ``dim`` (round half to
-    even). Not an FP4 format: the 8-bit QKᵀ reference of source 000 and of the INT8-QK recipe."""
+    even). Not an FP4 format: the 8-bit QKᵀ reference of the SageAttention3 harness and of the INT8-QK recipe."""
     xf = x.float()
     amax = xf.abs().amax(dim=dim, keepdim=True)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))

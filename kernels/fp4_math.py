@@ -105,26 +105,6 @@ def round_e2m1_signed(x, unit):
 
 
 @triton.jit
-def round_e2m1_f16x2_times4(x, unit, six_units):
-    """4 · :func:`round_e2m1_signed`(x, unit) on pairs of f16 values (inline PTX, sm_80+; the GPU
-    only): x, ``unit`` (a power of two, from 2^-14 — an f16 normal — where the result matters, up
-    to 16) and ``six_units`` = 6·unit in f16. The same clamp and magic-number rounding in f16,
-    whose 11 significant bits put M = 768 · binade in a binade with a step of half the E2M1
-    grid's; the clamp keeps the binade at most 64, so M stays below f16's largest value, 65504.
-    ~4 instructions per pair instead of ~6 per element. The factor 4 takes the values to where
-    the caller's e4m3 conversion wants them (tests/test_kernels.py emulates this arithmetic)."""
-    asm: tl.constexpr = ("{ .reg .b32 c, b, m; "
-                         "min.f16x2 c, $1, $3; neg.f16x2 m, $3; max.f16x2 c, c, m; "
-                         "abs.f16x2 b, c; max.f16x2 b, b, $2; and.b32 b, b, 0x7C007C00; "
-                         "mov.b32 m, 0x62006200; fma.rn.f16x2 c, b, m, c; "
-                         "mov.b32 m, 0xE200E200; fma.rn.f16x2 c, b, m, c; "
-                         "mov.b32 m, 0x44004400; mul.rn.f16x2 $0, c, m; }")
-    return tl.inline_asm_elementwise(asm, "=r,r,r,r", [x, tl.broadcast_to(unit, x.shape),
-                                                         tl.broadcast_to(six_units, x.shape)],
-                                     dtype=tl.float16, is_pure=True, pack=2)
-
-
-@triton.jit
 def f16_round_to_odd(p):
     """p >= 0 (fp32, f16's normal range) rounded to f16's 11 significant bits by truncation with
     the last bit set ("round to odd"): what :func:`round_e2m1_f16x2_odd` starts from, in fp32
@@ -252,7 +232,7 @@ def div_const_rn(a, D: tl.constexpr, RCP_D: tl.constexpr):
     """rn(a / D) for fp32 a >= 0 and a constant D, without a division (a correctly rounded
     ``div_rn`` costs ~10 instructions and a slow-path branch): q0 = rn(a · rn(1/D)) is within an
     ulp, its residual a - D·q0 is exact as an FMA, and one more FMA rounds correctly — for the
-    divisors used here (6 and 448·6), as ``tests/test_kernels.py`` checks for every fp32 mantissa
+    divisors used here (6 and 448·6), as ``tests/test_fp4_math.py`` checks for every fp32 mantissa
     (results below 2^-126 may differ: far below where this is used). ``RCP_D``: rn(1/D)."""
     q0 = a * RCP_D
     return tl.fma(tl.fma(q0, -D, a), RCP_D, q0)
@@ -281,7 +261,7 @@ def const_div_rn(C: tl.constexpr, b, FAST: tl.constexpr):
     """rn(C / b) for normal b > 0 and the constant C = 448·6, without a division: one Newton step
     from the approximate reciprocal (:func:`approx_recip`), then Markstein's correction of
     q0 = rn(C · 1/b). Correctly rounded for every fp32 mantissa of b from reciprocal start points
-    up to ±4 ulp off (the GPU's estimate is within 2), checked in ``tests/test_kernels.py``."""
+    up to ±4 ulp off (the GPU's estimate is within 2), checked in ``tests/test_fp4_math.py``."""
     return const_div_from(C, b, approx_recip(b, FAST))
 
 
@@ -314,7 +294,7 @@ def nvfp4_block_scale(amax, HW: tl.constexpr):
     the reference's); 0 for blocks too small for E4M3 (they quantize to 0). HW (the GPU, sm_89+):
     the rounding by the hardware's conversion to E4M3 and back (``cvt.rn.satfinite``, two scales
     per instruction: ~2 instructions per scale instead of ~13; the same rounding, ties to even,
-    subnormals, saturation at 448 — ``tests/test_kernels.py`` compares the two); else in fp32
+    subnormals, saturation at 448 — ``tests/test_fp4_math.py`` compares the two); else in fp32
     arithmetic (:func:`round_e4m3_abs`: the interpreter's fp8 conversion is not that rounding)."""
     if HW:
         return div6_rn(amax).to(tl.float8e4nv).to(tl.float32)

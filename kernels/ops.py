@@ -20,7 +20,7 @@ def attention_op(
 
     ``key_alive``: (B, Sk) bool or None; ``recipe``: :meth:`AttentionRecipe.to_spec`.
     """
-    from .attention_fwd import attention_with_key_alive
+    from .dispatch import attention_with_key_alive
 
     return attention_with_key_alive(q, k, v, recipe=_recipe(recipe), key_alive=key_alive, scale=scale)
 

@@ -10,6 +10,7 @@ Outputs hold the dequantized values in bf16 (exact for E2M1 × E8M0/E4M3 scales)
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -17,26 +18,65 @@ import triton.language as tl
 
 from fp4video.formats import Format, ScaleRule, nvfp4_tensor_scale
 from fp4video.recipe import AttentionRecipe
-from fp4video.reference import KEY_TILE, qk_padded_dim, smoothing_mean
+from fp4video.reference import KEY_TILE, qk_padded_dim
 from fp4video.rotation import hadamard_matrix
 
-from .fp4_math import (fake_quant_rows, fp8_shift_from_raw_max, mx_block_exponent, mx_pack_rows, pow2,
-                       round_e2m1_f16x2_times4, round_e2m1_signed)
+from .checks import k_smoothing_mean
+from .fp4_math import fake_quant_rows, fp8_shift_from_raw_max, mx_block_exponent, mx_pack_rows, pow2, round_e2m1_signed
+from .key_order import as_mma_operand, key_order_matrix, tile_key_position
 from .launch import fitting_stages
+from .tiles import next_pow2
 
 FMT_CODE = {None: 0, Format.MXFP4: 1, Format.NVFP4: 2}
 #: output modes of the pre-pass kernels (0: the work dtype)
 FP8_ROW, FP8_AMAX, FP8_HEAD, E2M1_PACKED, FP8_TILE, TILE_ROWS, FP8_TILE_ORDERED, HEAD_AMAX = 1, 2, 3, 4, 5, 6, 7, 8
 
 
-@triton.jit
-def tile_key_position(keys, TILE: tl.constexpr):
-    """Where key ``keys`` is stored when each tile of 128 keys is in the attention loops' key order
-    (``attention_fwd.mma_key_order`` with QB = 32: row 8j + 2t + e of a tile holds its key
-    32t + 2j + e), so that a loop reading a tile's rows in storage order gets that order."""
-    tl.static_assert(TILE == 128, "the key order of 128-key tiles")
-    k = keys % TILE
-    return keys - k + 8 * ((k % 32) // 2) + 2 * (k // 32) + k % 2
+#: shared memory of the row pre-pass by stages (K's 128-row key tiles, bf16 inputs: the most)
+ROW_SHARED_MEMORY = {1: 98304, 2: 106496, 3: 139264}
+#: the same for the tensor-core V path at 64 channels and 4 tiles per program
+V_SHARED_MEMORY = {1: 49152, 2: 73728, 3: 90112}
+
+
+@dataclass(frozen=True)
+class PrepassLaunch:
+    """How the pre-pass kernels are launched (``tools/prepass_bandwidth.py --sweep`` times the
+    alternatives on a GPU: pass ``dataclasses.replace(PREPASS_LAUNCH, ...)`` as ``launch=``). The
+    defaults were measured on an H200 (Wan 480p, 2026-11-30)."""
+
+    #: rows per program of the row launches (Q; K outside the e4m3 path)
+    block_s: int = 64
+    #: warps per program of those launches
+    row_warps: int = 4
+    #: warps per key tile of K on the e4m3 path (4 and 8 measured equal)
+    tile_warps: int = 4
+    #: row blocks per program of the rotating launches (one read of the Hadamard matrix)
+    blocks_per_program: int = 8
+    #: software-pipelining stages of the row launches, and of K's key tiles on the e4m3 path
+    row_stages: int = 2
+    tile_stages: int = 2
+    #: the e4m3 Q launch is persistent, this many programs per SM striding over all heads' row
+    #: blocks, with this many stages: 0.170 ms against 0.177 not persistent (3 per SM: 0.175)
+    q8_programs_per_sm: int = 2
+    q8_stages: int = 3
+    #: K's per-tile e4m3 launch persistent (None: not; measured no faster, 0.207 against 0.203 ms)
+    tile_programs_per_sm: int | None = None
+    #: warps of the V launches (8 measured 2x slower)
+    v_warps: int = 4
+    #: key tiles per program of V's channel maxima (one atomic per channel and program): 0.101 ms
+    #: against 0.109 with one
+    v_tiles_amax: int = 4
+    #: channels per program of the transposed V launches (of 32, 64, 128: fastest)
+    v_channels: int = 128
+    #: e4m3 V of bf16/fp16 inputs is transposed by the tensor cores (exact): 64 channels and 4 key
+    #: tiles per program (Π read once for all): 0.167 ms against 0.188 with one tile; 3 stages
+    #: (2: 0.171 ms)
+    v_channels_mma: int = 64
+    v_tiles_mma: int = 4
+    v_stages: int = 3
+
+
+PREPASS_LAUNCH = PrepassLaunch()
 
 
 @triton.jit
@@ -185,21 +225,21 @@ def _prepass_v(
     sob, soh, sos, sod,
     HAS_ALIVE: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
     DV_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr,
-    F16X2: tl.constexpr = False, MMA_T: tl.constexpr = False, IEEE: tl.constexpr = False,
+    MMA_T: tl.constexpr = False, IEEE: tl.constexpr = False,
     TILES: tl.constexpr = 1, TSCALE: tl.constexpr = False,
 ):
     """V: quantized along tokens (blocks of QB consecutive keys per channel); each program takes
     BLOCK_S tokens of BLOCK_DV of the DV_PAD channels (grid axis 2) — the tensor-core transposed
     e4m3 path TILES such tiles. (Several tiles per program, with the next tile's loads issued
     before this one's arithmetic, measured slower on the H200 for the other paths: more
-    registers, fewer programs per SM; BENCHMARKS.md.)
+    registers, fewer programs per SM.)
 
     OUT: 0 writes Out's dtype; FP8_AMAX folds each channel's largest |v| (before quantization:
     the shift follows from it, :func:`.fp4_math.fp8_shift_from_raw_max`) into Amax[b, h, :];
     FP8_HEAD writes e4m3 values shifted per channel (factors into Fac[b, h, :]); the fp8 output
     is (B, H, Dv, S_pad) — transposed, as Hopper's fp8 MMA wants its B operand K-major, padded with
     zeros to whole tiles of BLOCK_S (= the loop's key tile) and ordered within each tile as the
-    loop's P̂ operand holds the keys (:func:`v8t_key_order`).
+    loop's P̂ operand holds the keys (:func:`.key_order.v8t_key_order`).
     """
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -241,9 +281,6 @@ def _prepass_v(
             tl.store(Out + b * sob + h * soh + cols[:, None] * sod + half[None, :], codes)
             nb = pid * (BLOCK_S // QB) + tl.arange(0, BLOCK_S // QB)
             tl.store(Fac + (bh * DV_PAD + cols)[:, None] * (sod * 2 // QB) + nb[None, :], scales)
-        elif OUT == 3 and F16X2:  # FP8_HEAD on the GPU: the quantization on f16 pairs (same values)
-            _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD, BLOCK_S, QB,
-                       _v_e4m3_f16x2(x, c, OCP, QMAX, BLOCK_S, BLOCK_DV, QB), c)
         else:
             if FMT != 0 and TSCALE:  # NVFP4 with the head's tensor scale g, 1/g in Fac (as in _prepass_rows)
                 x = tl.trans(fake_quant_rows(tl.trans(x * tl.load(Fac + 2 * bh + 1)), BLOCK_DV, BLOCK_S, FMT, QB, OCP,
@@ -278,8 +315,8 @@ def _v_tile(V, Alive, b, h, tile, cols, S, DV, svb, svh, svs, svd, sab, sas, HAS
 def _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
                QB: tl.constexpr, y, c):
     """FP8_HEAD's stores: y (BLOCK_S tokens × channels ``cols``, e4m3) transposed, its tokens in the
-    order the attention loop's P̂ operand holds them (v8t_key_order: with QB = 32 and 128-token
-    tiles, token 32t + 8i + 4a + 2b + e goes to 32i + 16a + 4t + 2b + e); padded channels and
+    order the attention loop's P̂ operand holds them (:func:`.key_order.v8t_key_order`: with
+    QB = 32 and 128-token tiles, token 32t + 8i + 4a + 2b + e goes to 32i + 16a + 4t + 2b + e); padded channels and
     tokens (up to whole tiles) are written as zeros. The channel factors 2^-c by the first tile."""
     y = tl.reshape(tl.permute(tl.reshape(y, (BLOCK_S // QB, QB // 8, 2, 2, 2, cols.shape[0])), (1, 2, 0, 3, 4, 5)),
                    (BLOCK_S, cols.shape[0]))
@@ -293,13 +330,13 @@ def _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD: tl.constexp
 def _v_e4m3_mma_transposed(x, pi, c, Out, Fac, b, h, bh, pid, cols, S, sob, soh, sod, DV_PAD: tl.constexpr,
                            BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr,
                            QMAX: tl.constexpr, IEEE: tl.constexpr):
-    """FP8_HEAD with the transposition done by an MMA: Vᵀ · Π, Π (:func:`_key_order_matrix`) the
-    0/1 matrix that puts token ``mma_key_order(c)`` in column c — one product x · 1 per output,
+    """FP8_HEAD with the transposition done by an MMA: Vᵀ · Π, Π (:func:`.key_order.key_order_matrix`)
+    the 0/1 matrix that puts token ``mma_key_order(c)`` in column c — one product x · 1 per output,
     the rest zeros: exact (fp32 accumulation of bf16/fp16 inputs; IEEE fp32 in the interpreter).
     In the MMA's accumulator a lane holds the columns 8j + 2t + e of its rows (channels), i.e.
     the 32 tokens of block t: block maxima are in-thread reductions, no byte-wise transposition
-    through shared memory; the stored order (:func:`v8t_key_order`) is the column digits
-    (i, a, b, t, e) relabelled (i, a, t, b, e), as :func:`.attention_fwd.as_mma_operand` does.
+    through shared memory; the stored order (:func:`.key_order.v8t_key_order`) is then the
+    relabelling :func:`.key_order.as_mma_operand` applies to P̂.
     ``pi``: Π; ``c``: the channel shifts; tile ``pid`` is written only if it holds one of the S
     tokens (a program's tiles past the last one are not)."""
     tl.static_assert(BLOCK_S == 128 and QB == 32, "the loop's key tiles of 128 and P blocks of 32")
@@ -313,41 +350,12 @@ def _v_e4m3_mma_transposed(x, pi, c, Out, Fac, b, h, bh, pid, cols, S, sob, soh,
     e = tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126)
     q = round_e2m1_signed(xb, pow2(e)[:, None, :, None])
     y = (tl.reshape(q, (BLOCK_DV, BLOCK_S)) * pow2(c)[:, None]).to(tl.float8e4nv)
-    y = tl.reshape(tl.permute(tl.reshape(y, (BLOCK_DV, BLOCK_S // 32, 2, 2, 4, 2)), (0, 1, 2, 4, 3, 5)),
-                   (BLOCK_DV, BLOCK_S))
+    y = as_mma_operand(y, BLOCK_DV, BLOCK_S)
     first = pid * BLOCK_S + k * 0  # (the tile's first token, as a tensor: a mask for every column)
     tl.store(Out + b * sob + h * soh + cols[:, None] * sod + (pid * BLOCK_S + k)[None, :], y,
              mask=(first < S)[None, :] & (cols[:, None] >= 0))
     if pid == 0:
         tl.store(Fac + bh * DV_PAD + cols, pow2(-c))
-
-
-@triton.jit
-def _v_e4m3_f16x2(x, c, OCP: tl.constexpr, QMAX: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  QB: tl.constexpr):
-    """V's e4m3 values (x: BLOCK_S tokens × BLOCK_DV channels, fp32 from bf16/fp16 inputs; c: the
-    channel shifts), quantized on f16 pairs (:func:`.fp4_math.round_e2m1_f16x2_times4`): fewer
-    instructions than the fp32 arithmetic, the same e4m3 values (a zero's sign may differ).
-
-    x·2^(c-2) (the e4m3 values over 4: at most 7.25·16, units at most 16, so the magic numbers
-    stay finite in f16) is exact in f16 down to 2^-16 (V has at most 11 significant bits). Only
-    blocks with a unit of at least 2^-14 there (an f16 normal) can give nonzero e4m3 values
-    (4·6·unit must exceed e4m3's half-step 2^-10); their values, rounding boundaries (>= unit / 4)
-    and maxima are exact in f16. Smaller blocks give at most 4·6·unit < 2^-10, which e4m3 rounds
-    to zero either way. ``tests/test_kernels.py`` emulates this arithmetic on the CPU.
-    """
-    xs = (x * pow2(c - 2)[None, :]).to(tl.float16)
-    xb = tl.reshape(xs, (BLOCK_S // QB, QB, BLOCK_DV))
-    amax = tl.max(tl.abs(xb), axis=1).to(tl.float32)
-    unit = pow2(tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126))
-    q = round_e2m1_f16x2_times4(xb, unit.to(tl.float16)[:, None, :], (unit * 6.0).to(tl.float16)[:, None, :])
-    return tl.reshape(q, (BLOCK_S, BLOCK_DV)).to(tl.float8e4nv)
-
-
-#: shared memory of the row pre-pass by stages (K's 128-row key tiles, bf16 inputs: the most)
-ROW_SHARED_MEMORY = {1: 98304, 2: 106496, 3: 139264}
-#: the same for the tensor-core V path at 64 channels and 4 tiles per program
-V_SHARED_MEMORY = {1: 49152, 2: 73728, 3: 90112}
 
 
 @functools.lru_cache(maxsize=None)
@@ -357,121 +365,6 @@ def multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def next_pow2(n: int, floor: int = 16) -> int:
-    return max(floor, 1 << (n - 1).bit_length())
-
-
-def prepass(q, k, v, recipe: AttentionRecipe, key_alive, work_dtype, mean=None):
-    """(q̂, k̂, v̂) for the attention kernel, in ``work_dtype``. ``key_alive``: (B, Sk) bool or None."""
-    return _PrePass(q, k, v, recipe, key_alive, mean).run(work_dtype)
-
-
-def prepass_tiles(q, k, v, recipe: AttentionRecipe, key_alive, work_dtype, mean=None):
-    """:func:`prepass` with K̂ and V̂ in tile key order, padded with zero rows to whole key tiles
-    of 128 (B, H, Sk_pad, ·): the NVFP4 loops' input (:mod:`.attention_nvfp4`)."""
-    return _PrePass(q, k, v, recipe, key_alive, mean).run_tiles(work_dtype)
-
-
-def tile_key_order(n: int, tile: int = KEY_TILE) -> torch.Tensor:
-    """The key each of ``n`` stored rows of :func:`prepass_tiles`' K̂/V̂ holds (n: a multiple of
-    the tile; keys past Sk are padding): the inverse of :func:`tile_key_position`."""
-    if n % tile or tile != KEY_TILE:
-        raise ValueError(f"whole tiles of {KEY_TILE} rows, got n={n}, tile={tile}")
-    r = torch.arange(n)
-    p = r % tile
-    return r - p + 32 * ((p // 2) % 4) + 2 * (p // 8) + p % 2
-
-
-def prepass_packed(q, k, v, recipe: AttentionRecipe, key_alive, mean=None):
-    """MXFP4 Q̂, K̂, V̂ as packed E2M1 codes (two per byte, the first in the low nibble) and E8M0
-    scales (uint8, exponent + 127), the storage ``tl.dot_scaled`` and Blackwell's FP4 MMAs take.
-
-    Returns ``(q4 (B, H, Sq, D/2), q_scale (B, H, Sq, D/32), k4, k_scale, v4t (B, H, Dv_pad,
-    Sk_pad/2), v_scale (B, H, Dv_pad, Sk_pad/32))``; V is transposed (blocks run along tokens) and
-    padded with zero codes to a multiple of 128 tokens. Requires an MXFP4 recipe.
-    """
-    return _PrePass(q, k, v, recipe, key_alive, mean).run_packed()
-
-
-def prepass_fp8(q, k, v, recipe: AttentionRecipe, key_alive, k_tile_order: bool = False, mean=None):
-    """MXFP4 Q̂, K̂, V̂ as e4m3 for fp8 tensor cores, with power-of-two factors.
-
-    Returns ``(q8, q_fac (B, H, Sq), k8, k_fac (B, H, Sk / 128 rounded up), v8t, v_fac (B, H,
-    Dv_padded))``: the dequantized value is ``q8 · q_fac`` (per query row), ``k8 · k_fac`` (per
-    key tile of 128, the attention loop's: one factor per tile of S; ``k_tile_order``: ``k8`` is
-    (B, H, Sk rounded up to whole tiles, D), its rows within each tile in the loops' key order, as
-    a TMA box copies them to the loop: :func:`k8_in_key_order`), ``v8t · v_fac``
-    (per channel; ``v8t`` is (B, H, Dv_padded, Sk rounded up to whole key tiles of 128), V
-    transposed, its tokens within each tile in the order the attention loop's P̂ operand holds them:
-    :func:`v8t_key_order` / :func:`v8t_in_key_order`). E2M1 × 2^e is exact in e4m3 when the block's exponent is within 16 of the
-    row's / key tile's / channel's largest value exponent (see :func:`.fp4_math.fp8_shift`); blocks
-    further below lose low bits (e4m3 subnormals) or flush to zero.
-    """
-    return _PrePass(q, k, v, recipe, key_alive, mean).run_fp8(k_tile_order)
-
-
-#: V channels whose block maxima span more than this many binades lose bits in the e4m3 loop:
-#: its per-channel e4m3 window holds 16 binades of V̂, and P̂'s 2^12 window meets V's range too
-#: (a P block 2^-13 of the tile's top that rounds coarsely, times a V 2^13 above the rest). With
-#: 10, the loop equals the reference to worst-row cosine 0.9999 on sharp inputs with V outlier
-#: tokens (interpreter, tests/test_robustness.py); wider heads take the exact bf16 loop.
-E4M3_V_SPAN_LIMIT = 10
-
-
-def prepass_fp8_window(q, k, v, recipe: AttentionRecipe, key_alive, k_tile_order: bool = False, mean=None):
-    """:func:`prepass_fp8` and, beside its outputs, the widest span of V's channels in binades (an int
-    tensor on the device, (B, H, Dv_padded): largest over smallest nonzero block maximum), which
-    says whether the e4m3 loop is exact here (:data:`E4M3_V_SPAN_LIMIT`)."""
-    p = _PrePass(q, k, v, recipe, key_alive, mean)
-    return p.run_fp8(k_tile_order), p.v_span
-
-
-def v8t_key_order(n: int, qb: int = 32, tile: int = KEY_TILE) -> torch.Tensor:
-    """The token each of the ``n`` stored columns of :func:`prepass_fp8`'s ``v8t`` holds: the
-    order in which the attention loop's P̂ operand holds the keys, tile by tile.
-
-    Two maps of ``attention_fwd`` composed: stored column k is the operand slot that
-    ``as_mma_operand`` fills from S column c (k = 16a + 4t + 2b + e ← c = 16a + 8b + 2t + e
-    within each 32-key slice), and S column c holds key qb·t + 2·j + e (``mma_key_order``:
-    c = 2·NB·j + 2·t + e, NB = tile // qb). Only tiles of 128 tokens with qb = 32 (the kernel's)."""
-    if (qb, tile) != (32, 128):
-        raise ValueError(f"the e4m3 loop's key order is defined for qb=32, tile=128, got qb={qb}, tile={tile}")
-    k = torch.arange(n)
-    kk = k % tile
-    a, t, b, e = (kk // 16) % 2, (kk // 4) % 4, (kk // 2) % 2, kk % 2
-    c = kk - kk % 32 + 16 * a + 8 * b + 2 * t + e  # the S column operand slot k takes
-    nb = tile // qb
-    return k - kk + qb * ((c // 2) % nb) + 2 * (c // (2 * nb)) + c % 2
-
-
-def k8_in_key_order(k8: torch.Tensor, sk: int) -> torch.Tensor:
-    """:func:`prepass_fp8`'s ``k8`` stored in tile key order (…, Sk_pad, D) as its first ``sk`` keys in order (a copy)."""
-    return k8[..., tile_key_order(k8.shape[-2]).argsort().to(k8.device), :][..., :sk, :]
-
-
-def k_fac_per_key(k_fac: torch.Tensor, sk: int) -> torch.Tensor:
-    """:func:`prepass_fp8`'s K̂ factors (one per key tile) repeated for each of the ``sk`` keys."""
-    return k_fac.repeat_interleave(KEY_TILE, dim=-1)[..., :sk]
-
-
-def v8t_in_key_order(v8t: torch.Tensor, qb: int = 32) -> torch.Tensor:
-    """``v8t`` (…, Dv, Sk_pad) from :func:`prepass_fp8` with its tokens back in order (a copy)."""
-    order = v8t_key_order(v8t.shape[-1], qb).to(v8t.device)
-    out = torch.empty_like(v8t)
-    out[..., order] = v8t
-    return out
-
-
-@functools.lru_cache(maxsize=8)
-def _key_order_matrix(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Π (128 × 128, 0/1): column c has its one in row ``attention_fwd.mma_key_order(c)``, so that
-    Vᵀ·Π holds token mma_key_order(c) of a key tile in column c (``_v_e4m3_mma_transposed``).
-    Built once per device and dtype; shared: read it, never write it."""
-    pi = torch.zeros(KEY_TILE, KEY_TILE, dtype=dtype)
-    pi[tile_key_order(KEY_TILE), torch.arange(KEY_TILE)] = 1  # the same key order as K̂'s stored tiles
-    return pi.to(device)
 
 
 @functools.lru_cache(maxsize=32)
@@ -484,112 +377,11 @@ def _sign_hadamard(dp: int, d: int, device: torch.device, dtype: torch.dtype) ->
     return hm
 
 
-def k_smoothing_mean(k: torch.Tensor, key_alive) -> torch.Tensor:
-    """K's smoothing mean (B, H, D) fp32 over the live keys (``key_alive``: (B, Sk) bool or None):
-    :func:`fp4video.reference.smoothing_mean` of K with its dead keys zeroed."""
-    kf = k.float()
-    if key_alive is not None:
-        kf = torch.where(key_alive[:, None, :, None], kf, 0.0)
-    return smoothing_mean(kf, key_alive[:, None, :] if key_alive is not None else None)[..., 0, :].contiguous()
-
-
-@triton.jit
-def _row_dot(X, Mean, Out, H, S, D_IN, sxb, sxh, sxs, sxd, smb, smh, scale,
-             D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Out[b, h, s] = scale · Σ_d X[b, h, s, d] · Mean[b, h, d] in fp32 (one read of X)."""
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    cols = tl.arange(0, D)
-    x = tl.load(X + b * sxb + h * sxh + rows[:, None] * sxs + cols[None, :] * sxd,
-                mask=(rows < S)[:, None] & (cols < D_IN)[None, :], other=0.0).to(tl.float32)
-    mean = tl.load(Mean + b * smb + h * smh + cols, mask=cols < D_IN, other=0.0)
-    tl.store(Out + bh * S + rows, tl.sum(x * mean[None, :], axis=1) * scale, mask=rows < S)
-
-
-@triton.jit
-def _nonfinite_heads(X, Alive, Flag, H, S, D_IN, sxb, sxh, sxs, sxd, sab, sas,
-                     HAS_ALIVE: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Flag[b·H + h] = 1 where X[b, h] holds a NaN or ±Inf in a row that is live (HAS_ALIVE: at a
-    key with Alive[b, s] != 0); other flags are left as they are."""
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    cols = tl.arange(0, D)
-    ok = rows < S
-    if HAS_ALIVE:
-        ok = ok & (tl.load(Alive + b * sab + rows * sas, mask=rows < S, other=0) != 0)
-    x = tl.load(X + b * sxb + h * sxh + rows[:, None] * sxs + cols[None, :] * sxd,
-                mask=ok[:, None] & (cols < D_IN)[None, :], other=0.0).to(tl.float32)
-    bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32))
-    if bad > 0:
-        tl.atomic_max(Flag + bh, 1)
-
-
-def nonfinite_heads(q, k, v, key_alive) -> torch.Tensor:
-    """:func:`fp4video.reference.nonfinite_heads` in one read of each tensor: (B, H) bool for
-    (B, H, S, D) views (any strides); ``key_alive``: (B, Sk) bool or None."""
-    b, h = q.shape[:2]
-    flag = torch.zeros(b * h, device=q.device, dtype=torch.int32)
-    alive = key_alive.to(torch.int8).contiguous() if key_alive is not None else \
-        torch.empty(1, 1, dtype=torch.int8, device=q.device)
-    block_s = 64
-    for x, masked in ((q, False), (k, True), (v, True)):
-        s, d = x.shape[-2:]
-        _nonfinite_heads[(triton.cdiv(s, block_s), b * h)](
-            x, alive, flag, h, s, d, *x.stride(), alive.stride(0), alive.stride(1),
-            HAS_ALIVE=masked and key_alive is not None, D=next_pow2(d), BLOCK_S=block_s, num_warps=4)
-    return flag.view(b, h) != 0
-
-
-def smoothing_lse_shift(q: torch.Tensor, mean: torch.Tensor, scale: float) -> torch.Tensor:
-    """:func:`fp4video.reference.smoothing_lse_shift` on the GPU without an fp32 copy of Q:
-    ``scale · q·mean`` (B, H, Sq) fp32 for ``q`` (B, H, Sq, D) (any strides) and ``mean`` (B, H, D)."""
-    b, h, sq, d = q.shape
-    out = torch.empty(b, h, sq, device=q.device, dtype=torch.float32)
-    block_s = 64
-    _row_dot[(triton.cdiv(sq, block_s), b * h)](
-        q, mean, out, h, sq, d, *q.stride(), mean.stride(0), mean.stride(1), float(scale),
-        D=next_pow2(d), BLOCK_S=block_s, num_warps=4)
-    return out
-
-
 class _PrePass:
     """Launches of the row (Q, K) and V pre-pass kernels for one attention call."""
 
-    BLOCK_S = 64
-    BLOCK_S_V = KEY_TILE  # the transposed V stores write whole key tiles (fp8: in the loop's P̂ operand order)
-    ROTATION = "bf16"  # or "tf32x3" (BENCHMARKS.md compares them)
-    Q_WARPS = 4  # warps per program of the other row launches
-    TILE_WARPS = 4  # warps per key tile of K (FP8_TILE; 4 and 8 measured equal on the H200)
-    # The launch options below: scripts/prepass_bandwidth.py --sweep, H200 (BENCHMARKS.md, 2026-11-30)
-    BLOCKS_PER_PROGRAM = 8  # row blocks per program of the rotating launches (one read of the Hadamard matrix)
-    ROW_STAGES = 2  # software-pipelining stages of that loop (the e4m3 Q launch: Q8_STAGES)
-    TILE_STAGES = 2  # the same for K's key tiles (FP8_TILE)
-    # Persistent launches: this many programs per SM, each striding over all heads' row blocks (None:
-    # a program per BLOCKS_PER_PROGRAM blocks of one head). The e4m3 Q launch (FP8_ROW) at 2 per SM
-    # with 3 stages: 0.170 ms at Wan 480p against 0.177 not persistent (3 per SM: 0.175 with 3
-    # stages, 0.186 with 2; 2 per SM with 2 stages: 0.210); K's per-tile launch measured no faster
-    # (0.207 against 0.203), so it is not persistent
-    Q8_PROGRAMS_PER_SM = 2
-    Q8_STAGES = 3
-    TILE_PROGRAMS_PER_SM = None
-    V_WARPS = 4  # (8 measured 2x slower)
-    V_TILES_AMAX = 4  # key tiles per program of V's channel maxima (one atomic max per channel and program):
-    # 0.101 ms at Wan 480p against 0.109 with one (2: 0.103, 8: 0.110)
-    V_CHANNELS = 128  # channels per program of the transposed V launches (of 32, 64, 128: fastest)
-    V_F16X2 = True  # e4m3 V of bf16/fp16 inputs quantized on f16 pairs (GPU only: inline PTX), where
-    # the tensor-core path below is off
-    # e4m3 V of bf16/fp16 inputs transposed by the tensor cores (exact; offline 12 SASS instructions
-    # per element against ~17, no byte-wise shared-memory traffic), 64 channels and 4 key tiles per
-    # program (Π read once for all): 0.167 ms at 480p against 0.188 with one tile, 0.218 the
-    # f16-pair path; 128 channels slower (0.182 ms at best). fp32 V takes the fp32 path
-    V_TRANSPOSE_MMA = True
-    V_CHANNELS_MMA = 64
-    V_TILES_MMA = 4
-    V_STAGES = 3  # software-pipelining stages of its loop over the tiles (2: 0.171 ms)
-
-    def __init__(self, q, k, v, recipe, key_alive, mean=None):
+    def __init__(self, q, k, v, recipe, key_alive, mean=None, launch: PrepassLaunch = PREPASS_LAUNCH):
+        self.launch = launch
         self.q, self.k, self.v, self.recipe = q, k, v, recipe
         self.b, self.h, self.sq, self.d_in = q.shape
         self.sk, self.dv = k.shape[-2], v.shape[-1]
@@ -626,17 +418,17 @@ class _PrePass:
         # FP8_TILE: one program per key tile of the attention loop (as many rows per thread as
         # BLOCK_S rows with 4 warps)
         per_tile = out_mode in (FP8_TILE, FP8_TILE_ORDERED)
-        block_s, warps = (KEY_TILE, self.TILE_WARPS) if per_tile else (self.BLOCK_S, self.Q_WARPS)
+        block_s, warps = (KEY_TILE, self.launch.tile_warps) if per_tile else (self.launch.block_s, self.launch.row_warps)
         rows_written = -(-s // KEY_TILE) * KEY_TILE if out_mode == TILE_ROWS else s  # TILE_ROWS: zero padding too
         blocks = triton.cdiv(rows_written, block_s)
-        per_program = min(self.BLOCKS_PER_PROGRAM, blocks) if self.recipe.hadamard else 1
-        per_sm = self.TILE_PROGRAMS_PER_SM if per_tile else self.Q8_PROGRAMS_PER_SM if out_mode == FP8_ROW else None
-        stages = self.TILE_STAGES if per_tile else self.Q8_STAGES if out_mode == FP8_ROW else self.ROW_STAGES
+        per_program = min(self.launch.blocks_per_program, blocks) if self.recipe.hadamard else 1
+        per_sm = self.launch.tile_programs_per_sm if per_tile else self.launch.q8_programs_per_sm if out_mode == FP8_ROW else None
+        stages = self.launch.tile_stages if per_tile else self.launch.q8_stages if out_mode == FP8_ROW else self.launch.row_stages
         if per_sm:  # persistent: a few programs per SM stride over all heads' blocks
             grid = (min(blocks * self.b * self.h, per_sm * multiprocessors(self.dev)), 1)
         else:
             grid = (triton.cdiv(blocks, per_program), self.b * self.h)
-        hm = self.hm if self.recipe.hadamard and self.dev.type == "cuda" and self.ROTATION == "bf16" else self.hm32
+        hm = self.hm if self.recipe.hadamard and self.dev.type == "cuda" else self.hm32
         _prepass_rows[grid](
             x, self.alive, mean, hm, out, fac if fac is not None else self.none,
             self.h, s, self.d_in, self.dp ** -0.5 if self.recipe.hadamard else 1.0, blocks, self.b * self.h,
@@ -647,7 +439,7 @@ class _PrePass:
             HAS_ALIVE=is_k and self.key_alive is not None, SMOOTH=mean.dim() == 3, ROTATE=self.recipe.hadamard,
             # fp32-accurate rotation on tensor cores on the GPU (ieee fp32 dots spill at D=128 and
             # ran 10x slower on the H200); exact fp32 in the interpreter
-            ROT_PRECISION=self.ROTATION if self.dev.type == "cuda" else "ieee",
+            ROT_PRECISION="bf16" if self.dev.type == "cuda" else "ieee",
             ROT_PARTS=self.rotation_parts(x, smooth=mean.dim() == 3),
             FMT=FMT_CODE[fmt], QB=fmt.block if fmt else 32, OCP=rule is ScaleRule.OCP, QMAX=rule.qmax,
             D=self.d, BLOCK_S=block_s, OUT=out_mode, BLOCKS_PER_PROGRAM=per_program, PERSISTENT=bool(per_sm),
@@ -660,15 +452,15 @@ class _PrePass:
         if tscale is not None:
             fac = tscale
         transposed = out_mode in (FP8_AMAX, FP8_HEAD, E2M1_PACKED)  # (B, H, Dv, S_pad) outputs
-        block_s = self.BLOCK_S_V if out_mode else self.BLOCK_S  # whole key tiles unless OUT = 0
+        block_s = KEY_TILE if out_mode else self.launch.block_s  # whole key tiles unless OUT = 0
         dv_pad = out.shape[-2] if transposed else next_pow2(dv)
         # the tensor-core transposition: exact for bf16/fp16 V on the GPU, fp32 (IEEE) in the interpreter
         gpu = self.dev.type == "cuda"
-        mma_t = out_mode == FP8_HEAD and self.V_TRANSPOSE_MMA and (
+        mma_t = out_mode == FP8_HEAD and (
             not gpu or self.v.dtype in (torch.bfloat16, torch.float16))
-        chunk = min(self.V_CHANNELS_MMA if mma_t else self.V_CHANNELS, dv_pad) if transposed else dv_pad
-        pi = _key_order_matrix(self.dev, self.v.dtype if gpu else torch.float32) if mma_t else self.none
-        tiles = self.V_TILES_MMA if mma_t else self.V_TILES_AMAX if out_mode == FP8_AMAX else 1
+        chunk = min(self.launch.v_channels_mma if mma_t else self.launch.v_channels, dv_pad) if transposed else dv_pad
+        pi = key_order_matrix(self.dev, self.v.dtype if gpu else torch.float32) if mma_t else self.none
+        tiles = self.launch.v_tiles_mma if mma_t else self.launch.v_tiles_amax if out_mode == FP8_AMAX else 1
         _prepass_v[(triton.cdiv(triton.cdiv(self.sk, block_s), tiles), self.b * self.h, dv_pad // chunk)](
             self.v, self.alive, out, amax if amax is not None else self.none, fac if fac is not None else self.none,
             pi,
@@ -678,10 +470,9 @@ class _PrePass:
             *((out.stride(0), out.stride(1), 1, out.stride(2)) if transposed else (*out.stride()[:3], 1)),
             HAS_ALIVE=self.key_alive is not None, FMT=FMT_CODE[fmt], QB=fmt.block if fmt else 32,
             OCP=rule is ScaleRule.OCP, QMAX=rule.qmax, DV_PAD=dv_pad, BLOCK_DV=chunk,
-            BLOCK_S=block_s, OUT=out_mode, num_warps=self.V_WARPS,
+            BLOCK_S=block_s, OUT=out_mode, num_warps=self.launch.v_warps,
             # (exact for V's own precision only: bf16 or fp16, at most 11 significant bits)
-            F16X2=out_mode == FP8_HEAD and gpu and self.V_F16X2 and self.v.dtype in (torch.bfloat16, torch.float16),
-            MMA_T=mma_t, IEEE=not gpu, TILES=tiles, num_stages=fitting_stages(self.dev, self.V_STAGES, V_SHARED_MEMORY),
+            MMA_T=mma_t, IEEE=not gpu, TILES=tiles, num_stages=fitting_stages(self.dev, self.launch.v_stages, V_SHARED_MEMORY),
             TSCALE=tscale is not None,
         )
 
@@ -742,7 +533,7 @@ class _PrePass:
     def run_packed(self):
         b, h, dev, u8 = self.b, self.h, self.dev, torch.uint8
         dvp = next_pow2(self.dv, floor=32)
-        sk_pad = -(-self.sk // self.BLOCK_S_V) * self.BLOCK_S_V
+        sk_pad = -(-self.sk // KEY_TILE) * KEY_TILE
         q4 = torch.empty(b, h, self.sq, self.d // 2, device=dev, dtype=u8)
         k4 = torch.empty(b, h, self.sk, self.d // 2, device=dev, dtype=u8)
         v4t = torch.empty(b, h, dvp, sk_pad // 2, device=dev, dtype=u8)
@@ -777,3 +568,52 @@ class _PrePass:
         # non-negative floats order as integers; channels without a nonzero block: 0)
         self.v_span = torch.where(v_bmin < 0x7F800000, (v_amax >> 23) - (v_bmin >> 23), 0)
         return q8, q_fac, k8, k_fac, v8, v_fac
+
+
+def prepass(q, k, v, recipe: AttentionRecipe, key_alive, work_dtype, mean=None, launch=PREPASS_LAUNCH):
+    """(q̂, k̂, v̂) for the attention kernel, in ``work_dtype``. ``key_alive``: (B, Sk) bool or None."""
+    return _PrePass(q, k, v, recipe, key_alive, mean, launch).run(work_dtype)
+
+
+def prepass_tiles(q, k, v, recipe: AttentionRecipe, key_alive, work_dtype, mean=None, launch=PREPASS_LAUNCH):
+    """:func:`prepass` with K̂ and V̂ in tile key order, padded with zero rows to whole key tiles
+    of 128 (B, H, Sk_pad, ·): the NVFP4 loops' input (:mod:`.loop_nvfp4`)."""
+    return _PrePass(q, k, v, recipe, key_alive, mean, launch).run_tiles(work_dtype)
+
+
+def prepass_packed(q, k, v, recipe: AttentionRecipe, key_alive, mean=None, launch=PREPASS_LAUNCH):
+    """MXFP4 Q̂, K̂, V̂ as packed E2M1 codes (two per byte, the first in the low nibble) and E8M0
+    scales (uint8, exponent + 127), the storage ``tl.dot_scaled`` and Blackwell's FP4 MMAs take.
+
+    Returns ``(q4 (B, H, Sq, D/2), q_scale (B, H, Sq, D/32), k4, k_scale, v4t (B, H, Dv_pad,
+    Sk_pad/2), v_scale (B, H, Dv_pad, Sk_pad/32))``; V is transposed (blocks run along tokens) and
+    padded with zero codes to a multiple of 128 tokens. Requires an MXFP4 recipe.
+    """
+    return _PrePass(q, k, v, recipe, key_alive, mean, launch).run_packed()
+
+
+def prepass_fp8(q, k, v, recipe: AttentionRecipe, key_alive, k_tile_order: bool = False, mean=None,
+                launch=PREPASS_LAUNCH):
+    """MXFP4 Q̂, K̂, V̂ as e4m3 for fp8 tensor cores, with power-of-two factors.
+
+    Returns ``(q8, q_fac (B, H, Sq), k8, k_fac (B, H, Sk / 128 rounded up), v8t, v_fac (B, H,
+    Dv_padded))``: the dequantized value is ``q8 · q_fac`` (per query row), ``k8 · k_fac`` (per
+    key tile of 128, the attention loop's: one factor per tile of S; ``k_tile_order``: ``k8`` is
+    (B, H, Sk rounded up to whole tiles, D), its rows within each tile in the loops' key order, as
+    a TMA box copies them to the loop: :func:`.key_order.k8_in_key_order`), ``v8t · v_fac``
+    (per channel; ``v8t`` is (B, H, Dv_padded, Sk rounded up to whole key tiles of 128), V
+    transposed, its tokens within each tile in the order the attention loop's P̂ operand holds them:
+    :func:`.key_order.v8t_key_order`). E2M1 × 2^e is exact in e4m3 when the block's exponent is within 16 of the
+    row's / key tile's / channel's largest value exponent (see :func:`.fp4_math.fp8_shift`); blocks
+    further below lose low bits (e4m3 subnormals) or flush to zero.
+    """
+    return _PrePass(q, k, v, recipe, key_alive, mean, launch).run_fp8(k_tile_order)
+
+
+def prepass_fp8_window(q, k, v, recipe: AttentionRecipe, key_alive, k_tile_order: bool = False, mean=None,
+                       launch=PREPASS_LAUNCH):
+    """:func:`prepass_fp8` and, beside its outputs, the widest span of V's channels in binades (an int
+    tensor on the device, (B, H, Dv_padded): largest over smallest nonzero block maximum), which
+    says whether the e4m3 loop is exact here (:data:`.loop_e4m3.E4M3_V_SPAN_LIMIT`)."""
+    p = _PrePass(q, k, v, recipe, key_alive, mean, launch)
+    return p.run_fp8(k_tile_order), p.v_span

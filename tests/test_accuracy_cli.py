@@ -12,7 +12,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from fp4video.harness import source000, source001
+from fp4video.harness import sageattention3, mxattention
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +40,9 @@ def test_json_contract(accuracy):
         assert set(e) >= {"norm_entropy", "two_level", "direct"}
 
 
-def test_source000_cells_within_1_5_points(accuracy):
+def test_sageattention3_cells_within_1_5_points(accuracy):
     r, _ = accuracy
-    s0, pub = r["source000"], source000.PUBLISHED
+    s0, pub = r["sageattention3"], sageattention3.PUBLISHED
     cells = [
         (s0["formats"]["nvfp4"], pub["nvfp4"]),
         (s0["formats"]["mxfp4"], pub["mxfp4"]),
@@ -61,8 +61,8 @@ def test_source000_cells_within_1_5_points(accuracy):
         assert abs(ours - published) <= 1.5, (ours, published)
 
 
-def test_source000_orderings(accuracy):
-    s0 = accuracy[0]["source000"]
+def test_sageattention3_orderings(accuracy):
+    s0 = accuracy[0]["sageattention3"]
     assert s0["formats"]["nvfp4"] > s0["formats"]["mxfp4"] > s0["smooth_k"]["off"] - 2 > s0["p_scale"]["direct"]
     sweep = s0["entropy_sweep"]
     assert all(a["two_level"] > b["two_level"] for a, b in zip(sweep, sweep[1:]))  # sharper -> worse
@@ -72,8 +72,8 @@ def test_source000_orderings(accuracy):
     assert s0["smooth_k"]["s_rel_l1_smooth"] < s0["smooth_k"]["s_rel_l1_no_smooth"] / 2
 
 
-def test_source001_results(accuracy):
-    s1 = accuracy[0]["source001"]
+def test_mxattention_results(accuracy):
+    s1 = accuracy[0]["mxattention"]
     assert all(q == 7.25 for q in s1["uos"]["objective_minimizers"].values())
     assert s1["mse_sweep"]["gaussian"]["pooled_optimum"] in (7.2, 7.25)
     assert abs(s1["ocp_overflow"]["log_uniform_maxima"] - math.log2(8 / 7)) < 0.01
@@ -89,7 +89,7 @@ def test_our_combinations_beat_their_parents(accuracy):
     c = accuracy[0]["combinations"]
     for data in c:
         assert c[data]["mxattn-sk"]["rel_l1"] <= c[data]["mxattn"]["rel_l1"] * 1.01, data
-    assert c["source000 t=1"]["mxattn-sk"]["cossim"] > c["source000 t=1"]["mxattn"]["cossim"] + 0.03
+    assert c["SageAttention3 t=1"]["mxattn-sk"]["cossim"] > c["SageAttention3 t=1"]["mxattn"]["cossim"] + 0.03
     assert c["outlier channels"]["sage3-hpnq"]["rel_l1"] < 0.7 * c["outlier channels"]["sage3"]["rel_l1"]
 
 
@@ -100,34 +100,34 @@ def test_plots_and_json_written(accuracy):
         p = out / name
         assert p.exists() and p.stat().st_size > 1000, name
         if name == "accuracy.md":
-            assert "**Source 001 — Universal Optimal Scaling**" in p.read_text()
+            assert "**MXAttention — Universal Optimal Scaling**" in p.read_text()
         if name.endswith(".png"):
             assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_deterministic_for_a_seed(accuracy):
-    again = source000.run(seed=0)
-    assert again["formats"] == accuracy[0]["source000"]["formats"]
+    again = sageattention3.run(seed=0)
+    assert again["formats"] == accuracy[0]["sageattention3"]["formats"]
 
 
 # --- the UOS derivation, exactly --------------------------------------------------------------------
 
 
 def test_delta_root_is_exactly_29_over_4():
-    assert source001.delta(Fraction(29, 4)) == 0
-    assert source001.delta(Fraction(29, 4) - Fraction(1, 1000)) < 0 < source001.delta(Fraction(29, 4) + Fraction(1, 1000))
-    assert source001.qmax_from_delta() == Fraction(29, 4)
+    assert mxattention.delta(Fraction(29, 4)) == 0
+    assert mxattention.delta(Fraction(29, 4) - Fraction(1, 1000)) < 0 < mxattention.delta(Fraction(29, 4) + Fraction(1, 1000))
+    assert mxattention.qmax_from_delta() == Fraction(29, 4)
 
 
 @pytest.mark.parametrize("q", [Fraction(21, 2), Fraction(11), Fraction(12), Fraction(20)])
 def test_delta_matches_paper_table6_above_10(q):
-    assert source001.delta(q) == (48 * q * q - 864 * q + 3983) / 8
+    assert mxattention.delta(q) == (48 * q * q - 864 * q + 3983) / 8
 
 
 def test_integrated_error_vectorized_matches_exact():
     xs = [Fraction(i, 7) for i in range(1, 80)]
-    got = source001.integrated_error_t(torch.tensor([float(x) for x in xs], dtype=torch.float64))
-    want = torch.tensor([float(source001.integrated_error(x)) for x in xs], dtype=torch.float64)
+    got = mxattention.integrated_error_t(torch.tensor([float(x) for x in xs], dtype=torch.float64))
+    want = torch.tensor([float(mxattention.integrated_error(x)) for x in xs], dtype=torch.float64)
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -136,7 +136,7 @@ def test_integrated_error_against_numeric_integral():
 
     t = (torch.arange(2_000_000, dtype=torch.float64) + 0.5) * (9.0 / 2_000_000)
     numeric = float(((t - round_e2m1(t)) ** 2).sum() * (9.0 / 2_000_000))
-    assert abs(numeric - float(source001.integrated_error(Fraction(9)))) < 1e-6
+    assert abs(numeric - float(mxattention.integrated_error(Fraction(9)))) < 1e-6
 
 
 def test_cli_help_lists_accuracy():

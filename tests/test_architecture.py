@@ -1,5 +1,7 @@
-"""Imports flow one way: numerics <- kernels <- integration <- cli. The numerics modules know
-nothing of diffusers, the harness or the CLI."""
+"""Imports flow one way: numerics <- kernels <- the attention API <- integration <- cli. The
+numerics modules know nothing of the kernels, diffusers, the harness or the CLI; the kernels
+import only torch, Triton and the numerics, form no import cycle, use no other kernel module's
+private names, and read the environment in one place (the dispatch)."""
 
 from __future__ import annotations
 
@@ -9,40 +11,135 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-NUMERICS = ["formats.py", "recipe.py", "rotation.py", "reference.py", "metrics.py", "attention.py"]
-FORBIDDEN = {"diffusers", "transformers", "fp4video.harness", "fp4video.cli", "matplotlib", "rich", "tqdm"}
+NUMERICS = ["formats.py", "recipe.py", "rotation.py", "reference.py", "metrics.py"]
+FORBIDDEN = {"diffusers", "transformers", "fp4video.harness", "fp4video.cli", "fp4video.integration",
+             "fp4video.kernels", "fp4video.attention", "matplotlib", "rich", "tqdm"}
+KERNELS = sorted((ROOT / "kernels").glob("*.py"))
 
 
 def _imports(path: Path, package: str = "fp4video"):
+    """(module, names) for every import in ``path``, relative imports resolved against ``package``."""
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            yield from (a.name for a in node.names)
+            yield from ((a.name, []) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             mod = node.module or ""
             if node.level:  # relative: `from ..x` climbs level - 1 packages from the file's own
                 base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 mod = ".".join(base + ([mod] if mod else []))
-            yield mod
+            yield mod, [a.name for a in node.names]
+
+
+def _modules(path, package="fp4video"):
+    return [m for m, _ in _imports(path, package)]
 
 
 @pytest.mark.parametrize("name", NUMERICS)
 def test_numerics_do_not_import_upper_layers(name):
-    bad = [m for m in _imports(ROOT / "fp4video" / name) if any(m == f or m.startswith(f + ".") for f in FORBIDDEN)]
+    bad = [m for m in _modules(ROOT / "fp4video" / name) if any(m == f or m.startswith(f + ".") for f in FORBIDDEN)]
     assert not bad, f"fp4video/{name} imports {bad}"
+
+
+def test_the_attention_api_sits_on_the_kernels_not_above_them():
+    """fp4video.attention (the public API) may use the kernels; the kernels never use it."""
+    assert any(m.startswith("fp4video.kernels") or m == "fp4video" for m in _modules(ROOT / "fp4video" / "attention.py"))
+    for path in KERNELS:
+        assert not [m for m in _modules(path, "fp4video.kernels") if m.startswith("fp4video.attention")], path.name
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "fp4video" / "integration").glob("*.py")), ids=lambda p: p.name)
 def test_integration_does_not_import_the_cli_or_harness(path):
-    bad = [m for m in _imports(path, "fp4video.integration") if m.startswith(("fp4video.cli", "fp4video.harness"))]
+    bad = [m for m in _modules(path, "fp4video.integration") if m.startswith(("fp4video.cli", "fp4video.harness"))]
     assert not bad, f"{path.name} imports {bad}"
 
 
-def test_kernels_import_only_torch_triton_and_numerics():
-    for path in (ROOT / "kernels").rglob("*.py"):
-        for m in _imports(path, package="fp4video.kernels"):
-            top = m.split(".")[0]
-            assert top in {"torch", "triton", "fp4video", "__future__", "math", "functools", "os", "dataclasses",
-                           "typing", "importlib"}, f"{path.name} imports {m}"
-            if top == "fp4video" and m != "fp4video":  # numerics only, never the API / harness / CLI
-                assert m.split(".")[1] in {"formats", "recipe", "reference", "rotation", "kernels"}, f"{path.name}: {m}"
+@pytest.mark.parametrize("path", KERNELS, ids=lambda p: p.name)
+def test_kernels_import_only_torch_triton_and_numerics(path):
+    for m in _modules(path, package="fp4video.kernels"):
+        top = m.split(".")[0]
+        assert top in {"torch", "triton", "fp4video", "__future__", "math", "functools", "os", "dataclasses",
+                       "typing", "importlib", "warnings"}, f"{path.name} imports {m}"
+        if top == "fp4video" and m != "fp4video":  # numerics only, never the API / harness / CLI
+            assert m.split(".")[1] in {"formats", "recipe", "reference", "rotation", "kernels"}, f"{path.name}: {m}"
+
+
+def _kernel_graph():
+    """kernel module -> the kernel modules it imports (by file stem)."""
+    stems = {p.stem for p in KERNELS}
+    graph = {}
+    for path in KERNELS:
+        deps = set()
+        for m, names in _imports(path, "fp4video.kernels"):
+            if m == "fp4video.kernels":  # `from . import x`
+                deps |= {n for n in names if n in stems}
+            elif m.startswith("fp4video.kernels."):
+                deps.add(m.split(".")[2])
+        graph[path.stem] = deps - {path.stem}
+    return graph
+
+
+def test_kernel_modules_form_no_import_cycle():
+    graph, done, stack = _kernel_graph(), set(), []
+
+    def visit(node):
+        if node in stack:
+            raise AssertionError(f"import cycle: {' -> '.join(stack[stack.index(node):] + [node])}")
+        if node in done:
+            return
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            visit(dep)
+        stack.pop()
+        done.add(node)
+
+    for node in graph:
+        visit(node)
+    assert graph["tiles"] <= {"key_order"} and not graph["key_order"], graph  # the shared modules sit at the bottom
+
+
+@pytest.mark.parametrize("path", KERNELS, ids=lambda p: p.name)
+def test_kernel_modules_use_no_private_name_of_another(path):
+    private = [(m, n) for m, names in _imports(path, "fp4video.kernels") if m.startswith("fp4video.kernels")
+               for n in names if n.startswith("_") and n != "__future__"]
+    assert not private, f"{path.name} imports private names {private}"
+
+
+@pytest.mark.parametrize("path", KERNELS, ids=lambda p: p.name)
+def test_only_the_dispatch_reads_the_environment(path):
+    text = path.read_text()
+    if path.name == "dispatch.py":
+        return
+    assert "os.environ" not in text and "getenv" not in text, f"{path.name} reads the environment"
+
+
+def test_public_import_paths_keep_working():
+    """What the README shows and what scripts import, and the modules renamed on 2026-12-01 (with a
+    DeprecationWarning naming the new module)."""
+    import importlib
+    import importlib.util
+
+    import fp4video
+    from fp4video import METHODS, AttentionRecipe, fp4_attention  # noqa: F401
+    from fp4video.formats import quantize, round_e2m1  # noqa: F401
+    from fp4video.integration import FP4Processor, Policy, install, uninstall  # noqa: F401
+    from fp4video.recipe import AttentionRecipe as Recipe  # noqa: F401
+
+    assert fp4video.install is install and fp4video.Policy is Policy
+    importlib.import_module("fp4video.integration.tiny")
+    importlib.import_module("fp4video.integration.dispatcher")
+    for package, old, new in (("fp4video.harness", "source000", "sageattention3"),
+                              ("fp4video.harness", "source001", "mxattention")):
+        with pytest.warns(DeprecationWarning, match=new):
+            assert getattr(importlib.import_module(package), old) is importlib.import_module(f"{package}.{new}")
+    pytest.importorskip("triton")
+    from fp4video import kernels
+
+    assert callable(kernels.attention) and callable(kernels.supports)
+    for old, new in kernels.RENAMED.items():
+        if new == "loop_nvfp4_sm90" and importlib.util.find_spec("triton.experimental.gluon") is None:
+            continue
+        with pytest.warns(DeprecationWarning, match=new):
+            assert getattr(kernels, old) is importlib.import_module(f"fp4video.kernels.{new}")
+    with pytest.warns(DeprecationWarning):
+        assert kernels.attention_fwd.prepare is kernels.dispatch.prepare

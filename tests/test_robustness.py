@@ -220,7 +220,8 @@ def test_e4m3_loop_rows_equal_the_reference_when_v_has_outlier_tokens(method):
 
 
 def test_e4m3_window_check_measures_v_span():
-    from fp4video.kernels.prepass import E4M3_V_SPAN_LIMIT, prepass_fp8_window
+    from fp4video.kernels.loop_e4m3 import E4M3_V_SPAN_LIMIT
+    from fp4video.kernels.prepass import prepass_fp8_window
 
     q, k, v = make_inputs(Sharpness(), sq=64, sk=256)
     _, span = prepass_fp8_window(q, k, v, METHODS["mxattn"], None)

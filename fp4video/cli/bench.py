@@ -116,7 +116,7 @@ def bench_kernel(args) -> str:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from .. import METHODS, fp4_attention
-    from ..kernels.attention_fwd import attention_prepared, prepare
+    from ..kernels.dispatch import attention_prepared, prepare
     from ..metrics import cossim
 
     def bench(fn):  # ~1.5 s per measurement: at least 7 calls of the longest shapes

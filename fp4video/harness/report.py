@@ -12,31 +12,31 @@ import torch
 from ..attention import fp4_attention
 from ..metrics import compare
 from ..recipe import METHODS
-from . import robustness, source000, source001
+from . import mxattention, robustness, sageattention3
 
 #: Data sets on which our own combinations are judged against the published methods.
-COMBINATION_DATA = ("source000 t=1", "source000 t=4", "outlier channels")
+COMBINATION_DATA = ("SageAttention3 t=1", "SageAttention3 t=4", "outlier channels")
 COMBINATION_METHODS = ("mxfp4-ocp", "mxattn", "mxattn-sk", "nvfp4", "sage3", "sage3-hpnq")
 
 
-def _s000_as_bhsd(x, t=1.0):
+def _sa3_as_bhsd(x, t=1.0):
     return (x.q * t).float()[None, None], x.k.float()[None, None], x.v.float()[None, None]
 
 
 def method_table(seed: int) -> dict:
-    """Every fp4video method (online-softmax reference, unnormalized P̃ tiles) on source 000's data."""
-    x = source000.make_inputs(seed)
-    q, k, v = _s000_as_bhsd(x)
-    ref = source000.exact_attention(x)[1][None, None]
+    """Every fp4video method (online-softmax reference, unnormalized P̃ tiles) on the SageAttention3 harness's data."""
+    x = sageattention3.make_inputs(seed)
+    q, k, v = _sa3_as_bhsd(x)
+    ref = sageattention3.exact_attention(x)[1][None, None]
     return {m: compare(fp4_attention(q, k, v, method=m, backend="reference"), ref) for m in METHODS}
 
 
 def combination_table(seed: int) -> dict:
-    x = source000.make_inputs(seed)
+    x = sageattention3.make_inputs(seed)
     sets = {
-        "source000 t=1": _s000_as_bhsd(x, 1.0),
-        "source000 t=4": _s000_as_bhsd(x, 4.0),
-        "outlier channels": source001.outlier_inputs(seed),
+        "SageAttention3 t=1": _sa3_as_bhsd(x, 1.0),
+        "SageAttention3 t=4": _sa3_as_bhsd(x, 4.0),
+        "outlier channels": mxattention.outlier_inputs(seed),
     }
     out = {}
     for name, (q, k, v) in sets.items():
@@ -47,41 +47,41 @@ def combination_table(seed: int) -> dict:
 
 def run_all(seed: int = 0, progress=None) -> dict:
     step = progress or (lambda *_: None)
-    s000 = source000.run(seed, progress=step)
-    s001 = source001.run(seed, progress=step)
+    sa3 = sageattention3.run(seed, progress=step)
+    mxa = mxattention.run(seed, progress=step)
     step("fp4video methods")
     methods = method_table(seed)
     combos = combination_table(seed)
     step("robustness")
     robust = robustness.robustness_table(list(METHODS), seed)
-    return {"seed": seed, "source000": s000, "source001": s001, "methods": methods, "combinations": combos,
+    return {"seed": seed, "sageattention3": sa3, "mxattention": mxa, "methods": methods, "combinations": combos,
             "robustness": robust}
 
 
 def summary_json(r: dict) -> dict:
     """The stable JSON contract of ``fp4video accuracy --json`` (plus the full detail)."""
-    s000, s001 = r["source000"], r["source001"]
-    detail = {k: v for k, v in s001.items() if not k.startswith("_")}
+    sa3, mxa = r["sageattention3"], r["mxattention"]
+    detail = {k: v for k, v in mxa.items() if not k.startswith("_")}
     detail["pnq"] = {  # a new dict: the row-sum tensors stay in r for the plots
         key: ({k: v for k, v in val.items() if k != "row_sums"} if isinstance(val, dict) else val)
-        for key, val in s001["pnq"].items()
+        for key, val in mxa["pnq"].items()
     }
     return {
         "seed": r["seed"],
-        "e4m3": s000["e4m3"],
+        "e4m3": sa3["e4m3"],
         "uos": {
-            "qmax_star": s001["uos"]["qmax_star"],
-            "ocp_overflow_probability": s001["uos"]["ocp_overflow_probability"],
-            "objective_minimizers": s001["uos"]["objective_minimizers"],
+            "qmax_star": mxa["uos"]["qmax_star"],
+            "ocp_overflow_probability": mxa["uos"]["ocp_overflow_probability"],
+            "objective_minimizers": mxa["uos"]["objective_minimizers"],
         },
         "methods": r["methods"],
         "entropy_sweep": [
             {"norm_entropy": e["norm_entropy"], "two_level": e["two_level"], "direct": e["direct"],
              "temperature": e["temperature"]}
-            for e in s000["entropy_sweep"]
+            for e in sa3["entropy_sweep"]
         ],
-        "source000": s000,
-        "source001": detail,
+        "sageattention3": sa3,
+        "mxattention": detail,
         "combinations": r["combinations"],
         "robustness": r["robustness"],
     }
@@ -125,8 +125,8 @@ def _pct(x):
 
 def tables(r: dict) -> list[dict]:
     """Every table of the report, as :func:`_table` specs (published values beside ours)."""
-    s0, s1 = r["source000"], r["source001"]
-    pub0, pub1 = source000.PUBLISHED, source001.PUBLISHED
+    s0, s1 = r["sageattention3"], r["mxattention"]
+    pub0, pub1 = sageattention3.PUBLISHED, mxattention.PUBLISHED
     out = []
     fmt_rows = [
         ("NVFP4 (1x16, E4M3), smooth-K, two-level P", _pct(s0["formats"]["nvfp4"]), pub0["nvfp4"]),
@@ -135,10 +135,10 @@ def tables(r: dict) -> list[dict]:
         ("NVFP4, smooth-K off", _pct(s0["smooth_k"]["off"]), pub0["smooth_k_off"]),
         ("INT8 QK (smooth-K), full-precision PV", f"{s0['int8_qk_fp16_pv']:.3f}", pub0["int8_qk_fp16_pv"]),
     ]
-    out.append(_table("Source 000 — output CosSim % (1024x128 Gaussian, K mean, normalized P)",
+    out.append(_table("SageAttention3 — output CosSim % (1024x128 Gaussian, K mean, normalized P)",
                       ["configuration", "ours", "published"], fmt_rows))
     out.append(_table(
-        "Source 000 — temperature sweep, CosSim % (NVFP4, smooth-K)",
+        "SageAttention3 — temperature sweep, CosSim % (NVFP4, smooth-K)",
         ["norm. entropy", "temperature", "two-level", "published", "direct", "published"],
         [(f"{e['norm_entropy']:.3f}", f"{e['temperature']:.2f}", _pct(100 * e["two_level"]),
           _pct(100 * e["published_two_level"]), _pct(100 * e["direct"]), _pct(100 * e["published_direct"]))
@@ -149,9 +149,9 @@ def tables(r: dict) -> list[dict]:
         split_rows.append((f"t={t}", f"{row['max_s']:.2f} ({p['max_s']})", f"{row['mean_ds']:.3f} ({p['mean_ds']})",
                            f"{row['p_rel_l1']:.3f} ({p['p_rel_l1']})", f"{row['cos']:.2f} ({p['cos']})",
                            f"{row['pv_only_cos']:.2f} ({pub0['pv_only']})"))
-    out.append(_table("Source 000 — error split, ours (published)",
+    out.append(_table("SageAttention3 — error split, ours (published)",
                       ["", "max|S|", "mean|dS|", "P rel-L1", "Q/K-only CosSim", "P/V-only CosSim"], split_rows))
-    out.append(_table("Source 000 — counts, ours (published)", ["quantity", "ours", "published"], [
+    out.append(_table("SageAttention3 — counts, ours (published)", ["quantity", "ours", "published"], [
         ("E4M3 distinct non-negative", s0["e4m3"]["distinct_nonneg"], pub0["e4m3"]["distinct_nonneg"]),
         ("... of them in [0, 1/6]", s0["e4m3"]["in_p_range"], pub0["e4m3"]["in_p_range"]),
         ("score rel-L1, no smoothing", f"{s0['smooth_k']['s_rel_l1_no_smooth']:.4f}", pub0["s_rel_l1"]["no_smooth"]),
@@ -169,7 +169,7 @@ def tables(r: dict) -> list[dict]:
     uos_rows.append(("P(OCP max in [7,8)), analytic", f"{o['analytic']:.4f}", f"{pub1['ocp_overflow_probability']:.4f}"))
     uos_rows.append(("  ... log-uniform maxima (MC)", f"{o['log_uniform_maxima']:.4f}", ""))
     uos_rows.append(("  ... Gaussian 32-blocks", f"{o['gaussian_blocks']:.4f}", ""))
-    out.append(_table("Source 001 — Universal Optimal Scaling", ["quantity", "ours", "published"], uos_rows))
+    out.append(_table("MXAttention — Universal Optimal Scaling", ["quantity", "ours", "published"], uos_rows))
     pn = s1["pnq"]
     pnq_rows = []
     for rule in ("ocp", "uos"):
@@ -181,15 +181,15 @@ def tables(r: dict) -> list[dict]:
     pc = pub1["row_sum_components"]
     pnq_rows.append(("published (real tensors)", f"{pub1['mean_row_sum_direct']}", "",
                      f"{pc['zeroing']:+.4f}", f"{pc['saturation']:+.4f}", f"{pc['down']:+.4f}", f"{pc['up']:+.4f}", "0"))
-    out.append(_table(f"Source 001 — PNQ: row sums of MXFP4 P (entropy {pn['norm_entropy']:.2f})",
+    out.append(_table(f"MXAttention — PNQ: row sums of MXFP4 P (entropy {pn['norm_entropy']:.2f})",
                       ["P quantization", "mean row sum", "rows < 1", "zeroing", "saturation", "down", "up",
                        "PNQ max|Σ−1|"], pnq_rows))
     ab = s1["ablation"]
-    out.append(_table(f"Source 001 — sequential ablation, outlier-channel inputs (entropy {ab['norm_entropy']:.2f})",
+    out.append(_table(f"MXAttention — sequential ablation, outlier-channel inputs (entropy {ab['norm_entropy']:.2f})",
                       ["method", "CosSim %", "rel-L1", "RMSE", "switches"],
                       [(m, f"{100 * v['cossim']:.3f}", f"{v['rel_l1']:.4f}", f"{v['rmse']:.4f}", ab["recipes"][m])
                        for m, v in ab["methods"].items()]))
-    out.append(_table("fp4video methods — online-softmax reference on source 000's data (t=1)",
+    out.append(_table("fp4video methods — online-softmax reference on the SageAttention3 harness's data (t=1)",
                       ["method", "CosSim %", "rel-L1", "RMSE", "switches"],
                       [(m, f"{100 * v['cossim']:.2f}", f"{v['rel_l1']:.4f}", f"{v['rmse']:.4f}", METHODS[m].describe())
                        for m, v in r["methods"].items()]))
@@ -216,7 +216,7 @@ def plots(r: dict, out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    s0, s1 = r["source000"], r["source001"]
+    s0, s1 = r["sageattention3"], r["mxattention"]
     paths = []
 
     def save(fig, name):
@@ -231,8 +231,8 @@ def plots(r: dict, out_dir: Path) -> list[Path]:
     ent = [e["norm_entropy"] for e in sw]
     ax.plot(ent, [100 * e["two_level"] for e in sw], "o-", label="two-level P scale (ours)")
     ax.plot(ent, [100 * e["direct"] for e in sw], "s-", label="direct P scale (ours)")
-    ax.plot(ent, [100 * e["published_two_level"] for e in sw], "o--", alpha=0.5, label="two-level (source 000)")
-    ax.plot(ent, [100 * e["published_direct"] for e in sw], "s--", alpha=0.5, label="direct (source 000)")
+    ax.plot(ent, [100 * e["published_two_level"] for e in sw], "o--", alpha=0.5, label="two-level (SageAttention3 article)")
+    ax.plot(ent, [100 * e["published_direct"] for e in sw], "s--", alpha=0.5, label="direct (SageAttention3 article)")
     ax.set(xlabel="normalized attention entropy", ylabel="output CosSim (%)",
            title="NVFP4 attention vs. attention entropy")
     ax.grid(alpha=0.3)
@@ -264,7 +264,7 @@ def plots(r: dict, out_dir: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for dist, m in s1["mse_sweep"].items():
-        ax.plot(source001.QMAX_SWEEP, m["relative_mse"], label=f"{dist} (min {m['pooled_optimum']:.2f})")
+        ax.plot(mxattention.QMAX_SWEEP, m["relative_mse"], label=f"{dist} (min {m['pooled_optimum']:.2f})")
     ax.axvline(7.25, color="k", ls=":")
     ax.set(xlabel="Qmax", ylabel="MSE / MSE(7.25)", title="MXFP4 per-tensor MSE vs. scale boundary")
     ax.set_ylim(0.97, 1.2)
@@ -274,7 +274,7 @@ def plots(r: dict, out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7.6, 4.2))
     names = list(r["methods"])
     ax.bar(names, [100 * r["methods"][n]["cossim"] for n in names], color="tab:blue")
-    ax.set(ylabel="output CosSim (%)", title="fp4video methods on source 000's data (online softmax)")
+    ax.set(ylabel="output CosSim (%)", title="fp4video methods on the SageAttention3 harness's data (online softmax)")
     lo = min(100 * v["cossim"] for v in r["methods"].values())
     ax.set_ylim(math.floor(lo) - 1, 100.2)
     ax.tick_params(axis="x", rotation=35)

@@ -7,12 +7,12 @@ whole pre-pass as the attention call runs it, timed alone (medians), and replaye
 graph (GPU time without the CPU's launch work, which bounds short sequences). "× copy" is the
 launch's achieved bandwidth (the bytes it must move: bf16 read, e4m3 written; the maxima pass reads only)
 over that of a bf16 copy of Q timed in the same process. ``--sweep`` also times the launch
-options of ``_PrePass`` (row blocks per program, persistent launches, pipelining stages, warps, V
+options of ``PrepassLaunch`` (row blocks per program, persistent launches, pipelining stages, warps, V
 channels and maxima tiles per program, V's f16-pair and tensor-core paths), ``--plot`` draws the
-table. Markdown to stdout (BENCHMARKS.md keeps it).
+table. Markdown to stdout (docs/history.md keeps its runs).
 
-    python scripts/prepass_bandwidth.py --seqs 32760 75600 [--sweep [Q K V]] [--set OPTION=VALUE ...] [--plot PNG]
-    python scripts/prepass_bandwidth.py --replot BENCHMARKS.md --section "eighth session" --plot docs/prepass-bandwidth.png   # no GPU
+    python tools/prepass_bandwidth.py --seqs 32760 75600 [--sweep [Q K V]] [--set OPTION=VALUE ...] [--plot PNG]
+    python tools/prepass_bandwidth.py --replot docs/history.md --section "c05e83c" --plot PNG   # no GPU
 """
 
 from __future__ import annotations
@@ -24,17 +24,24 @@ import sys
 import torch
 
 
-def set_launch_options(cls, items) -> None:
-    """Apply ``OPTION=VALUE`` items (integers, True, False, None) to the launch options of
-    ``cls`` (``_PrePass``); ValueError naming the item for anything else."""
+def launch_options(items):
+    """The pre-pass's launch settings (:class:`fp4video.kernels.prepass.PrepassLaunch`) with
+    ``OPTION=VALUE`` items applied (integers or None); ValueError naming the item for anything else."""
+    import dataclasses
+
+    from fp4video.kernels.prepass import PREPASS_LAUNCH
+
+    fields = {f.name for f in dataclasses.fields(PREPASS_LAUNCH)}
+    changes = {}
     for item in items:
         name, _, text = item.partition("=")
-        if not name.isupper() or not hasattr(cls, name) or not text:
-            raise ValueError(f"--set {item}: not OPTION=VALUE with OPTION a launch option of {cls.__name__}")
-        words = {"None": None, "True": True, "False": False}
-        if text not in words and not text.lstrip("-").isdigit():
-            raise ValueError(f"--set {item}: the value must be an integer, True, False or None")
-        setattr(cls, name, words[text] if text in words else int(text))
+        if name not in fields or not text:
+            raise ValueError(f"--set {item}: not OPTION=VALUE with OPTION a launch option of PrepassLaunch "
+                             f"({', '.join(sorted(fields))})")
+        if text != "None" and not text.lstrip("-").isdigit():
+            raise ValueError(f"--set {item}: the value must be an integer or None")
+        changes[name] = None if text == "None" else int(text)
+    return dataclasses.replace(PREPASS_LAUNCH, **changes)
 
 
 def bench(fn, rep_ms: int = 200) -> float:
@@ -46,7 +53,7 @@ def bench(fn, rep_ms: int = 200) -> float:
 def launches(run, q, k, v):
     """Name -> (bytes per element of Q it must move, a call of that launch alone)."""
     from fp4video.kernels import prepass as pp
-    from fp4video.kernels.attention_fwd import tma_loop
+    from fp4video.kernels.dispatch import tma_loop
 
     tiled = tma_loop(q.device)  # K̂ stored as the loop reads it: in tile key order where it copies tiles by TMA
     q8, q_fac, k8, k_fac, v8, v_fac = run.run_fp8(tiled)
@@ -62,17 +69,15 @@ def launches(run, q, k, v):
     }
 
 
-#: launch options swept by --sweep: (launch name prefix, attribute of _PrePass, values)
+#: launch options swept by --sweep: (launch name prefix, fields of PrepassLaunch, values)
 SWEEP = [
-    ("Q", {"Q8_PROGRAMS_PER_SM": (None,), "BLOCKS_PER_PROGRAM": (1, 8, 16), "Q8_STAGES": (1, 2), "Q_WARPS": (4, 8)}),
-    ("Q", {"Q8_PROGRAMS_PER_SM": (None, 2, 3), "Q8_STAGES": (2, 3)}),
-    ("K", {"BLOCKS_PER_PROGRAM": (1, 8), "TILE_WARPS": (4, 8), "TILE_STAGES": (1, 2)}),
-    ("K", {"TILE_PROGRAMS_PER_SM": (None, 1, 2), "TILE_WARPS": (4, 8)}),
-    ("V: channel maxima", {"V_WARPS": (4, 8), "V_CHANNELS": (64, 128)}),
-    ("V: channel maxima", {"V_TILES_AMAX": (1, 2, 4, 8), "V_STAGES": (1, 3)}),
-    ("V: quantize", {"V_TRANSPOSE_MMA": (False,), "V_CHANNELS": (64, 128), "V_F16X2": (False, True)}),
-    ("V: quantize", {"V_TRANSPOSE_MMA": (True,), "V_CHANNELS_MMA": (64, 128), "V_TILES_MMA": (1, 2, 4),
-                     "V_STAGES": (2, 3)}),
+    ("Q", {"q8_programs_per_sm": (None,), "blocks_per_program": (1, 8, 16), "q8_stages": (1, 2), "row_warps": (4, 8)}),
+    ("Q", {"q8_programs_per_sm": (None, 2, 3), "q8_stages": (2, 3)}),
+    ("K", {"blocks_per_program": (1, 8), "tile_warps": (4, 8), "tile_stages": (1, 2)}),
+    ("K", {"tile_programs_per_sm": (None, 1, 2), "tile_warps": (4, 8)}),
+    ("V: channel maxima", {"v_warps": (4, 8), "v_channels": (64, 128)}),
+    ("V: channel maxima", {"v_tiles_amax": (1, 2, 4, 8), "v_stages": (1, 3)}),
+    ("V: quantize", {"v_channels_mma": (64, 128), "v_tiles_mma": (1, 2, 4), "v_stages": (2, 3)}),
 ]
 
 
@@ -105,8 +110,8 @@ def plot(rows, path, title: str) -> None:
 
 def parse_tables(text: str, section: str | None = None):
     """(S, launch, ms, × copy) rows of this script's launch tables in a markdown text (its own
-    output, or BENCHMARKS.md where it is kept): for ``--replot``. ``section``: only the tables
-    under a heading containing that text (BENCHMARKS.md keeps one run's tables per section)."""
+    output, or docs/history.md where it is kept): for ``--replot``. ``section``: only the tables
+    under a heading containing that text (docs/history.md keeps one run's tables per section)."""
     import re
 
     rows, s, heading, in_code = [], None, "", False
@@ -139,8 +144,8 @@ def main(argv=None) -> int:
                     help="also time the launch options (of the launches whose names start with LAUNCH: Q, K, V; all "
                          "when none is given)")
     ap.add_argument("--set", nargs="+", default=[], metavar="OPTION=VALUE",
-                    help="launch options of _PrePass for the whole run (e.g. TILE_WARPS=8 Q8_PROGRAMS_PER_SM=None; "
-                         "values: integers, True, False, None)")
+                    help="launch options of PrepassLaunch for the whole run (e.g. tile_warps=8 q8_programs_per_sm=None; "
+                         "values: integers, None)")
     ap.add_argument("--plot", help="write a bar chart of × copy bandwidth per launch (png)")
     ap.add_argument("--section", metavar="TEXT", help="--replot: only the tables under a heading containing TEXT")
     ap.add_argument("--replot", metavar="MARKDOWN",
@@ -163,11 +168,13 @@ def main(argv=None) -> int:
         print("error: needs a CUDA GPU", file=sys.stderr)
         return 2
     from fp4video import METHODS
+    import dataclasses
+
     from fp4video.kernels import prepass as pp
-    from fp4video.kernels.attention_fwd import prepare
+    from fp4video.kernels.dispatch import tma_loop
 
     try:
-        set_launch_options(pp._PrePass, args.set)
+        launch = launch_options(args.set)
     except ValueError as e:
         ap.error(str(e))
     if args.set:
@@ -188,14 +195,17 @@ def main(argv=None) -> int:
         gbps = 2 * n * 2 / t_copy / 1e6
         print(f"\nS = {s}: bf16 copy of Q {t_copy:.3f} ms = {gbps:.0f} GB/s\n")
         print("| launch | ms | GB/s | × copy |\n| --- | --- | --- | --- |")
-        run = pp._PrePass(q, k, v, recipe, None)
+        run = pp._PrePass(q, k, v, recipe, None, launch=launch)
         total_bytes = 0
         for name, (per_elem, fn) in launches(run, q, k, v).items():
             t = bench(fn)
             total_bytes += per_elem * n
             rows.append((s, name, t, per_elem * n / t / 1e6 / gbps))
             print(f"| {name} | {t:.3f} | {per_elem * n / t / 1e6:.0f} | {rows[-1][3]:.2f} |", flush=True)
-        t = bench(lambda: prepare(q, k, v, recipe, None))
+        def prepare():  # the whole e4m3 pre-pass, as the attention call runs it
+            pp.prepass_fp8_window(q, k, v, recipe, None, k_tile_order=tma_loop(q.device), launch=launch)
+
+        t = bench(prepare)
         rows.append((s, "whole pre-pass (as the attention call runs it)", t, total_bytes / t / 1e6 / gbps))
         print(f"| whole pre-pass (as the attention call runs it) | {t:.3f} | {total_bytes / t / 1e6:.0f} | "
               f"{rows[-1][3]:.2f} |", flush=True)
@@ -203,9 +213,9 @@ def main(argv=None) -> int:
         # launching four kernels (which bounds the line above at short sequences)
         graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         with torch.cuda.stream(side):
-            prepare(q, k, v, recipe, None)
+            prepare()
             with torch.cuda.graph(graph):
-                prepare(q, k, v, recipe, None)
+                prepare()
         torch.cuda.synchronize()
         t = bench(graph.replay)
         rows.append((s, "whole pre-pass, replayed from a CUDA graph", t, total_bytes / t / 1e6 / gbps))
@@ -216,9 +226,7 @@ def main(argv=None) -> int:
             for prefix, grid in [(p, g) for p, g in SWEEP if not args.sweep or p.startswith(tuple(args.sweep))]:
                 for values in itertools.product(*grid.values()):
                     opts = dict(zip(grid, values))
-                    run = pp._PrePass(q, k, v, recipe, None)
-                    for attr, value in opts.items():
-                        setattr(run, attr, value)
+                    run = pp._PrePass(q, k, v, recipe, None, launch=dataclasses.replace(launch, **opts))
                     name, (per_elem, fn) = next((nm, lf) for nm, lf in launches(run, q, k, v).items()
                                                 if nm.startswith(prefix))
                     try:

@@ -1,6 +1,6 @@
 """NVFP4 attention on Hopper, two warpgroups taking turns on the tensor cores (Gluon, sm_90).
 
-The numerics of :mod:`.attention_nvfp4` (the same :func:`.attention_nvfp4.nv_quantize_p` on the
+The numerics of :mod:`.loop_nvfp4` (the same :func:`.loop_nvfp4.nv_quantize_p` on the
 same pre-pass output: K̂/V̂ rows in tile key order, padded to whole tiles), scheduled as
 FlashAttention-3's ping-pong: each CTA's 128 query rows are two warpgroups of 64, each its own
 ``gl.warp_specialize`` partition, and named barriers (14, 15) make them issue their MMAs in turn —
@@ -9,12 +9,12 @@ while the other's MMAs do. K̂/V̂ tiles come by TMA into three buffers (mbarrie
 each warpgroup releases a buffer after its P̂·V̂ (``empty``, two arrivals) and warpgroup 0
 refills it with tile j+2. A warpgroup waits for its own P̂·V̂ before its softmax: leaving it in
 flight under the softmax measured slower for both NVFP4 methods once the quantization got
-cheaper (BENCHMARKS.md, 2026-11-30, third session).
+cheaper (H200, 2026-11-30; docs/history.md).
 
 Why partitions: within one partition Triton's shared-memory barrier analysis puts CTA-wide
 barriers around mbarrier and TMA operations, which make the warpgroups meet every key tile
-(that version measured 21% slower, ``scripts/nvfp4_schedule_experiments.py``); inside a
-partition they are partition barriers. BENCHMARKS.md has the measurements. Gluon has no CPU
+(that version measured 21% slower, docs/history.md); inside a partition they are partition
+barriers. Gluon has no CPU
 interpreter: CI compiles this kernel for sm_90 offline; the GPU tests compare it with the Triton
 loop, element for element, on the H200.
 """
@@ -31,8 +31,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from fp4video.recipe import AttentionRecipe
 from fp4video.reference import KEY_TILE
 
-from .attention_fwd import mma_key_order, store_out_lse
-from .attention_nvfp4 import _nv_attn_fwd, nv_launch_args, nv_quantize_p, nv_row_vector
+from .key_order import mma_key_order
+from .loop_nvfp4 import nv_launch_args, nv_quantize_p, nv_row_vector
+from .tiles import store_out_lse
 
 BLOCK_M, NUM_BUFFERS = 128, 3
 #: registers per thread of warpgroup 1's partition (warpgroup 0 gets the rest of the 64 K)
@@ -225,30 +226,9 @@ def unsupported_reason(qh: torch.Tensor, vh: torch.Tensor) -> str | None:
 
 
 #: (head dim, value head dim) this kernel runs by default: the shapes it was checked on, on the
-#: H200, against the Triton loop element for element (BENCHMARKS.md); others take the Triton
-#: loop unless ``FP4VIDEO_NV_KERNEL=sm90``
+#: H200, against the Triton loop element for element; others take the Triton loop unless
+#: ``FP4VIDEO_NV_KERNEL=sm90``
 DEFAULT_SHAPES = {(128, 128)}
-
-
-def choose(qh: torch.Tensor, vh: torch.Tensor, launch_given: bool) -> str:
-    """Which NVFP4 loop runs: ``"sm90"`` (this one: measured faster on the H200, BENCHMARKS.md)
-    where it can run, for :data:`DEFAULT_SHAPES`, when no launch options (``block_m``, ...: the
-    Triton loop's) are given; else ``"triton"`` (:mod:`.attention_nvfp4`).
-    ``FP4VIDEO_NV_KERNEL=triton|sm90`` forces one; a forced ``sm90`` raises where it cannot run."""
-    import os
-
-    forced = os.environ.get("FP4VIDEO_NV_KERNEL")
-    if forced not in (None, "", "sm90", "triton"):
-        raise ValueError(f"FP4VIDEO_NV_KERNEL must be 'sm90' or 'triton', got {forced!r}")
-    if forced == "triton":
-        return "triton"
-    reason = unsupported_reason(qh, vh)
-    if forced == "sm90" and (reason or launch_given):
-        raise ValueError(f"FP4VIDEO_NV_KERNEL=sm90: {reason or 'it takes no launch options (block_m, ...)'}")
-    if forced == "sm90":
-        return "sm90"
-    default_shape = (qh.shape[-1], vh.shape[-1]) in DEFAULT_SHAPES
-    return "sm90" if reason is None and not launch_given and default_shape else "triton"
 
 
 def attention_nvfp4_sm90(qh, kh, vh, key_alive, *, sk: int, recipe: AttentionRecipe, scale: float, out_dtype):
@@ -267,11 +247,10 @@ def attention_nvfp4_sm90(qh, kh, vh, key_alive, *, sk: int, recipe: AttentionRec
     vd = TensorDescriptor(v_rows, list(v_rows.shape), list(v_rows.stride()), [KEY_TILE, dv],
                           _smem_layout(KEY_TILE, dv))
     # the shared arguments by name (the Triton loop's parameter names), K̂/V̂ as descriptors
-    named = dict(zip(_nv_attn_fwd.arg_names, args), Kd=kd, Vd=vd, SK_PAD=sk_pad)
+    named = dict(args, Kd=kd, Vd=vd, SK_PAD=sk_pad)
     _nv_attn_fwd_sm90[(triton.cdiv(sq, BLOCK_M), b * h)](
         *(named[n] for n in _nv_attn_fwd_sm90.arg_names if n in named),
         **meta, BLOCK_DV=dv, BLOCK_M=BLOCK_M, NUM_BUF=NUM_BUFFERS,
-        # P̂·V̂ under the own softmax: faster for plain NVFP4 P, slower for two-level P (BENCHMARKS.md)
         CONSUMER_REGS=CONSUMER_REGS,
         num_warps=4, enable_fp_fusion=False,  # explicit fma only
     )

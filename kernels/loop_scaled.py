@@ -1,19 +1,18 @@
 """MXFP4 attention through ``tl.dot_scaled``: packed E2M1 operands with E8M0 block scales.
 
 On Blackwell (sm_100 / sm_120) Triton lowers ``tl.dot_scaled(.., "e2m1", .., "e2m1")`` to the
-native FP4 MMAs (``tcgen05.mma … kind::mxf4`` / ``mma.sync … kind::mxf4nvf4``;
-``tests/test_kernels.py`` compiles this kernel for those targets offline and checks). Every MXFP4
+native FP4 MMAs (``tcgen05.mma … kind::mxf4`` / ``mma.sync … kind::mxf4nvf4``; the tests
+compile this kernel for those targets offline and check). Every MXFP4
 block of the method maps onto the MMA's own scale blocks: Q and K blocks of 32 along the head
 dim (the QKᵀ reduction), P blocks of 32 keys per row and V blocks of 32 tokens per channel (the
 PV reduction). No e4m3 window applies: every block carries its own E8M0 scale.
 
 On Hopper and older, Triton emulates ``dot_scaled`` (operands upcast to bf16), so the e4m3 kernel
-of :mod:`.attention_fwd` is the fast path there; this one still runs and matches the reference.
+of :mod:`.loop_e4m3` is the fast path there; this one still runs and matches the reference.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -21,8 +20,9 @@ from fp4video.formats import ScaleRule
 from fp4video.recipe import AttentionRecipe, RowSum
 from fp4video.reference import KEY_TILE
 
-from .attention_fwd import LOG2E, _key_mask, program_rows, store_out_lse
 from .fp4_math import e2m1_magnitude_codes, mx_block_exponent, pack_nibbles, pow2, round_e2m1_at_scale
+from .launch import LoopLaunch
+from .tiles import LOG2E, key_mask, outputs, program_rows, store_out_lse
 
 
 @triton.jit
@@ -114,8 +114,7 @@ def _mx_scaled_attn_fwd(
                   sob, soh, sos, sod, slb, slh, sls)
 
 
-#: BLOCK_M, warps, stages (not tuned: no Blackwell GPU here)
-LAUNCH = (128, 8, 2)
+LAUNCH = LoopLaunch(128, 8, 2, reason="not tuned: no Blackwell GPU has run it")
 
 
 def attention_packed(q4, q_scale, k4, k_scale, v4t, v_scale, key_alive, *, recipe: AttentionRecipe, scale: float,
@@ -124,11 +123,9 @@ def attention_packed(q4, q_scale, k4, k_scale, v4t, v_scale, key_alive, *, recip
     b, h, sq, d2 = q4.shape
     sk, dvp, sk_pad = k4.shape[-2], v4t.shape[-2], v4t.shape[-1] * 2
     dev = q4.device
-    out = torch.empty(b, h, sq, dv, device=dev, dtype=out_dtype)
-    lse = torch.empty(b, h, sq, device=dev, dtype=torch.float32)
-    km = _key_mask(key_alive, dev)
-    bm, nw, ns = LAUNCH
-    block_m, num_warps, num_stages = block_m or bm, num_warps or nw, num_stages or ns
+    out, lse = outputs(q4.shape, dv, dev, out_dtype)
+    km = key_mask(key_alive, dev)
+    block_m, num_warps, num_stages = LAUNCH.resolve(dev, block_m, num_warps, num_stages)
     _mx_scaled_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
         q4, q_scale, k4, k_scale, v4t, v_scale, km, out, lse,
         h, sq, sk, sk_pad, dv,
@@ -141,23 +138,3 @@ def attention_packed(q4, q_scale, k4, k_scale, v4t, v_scale, key_alive, *, recip
         QB=recipe.pv_format.block, num_warps=num_warps, num_stages=num_stages,
     )
     return out, lse
-
-
-def compile_ptx(arch: int, *, has_mask: bool = True, num_warps: int = 8, num_stages: int = 2) -> str:
-    """PTX of the kernel (head dim 128, UOS + PNQ) for CUDA compute capability ``arch`` (e.g. 100,
-    120, 90), compiled offline: no GPU needed. For checking which MMA a Triton version emits."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = _mx_scaled_attn_fwd
-    names = fn.arg_names
-    ptr = {"Q4": "*u8", "QS": "*u8", "K4": "*u8", "KS": "*u8", "V4T": "*u8", "VS": "*u8", "KeyMask": "*i8",
-           "Out": "*bf16", "Lse": "*fp32"}
-    consts = dict(HAS_MASK=has_mask, OCP=False, QMAX=7.25, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=128,
-                  BLOCK_N=KEY_TILE, QB=32)
-    sig = {n: "constexpr" if n in consts else ptr.get(n, "fp32" if n == "scale_log2" else "i32") for n in names}
-    aligned = [n for n in names if sig[n].startswith("*") or n in ("sqs", "sks", "svd", "svsd", "SQ", "SK_PAD")]
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    target = GPUTarget("cuda", arch, 32)
-    return triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]

@@ -1,4 +1,4 @@
-"""Source 001 (MXAttention): UOS's Qmax = 7.25, the OCP overflow probability, PNQ's row sums,
+"""MXAttention (Yu et al., arXiv 2607.24377): UOS's Qmax = 7.25, the OCP overflow probability, PNQ's row sums,
 and the sequential ablation, at op level.
 
 The UOS objective (MXAttention §4.1 and App. C, reconstructed from the paper's equations): a

@@ -1,4 +1,5 @@
-"""Source 000 ("Microscaling FP4 Attention: Why the Softmax Operand Needs Two Scale Factors").
+"""SageAttention3's NVFP4 attention, as "Microscaling FP4 Attention: Why the Softmax Operand Needs Two
+Scale Factors" (an account of SageAttention3, Zhang et al.) measures it.
 
 Its harness: Q, K, V of 1024×128 i.i.d. Gaussians, K with a per-channel mean, Q/K/V and the
 **post-softmax, normalized** P block-quantized, compared with full-precision attention on the
@@ -44,12 +45,12 @@ N_TOKENS, HEAD_DIM, K_MEAN_STD = 1024, 128, 2.6
 P_RANGE_MAX = 1.0 / 6.0  # a post-softmax block scale max(P)/6 lies in [0, 0.167]
 
 # The harness's configurations, as recipes over the same switches the library uses.
-NVFP4 = AttentionRecipe(name="s000-nvfp4", qk_format="nvfp4", pv_format="nvfp4", smooth_k=True, p_scale="two_level")
-MXFP4 = AttentionRecipe(name="s000-mxfp4", qk_format="mxfp4", pv_format="mxfp4", smooth_k=True, scale_rule="ocp")
+NVFP4 = AttentionRecipe(name="sa3-nvfp4", qk_format="nvfp4", pv_format="nvfp4", smooth_k=True, p_scale="two_level")
+MXFP4 = AttentionRecipe(name="sa3-mxfp4", qk_format="mxfp4", pv_format="mxfp4", smooth_k=True, scale_rule="ocp")
 NVFP4_DIRECT = NVFP4.replace(p_scale="direct")
 NVFP4_NO_SMOOTH = NVFP4.replace(smooth_k=False)
-QK_ONLY = AttentionRecipe(name="s000-qk-only", qk_format="nvfp4", smooth_k=True)
-PV_ONLY = AttentionRecipe(name="s000-pv-only", pv_format="nvfp4", p_scale="two_level")
+QK_ONLY = AttentionRecipe(name="sa3-qk-only", qk_format="nvfp4", smooth_k=True)
+PV_ONLY = AttentionRecipe(name="sa3-pv-only", pv_format="nvfp4", p_scale="two_level")
 
 
 @dataclass
@@ -96,7 +97,7 @@ def quantized_scores(x: Inputs, recipe: AttentionRecipe, temperature: float = 1.
 
 
 def normalized_p_attention(x: Inputs, recipe: AttentionRecipe, temperature: float = 1.0):
-    """Source 000's op: P = softmax(quantized logits) normalized, then quantized; O = P̂ V̂.
+    """The SageAttention3 article's op: P = softmax(quantized logits) normalized, then quantized; O = P̂ V̂.
     Returns (O, P̂)."""
     _, _, vh = prepare_qkv(x.q, x.k, x.v, recipe)
     p = torch.softmax(quantized_scores(x, recipe, temperature), dim=-1)
@@ -105,7 +106,7 @@ def normalized_p_attention(x: Inputs, recipe: AttentionRecipe, temperature: floa
 
 
 def int8_qk_attention(x: Inputs, temperature: float = 1.0) -> torch.Tensor:
-    """INT8 QKᵀ (per-token scales) with smooth-K, full-precision PV: source 000's 8-bit reference."""
+    """INT8 QKᵀ (per-token scales) with smooth-K, full-precision PV: the SageAttention3 article's 8-bit reference."""
     q = int8_quantize_dequantize((x.q * temperature).float()).double()
     k = int8_quantize_dequantize((x.k - x.k.mean(0)).float()).double()
     p = torch.softmax(q @ k.T * x.scale, dim=-1)
@@ -138,7 +139,7 @@ def distinct_p_magnitudes(x: Inputs, recipe: AttentionRecipe) -> int:
 
 
 def split_row(x: Inputs, temperature: float) -> dict:
-    """The Q/K-only row of source 000's error split at one temperature."""
+    """The Q/K-only row of the SageAttention3 article's error split at one temperature."""
     p_ref, o_ref = exact_attention(x, temperature)
     s_ref = (x.q * temperature) @ x.k.T * x.scale
     s = quantized_scores(x, QK_ONLY, temperature)

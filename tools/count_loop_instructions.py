@@ -1,13 +1,12 @@
 #!/usr/bin/env python3
 """Instructions per element of S in the attention loops, read from their sm_90 code, compiled
-offline (no GPU needed): the ALU budget BENCHMARKS.md discusses.
+offline (no GPU needed): the ALU budget docs/history.md discusses.
 
-    python scripts/count_loop_instructions.py [--no-quantize-p] [--ocp] [--precise] [--pointer-loads] [--mask]
-                                              [--fp32-p] [--pv-into-acc] [--max-registers N]
-    python scripts/count_loop_instructions.py --kernel nvfp4 [--no-two-level]
-    python scripts/count_loop_instructions.py --kernel nvfp4-sm90 [--no-two-level]
+    python tools/count_loop_instructions.py [--ocp] [--pointer-loads] [--mask] [--pv-into-acc] [--max-registers N]
+    python tools/count_loop_instructions.py --kernel nvfp4 [--no-two-level]
+    python tools/count_loop_instructions.py --kernel nvfp4-sm90 [--no-two-level]
 
-Compiles ``_mx_fp8_attn_fwd`` (the e4m3 MXFP4 loop), ``_nv_attn_fwd`` (the bf16 NVFP4 loop) or
+Compiles ``_e4m3_attn_fwd`` (the e4m3 MXFP4 loop), ``_nv_attn_fwd`` (the bf16 NVFP4 loop) or
 ``_nv_attn_fwd_sm90`` (the ping-pong Gluon NVFP4 loop: one warpgroup's partition is counted) as
 it is launched on Hopper (its ``LAUNCH``: 128 rows and 8 warps, or for the e4m3 loop 64 rows and
 4 warps, K̂/V̂ᵀ tiles by TMA, P rounded on f16 pairs, P̂·V̂ in a fresh accumulator, with a mask
@@ -42,41 +41,26 @@ WAN_480P_INTS = dict(H=40, SQ=_S, SK=_S, SK_PAD=_SP, DV=128, sqb=40 * _S * 128, 
                      slb=40 * _S, slh=_S, sls=1)
 
 
-def launch_signature(fn, consts: dict, ptr: dict, ints: dict, floats=()):
-    """(signature, constexprs, attributes) for ``ASTSource`` as Triton's launcher specializes a
-    launch of ``fn`` with these integer arguments: one equal to 1 becomes the constant 1, a
-    multiple of 16 is marked 16-divisible, as is every pointer (torch aligns its allocations);
-    ``ptr``: the types of the pointer (or descriptor) arguments, ``floats``: the fp32 ones.
-    (Compiled without this, unit strides stay runtime values and loads and stores go scalar.)"""
-    names = fn.arg_names
-    consts = {**{n: 1 for n, v in ints.items() if v == 1 and n in names}, **consts}
-    sig = {n: "constexpr" if n in consts else ptr.get(n, "fp32" if n in floats else "i32") for n in names}
-    aligned = [n for n in names if sig[n].startswith("*") or (sig[n] == "i32" and n in ints and ints[n] % 16 == 0)]
-    return (sig, {(names.index(k),): v for k, v in consts.items()},
-            {(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-
-
 def compile_loop_kernel(args):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from offline_compile import compile_kernel
 
-    source = ASTSource
+    from fp4video.formats import ScaleRule
+    from fp4video.reference import TWO_LEVEL_P_RANGE
+
+    gluon = False
     if args.kernel == "nvfp4":
-        from fp4video.kernels.attention_nvfp4 import LAUNCH, _nv_attn_fwd as fn
-        from fp4video.reference import TWO_LEVEL_P_RANGE
+        from fp4video.kernels.loop_nvfp4 import LAUNCH, _nv_attn_fwd as fn
 
         ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
         consts = dict(HAS_MASK=False, TWO_LEVEL=not args.no_two_level, P_RANGE=TWO_LEVEL_P_RANGE, PNQ=False,
                       IEEE=False, FAST_RCP=True, HW_E4M3=True, D=128, BLOCK_DV=128, DV_PAD=False, BLOCK_M=128, BLOCK_N=128)
-        stages, warps, max_registers = LAUNCH[2], 8, None
+        stages, warps, max_registers = LAUNCH.num_stages, LAUNCH.num_warps, None
     elif args.kernel == "nvfp4-sm90":
         from triton.experimental.gluon import language as gl
-        from triton.experimental.gluon._runtime import GluonASTSource as source
 
-        from fp4video.kernels.attention_nvfp4_sm90 import CONSUMER_REGS, NUM_BUFFERS, _nv_attn_fwd_sm90 as fn
-        from fp4video.reference import TWO_LEVEL_P_RANGE
+        from fp4video.kernels.loop_nvfp4_sm90 import CONSUMER_REGS, NUM_BUFFERS, _nv_attn_fwd_sm90 as fn
 
+        gluon = True
         desc = f"tensordesc<bf16[128, 128],{gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16)!r}>"
         ptr = {"Q": "*bf16", "Kd": desc, "Vd": desc, "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
         consts = dict(HAS_MASK=False, TWO_LEVEL=not args.no_two_level, P_RANGE=TWO_LEVEL_P_RANGE, PNQ=False,
@@ -84,32 +68,31 @@ def compile_loop_kernel(args):
                       CONSUMER_REGS=CONSUMER_REGS)
         stages, warps, max_registers = 1, 4, None  # its own buffering; one warpgroup here, the other in a partition
     else:
-        from fp4video.kernels.attention_fwd import LAUNCH, TILE_EXP_FLOOR, _mx_fp8_attn_fwd as fn
+        from fp4video.kernels.loop_e4m3 import (POINTER_LAUNCH, TILE_EXP_FLOOR, TMA_LAUNCH, TMA_REGISTER_BUDGET,
+                                                _e4m3_attn_fwd as fn)
 
         tma = not args.pointer_loads
         ptr = {"Q8": "*fp8e4nv", "QFac": "*fp32", "K8": "*fp8e4nv", "KFac": "*fp32", "V8T": "*fp8e4nv",
                "VFac": "*fp32", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
         if tma:  # K̂ (rows in tile key order) and V̂ᵀ as TMA tensor descriptors of 128 × 128 boxes
             ptr["K8"] = ptr["V8T"] = "tensordesc<fp8e4nv[128, 128]>"
-        bm, warps, stages = LAUNCH["fp8-tma" if tma else "fp8"]
-        consts = dict(HAS_MASK=args.mask, OCP=args.ocp, QMAX=7.25, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=bm,
-                      BLOCK_N=128, QB=32, EXP_FLOOR=TILE_EXP_FLOOR, QUANTIZE_P=not args.no_quantize_p,
-                      WARP_SPEC=False, PRECISE_QK=args.precise, PRECISE_PV=args.precise, TMA=tma, K_TILE_ORDER=tma,
-                      F16_P=not args.fp32_p, ASM=True, FRESH_PV=tma and not args.pv_into_acc)
+        launch = TMA_LAUNCH if tma else POINTER_LAUNCH
+        rule = ScaleRule.OCP if args.ocp else ScaleRule.UOS
+        consts = dict(HAS_MASK=args.mask, OCP=args.ocp, QMAX=rule.qmax, PNQ=True, D=128, BLOCK_DV=128,
+                      BLOCK_M=launch.block_m, BLOCK_N=128, QB=32, EXP_FLOOR=TILE_EXP_FLOOR, TMA=tma, K_TILE_ORDER=tma,
+                      ASM=True, FRESH_PV=tma and not args.pv_into_acc)
+        stages, warps = launch.num_stages, launch.num_warps
         max_registers = args.max_registers
         if max_registers is None and tma and args.mask:  # as the masked TMA loop is launched
-            from fp4video.kernels.attention_fwd import FP8_TMA_REGISTER_BUDGET as max_registers
-    names = fn.arg_names
-    missing = [names[i] for i in fn.constexprs if names[i] not in consts]
-    if missing:  # every constexpr must be fixed here, or Triton makes it a runtime argument
-        raise SystemExit(f"error: constexpr arguments not set by this script: {missing}")
+            max_registers = TMA_REGISTER_BUDGET
     ints = dict(WAN_480P_INTS, smb=_S if args.mask else 1)  # the mask: (B, S) int8
-    sig, constexprs, attrs = launch_signature(fn, consts, ptr, ints, floats=("scale_log2",))
-    src = source(fn, sig, constexprs=constexprs, attrs=attrs)
     options = dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     if max_registers:  # as the launch caps them (ptxas spills past the cap)
         options["maxnreg"] = max_registers
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    try:
+        return compile_kernel(fn, consts, ptr, ints, arch=90, floats=("scale_log2",), gluon=gluon, **options)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
 
 
 def loop_opcodes(lines, label_re, branch_re, op_re, is_mma):
@@ -187,14 +170,11 @@ def main(argv=None) -> int:
                     help="mx: the e4m3 MXFP4 loop (default); nvfp4: the bf16 NVFP4 loop (sage3's two-level P); "
                          "nvfp4-sm90: the ping-pong Gluon NVFP4 loop")
     ap.add_argument("--no-two-level", action="store_true", help="nvfp4: plain NVFP4 P (the nvfp4 method)")
-    ap.add_argument("--no-quantize-p", action="store_true", help="the floor variant: P only cast to e4m3")
     ap.add_argument("--ocp", action="store_true", help="OCP scale rule instead of UOS")
-    ap.add_argument("--precise", action="store_true", help="max_num_imprecise_acc=32 on both MMAs (PRECISE_QK/PV)")
     ap.add_argument("--pointer-loads", action="store_true",
                     help="mx: the loop as GPUs without TMA run it (K̂/V̂ᵀ tiles by pointer loads, 3 stages, no register "
                          "cap); default: as Hopper runs it (TMA, 2 stages; masked: at most 168 registers)")
     ap.add_argument("--mask", action="store_true", help="mx: with a key-padding mask")
-    ap.add_argument("--fp32-p", action="store_true", help="mx: P rounded in fp32 (default: on f16 pairs, as launched)")
     ap.add_argument("--pv-into-acc", action="store_true",
                     help="mx: P̂·V̂ accumulated into the rescaled accumulator, awaited in the next tile (the TMA "
                          "loop's default is a fresh accumulator, FRESH_PV)")

@@ -10,11 +10,11 @@ tells where in each kernel's main loop the warps' stall samples fall.
     ncu --clock-control none -k 'regex:_nv_attn_fwd|_mx_fp8_attn_fwd|cudnn' \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
         --section SchedulerStats --section InstructionStats -o prof \\
-        python3 scripts/profile_attention.py run --seq 16384 --heads 16 sage3 nvfp4 sage3-triton mxattn cudnn
+        python3 tools/profile_attention.py run --seq 16384 --heads 16 sage3 nvfp4 sage3-triton mxattn cudnn
     ncu -i prof.ncu-rep --page raw --csv > raw.csv
-    python3 scripts/profile_attention.py summarize raw.csv
+    python3 tools/profile_attention.py summarize raw.csv
     ncu -i prof.ncu-rep --page source --print-source sass --csv > source.csv
-    python3 scripts/profile_attention.py source source.csv [--chunk 36]
+    python3 tools/profile_attention.py source source.csv [--chunk 36]
 
 ``NAME-triton`` forces the Triton NVFP4 loop (``FP4VIDEO_NV_KERNEL=triton``), ``NAME-pointer``
 the e4m3 MXFP4 loop with pointer loads instead of TMA (``FP4VIDEO_MX_TMA=0``); ``cudnn`` is

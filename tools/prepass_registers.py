@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Registers, spills and shared memory of the e4m3 pre-pass's row launches (Q, and K per key
-tile), compiled offline for sm_90 as ``_PrePass`` launches them for bf16 inputs at head dim 128
+tile), compiled offline for sm_90 as ``PrepassLaunch`` launches them for bf16 inputs at head dim 128
 and Wan 480p's strides (no GPU needed), and how many programs of each fit an H200 SM: what bounds
 their occupancy, and the SASS instructions per element of the loop over row blocks (the
 arithmetic that bounds them: FMNMX, the block maxima and E2M1 clamps, apart).
 
-    python scripts/prepass_registers.py [--set TILE_WARPS=8 Q8_STAGES=2 ...]
+    python tools/prepass_registers.py [--set TILE_WARPS=8 Q8_STAGES=2 ...]
 
 The compile specializes the launch as Triton's launcher does (unit strides constant, multiples of
-16 marked: ``count_loop_instructions.launch_signature``); without that the loads go scalar and
+16 marked: ``offline_compile.launch_signature``); without that the loads go scalar and
 the register counts are not those of the real launch (255 and spills instead of 120 / 198 and
 none, Triton 3.6: checked against the compiled kernels on the H200, 2026-11-30).
 """
@@ -25,23 +25,19 @@ REGISTERS_PER_SM, SHARED_PER_SM, SHARED_RESERVED = 65536, 228 * 1024, 1024  # H2
 
 def compile_rows(out_mode: int, block_s: int, warps: int, stages: int, per_program: int, persistent: bool):
     """The ``_prepass_rows`` launch for MXFP4 (UOS) with the Hadamard rotation in bf16, compiled for sm_90."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from offline_compile import compile_kernel
 
-    from count_loop_instructions import launch_signature
+    from fp4video.formats import ScaleRule
     from fp4video.kernels.prepass import _prepass_rows as fn
 
     consts = dict(HAS_ALIVE=False, SMOOTH=False, ROTATE=True, ROT_PRECISION="bf16", ROT_PARTS=1, FMT=1, QB=32,
-                  OCP=False, QMAX=7.25, D=128, BLOCK_S=block_s, OUT=out_mode, BLOCKS_PER_PROGRAM=per_program,
-                  PERSISTENT=persistent)
+                  OCP=False, QMAX=ScaleRule.UOS.qmax, D=128, BLOCK_S=block_s, OUT=out_mode,
+                  BLOCKS_PER_PROGRAM=per_program, PERSISTENT=persistent, TSCALE=False)
     ptr = {"X": "*bf16", "Alive": "*i8", "Mean": "*fp32", "Hm": "*bf16", "Out": "*fp8e4nv", "Fac": "*fp32"}
     s, s_pad = 32760, 32768  # Wan 480p, H = 40; K̂ padded to whole key tiles; the unused Alive and Mean: 1 × 1
     ints = dict(H=40, S=s, D_IN=128, n_blocks=-(-s // block_s), n_heads=40, sxb=40 * s * 128, sxh=s * 128, sxs=128,
                 sxd=1, sab=1, sas=1, smb=1, smh=1, sob=40 * s_pad * 128, soh=s_pad * 128, sos=128)
-    sig, constexprs, attrs = launch_signature(fn, consts, ptr, ints, floats=("h_norm",))
-    src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    return compile_kernel(fn, consts, ptr, ints, arch=90, floats=("h_norm",), num_warps=warps, num_stages=stages)
 
 
 def programs_per_sm(regs: int, warps: int, shared: int) -> int:
@@ -54,33 +50,32 @@ def programs_per_sm(regs: int, warps: int, shared: int) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--set", nargs="+", default=[], metavar="OPTION=VALUE",
-                    help="launch options of _PrePass (integers, True, False, None), as prepass_bandwidth.py --set takes them")
+                    help="launch options of PrepassLaunch (integers, None), as prepass_bandwidth.py --set takes them")
     args = ap.parse_args(argv)
     import triton
 
     from fp4video.kernels import prepass as pp
 
     from count_loop_instructions import ptxas_report, sass_mma_loop
-    from prepass_bandwidth import set_launch_options
+    from prepass_bandwidth import launch_options
 
     try:
-        set_launch_options(pp._PrePass, args.set)
+        P = launch_options(args.set)
     except ValueError as e:
         ap.error(str(e))
-    P = pp._PrePass
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     launches = {
-        "Q: rotate, quantize, e4m3 per row": (pp.FP8_ROW, P.BLOCK_S, P.Q_WARPS, P.Q8_STAGES, P.Q8_PROGRAMS_PER_SM),
-        "K: rotate, quantize, e4m3 per key tile": (pp.FP8_TILE_ORDERED, pp.KEY_TILE, P.TILE_WARPS, P.TILE_STAGES,
-                                                   P.TILE_PROGRAMS_PER_SM),
+        "Q: rotate, quantize, e4m3 per row": (pp.FP8_ROW, P.block_s, P.row_warps, P.q8_stages, P.q8_programs_per_sm),
+        "K: rotate, quantize, e4m3 per key tile": (pp.FP8_TILE_ORDERED, pp.KEY_TILE, P.tile_warps, P.tile_stages,
+                                                   P.tile_programs_per_sm),
     }
     print(f"Triton {triton.__version__}, sm_90 (offline), bf16 inputs, head dim 128, "
-          f"{P.BLOCKS_PER_PROGRAM} row blocks per program unless persistent" + (f"; {' '.join(args.set)}" if args.set else ""))
+          f"{P.blocks_per_program} row blocks per program unless persistent" + (f"; {' '.join(args.set)}" if args.set else ""))
     print("\n| launch | warps | stages | persistent (programs per SM) | registers | spill stores (B) | shared (B) "
           "| programs per SM | warps per SM | SASS per element (FMNMX) |\n"
           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, (mode, block_s, warps, stages, per_sm) in launches.items():
-        kernel = compile_rows(mode, block_s, warps, stages, P.BLOCKS_PER_PROGRAM, bool(per_sm))
+        kernel = compile_rows(mode, block_s, warps, stages, P.blocks_per_program, bool(per_sm))
         with tempfile.TemporaryDirectory() as tmp:
             report = ptxas_report(kernel.asm["ptx"], bin_dir, tmp)
             ops, _ = sass_mma_loop(kernel, os.path.join(bin_dir, "nvdisasm"), tmp)

@@ -2,7 +2,7 @@
 """Sweep the Triton attention kernel's launch configuration (BLOCK_M, warps, stages) per method,
 timing the whole call (pre-pass included) against cuDNN SDPA in the same process.
 
-    python scripts/sweep_kernel_configs.py [--seq 32760] [--methods fp16 mxattn sage3]
+    python tools/sweep_kernel_configs.py [--seq 32760] [--methods fp16 mxattn sage3]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fp4video import METHODS
-from fp4video.kernels.attention_fwd import attention, uses_fp8
+from fp4video.kernels.dispatch import attention, uses_fp8
 
 
 def main(argv=None) -> int:

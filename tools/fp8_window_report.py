@@ -3,16 +3,16 @@
 
 The e4m3 path stores E2M1 × 2^e exactly while a block's scale is within 2^16 of the largest value
 binade of its group (query row, key tile of K, V channel) and, for P̃, within 2^12 of the largest block
-scale of its row in one key tile (the loop rounds P on f16 pairs, which puts the largest P̂ at 96;
-2^14 with ``f16_p=False``, ``--p-window 14``). This script measures, on source 000's data (temperatures 1 and
-4), an outlier-channel variant and Gaussian inputs:
+scale of its row in one key tile (the loop rounds P on f16 pairs, which puts the largest P̂ at 96).
+This script measures, on the SageAttention3 harness's data (temperatures 1 and 4), an
+outlier-channel variant and Gaussian inputs:
 
 - Q̂, K̂, V̂: the fraction of elements where the e4m3 pre-pass differs from the reference's
   dequantized values (CPU: Triton interpreter);
 - P̃: the fraction of nonzero P blocks below their tile's window and the share of the row's P̂
   mass they carry (from the reference's own online-softmax tiles).
 
-    python scripts/fp8_window_report.py [--p-window 12]       # CPU, about a minute
+    python tools/fp8_window_report.py [--p-window 12]       # CPU, about a minute
 """
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ import torch  # noqa: E402
 
 from fp4video import METHODS  # noqa: E402
 from fp4video.formats import mx_exponent  # noqa: E402
-from fp4video.harness import source000  # noqa: E402
+from fp4video.harness import sageattention3  # noqa: E402
 from fp4video.reference import KEY_TILE, prepare_qkv, quantize_p  # noqa: E402
 
-P_WINDOW = 12  # block scales more than 2^12 below the tile's largest lose bits in e4m3 (f16_p)
+P_WINDOW = 12  # block scales more than 2^12 below the tile's largest lose bits in e4m3
 
 
 def datasets():
-    x = source000.make_inputs(0)
-    yield "source 000, t = 1", x.q, x.k, x.v
-    yield "source 000, t = 4", 4 * x.q, x.k, x.v
+    x = sageattention3.make_inputs(0)
+    yield "SageAttention3 harness, t = 1", x.q, x.k, x.v
+    yield "SageAttention3 harness, t = 4", 4 * x.q, x.k, x.v
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1024, 128, generator=g, dtype=torch.float64) for _ in range(3))
     k[:, :4] *= 30.0  # a few outlier channels, as in activations with massive channels
@@ -68,10 +68,11 @@ def p_window(qh, kh, recipe, scale, window=P_WINDOW):
 def main(argv=None) -> int:
     import argparse
 
-    from fp4video.kernels.prepass import k_fac_per_key, prepass_fp8, v8t_in_key_order
+    from fp4video.kernels.key_order import k_fac_per_key, v8t_in_key_order
+    from fp4video.kernels.prepass import prepass_fp8
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--p-window", type=int, default=P_WINDOW, help="binades of P's window (12; 14 without f16_p)")
+    ap.add_argument("--p-window", type=int, default=P_WINDOW, help="binades of P's window (12)")
     args = ap.parse_args(argv)
 
     print(f"| data | method | Q̂ K̂ V̂ elements off the reference | P blocks outside the 2^{args.p_window} window "

@@ -4,8 +4,8 @@ Q̂, K̂, V̂ come from the bf16 pre-pass (:func:`.prepass.prepass_tiles`): NVFP
 an E4M3 scale: at most 6 significant bits) are exact in bf16, and so is every P̂ value. NVFP4
 cannot use the e4m3 tensor cores the MXFP4 methods use: its products need more bits than e4m3 has.
 
-The loop is laid out like the e4m3 MXFP4 loop of :mod:`.attention_fwd`: the keys of each tile sit
-in ``mma_key_order`` (QB = 32; the pre-pass stores K̂ and V̂ rows in that order, padded with zero
+The loop is laid out like the e4m3 MXFP4 loop of :mod:`.loop_e4m3`: the keys of each tile sit
+in :func:`.key_order.mma_key_order` (QB = 32; the pre-pass stores K̂ and V̂ rows in that order, padded with zero
 rows to whole tiles), so each lane of an MMA quad holds 32 consecutive keys of every row, i.e.
 two whole NVFP4 blocks of 16. Block maxima, E4M3 scales and their reciprocals are then
 computed once per lane and block, with no cross-lane work. For 16-bit operands the accumulator
@@ -32,19 +32,19 @@ import triton.language as tl
 from fp4video.recipe import AttentionRecipe, PScale, RowSum
 from fp4video.reference import KEY_TILE, TWO_LEVEL_P_FLOOR, TWO_LEVEL_P_RANGE
 
-from .attention_fwd import LOG2E, _key_mask, _tile_logits, program_rows, store_out_lse
 from .fp4_math import (const_div_rn, div_const_rn, e2m1_times_scale, nvfp4_block_scale, recip_rn_few_bits,
                        round_e2m1_at_scale)
-from .launch import fitting_stages
+from .launch import LoopLaunch
+from .tiles import LOG2E, key_mask, next_pow2, outputs, program_rows, store_out_lse, tile_logits
 
 #: rn(1 / (448·6)) in fp32, for div_const_rn
 RCP_P_RANGE = tl.constexpr(float(torch.tensor(1.0 / TWO_LEVEL_P_RANGE, dtype=torch.float32)))
 P_FLOOR = tl.constexpr(TWO_LEVEL_P_FLOOR)
 
-#: BLOCK_M, warps, stages (scripts/kernel_breakdown.py --method sage3 sweeps them)
-LAUNCH = (128, 8, 3)  # H200, S=32,760: 88.98 ms with 1 stage, 74.48 with 2, 65.95 with 3 (sage3)
-#: its shared memory by stages (offline sm_90 compiles, head dim 128): launch.fitting_stages
-SHARED_MEMORY = {1: 65536, 2: 163840, 3: 229376}
+LAUNCH = LoopLaunch(
+    128, 8, 3, shared_memory={1: 65536, 2: 163840, 3: 229376},
+    reason="H200, S=32,760, sage3: 88.98 ms with 1 stage, 74.48 with 2, 65.95 with 3; 3 stages (224 KB) fit "
+           "Hopper only: 2 on A100, 1 on ~100 KB GPUs")
 
 
 @triton.jit
@@ -97,7 +97,7 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
                   PNQ: tl.constexpr, FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr, P_DTYPE: tl.constexpr):
     """Online softmax and NVFP4 quantization of one key tile of logits ``qk`` (BLOCK_M × 128, keys
     in ``mma_key_order`` with QB = 32, masked keys at -inf): the part both NVFP4 loops (this
-    module's and the Gluon one of :mod:`.attention_nvfp4_sm90`) share.
+    module's and the Gluon one of :mod:`.loop_nvfp4_sm90`) share.
 
     Returns (P̂ in units of r_new as ``P_DTYPE`` (V̂'s bf16 or fp16, exact), (BLOCK_M, 128),
     m_new (log2 units), r_new (the tile's two-level row factor, 1 without two-level scaling),
@@ -216,12 +216,12 @@ def _nv_attn_fwd(
     M_base = KeyMask + b * smb
     n_full = (SK // BLOCK_N) * BLOCK_N
     for start in range(0, n_full, BLOCK_N):
-        qk = _tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, 32, False, IEEE, True)
+        qk = tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, 32, IEEE, True)
         m_i, r_i, l_i, acc = _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV, TWO_LEVEL,
                                       P_RANGE, PNQ, IEEE, FAST_RCP, HW_E4M3, BLOCK_M, BLOCK_N, BLOCK_DV,
                                       DV_PAD)
     if n_full < SK:
-        qk = _tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, 32, False, IEEE, True)
+        qk = tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, 32, IEEE, True)
         m_i, r_i, l_i, acc = _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, n_full, SK, svs, DV, TWO_LEVEL,
                                       P_RANGE, PNQ, IEEE, FAST_RCP, HW_E4M3, BLOCK_M, BLOCK_N, BLOCK_DV,
                                       DV_PAD)
@@ -231,8 +231,8 @@ def _nv_attn_fwd(
 
 
 def nv_launch_args(qh, kh, vh, key_alive, *, sk: int, recipe: AttentionRecipe, scale: float, out_dtype):
-    """What both NVFP4 kernels (this module's and :mod:`.attention_nvfp4_sm90`'s) take: the outputs,
-    the positional arguments and the shared constexprs, for :func:`.prepass.prepass_tiles`' outputs
+    """What both NVFP4 kernels (this module's and :mod:`.loop_nvfp4_sm90`'s) take: the outputs,
+    the runtime arguments by parameter name and the shared constexprs, for :func:`.prepass.prepass_tiles`' outputs
     (Q̂ (B, H, Sq, D); K̂, V̂ (B, H, Sk_pad, ·) in tile key order) and ``sk`` keys."""
     for name, t in (("q", qh), ("k", kh), ("v", vh)):
         if t.stride(-1) != 1:
@@ -242,15 +242,15 @@ def nv_launch_args(qh, kh, vh, key_alive, *, sk: int, recipe: AttentionRecipe, s
                          f"(prepass_tiles writes them so), got {kh.shape[-2]} and {vh.shape[-2]} rows for {sk} keys")
     b, h, sq, d = qh.shape
     dv = vh.shape[-1]
-    out = torch.empty(b, h, sq, dv, device=qh.device, dtype=out_dtype)
-    lse = torch.empty(b, h, sq, device=qh.device, dtype=torch.float32)
-    km = _key_mask(key_alive, qh.device)
-    args = (qh, kh, vh, km, out, lse,
-            h, sq, sk, dv,
-            *qh.stride()[:3], *kh.stride()[:3], *vh.stride()[:3],
-            km.stride(0), km.stride(1),
-            *out.stride(), *lse.stride(),
-            scale * LOG2E)
+    out, lse = outputs(qh.shape, dv, qh.device, out_dtype)
+    km = key_mask(key_alive, qh.device)
+    values = (qh, kh, vh, km, out, lse,
+              h, sq, sk, dv,
+              *qh.stride()[:3], *kh.stride()[:3], *vh.stride()[:3],
+              km.stride(0), km.stride(1),
+              *out.stride(), *lse.stride(),
+              scale * LOG2E)
+    args = dict(zip(_nv_attn_fwd.arg_names, values))  # by name: the Gluon loop takes the same names
     meta = dict(HAS_MASK=key_alive is not None, TWO_LEVEL=recipe.p_scale is PScale.TWO_LEVEL,
                 P_RANGE=TWO_LEVEL_P_RANGE, PNQ=recipe.row_sum is RowSum.QUANTIZED, D=d, BLOCK_N=KEY_TILE)
     return out, lse, args, meta
@@ -263,14 +263,11 @@ def attention_nvfp4(qh, kh, vh, key_alive, *, sk: int, recipe: AttentionRecipe, 
                                           out_dtype=out_dtype)
     b, h, sq, _ = qh.shape
     dv = vh.shape[-1]
-    bm, nw, ns = LAUNCH
-    block_dv = max(16, 1 << (dv - 1).bit_length())
-    # 3 stages take 224 KB of shared memory (Hopper only): 2 on A100 (160 KB), 1 on ~100 KB GPUs
-    ns = fitting_stages(qh.device, ns, SHARED_MEMORY)
-    block_m, num_warps, num_stages = block_m or bm, num_warps or nw, num_stages or ns
+    block_dv = next_pow2(dv)
+    block_m, num_warps, num_stages = LAUNCH.resolve(qh.device, block_m, num_warps, num_stages)
     cap = torch.cuda.get_device_capability(qh.device) if qh.is_cuda else (0, 0)
     _nv_attn_fwd[(triton.cdiv(sq, block_m), b * h)](  # packed bf16x2 / f16x2 min and fma: sm_80+; cvt to e4m3: sm_89+
-        *args, **meta, IEEE=qh.dtype == torch.float32, FAST_RCP=cap >= (8, 0), HW_E4M3=cap >= (8, 9), BLOCK_DV=block_dv,
+        **args, **meta, IEEE=qh.dtype == torch.float32, FAST_RCP=cap >= (8, 0), HW_E4M3=cap >= (8, 9), BLOCK_DV=block_dv,
         DV_PAD=block_dv != dv,
         BLOCK_M=block_m, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
     )

@@ -1,0 +1,225 @@
+"""Which loop runs a call, and the call itself: the pre-pass, the input checks, the loop, the LSE
+shift and the NaN policy, in that order. Every environment override of the kernels is read here:
+
+======================  ==================================  ===============================================
+variable                values                              effect
+======================  ==================================  ===============================================
+``FP4VIDEO_MX_KERNEL``  ``scaled`` | ``fp8`` | ``bf16``     the MXFP4 loop (default: ``scaled`` on sm_100+,
+                                                            ``fp8`` on sm_89+ and in the interpreter,
+                                                            else ``bf16``)
+``FP4VIDEO_MX_TMA``     ``0`` | ``1``                       the e4m3 loop's tiles by pointer loads (0), or
+                                                            TMA required (1; an error where it cannot run)
+``FP4VIDEO_NV_KERNEL``  ``sm90`` | ``triton``               the NVFP4 loop (default: ``sm90`` on Hopper at
+                                                            head dims 128, else ``triton``)
+======================  ==================================  ===============================================
+
+Loops (one module each): :mod:`.loop_e4m3` (MXFP4 on e4m3 tensor cores, sm_89+),
+:mod:`.loop_scaled` (MXFP4 through ``tl.dot_scaled``: Blackwell's native FP4 MMAs),
+:mod:`.loop_nvfp4` and :mod:`.loop_nvfp4_sm90` (NVFP4 on bf16 tensor cores; the Gluon ping-pong on
+Hopper), :mod:`.loop_bf16` (``fp16``, and MXFP4 where nothing faster runs). Limits
+(:func:`supports` reports them): key-padding masks ``(B, 1, 1, Sk)`` only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fp4video.formats import Format
+from fp4video.recipe import AttentionRecipe
+from fp4video.reference import poison_heads
+
+from .checks import k_smoothing_mean, nonfinite_heads, smoothing_lse_shift
+from .launch import tma_unsupported_reason
+from .loop_bf16 import attention_bf16
+from .loop_e4m3 import E4M3_V_SPAN_LIMIT, attention_e4m3
+from .loop_nvfp4 import attention_nvfp4
+from .prepass import prepass, prepass_fp8_window, prepass_packed, prepass_tiles
+from .tiles import work_dtype
+
+#: every environment variable the kernels read, with the values each accepts
+ENVIRONMENT = {
+    "FP4VIDEO_MX_KERNEL": ("scaled", "fp8", "bf16"),
+    "FP4VIDEO_MX_TMA": ("0", "1"),
+    "FP4VIDEO_NV_KERNEL": ("sm90", "triton"),
+}
+
+
+def _env(name: str) -> str | None:
+    """The override ``name`` if set (checked against :data:`ENVIRONMENT`), else None."""
+    value = os.environ.get(name) or None
+    if value is not None and value not in ENVIRONMENT[name]:
+        *rest, last = (repr(v) for v in ENVIRONMENT[name])
+        allowed = f"{', '.join(rest)} or {last}"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return value
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def supports(recipe: AttentionRecipe, q: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[bool, str]:
+    """Whether the kernels can run this call, and if not, why (for the error message)."""
+    if not (q.is_cuda or interpreting()):
+        return False, "the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)"
+    if mask is not None and (mask.shape[1] != 1 or mask.shape[2] != 1):
+        return False, "the Triton kernel takes key-padding masks (B, 1, 1, Sk) only; this mask varies over heads/queries"
+    return True, ""
+
+
+def mx_kernel(recipe: AttentionRecipe, device: torch.device) -> str | None:
+    """Which MXFP4 loop runs this recipe: ``"scaled"`` (``tl.dot_scaled``: native FP4 MMAs on
+    sm_100+), ``"fp8"`` (e4m3 tensor cores: sm_89+, and the CPU interpreter) or None (the bf16
+    loop: not an MXFP4 recipe, or an older GPU). ``FP4VIDEO_MX_KERNEL`` overrides the choice
+    (e.g. to run the Blackwell loop, emulated, on a Hopper GPU)."""
+    if recipe.qk_format is not Format.MXFP4 or recipe.pv_format is not Format.MXFP4:
+        return None
+    forced = _env("FP4VIDEO_MX_KERNEL")
+    if forced:
+        return None if forced == "bf16" else forced
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        return "scaled" if cap >= (10, 0) else "fp8" if cap >= (8, 9) else None
+    return "fp8" if interpreting() else None
+
+
+def tma_loop(device: torch.device) -> bool:
+    """Whether the e4m3 loop reads its K̂/V̂ᵀ tiles by TMA on this device: where it can
+    (:func:`.launch.tma_unsupported_reason`), unless ``FP4VIDEO_MX_TMA=0`` asks for pointer loads
+    (the pre-pass then keeps K̂ in key order). ``FP4VIDEO_MX_TMA=1`` where TMA cannot run is an error."""
+    forced = _env("FP4VIDEO_MX_TMA")
+    reason = tma_unsupported_reason(device)
+    if forced == "1" and reason:
+        raise ValueError(f"FP4VIDEO_MX_TMA=1, but the e4m3 loop cannot copy tiles by TMA here: {reason}")
+    return forced != "0" and reason is None
+
+
+def nv_kernel(qh: torch.Tensor, vh: torch.Tensor, launch_given: bool) -> str:
+    """Which NVFP4 loop runs these pre-pass outputs: ``"sm90"`` (the Gluon ping-pong, measured
+    faster on the H200) where it can run, for its ``DEFAULT_SHAPES``, when no launch options
+    (``block_m``, ...: the Triton loop's) are given; else ``"triton"``. ``FP4VIDEO_NV_KERNEL``
+    forces one; a forced ``sm90`` raises where it cannot run (or where this Triton has no Gluon)."""
+    forced = _env("FP4VIDEO_NV_KERNEL")
+    if forced == "triton":
+        return "triton"
+    sm90 = _gluon_nvfp4()
+    reason = "this Triton has no Gluon Hopper API (3.5+)" if sm90 is None else sm90.unsupported_reason(qh, vh)
+    if forced == "sm90":
+        if reason or launch_given:
+            raise ValueError(f"FP4VIDEO_NV_KERNEL=sm90: {reason or 'it takes no launch options (block_m, ...)'}")
+        return "sm90"
+    default_shape = sm90 is not None and (qh.shape[-1], vh.shape[-1]) in sm90.DEFAULT_SHAPES
+    return "sm90" if reason is None and not launch_given and default_shape else "triton"
+
+
+def _gluon_nvfp4():
+    """:mod:`.loop_nvfp4_sm90`, or None where this Triton has no Gluon Hopper API (< 3.5)."""
+    try:
+        from . import loop_nvfp4_sm90
+    except ImportError:
+        return None
+    return loop_nvfp4_sm90
+
+
+def prepare(q, k, v, recipe: AttentionRecipe, key_alive, mean=None):
+    """The pre-pass for this recipe and device: a ``(path, tensors)`` pair :func:`attention_prepared`
+    takes. ``mean``: K's smoothing mean (:func:`.checks.k_smoothing_mean`) when the caller has it."""
+    return _prepare_checked(q, k, v, recipe, key_alive, mean, None)[0]
+
+
+def _prepare_checked(q, k, v, recipe: AttentionRecipe, key_alive, mean, bad):
+    """:func:`prepare`, and whether any head is ``bad`` (holds a NaN/Inf; True where unknown). Both
+    decisions here read the GPU's answer back in **one** transfer: whether V fits the e4m3 loop's
+    window (else the exact bf16 loop runs), and whether heads need poisoning. While a CUDA graph is
+    captured nothing can be read back: the window check is skipped and heads are always poisoned."""
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+    def read_back(*flags):
+        """(whether any head is bad, *flags as ints) in one transfer; True / None for what is
+        unknown or cannot be read back."""
+        wanted = ([bad.any()] if bad is not None else []) + list(flags)
+        if capturing or not wanted:
+            return (True, *[None] * len(flags))
+        values = torch.stack([f.to(torch.int32) for f in wanted]).tolist()
+        return (bool(values.pop(0)) if bad is not None else True, *values)
+
+    path = mx_kernel(recipe, q.device)
+    if path == "fp8":  # (…, Sk, whether K̂'s rows are in tile key order: where the loop uses TMA)
+        tiled = tma_loop(q.device)
+        tensors, v_span = prepass_fp8_window(q, k, v, recipe, key_alive, k_tile_order=tiled, mean=mean)
+        if bad is not None:  # heads with a NaN/Inf become NaN anyway: their V does not count
+            v_span = v_span.masked_fill(bad[..., None], 0)
+        has_bad, widest = read_back(v_span.max())
+        if widest is None or widest <= E4M3_V_SPAN_LIMIT:
+            return ("fp8", (*tensors, k.shape[-2], tiled)), has_bad
+        return ("work", prepass(q, k, v, recipe, key_alive, work_dtype(q), mean)), has_bad
+    if path == "scaled":
+        prepared = ("scaled", prepass_packed(q, k, v, recipe, key_alive, mean))
+    elif recipe.pv_format is Format.NVFP4:  # the NVFP4 loops read K̂, V̂ in tile key order, whole tiles
+        prepared = ("nvfp4", (*prepass_tiles(q, k, v, recipe, key_alive, work_dtype(q), mean), k.shape[-2]))
+    elif recipe.quantized:
+        prepared = ("work", prepass(q, k, v, recipe, key_alive, work_dtype(q), mean))
+    elif not q.is_cuda and q.dtype != torch.float32:  # the CPU interpreter's 16-bit dots are wrong: fp32 (exact)
+        prepared = ("work", (q.float(), k.float(), v.float()))
+    else:
+        prepared = ("work", (q, k, v))  # the inputs as they are: no copy, any strides
+    return prepared, read_back()[0]
+
+
+def key_padding(mask, b: int, sk: int):
+    """A key-padding mask (B|1, 1, 1, Sk) as the kernels' ``key_alive`` (B, Sk), or None."""
+    return None if mask is None else mask.expand(b, 1, 1, sk)[:, 0, 0, :]
+
+
+def attention(q, k, v, *, recipe: AttentionRecipe, mask, scale: float, **launch):
+    """q, k, v: (B, H, S, D) views, any strides. Returns (out (B, H, Sq, Dv) in q's dtype, lse fp32)."""
+    return attention_with_key_alive(q, k, v, recipe=recipe, key_alive=key_padding(mask, q.shape[0], k.shape[-2]),
+                                    scale=scale, **launch)
+
+
+def attention_with_key_alive(q, k, v, *, recipe: AttentionRecipe, key_alive, scale: float, **launch):
+    """:func:`attention` with the key-padding mask as ``key_alive`` (B, Sk) bool or None."""
+    bad = nonfinite_heads(q, k, v, key_alive)  # the NaN/Inf policy: those heads' outputs become NaN
+    mean = k_smoothing_mean(k, key_alive) if recipe.smooth_k else None
+    prepared, has_bad = _prepare_checked(q, k, v, recipe, key_alive, mean, bad)
+    out, lse = attention_prepared(prepared, key_alive, recipe=recipe, scale=scale, out_dtype=q.dtype,
+                                  dv=v.shape[-1], **launch)
+    if mean is not None:  # the loops' LSE is of the smoothed logits: back to the unsmoothed ones
+        lse = lse + smoothing_lse_shift(q, mean, scale)
+    if has_bad:  # a pass over the output only where some head holds a NaN/Inf
+        poison_heads(out, lse, bad)
+    return out, lse
+
+
+def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: float, out_dtype, dv: int,
+                       block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                       tma: bool | None = None):
+    """The attention loop alone, on :func:`prepare`'s output; ``dv``: the value head dim. Launch
+    values override the loop's own (``tma``: the e4m3 loop only, see :func:`.loop_e4m3.attention_e4m3`)."""
+    path, tensors = prepared
+    if tma is not None and path != "fp8":
+        raise ValueError(f"tma: an option of the e4m3 MXFP4 loop, not of the {path!r} path")
+    launch = dict(block_m=block_m, num_warps=num_warps, num_stages=num_stages)
+    if path == "scaled":
+        from .loop_scaled import attention_packed
+
+        return attention_packed(*tensors, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv, **launch)
+    if path == "fp8":
+        return attention_e4m3(*tensors, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv, tma=tma,
+                              **launch)
+    if path == "nvfp4":
+        qh, kh, vh, sk = tensors
+        if nv_kernel(qh, vh, launch_given=any(launch.values())) == "sm90":
+            return _gluon_nvfp4().attention_nvfp4_sm90(qh, kh, vh, key_alive, sk=sk, recipe=recipe, scale=scale,
+                                                       out_dtype=out_dtype)
+        return attention_nvfp4(qh, kh, vh, key_alive, sk=sk, recipe=recipe, scale=scale, out_dtype=out_dtype, **launch)
+    qh, kh, vh = tensors
+    return attention_bf16(qh, kh, vh, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, **launch)
+
+
+def uses_fp8(recipe: AttentionRecipe, device: torch.device) -> bool:
+    """Whether this recipe's Q·K and P·V run on e4m3 tensor cores on ``device``."""
+    return mx_kernel(recipe, device) == "fp8"

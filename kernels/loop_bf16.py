@@ -1,0 +1,121 @@
+"""The bf16 attention loop: ``fp16`` everywhere, and the MXFP4 methods where no faster loop runs
+(GPUs older than sm_89, and an e4m3 call whose V does not fit e4m3's window).
+
+Q̂, K̂, V̂ come from :func:`.prepass.prepass` (dequantized FP4 values, exact in bf16); the P tile
+is quantized in the loop (:func:`.fp4_math.fake_quant_rows`, exact in bf16) and both products run
+on bf16 tensor cores with fp32 accumulation. ``fp16`` reads the inputs as they are (fp32 inputs
+with IEEE-precision dots).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4video.formats import Format, ScaleRule
+from fp4video.recipe import AttentionRecipe, RowSum
+from fp4video.reference import KEY_TILE
+
+from .fp4_math import fake_quant_rows
+from .launch import LoopLaunch
+from .tiles import key_mask, next_pow2, outputs, program_rows, store_out_lse
+
+#: P quantization modes (constexpr): none (``fp16``), MXFP4 blocks of QB keys
+P_NONE, P_MX = 0, 1
+
+LAUNCH = LoopLaunch(
+    128, 8, 3, shared_memory={1: 65536, 2: 131072, 3: 163840},
+    reason="launch sweep on an H200 (2026-11-29, S=32,760, H=40, D=128): 128 rows x 8 warps x 3 stages "
+           "fastest for fp16 and MXFP4; 1 stage on ~100 KB GPUs (sm_86)")
+
+
+@triton.jit
+def _bf16_attn_fwd(
+    # pointers
+    Q, K, V, KeyMask, Out, Lse,
+    # sizes
+    H, SQ, SK, DQK, DV,
+    # strides (elements)
+    sqb, sqh, sqs, sqd,
+    skb, skh, sks, skd,
+    svb, svh, svs, svd,
+    smb, sms,
+    sob, soh, sos, sod,
+    slb, slh, sls,
+    scale,
+    # meta
+    HAS_MASK: tl.constexpr, P_MODE: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr,
+    QMAX: tl.constexpr, PNQ: tl.constexpr, IEEE: tl.constexpr,
+    D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b, h, offs_m, row_ok = program_rows(H, SQ, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :] * sqd,
+                mask=row_ok[:, None] & (offs_d[None, :] < DQK), other=0.0)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    for start in range(0, SK, BLOCK_N):
+        keys = start + offs_n
+        k = tl.load(K + b * skb + h * skh + keys[:, None] * sks + offs_d[None, :] * skd,
+                    mask=(keys < SK)[:, None] & (offs_d[None, :] < DQK), other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        valid = keys < SK
+        if HAS_MASK:
+            km = tl.load(KeyMask + b * smb + keys * sms, mask=valid, other=0)
+            valid = valid & (km != 0)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        p_hat = p if P_MODE == 0 else fake_quant_rows(p, BLOCK_M, BLOCK_N, P_MODE, QB, OCP, QMAX, False)
+        if PNQ:
+            l_i = alpha * l_i + tl.sum(p_hat, axis=1)
+        else:
+            l_i = alpha * l_i + tl.sum(p, axis=1)
+        v = tl.load(V + b * svb + h * svh + keys[:, None] * svs + offs_dv[None, :] * svd,
+                    mask=(keys < SK)[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        if IEEE:
+            acc = tl.dot(p_hat, v, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p_hat.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    # m in natural-log units here (tl.exp): to log2 units for the common end
+    store_out_lse(Out, Lse, acc, 1.0, l_i, m_i * 1.4426950408889634, 0.0, b, h, offs_m, row_ok,
+                  tl.arange(0, BLOCK_DV), DV, sob, soh, sos, sod, slb, slh, sls)
+
+
+def attention_bf16(qh, kh, vh, key_alive, *, recipe: AttentionRecipe, scale: float, out_dtype,
+                   block_m=None, num_warps=None, num_stages=None):
+    """The loop on :func:`.prepass.prepass`'s outputs (or the inputs themselves for ``fp16``): (B, H, S, D)
+    views, any strides. Returns (out (B, H, Sq, Dv) in ``out_dtype``, lse fp32)."""
+    b, h, sq, dqk = qh.shape
+    sk, dv = kh.shape[-2], vh.shape[-1]
+    dev = qh.device
+    out, lse = outputs(qh.shape, dv, dev, out_dtype)
+    km = key_mask(key_alive, dev)
+    p_mode = {None: P_NONE, Format.MXFP4: P_MX}[recipe.pv_format]
+    block_m, num_warps, num_stages = LAUNCH.resolve(dev, block_m, num_warps, num_stages)
+    _bf16_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
+        qh, kh, vh, km, out, lse,
+        h, sq, sk, dqk, dv,
+        *qh.stride(), *kh.stride(), *vh.stride(),
+        km.stride(0), km.stride(1),
+        *out.stride(), *lse.stride(),
+        scale,
+        HAS_MASK=key_alive is not None, P_MODE=p_mode, QB=recipe.pv_format.block if recipe.pv_format else 32,
+        OCP=recipe.scale_rule is ScaleRule.OCP, QMAX=recipe.scale_rule.qmax,
+        PNQ=recipe.row_sum is RowSum.QUANTIZED, IEEE=qh.dtype == torch.float32,
+        D=next_pow2(dqk), BLOCK_DV=next_pow2(dv), BLOCK_M=block_m, BLOCK_N=KEY_TILE,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out, lse

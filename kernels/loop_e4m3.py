@@ -1,0 +1,276 @@
+"""The e4m3 attention loop: the MXFP4 methods on Hopper and Ada (sm_89+) fp8 tensor cores.
+
+Q̂, K̂, V̂ come from :func:`.prepass.prepass_fp8` (e4m3 values, power-of-two factors per query row
+/ key tile / value channel; exact inside e4m3's window, which the dispatch checks for V). P̃ is
+quantized per block of QB keys exactly as the reference does (block exponent from the block
+maximum, E2M1 rounding), rounded on f16 pairs (:func:`.fp4_math.round_e2m1_f16x2_odd`), in
+units of 2^k per row and tile, k = 4 - (the tile's largest block exponent), folded into the exp2
+argument: the largest P̂ value is 6·2^4 = 96, and every block whose scale is within 2^12 of the
+tile's largest block scale is exact in e4m3 (smaller ones lose low bits to e4m3's subnormals;
+their weights are below 2^-12·7.25 of the tile's largest). ``acc`` and ``l`` are kept in the
+current tile's units (their rescale factor is one exp2 per row). Within a tile, keys sit in
+:func:`.key_order.mma_key_order`, so each P block lives in one lane; P̂ is relabelled into the
+MMA's operand order for free (:func:`.key_order.as_mma_operand`) and V̂ᵀ is stored in it.
+
+On Hopper K̂/V̂ᵀ tiles come by TMA (K̂ stored in tile key order) and three programs share an SM;
+elsewhere (and when ``FP4VIDEO_MX_TMA=0``) by pointer loads.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fp4video.formats import ScaleRule
+from fp4video.recipe import AttentionRecipe, RowSum
+from fp4video.reference import KEY_TILE
+
+from .fp4_math import mx_block_exponent, pow2, round_e2m1_f16x2_odd
+from .key_order import as_mma_operand
+from .launch import LoopLaunch, tma_unsupported_reason
+from .tiles import LOG2E, key_mask, outputs, program_rows, store_out_lse, tile_logits
+
+#: lowest block exponent a key tile's shift follows (tiles entirely below 2^-60 of the row
+#: maximum keep a fixed shift; their weights are below 1e-18)
+TILE_EXP_FLOOR = -60
+
+#: V channels whose block maxima span more than this many binades lose bits in the e4m3 loop:
+#: its per-channel e4m3 window holds 16 binades of V̂, and P̂'s 2^12 window meets V's range too
+#: (a P block 2^-13 of the tile's top that rounds coarsely, times a V 2^13 above the rest). With
+#: 10, the loop equals the reference to worst-row cosine 0.9999 on sharp inputs with V outlier
+#: tokens (interpreter, tests/test_robustness.py); wider heads take the exact bf16 loop
+#: (the dispatch decides from the pre-pass's ``v_span``).
+E4M3_V_SPAN_LIMIT = 10
+#: pointer loads (Ada, or FP4VIDEO_MX_TMA=0)
+POINTER_LAUNCH = LoopLaunch(
+    64, 4, 3, shared_memory={2: 73732, 3: 106504},
+    reason="64 rows and one warpgroup per program, so that two programs share an SM and one's MMAs overlap "
+           "the other's softmax (H200, 2026-11-30: 32.41 ms against 36.16 at 128/8/3, Wan 480p); 2 stages "
+           "on Ada's 99 KB")
+#: TMA loads (Hopper)
+TMA_LAUNCH = LoopLaunch(
+    64, 4, 2, shared_memory={2: 73764, 3: 106568},
+    reason="2 stages and at most 168 registers let three programs share an SM (H200, 2026-11-30: 158.24 ms "
+           "at Wan 720p against 165.59 at 3 stages)")
+#: registers per thread that let three TMA programs share an SM (3 × 128 threads × 168 ≤ 64 K; the
+#: unmasked loop takes 167 by itself, a masked one 202 uncapped): the cap of masked TMA launches
+#: (HunyuanVideo 720p 280.30 ms against 361.89 uncapped, H200, 2026-11-30)
+TMA_REGISTER_BUDGET = 168
+
+
+@triton.jit
+def _blocks5(x):
+    """A per-block (row, t) tensor broadcast to the 5-d view (row, a, b, t, e) of an S tile."""
+    return x[:, None, :][:, :, None, :][:, :, :, :, None]
+
+
+@triton.jit
+def _rows5(x):
+    """A per-row vector (as :func:`quantize_p` leaves it) broadcast to the 5-d view."""
+    return _blocks5(x[:, None])
+
+
+@triton.jit
+def _block_reduce(x5, MAX: tl.constexpr):
+    """Per-block maxima (MAX) or sums (row, t) of the 5-d view: e, then b, then a. In-thread
+    reductions are chains of dependent instructions, and trees of 2, 4 and 4 are shorter than one
+    chain of 16 (the row sum's chain cost 3% of the loop on the H200)."""
+    if MAX:
+        return tl.max(tl.max(tl.max(x5, axis=4), axis=2), axis=1)
+    else:
+        return tl.sum(tl.sum(tl.sum(x5, axis=4), axis=2), axis=1)
+
+
+@triton.jit
+def _view5(qk, QB: tl.constexpr):
+    """S tile (BLOCK_M, BLOCK_N) in mma_key_order as (row, a, b, t, e): column c = 2·NB·j + 2·t + e
+    with j = (QB / 8)·a + b holds key QB·t + 2·j + e, so P block t is the columns with that t,
+    within one lane of the MMA's quad."""
+    return tl.reshape(qk, (qk.shape[0], 4, QB // 8, qk.shape[1] // QB, 2))
+
+
+@triton.jit
+def quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
+               QB: tl.constexpr, EXP_FLOOR: tl.constexpr, ASM: tl.constexpr):
+    """Online softmax and MXFP4 quantization of one key tile of logits ``qk`` (keys in
+    mma_key_order, masked keys at -inf; the logit in log2 units is qk · q_scale, q_scale > 0 per
+    row). Returns (P̂ as the e4m3 A operand of P̂·V̂, m_new, k_new, l_new, alpha): the caller
+    rescales its accumulator by alpha and adds P̂·V̂. ``l`` is kept per row and P block (each
+    lane's share), summed by the caller after the loop.
+
+    The rounding runs on f16 pairs (:func:`.fp4_math.round_e2m1_f16x2_odd`; ASM: inline PTX,
+    else its fp32 stand-in, bit for bit) and PNQ's block sums too (exact: a block's values are
+    multiples of half its unit, at most 192 units). The values are the reference's except at exact
+    ties of the E2M1 grid (rounded up, not to even: a 2^-22 chance for an exp2 output).
+    """
+    BLOCK_M: tl.constexpr = qk.shape[0]
+    BLOCK_N: tl.constexpr = qk.shape[1]
+    s5 = _view5(qk, QB)
+    block_max = _block_reduce(s5, True) * q_scale[:, None]
+    tile_max = tl.max(block_max, axis=1)
+    m_new = tl.maximum(m_i, tile_max)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    # block exponents of P̃ = exp2(s - m) from the block maxima (exp2 is monotonic); the block
+    # holding the row maximum must get exactly exp2(0) = 1, which is why the kernel is compiled
+    # without FMA contraction (a fused block_max · q_scale - m leaves a residual of either sign:
+    # amax = 1 - 2^-24 would move that block to the next lower scale under the OCP rule)
+    amax = tl.exp2(block_max - m_safe[:, None])
+    e_blk = tl.where(amax > 0, mx_block_exponent(amax, OCP, QMAX), EXP_FLOOR)
+    # the tile's largest block exponent is the exponent of its largest block maximum: computed
+    # per row from the row's tile maximum (the same arithmetic on the same value), not reduced
+    # across the lanes that hold the blocks (shuffles on the loop's critical path)
+    top = tl.exp2(tile_max - m_safe)
+    e_top = tl.maximum(tl.where(top > 0, mx_block_exponent(top, OCP, QMAX), EXP_FLOOR), EXP_FLOOR)
+    e_blk = tl.minimum(e_blk, e_top[:, None])  # a no-op (exp2 is monotonic); the f16 rounding's unit <= 16 relies on it
+    k_new = 4 - e_top
+    p = tl.exp2(tl.fma(s5, _rows5(q_scale), _rows5(k_new.to(tl.float32) - m_safe)))  # P̃ · 2^k_new
+    unit = pow2(tl.maximum(e_blk + k_new[:, None], -126))
+    p_hat = round_e2m1_f16x2_odd(p, _blocks5(unit.to(tl.float16)), _blocks5((unit * 6.0).to(tl.float16)), ASM)
+    alpha = tl.exp2(m_i - m_safe + (k_new - k_i).to(tl.float32))
+    # l per row and block (lane): summed over the lanes once, after the loop
+    if PNQ:  # block sums on f16 pairs (exact: multiples of unit / 2, at most 192 units)
+        part = tl.sum(tl.sum(tl.sum(p_hat, axis=2), axis=1).to(tl.float32), axis=2)
+    else:
+        part = _block_reduce(p, False)
+    l_new = tl.fma(alpha[:, None], l_i, part)
+    p8 = as_mma_operand(tl.reshape(p_hat, (BLOCK_M, BLOCK_N)).to(tl.float8e4nv), BLOCK_M, BLOCK_N)
+    return p8, m_new, k_new, l_new, alpha
+
+
+@triton.jit
+def _tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd,
+          OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, QB: tl.constexpr, EXP_FLOOR: tl.constexpr, TMA: tl.constexpr, v_row,
+          ASM: tl.constexpr, FRESH_PV: tl.constexpr):
+    """:func:`quantize_p` and P̂·V̂ of one key tile, given its logits from :func:`.tiles.tile_logits`:
+    returns the updated (m, k, l, acc). TMA: ``V_base`` is a tensor descriptor of V̂ᵀ's rows
+    (channels), this head's first at ``v_row``.
+
+    FRESH_PV (the TMA launch): P̂·V̂ goes into a fresh accumulator and is added to the rescaled one
+    by an FMA, so the MMA is awaited within its tile. Left in flight into the next tile, its
+    accumulator and P̂ stay reserved while the next tile's Q̂·K̂ᵀ runs, and ptxas, short of registers
+    at three programs per SM, made every MMA wait for the previous one (warning C7512): Wan 720p
+    loop 158.2 ms against 171.6 (H200). The pointer-load loop, not register-bound, is faster
+    overlapping P̂·V̂ with the next tile (163.49 against 169.04 ms)."""
+    p8, m_new, k_new, l_i, alpha = quantize_p(qk, q_scale, m_i, k_i, l_i, OCP, QMAX, PNQ, QB, EXP_FLOOR, ASM)
+    # V̂ᵀ is stored in P̂'s operand order, padded with zeros to whole tiles: plain loads
+    if TMA:
+        vt = V_base.load([v_row, start])
+    else:
+        vt = tl.load(V_base + tl.arange(0, BLOCK_DV)[:, None] * svd + (start + tl.arange(0, BLOCK_N))[None, :])
+    if FRESH_PV:
+        acc = tl.fma(acc, alpha[:, None], tl.dot(p8, tl.trans(vt)))
+    else:
+        acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
+    return m_new, k_new, l_i, acc
+
+
+@triton.jit
+def _e4m3_attn_fwd(
+    Q8, QFac, K8, KFac, V8T, VFac, KeyMask, Out, Lse,
+    H, SQ, SK, DV,
+    sqb, sqh, sqs,
+    skb, skh, sks,
+    svb, svh, svd,
+    smb, sms, SK_PAD,
+    sob, soh, sos, sod,
+    slb, slh, sls,
+    scale_log2,
+    HAS_MASK: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
+    D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QB: tl.constexpr, EXP_FLOOR: tl.constexpr, TMA: tl.constexpr, K_TILE_ORDER: tl.constexpr,
+    ASM: tl.constexpr, FRESH_PV: tl.constexpr,
+):
+    """MXFP4 attention on e4m3 tensor cores. TMA (with K_TILE_ORDER: K̂ stored in tile key order,
+    whole tiles): ``K8`` and ``V8T`` are tensor descriptors of K̂'s rows (B·H·SK_PAD) and V̂ᵀ's
+    (B·H·BLOCK_DV), one box per key tile; else pointers."""
+    b, h, offs_m, row_ok = program_rows(H, SQ, BLOCK_M)
+    bh = tl.program_id(1)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q8 + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    # logits in log2 units: dot(q8, k8) · q_fac · k_fac · scale · log2(e), k_fac per key tile (all
+    # factors powers of two: the products are exact)
+    q_scale = tl.load(QFac + bh * SQ + offs_m, mask=row_ok, other=1.0) * scale_log2
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    k_i = tl.zeros((BLOCK_M,), tl.int32)  # units of acc and l: 2^k_i
+    l_i = tl.zeros((BLOCK_M, BLOCK_N // QB), tl.float32)  # per row and P block (lane): summed at the end
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    if TMA:  # tensor descriptors of K̂ (B·H·SK_PAD rows, tile key order) and V̂ᵀ (B·H·BLOCK_DV rows)
+        K_base = K8
+        V_base = V8T
+    else:
+        K_base = K8 + b * skb + h * skh
+        V_base = V8T + b * svb + h * svh
+    k_row = bh * SK_PAD
+    v_row = bh * BLOCK_DV
+    M_base = KeyMask + b * smb
+    KF_base = KFac + bh * tl.cdiv(SK, BLOCK_N)
+    # full key tiles without a bounds mask (the key-padding mask, if any, applies to every
+    # tile), then the partial last tile
+    n_full = (SK // BLOCK_N) * BLOCK_N
+    for start in tl.range(0, n_full, BLOCK_N):
+        qk_scale = q_scale * tl.load(KF_base + start // BLOCK_N)
+        qk = tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB, False,
+                         K_TILE_ORDER, TMA, k_row)
+        m_i, k_i, l_i, acc = _tile(qk, qk_scale, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV,
+                                   BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, v_row, ASM, FRESH_PV)
+    if n_full < SK:
+        qk_scale = q_scale * tl.load(KF_base + n_full // BLOCK_N)
+        qk = tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, QB, False,
+                         K_TILE_ORDER, TMA, k_row)
+        m_i, k_i, l_i, acc = _tile(qk, qk_scale, m_i, k_i, l_i, acc, V_base, n_full, svd, OCP, QMAX, PNQ, BLOCK_DV,
+                                   BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, v_row, ASM, FRESH_PV)
+
+    v_fac = tl.load(VFac + bh * BLOCK_DV + tl.arange(0, BLOCK_DV))  # acc is in units of V̂'s channel factors
+    store_out_lse(Out, Lse, acc, v_fac[None, :], tl.sum(l_i, axis=1), m_i, k_i.to(tl.float32), b, h, offs_m, row_ok,
+                  tl.arange(0, BLOCK_DV), DV, sob, soh, sos, sod, slb, slh, sls)
+
+
+def attention_e4m3(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive, *, recipe: AttentionRecipe,
+                   scale: float, out_dtype, dv: int, tma: bool | None = None, fresh_pv: bool | None = None,
+                   block_m=None, num_warps=None, num_stages=None):
+    """The loop on :func:`.prepass.prepass_fp8`'s outputs for ``sk`` keys (``k_tile_order``: K̂'s
+    rows are in tile key order, padded to whole tiles). ``tma``: K̂/V̂ᵀ tiles by TMA (None: where
+    K̂ is in tile order, as the dispatch chose for the device; the CPU interpreter runs the TMA
+    path when asked, which is how CI tests it). ``fresh_pv``: P̂·V̂ into a fresh accumulator
+    (:func:`_tile`; None: with TMA, where it was measured faster). Explicit launch values lift the
+    register cap."""
+    b, h, sq, d = q8.shape
+    sk_pad, dvp = k8.shape[-2], v8t.shape[-2]
+    tma = k_tile_order if tma is None else tma
+    if tma and not k_tile_order:
+        raise ValueError("tma=True copies K̂ tiles as stored: it needs K̂ in tile key order "
+                         "(prepass_fp8(..., k_tile_order=True))")
+    if tma and q8.is_cuda and (reason := tma_unsupported_reason(q8.device)):
+        raise ValueError(f"tma=True, but the e4m3 loop cannot copy tiles by TMA here: {reason}")
+    if v8t.shape[-1] % KEY_TILE or (k_tile_order and sk_pad % KEY_TILE):
+        raise ValueError(f"V̂ᵀ (and K̂ in tile order) must be padded to whole key tiles of {KEY_TILE} (prepass_fp8 "
+                         f"does), got {v8t.shape[-1]} (and {sk_pad})")
+    dev = q8.device
+    out, lse = outputs(q8.shape, dv, dev, out_dtype)
+    km = key_mask(key_alive, dev)
+    launch = TMA_LAUNCH if tma else POINTER_LAUNCH
+    capped = tma and key_alive is not None and not any((block_m, num_warps, num_stages))
+    block_m, num_warps, num_stages = launch.resolve(dev, block_m, num_warps, num_stages)
+    kt, vt = k8, v8t
+    if tma:  # K̂ as (B·H·Sk_pad, D) rows and V̂ᵀ as (B·H·Dv_pad, Sk_pad) rows: one box per key tile
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        kt = TensorDescriptor.from_tensor(k8.reshape(b * h * sk_pad, d), [KEY_TILE, d])
+        vt = TensorDescriptor.from_tensor(v8t.reshape(b * h * dvp, v8t.shape[-1]), [dvp, KEY_TILE])
+    _e4m3_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
+        q8, q_fac, kt, k_fac, vt, v_fac, km, out, lse,
+        h, sq, sk, dv,
+        *q8.stride()[:3], *k8.stride()[:3], *v8t.stride()[:3],
+        km.stride(0), km.stride(1), sk_pad,
+        *out.stride(), *lse.stride(),
+        scale * LOG2E,
+        HAS_MASK=key_alive is not None, OCP=recipe.scale_rule is ScaleRule.OCP, QMAX=recipe.scale_rule.qmax,
+        PNQ=recipe.row_sum is RowSum.QUANTIZED, D=d, BLOCK_DV=dvp, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
+        QB=recipe.pv_format.block, EXP_FLOOR=TILE_EXP_FLOOR, TMA=tma, K_TILE_ORDER=k_tile_order,
+        ASM=q8.is_cuda, FRESH_PV=tma if fresh_pv is None else fresh_pv,
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
+        **({"maxnreg": TMA_REGISTER_BUDGET} if capped else {}),  # registers per thread (ptxas spills the rest)
+    )
+    return out, lse

@@ -1,0 +1,316 @@
+"""The arithmetic contracts of the kernels' FP4 device functions (:mod:`fp4video.kernels.fp4_math`),
+each against an exact reference: correctly rounded divisions for every fp32 mantissa, E2M1 and
+E4M3 rounding at every scale, MXFP4 block exponents, the e4m3 shift. CPU: the Triton interpreter;
+GPU tests run the inline-PTX forms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from fp4video.kernels.fp4_math import (  # noqa: E402
+    const_div_from, const_div_rn, div6_rn, div_const_rn, e2m1_times_scale, fake_quant_rows, fp8_shift,
+    fp8_shift_from_raw_max, mx_block_exponent, newton_recip, nvfp4_block_scale, recip_rn_few_bits,
+    round_e2m1_at_scale, round_e2m1_f16x2_odd, round_e2m1_signed)
+from fp4video.kernels.loop_nvfp4 import RCP_P_RANGE  # noqa: E402
+from fp4video.reference import TWO_LEVEL_P_RANGE as _P_RANGE  # noqa: E402
+
+P_RANGE = tl.constexpr(_P_RANGE)  # a jit function reads only constexpr globals
+
+
+@triton.jit
+def _round_at_scale_kernel(P, U, Out, N: tl.constexpr, SIGNED: tl.constexpr):
+    i = tl.arange(0, N)
+    if SIGNED:
+        tl.store(Out + i, round_e2m1_signed(tl.load(P + i), tl.load(U + i)))
+    else:
+        tl.store(Out + i, round_e2m1_at_scale(tl.load(P + i), tl.load(U + i)))
+
+
+
+@triton.jit
+def _division_kernel(A, Y0, Out, WHICH: tl.constexpr, FAST: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(A + i)
+    if WHICH == 0:
+        r = div6_rn(a)
+    elif WHICH == 1:
+        r = div_const_rn(a, P_RANGE, RCP_P_RANGE)
+    elif WHICH == 2:
+        r = const_div_rn(P_RANGE, a, FAST)
+    else:
+        r = const_div_from(P_RANGE, a, tl.load(Y0 + i))
+    tl.store(Out + i, r)
+
+
+@triton.jit
+def _newton_kernel(S, R0, Out, RECIP: tl.constexpr, FAST: tl.constexpr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    s = tl.load(S + i)
+    tl.store(Out + i, recip_rn_few_bits(s, FAST) if RECIP else newton_recip(s, tl.load(R0 + i)))
+
+
+def test_divisions_without_div_rn_are_correctly_rounded_for_every_mantissa():
+    """The NVFP4 loop's divisions without a division instruction — a / 6 (block scales),
+    a / (448·6) and (448·6) / b (SageAttention3's two-level row factor) — equal fp64 division
+    rounded to fp32 for all 2^23 fp32 mantissas (one binade; powers of two scale the whole
+    computation exactly), (448·6) / b also from reciprocal estimates up to 4 ulp off (the GPU's
+    approximate division is within 2). fp64 then fp32 is a double rounding that cannot err here:
+    none of these quotients lies within 2^-53 of an fp32 rounding boundary."""
+    import numpy as np
+
+    from fp4video.reference import TWO_LEVEL_P_RANGE as C
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    block = 1 << 16
+    a = ((torch.arange(1 << 23, dtype=torch.int32) | (127 << 23)).view(torch.float32))  # [1, 2)
+    a64 = a.numpy().astype(np.float64)
+    want = {0: a64 / 6.0, 1: a64 / C, 2: C / a64}
+    recip = torch.from_numpy((1.0 / a64).astype(np.float32))
+    cases = [(w, 0) for w in (0, 1, 2)] + [(3, k) for k in (-4, -2, -1, 1, 2, 4)]
+    for which, k in cases:
+        y0 = (recip.view(torch.int32) + k).view(torch.float32)
+        out = torch.empty(len(a), device=dev)
+        _division_kernel[(len(a) // block,)](a.to(dev), y0.to(dev), out, WHICH=which, FAST=dev == "cuda", BLOCK=block)
+        expect = torch.from_numpy(want[min(which, 2)].astype(np.float32))
+        bad = (out.cpu() != expect).nonzero()[:, 0]
+        assert len(bad) == 0, f"case {which} (start {k:+d} ulp): {len(bad)} wrong, e.g. a={a[bad[:3]].tolist()}"
+
+
+def test_recip_of_e4m3_values_is_correctly_rounded():
+    """rn(1/s) for every positive E4M3 value s (the NVFP4 block scales), from start points up to
+    4 ulp off (the GPU's approximate division is within 2), and as compiled (recip_rn_few_bits)."""
+    import numpy as np
+
+    from fp4video.formats import e4m3_values
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    s = e4m3_values().float()
+    s = s[s > 0]
+    want = torch.from_numpy((1.0 / s.numpy().astype(np.float64)).astype(np.float32))
+    n = 1 << (len(s) - 1).bit_length()
+    pad = lambda x: torch.cat([x, torch.ones(n - len(x))]).to(dev)  # noqa: E731
+    for k in range(-4, 5):
+        r0 = (want.view(torch.int32) + k).view(torch.float32)
+        out = torch.empty(n, device=dev)
+        _newton_kernel[(1,)](pad(s), pad(r0), out, RECIP=False, FAST=False, N=n)
+        assert torch.equal(out[: len(s)].cpu(), want), k
+    out = torch.empty(n, device=dev)
+    _newton_kernel[(1,)](pad(s), pad(s), out, RECIP=True, FAST=dev == "cuda", N=n)
+    assert torch.equal(out[: len(s)].cpu(), want)
+
+
+def e2m1_rounding_cases(n_random: int, exponents):
+    """Inputs of the E2M1 rounding tests: multiples a of units 2^e — every grid point, tie and
+    saturating value, their float neighbours and ``n_random`` values in [0, 7.25) — for each e of
+    ``exponents``; returns (a, e, unit, p = a · unit, exact: the units are powers of two)."""
+    grid = torch.tensor([0.0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 6.5, 7, 7.25, 8, 9])
+    a = torch.cat([grid, torch.nextafter(grid, torch.tensor(-1.0)).clamp(min=0), torch.nextafter(grid, torch.tensor(99.0)),
+                   torch.rand(n_random, generator=torch.Generator().manual_seed(0)) * 7.25])
+    e = torch.tensor(list(exponents))
+    a, e = a.repeat(len(e)), e.repeat_interleave(len(a))
+    unit = torch.ldexp(torch.ones_like(a), e)
+    return a, e, unit, a * unit
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_round_e2m1_at_scale_matches_reference_rounding(signed):
+    """The magic-number rounding equals formats.round_e2m1(p / 2^e) · 2^e for every grid point,
+    every tie, their float neighbours and random values, over 40 binades of the unit (compiled
+    on a GPU, interpreted on the CPU); signed: round_e2m1_signed of ±p gives ±that."""
+    from fp4video.formats import round_e2m1
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+
+    a, e, unit, p = e2m1_rounding_cases(1024, range(-30, 10))
+    n = 1 << (len(p) - 1).bit_length()
+    pad = lambda x: torch.nn.functional.pad(x, (0, n - len(x)), value=1.0)  # noqa: E731
+    want = round_e2m1(a) * unit
+    if signed:  # every value with both signs
+        p, unit, want, a, e = torch.cat([p, -p]), unit.repeat(2), torch.cat([want, -want]), a.repeat(2), e.repeat(2)
+        n = 1 << (len(p) - 1).bit_length()
+    out = torch.empty(n, device=dev)
+    _round_at_scale_kernel[(1,)](pad(p).to(dev), pad(unit).to(dev), out, N=n, SIGNED=signed)
+    bad = (out[: len(p)].cpu() != want).nonzero()[:5, 0]
+    assert len(bad) == 0, [(a[i].item(), e[i].item(), out[i].item() / unit[i].item()) for i in bad]
+
+
+@triton.jit
+def _round_f16_pairs_kernel(P, U, Out, N: tl.constexpr, ASM: tl.constexpr):
+    i = tl.program_id(0) * N + tl.arange(0, N)
+    u = tl.load(U + i)
+    tl.store(Out + i, round_e2m1_f16x2_odd(tl.load(P + i), u.to(tl.float16), (u * 6.0).to(tl.float16), ASM))
+
+
+def test_round_e2m1_on_f16_pairs_matches_reference_rounding():
+    check_round_e2m1_on_f16_pairs("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.gpu
+def test_round_e2m1_on_f16_pairs_gpu():
+    check_round_e2m1_on_f16_pairs("cuda")
+
+
+def check_round_e2m1_on_f16_pairs(dev):
+    """The e4m3 loop's P rounding on f16 pairs (round to odd into f16, then the magic number):
+    equal to formats.round_e2m1(p / unit) · unit for every grid point, their float neighbours,
+    values that saturate and random values, over the units the loop uses (2^-11 to 2^4); at an
+    exact tie it rounds up (the one documented difference: 1.25 -> 1.5, 2.5 -> 3, 5 -> 6 and
+    0.25 -> 0.5 instead of to even). In the interpreter its fp32 stand-in; on a GPU the inline
+    PTX, against the reference and against the stand-in on 2^22 random fp32 values."""
+    from fp4video.formats import round_e2m1
+
+    a, e, unit, p = e2m1_rounding_cases(2048, range(-11, 5))
+    ties_up = torch.isin(a, torch.tensor([0.25, 1.25, 2.5, 5.0]))
+    want = torch.where(ties_up, round_e2m1(a + 0.25 * torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))),
+                       round_e2m1(a)) * unit
+    n = 1 << (len(p) - 1).bit_length()
+    pad = lambda x: torch.nn.functional.pad(x, (0, n - len(x)), value=1.0).to(dev)  # noqa: E731
+    out = torch.full((n,), float("nan"), dtype=torch.float16, device=dev)
+    _round_f16_pairs_kernel[(1,)](pad(p), pad(unit), out, N=n, ASM=dev == "cuda")
+    bad = (out[: len(p)].float().cpu() != want).nonzero()[:5, 0]
+    assert len(bad) == 0, [(a[i].item(), e[i].item(), out[i].item() / unit[i].item()) for i in bad]
+    if dev == "cuda":  # the PTX against its stand-in, bit for bit, on random exponents and mantissas
+        g = torch.Generator().manual_seed(1)
+        e = torch.randint(-11, 5, (1 << 22,), generator=g)
+        unit = torch.ldexp(torch.ones(1 << 22), e)
+        p = torch.rand(1 << 22, generator=g) * 7.5 * unit
+        outs = []
+        for asm in (True, False):
+            outs.append(torch.full((1 << 22,), float("nan"), dtype=torch.float16, device=dev))
+            _round_f16_pairs_kernel[(1 << 12,)](p.to(dev), unit.to(dev), outs[-1], N=1 << 10, ASM=asm)
+        assert torch.equal(outs[0], outs[1])
+
+
+@triton.jit
+def _times_scale_kernel(X, S, Out, N: tl.constexpr, PACKED: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Out + i, e2m1_times_scale(tl.load(X + i), tl.load(S + i), Out.dtype.element_ty, PACKED))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_e2m1_times_scale_matches_reference(dtype):
+    """round_e2m1(x) · s in bf16 / fp16 / fp32 (the NVFP4 loop's P̂) equals the fp64 reference
+    (formats.round_e2m1, saturating at 6) rounded to the output dtype — which it must match bit
+    for bit, the product being exact — for every E4M3 scale s (and 0, a dead block) times grid
+    points, ties, their float neighbours, values that saturate and random values. On a GPU this
+    is the packed path (min / fma on 16-bit pairs), in the interpreter the fp32 one."""
+    from fp4video.formats import e4m3_values, round_e2m1
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    grid = torch.tensor([0.0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 6.4, 7, 8, 9, 11.9])
+    x = torch.cat([grid, torch.nextafter(grid, torch.tensor(-1.0)).clamp(min=0), torch.nextafter(grid, torch.tensor(99.0)),
+                   torch.rand(200, generator=torch.Generator().manual_seed(0)) * 9])
+    s = e4m3_values().float()
+    s = torch.cat([s[s > 0], torch.zeros(1)])
+    x, s = x.repeat(len(s)), s.repeat_interleave(len(x))
+    n = 1 << (len(x) - 1).bit_length()
+    pad = lambda t: torch.nn.functional.pad(t, (0, n - len(t))).to(dev)  # noqa: E731
+    out = torch.full((n,), float("nan"), dtype=dtype, device=dev)
+    _times_scale_kernel[(1,)](pad(x), pad(s), out, N=n, PACKED=dev == "cuda")
+    want = (round_e2m1(x.double()) * s.double()).to(dtype)
+    assert torch.equal(want.double(), round_e2m1(x.double()) * s.double())  # the product is exact
+    bad = (out[: len(x)].cpu() != want).nonzero()[:5, 0]
+    assert len(bad) == 0, [(x[i].item(), s[i].item(), out[i].item(), want[i].item()) for i in bad]
+
+
+@triton.jit
+def _block_scale_kernel(A, Out, N: tl.constexpr, HW: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Out + i, nvfp4_block_scale(tl.load(A + i), HW))
+
+
+@pytest.mark.parametrize("hw", [False, True])
+def test_nvfp4_block_scale_matches_reference(hw):
+    """The NVFP4 block scale round_e4m3(rn(amax / 6)) — in fp32 arithmetic, and (hw, GPU only)
+    by the hardware's E4M3 conversion — equals formats.round_e4m3 of the fp32 quotient for 6·v
+    and 6·(midpoints of consecutive E4M3 values v), their float neighbours, subnormal scales, the
+    saturation at 448, values that round to 0 and random values over 40 binades."""
+    from fp4video.formats import e4m3_values, round_e4m3
+
+    if hw and not torch.cuda.is_available():
+        pytest.skip("the hardware E4M3 conversion needs a CUDA GPU (sm_89+)")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    v = e4m3_values().double()
+    v = v[v >= 0]
+    mids = (v[1:] + v[:-1]) / 2
+    a = (torch.cat([v, mids, torch.tensor([464.0, 480.0, 1e4, 2.0 ** -11, 2.0 ** -10])]) * 6).float()
+    a = torch.cat([a, torch.nextafter(a, torch.tensor(0.0)), torch.nextafter(a, torch.tensor(1e30)),
+                   torch.exp2(torch.rand(4096, generator=torch.Generator().manual_seed(0)) * 40 - 30)])
+    n = 1 << (len(a) - 1).bit_length()
+    out = torch.full((n,), float("nan"), device=dev)
+    _block_scale_kernel[(1,)](torch.nn.functional.pad(a, (0, n - len(a))).to(dev), out, N=n, HW=hw)
+    want = round_e4m3((a.double() / 6).float())  # fp64 then fp32: correctly rounded for a quotient
+    bad = (out[: len(a)].cpu() != want).nonzero()[:5, 0]
+    assert len(bad) == 0, [(a[i].item(), out[i].item(), want[i].item()) for i in bad]
+
+
+@triton.jit
+def _block_exponent_kernel(A, Out, N: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Out + i, mx_block_exponent(tl.load(A + i), OCP, QMAX))
+
+
+@pytest.mark.parametrize("rule", ["ocp", "tfs", "uos", 5.0, 6.5, 8.0, 12.0, 3.0])
+def test_mx_block_exponent_matches_reference(rule):
+    """The in-kernel block exponent (two integer operations on the bits) equals
+    formats.mx_exponent (exact fp64 ceiling) for every rule and other Qmax values, at each
+    boundary Q·2^e, its float neighbours, random values and subnormals (both clamped to the
+    kernels' [-126, 126])."""
+    from fp4video.formats import ScaleRule, mx_exponent
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    qmax = ScaleRule(rule).qmax if isinstance(rule, str) else rule
+    e = torch.arange(-128, 120, 7, dtype=torch.float64)
+    edges = torch.cat([torch.ldexp(torch.full_like(e, qmax), e.int()), torch.ldexp(torch.full_like(e, 1.0), e.int())]).float()
+    a = torch.cat([edges, torch.nextafter(edges, torch.tensor(0.0)), torch.nextafter(edges, torch.tensor(1e38)),
+                   torch.rand(2000, generator=torch.Generator().manual_seed(3)).mul(60).sub(30).exp2(),
+                   torch.tensor([1e-45, 1e-40, 5e-39])])
+    a = a[(a > 0) & torch.isfinite(a)]
+    n = 1 << (len(a) - 1).bit_length()
+    a = torch.nn.functional.pad(a, (0, n - len(a)), value=1.0)
+    out = torch.empty(n, dtype=torch.int32, device=dev)
+    _block_exponent_kernel[(1,)](a.to(dev), out, N=n, OCP=rule == "ocp", QMAX=qmax)
+    want = mx_exponent(a, rule).clamp(-126, 126)
+    got = out.cpu().clamp(-126, 126)
+    bad = (got != want).nonzero()[:5, 0]
+    assert len(bad) == 0, [(a[i].item(), got[i].item(), want[i].item()) for i in bad]
+
+
+@triton.jit
+def _shift_kernel(A, Raw, Quantized, N: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr):
+    i = tl.arange(0, N)
+    amax = tl.load(A + i)
+    tl.store(Raw + i, fp8_shift_from_raw_max(amax, OCP, QMAX))
+    # a block of 32 holding amax and smaller values: its largest quantized value
+    block = amax[:, None] * (1.0 - tl.arange(0, 32)[None, :] / 64.0)
+    q = fake_quant_rows(block, N, 32, 1, 32, OCP, QMAX, True)
+    tl.store(Quantized + i, fp8_shift(tl.max(tl.abs(q), axis=1)))
+
+
+@pytest.mark.parametrize("rule", ["uos", "ocp"])
+def test_fp8_shift_from_raw_max_equals_shift_of_quantized_max(rule):
+    """The V pre-pass takes its e4m3 shift from the channel's largest |v| before quantization;
+    it equals the shift of the largest quantized value, for every rounding boundary of both scale
+    rules, their float neighbours, zero and subnormals, up to 2^100 (the in-kernel rounding's
+    magic number 2^22 times the value's binade must stay finite: values below 2^105)."""
+    from fp4video.formats import ScaleRule
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    r = ScaleRule(rule)
+    m = torch.tensor([1.0, 3.5, 3.625, 4.0, 5.0, 6.0, 7.0, 7.25, 7.5])
+    e = torch.arange(-140, 100, 3)
+    a = torch.ldexp(m.repeat(len(e)), e.repeat_interleave(len(m)))
+    a = torch.cat([a, torch.nextafter(a, torch.tensor(0.0)), torch.nextafter(a, torch.tensor(1e38)),
+                   torch.tensor([0.0, 1e-45, 1e-40])])
+    n = 1 << (len(a) - 1).bit_length()
+    a = torch.nn.functional.pad(a, (0, n - len(a)), value=1.0).to(dev)
+    raw, quantized = (torch.empty(n, dtype=torch.int32, device=dev) for _ in range(2))
+    _shift_kernel[(1,)](a, raw, quantized, N=n, OCP=r is ScaleRule.OCP, QMAX=r.qmax)
+    bad = (raw != quantized).nonzero()[:5, 0]
+    assert len(bad) == 0, [(a[i].item(), raw[i].item(), quantized[i].item()) for i in bad]
