@@ -40,6 +40,8 @@ __all__ = [
     "QTensor",
     "round_e2m1",
     "round_e4m3",
+    "e4m3_pow2_quantize_dequantize",
+    "E4M3_POW2_TOP",
     "e4m3_values",
     "e2m1_codes",
     "decode_e2m1",
@@ -70,13 +72,25 @@ MX_BLOCK = 32
 NV_BLOCK = 16
 
 
+#: E4M3 with power-of-two group scales: a group's largest magnitude is scaled into [2^7, 2^8)
+E4M3_POW2_TOP = 7
+
+
 class Format(str, enum.Enum):
     MXFP4 = "mxfp4"
     NVFP4 = "nvfp4"
+    #: FP8 (E4M3) with one power-of-two scale per scaling group (:func:`e4m3_pow2_quantize_dequantize`):
+    #: not a block format; the attention recipes say which groups (rows, key tiles, channels)
+    E4M3 = "e4m3"
 
     @property
     def block(self) -> int:
-        return MX_BLOCK if self is Format.MXFP4 else NV_BLOCK
+        """Elements per block along the blocked dim (1 for E4M3: no blocks, nothing to pad)."""
+        return {Format.MXFP4: MX_BLOCK, Format.NVFP4: NV_BLOCK}.get(self, 1)
+
+    @property
+    def fp4(self) -> bool:
+        return self is not Format.E4M3
 
 
 class ScaleRule(str, enum.Enum):
@@ -143,6 +157,20 @@ def round_e4m3(x: torch.Tensor) -> torch.Tensor:
     r = torch.where(torch.isinf(a), torch.full_like(a, E4M3_MAX), r)
     r = torch.clamp(r, max=E4M3_MAX)
     return torch.copysign(r, xf)
+
+
+def e4m3_pow2_quantize_dequantize(x: torch.Tensor, dim) -> torch.Tensor:
+    """E4M3 with one power-of-two scale per group (the elements sharing all indices but ``dim``,
+    an int or a tuple of ints): ``round_e4m3(x · 2^c) · 2^-c`` with ``c = 7 − ⌊log2 amax⌋`` (at most
+    126), so the group's largest magnitude lands in [128, 256) and values down to 2^-16 of it stay
+    nonzero (E4M3's subnormals end at 2^-9). All-zero groups stay zero. The scale is exact (a power
+    of two), so it folds into the kernels' accumulators. Returns fp32 (fp64 for fp64 input)."""
+    xf = _float_work(x)
+    amax = xf.abs().amax(dim=dim, keepdim=True)
+    _, exp = torch.frexp(torch.where(amax > 0, amax, torch.ones_like(amax)))  # amax = m·2^exp, m in [0.5, 1)
+    c = torch.clamp(E4M3_POW2_TOP + 1 - exp, max=126)
+    xd = xf.double()  # 2^c up to 2^126 and x·2^c stay exact in fp64
+    return torch.ldexp(round_e4m3(torch.ldexp(xd, c)), -c).to(xf.dtype)
 
 
 def e4m3_values() -> torch.Tensor:
@@ -316,6 +344,9 @@ def _quantize_blocks(x, fmt, scale_rule, dim, global_scale):
     Works on a view with ``dim`` moved last and split into ``(..., n_blocks, block)``.
     """
     fmt = _parse(Format, fmt, "format")
+    if not fmt.fp4:
+        raise ValueError(f"{fmt.value!r} is not a block format: e4m3_pow2_quantize_dequantize quantizes to E4M3 "
+                         "with power-of-two group scales")
     if x.dtype in _FLOAT8:  # exact in fp32 (isfinite and the arithmetic below have no float8 kernels)
         x = x.float()
     d = _check_blockable(x, dim, fmt.block)

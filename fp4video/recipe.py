@@ -6,8 +6,11 @@ can be changed one by one with :meth:`AttentionRecipe.replace`. Where each switc
 ==================  ==============================================================  ==========
 switch              what it does                                                    source
 ==================  ==============================================================  ==========
-``qk_format``       FP4 format of Q and K (blocks along the head dim)               both
-``pv_format``       FP4 format of V (blocks along tokens) and of the softmax tile   both
+``qk_format``       format of Q and K: FP4 blocks along the head dim, or ``e4m3``   both
+                    (FP8, a power-of-two scale per query row and per key tile)
+``pv_format``       format of V and of the softmax tile: FP4 blocks along tokens    both
+                    / keys, or ``e4m3`` (FP8, a power-of-two scale per V channel
+                    and per row of each key tile of P̃)
 ``scale_rule``      MXFP4 block-exponent rule: ``ocp``, ``tfs``, ``uos`` (7.25)     MXAttention
 ``hadamard``        fixed orthonormal Sylvester-Hadamard rotation of Q and K        MXAttention
 ``smooth_k``        subtract K's per-channel mean over tokens (exact)               SageAttn3
@@ -107,6 +110,7 @@ class AttentionRecipe:
         ]
         if Format.MXFP4 in (self.qk_format, self.pv_format):
             parts.append(f"rule={self.scale_rule.value}")
+
         if Format.NVFP4 in (self.qk_format, self.pv_format) and not self.tensor_scale:
             parts.append("no-tensor-scale")
         if self.hadamard:
@@ -119,7 +123,7 @@ class AttentionRecipe:
         return " ".join(parts)
 
 
-_MX, _NV = Format.MXFP4, Format.NVFP4
+_MX, _NV, _F8 = Format.MXFP4, Format.NVFP4, Format.E4M3
 
 METHODS: dict[str, AttentionRecipe] = {
     r.name: r
@@ -160,6 +164,16 @@ METHODS: dict[str, AttentionRecipe] = {
             hadamard=True,
             row_sum="quantized",
         ),
+        # FP4 Q·K with FP8 P·V: the FP4 attention kernels that report speed-ups on Blackwell keep
+        # P·V in FP8 (P's FP4 rounding bounds the loop), and it removes most of P·V's error.
+        # P̃ per row and key tile and V per channel in E4M3 with power-of-two scales; PNQ row sums.
+        AttentionRecipe(
+            name="mxattn-pv8", qk_format=_MX, pv_format=_F8, scale_rule="uos", hadamard=True, row_sum="quantized"
+        ),
+        AttentionRecipe(name="sage3-pv8", qk_format=_NV, pv_format=_F8, smooth_k=True, row_sum="quantized"),
+        # The FP8 tier (close to SageAttention2 / FlashAttention-3 FP8): Q per row and K per key tile
+        # in E4M3 with power-of-two scales, K smoothed; P̃ and V as above.
+        AttentionRecipe(name="fp8", qk_format=_F8, pv_format=_F8, smooth_k=True, row_sum="quantized"),
     ]
 }
 

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from .formats import E2M1_MAX, E4M3_MAX, Format, nvfp4_tensor_scale, quantize_dequantize
+from .formats import E2M1_MAX, E4M3_MAX, Format, e4m3_pow2_quantize_dequantize, nvfp4_tensor_scale, quantize_dequantize
 from .recipe import AttentionRecipe, PScale, RowSum
 from .rotation import hadamard_matrix, next_power_of_two
 
@@ -161,15 +161,20 @@ def prepare_qkv(
     if recipe.hadamard:
         h = hadamard_matrix(dp, device=qf.device)
         qf, kf = qf @ h, kf @ h
-    if recipe.qk_format is not None:
-        qf = _quantize(qf, recipe.qk_format, recipe, dim=-1)
-        kf = _quantize(kf, recipe.qk_format, recipe, dim=-1)
-
-    skp = _ceil_to(sk, key_tile)
+    skp = _ceil_to(sk, key_tile)  # (zero keys change no block scale, no tensor scale, no group scale)
     if skp != sk:
         kf = torch.nn.functional.pad(kf, (0, 0, 0, skp - sk))
         vf = torch.nn.functional.pad(vf, (0, 0, 0, skp - sk))
-    if recipe.pv_format is not None:
+    if recipe.qk_format is Format.E4M3:  # Q per row, K per key tile
+        qf = e4m3_pow2_quantize_dequantize(qf, dim=-1)
+        kt = kf.reshape(*kf.shape[:-2], skp // key_tile, key_tile, kf.shape[-1])
+        kf = e4m3_pow2_quantize_dequantize(kt, dim=(-2, -1)).reshape(kf.shape)
+    elif recipe.qk_format is not None:
+        qf = _quantize(qf, recipe.qk_format, recipe, dim=-1)
+        kf = _quantize(kf, recipe.qk_format, recipe, dim=-1)
+    if recipe.pv_format is Format.E4M3:  # per channel, over all keys
+        vf = e4m3_pow2_quantize_dequantize(vf, dim=-2)
+    elif recipe.pv_format is not None:
         vf = _quantize(vf, recipe.pv_format, recipe, dim=-2)
     return qf, kf, vf
 
@@ -184,7 +189,8 @@ def _quantize(x: torch.Tensor, fmt: Format, recipe: AttentionRecipe, dim: int) -
 
 
 def quantize_p(p: torch.Tensor, recipe: AttentionRecipe) -> torch.Tensor:
-    """Quantize-dequantize softmax exponentials ``p >= 0`` in blocks along the last dim.
+    """Quantize-dequantize softmax exponentials ``p >= 0`` in blocks along the last dim (E4M3:
+    one power-of-two scale per row, :func:`fp4video.formats.e4m3_pow2_quantize_dequantize`).
 
     Two-level (SageAttention3): ``p2 = p · (448·6 / r)`` in FP32 with ``r = max(rowmax p,
     2^-64)`` (:data:`TWO_LEVEL_P_FLOOR`), E4M3 block scales on p2, dequantized as
@@ -194,6 +200,8 @@ def quantize_p(p: torch.Tensor, recipe: AttentionRecipe) -> torch.Tensor:
     fmt = recipe.pv_format
     if fmt is None:
         return p
+    if fmt is Format.E4M3:  # FP8: one power-of-two scale per row (of this key tile)
+        return e4m3_pow2_quantize_dequantize(p, dim=-1)
     if recipe.p_scale is PScale.TWO_LEVEL:
         r = p.amax(dim=-1, keepdim=True).clamp(min=TWO_LEVEL_P_FLOOR)
         p2 = quantize_dequantize(p * (TWO_LEVEL_P_RANGE / r), fmt, dim=-1)

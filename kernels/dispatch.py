@@ -67,15 +67,32 @@ def supports(recipe: AttentionRecipe, q: torch.Tensor, mask: torch.Tensor | None
         return False, "the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)"
     if mask is not None and (mask.shape[1] != 1 or mask.shape[2] != 1):
         return False, "the Triton kernel takes key-padding masks (B, 1, 1, Sk) only; this mask varies over heads/queries"
+    e4m3 = Format.E4M3 in (recipe.qk_format, recipe.pv_format)
+    if e4m3 and recipe.qk_format is not Format.NVFP4 and mx_kernel(recipe, q.device) != "fp8":
+        return False, (f"{recipe.name}: its E4M3 (FP8) operands run on e4m3 tensor cores (sm_89+), "
+                       f"not on {_device_name(q.device)}")
     return True, ""
 
 
+def _device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return str(device)
+    cap = torch.cuda.get_device_capability(device)
+    return f"sm_{cap[0]}{cap[1]}"
+
+
 def mx_kernel(recipe: AttentionRecipe, device: torch.device) -> str | None:
-    """Which MXFP4 loop runs this recipe: ``"scaled"`` (``tl.dot_scaled``: native FP4 MMAs on
+    """Which MXFP4 / FP8 loop runs this recipe: ``"scaled"`` (``tl.dot_scaled``: native FP4 MMAs on
     sm_100+), ``"fp8"`` (e4m3 tensor cores: sm_89+, and the CPU interpreter) or None (the bf16
     loop: not an MXFP4 recipe, or an older GPU). ``FP4VIDEO_MX_KERNEL`` overrides the choice
-    (e.g. to run the Blackwell loop, emulated, on a Hopper GPU)."""
-    if recipe.qk_format is not Format.MXFP4 or recipe.pv_format is not Format.MXFP4:
+    (e.g. to run the Blackwell loop, emulated, on a Hopper GPU). Recipes with E4M3 (FP8) P and V
+    and MXFP4 or E4M3 Q and K run the e4m3 loop on every sm_89+ GPU (``"scaled"`` has no FP8 P·V)."""
+    qk, pv = recipe.qk_format, recipe.pv_format
+    if pv is Format.E4M3 and qk in (Format.MXFP4, Format.E4M3):
+        if device.type == "cuda":
+            return "fp8" if torch.cuda.get_device_capability(device) >= (8, 9) else None
+        return "fp8" if interpreting() else None
+    if qk is not Format.MXFP4 or pv is not Format.MXFP4:
         return None
     forced = _env("FP4VIDEO_MX_KERNEL")
     if forced:
@@ -150,6 +167,8 @@ def _prepare_checked(q, k, v, recipe: AttentionRecipe, key_alive, mean, bad):
     if path == "fp8":  # (…, Sk, whether K̂'s rows are in tile key order: where the loop uses TMA)
         tiled = tma_loop(q.device)
         tensors, v_span = prepass_fp8_window(q, k, v, recipe, key_alive, k_tile_order=tiled, mean=mean)
+        if recipe.pv_format is Format.E4M3:  # V is E4M3 by definition: no window to check
+            return ("fp8", (*tensors, k.shape[-2], tiled)), read_back()[0]
         if bad is not None:  # heads with a NaN/Inf become NaN anyway: their V does not count
             v_span = v_span.masked_fill(bad[..., None], 0)
         has_bad, widest = read_back(v_span.max())
@@ -158,7 +177,8 @@ def _prepare_checked(q, k, v, recipe: AttentionRecipe, key_alive, mean, bad):
         return ("work", prepass(q, k, v, recipe, key_alive, work_dtype(q), mean)), has_bad
     if path == "scaled":
         prepared = ("scaled", prepass_packed(q, k, v, recipe, key_alive, mean))
-    elif recipe.pv_format is Format.NVFP4:  # the NVFP4 loops read K̂, V̂ in tile key order, whole tiles
+    elif recipe.pv_format is Format.NVFP4 or (recipe.qk_format, recipe.pv_format) == (Format.NVFP4, Format.E4M3):
+        # the NVFP4 loops read K̂, V̂ in tile key order, whole tiles
         prepared = ("nvfp4", (*prepass_tiles(q, k, v, recipe, key_alive, work_dtype(q), mean), k.shape[-2]))
     elif recipe.quantized:
         prepared = ("work", prepass(q, k, v, recipe, key_alive, work_dtype(q), mean))
@@ -212,7 +232,7 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
                               **launch)
     if path == "nvfp4":
         qh, kh, vh, sk = tensors
-        if nv_kernel(qh, vh, launch_given=any(launch.values())) == "sm90":
+        if recipe.pv_format is not Format.E4M3 and nv_kernel(qh, vh, launch_given=any(launch.values())) == "sm90":
             return _gluon_nvfp4().attention_nvfp4_sm90(qh, kh, vh, key_alive, sk=sk, recipe=recipe, scale=scale,
                                                        out_dtype=out_dtype)
         return attention_nvfp4(qh, kh, vh, key_alive, sk=sk, recipe=recipe, scale=scale, out_dtype=out_dtype, **launch)

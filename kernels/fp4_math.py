@@ -172,6 +172,27 @@ def round_e4m3_abs(x):
 
 
 @triton.jit
+def e4m3_pow2_shift(amax):
+    """The shift c of :func:`fp4video.formats.e4m3_pow2_quantize_dequantize` for a group whose
+    largest magnitude is ``amax``: ``7 − ⌊log2 amax⌋`` from the exponent bits, at most 126 (also
+    for amax = 0, which any shift leaves zero); normal amax only (subnormal groups get 126)."""
+    e0 = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    return tl.where(amax > 0, tl.minimum(7 - e0, 126), 126)
+
+
+@triton.jit
+def round_e4m3_signed(x, HW: tl.constexpr):
+    """x rounded onto E4M3 (ties to even, saturating at ±448) as ``float8e4nv``. HW (the GPU,
+    sm_89+): the hardware conversion (``cvt.rn.satfinite``); else :func:`round_e4m3_abs` in fp32
+    (the interpreter's fp8 conversion is not that rounding), then an exact conversion."""
+    if HW:
+        return x.to(tl.float8e4nv)
+    else:
+        r = round_e4m3_abs(tl.abs(x))
+        return tl.where(x < 0, -r, r).to(tl.float8e4nv)
+
+
+@triton.jit
 def mx_block_exponent(amax, OCP: tl.constexpr, QMAX: tl.constexpr):
     """E8M0 exponent of a block with maximum ``amax > 0``: the OCP rule floor(log2 amax) - 2, or
     the smallest e with amax <= QMAX · 2^e (UOS: QMAX = 7.25), exactly, from the bits.

@@ -21,12 +21,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fp4video.formats import ScaleRule
+from fp4video.formats import Format, ScaleRule
 from fp4video.recipe import AttentionRecipe, RowSum
 from fp4video.reference import KEY_TILE
 
-from .fp4_math import mx_block_exponent, pow2, round_e2m1_f16x2_odd
-from .key_order import as_mma_operand
+from .fp4_math import mx_block_exponent, pow2, round_e2m1_f16x2_odd, round_e4m3_signed
+from .key_order import LANE_BLOCK, as_mma_operand
 from .launch import LoopLaunch, tma_unsupported_reason
 from .tiles import LOG2E, key_mask, outputs, program_rows, store_out_lse, tile_logits
 
@@ -91,7 +91,7 @@ def _view5(qk, QB: tl.constexpr):
 
 @triton.jit
 def quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
-               QB: tl.constexpr, EXP_FLOOR: tl.constexpr, ASM: tl.constexpr):
+               QB: tl.constexpr, EXP_FLOOR: tl.constexpr, ASM: tl.constexpr, P_E4M3: tl.constexpr = False):
     """Online softmax and MXFP4 quantization of one key tile of logits ``qk`` (keys in
     mma_key_order, masked keys at -inf; the logit in log2 units is qk · q_scale, q_scale > 0 per
     row). Returns (P̂ as the e4m3 A operand of P̂·V̂, m_new, k_new, l_new, alpha): the caller
@@ -102,6 +102,11 @@ def quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr
     else its fp32 stand-in, bit for bit) and PNQ's block sums too (exact: a block's values are
     multiples of half its unit, at most 192 units). The values are the reference's except at exact
     ties of the E2M1 grid (rounded up, not to even: a 2^-22 chance for an exp2 output).
+
+    P_E4M3 (the FP8-P·V methods): P̃ in E4M3 with one power-of-two scale per row and tile,
+    k = 7 - ⌊log2 (the tile's largest P̃)⌋ (:func:`fp4video.formats.e4m3_pow2_quantize_dequantize`):
+    the largest value lies in [128, 256), and P̂ is P̃·2^k rounded once, by the conversion to e4m3
+    (ASM: the hardware's ``cvt.rn.satfinite``; else the same rounding in fp32).
     """
     BLOCK_M: tl.constexpr = qk.shape[0]
     BLOCK_N: tl.constexpr = qk.shape[1]
@@ -114,34 +119,47 @@ def quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr
     # holding the row maximum must get exactly exp2(0) = 1, which is why the kernel is compiled
     # without FMA contraction (a fused block_max · q_scale - m leaves a residual of either sign:
     # amax = 1 - 2^-24 would move that block to the next lower scale under the OCP rule)
-    amax = tl.exp2(block_max - m_safe[:, None])
-    e_blk = tl.where(amax > 0, mx_block_exponent(amax, OCP, QMAX), EXP_FLOOR)
-    # the tile's largest block exponent is the exponent of its largest block maximum: computed
-    # per row from the row's tile maximum (the same arithmetic on the same value), not reduced
-    # across the lanes that hold the blocks (shuffles on the loop's critical path)
     top = tl.exp2(tile_max - m_safe)
-    e_top = tl.maximum(tl.where(top > 0, mx_block_exponent(top, OCP, QMAX), EXP_FLOOR), EXP_FLOOR)
-    e_blk = tl.minimum(e_blk, e_top[:, None])  # a no-op (exp2 is monotonic); the f16 rounding's unit <= 16 relies on it
-    k_new = 4 - e_top
-    p = tl.exp2(tl.fma(s5, _rows5(q_scale), _rows5(k_new.to(tl.float32) - m_safe)))  # P̃ · 2^k_new
-    unit = pow2(tl.maximum(e_blk + k_new[:, None], -126))
-    p_hat = round_e2m1_f16x2_odd(p, _blocks5(unit.to(tl.float16)), _blocks5((unit * 6.0).to(tl.float16)), ASM)
-    alpha = tl.exp2(m_i - m_safe + (k_new - k_i).to(tl.float32))
-    # l per row and block (lane): summed over the lanes once, after the loop
-    if PNQ:  # block sums on f16 pairs (exact: multiples of unit / 2, at most 192 units)
-        part = tl.sum(tl.sum(tl.sum(p_hat, axis=2), axis=1).to(tl.float32), axis=2)
+    if P_E4M3:
+        # the tile's largest P̃ (per row) from its largest logit, the same arithmetic as its element's
+        e_top = tl.maximum(tl.where(top > 0, ((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EXP_FLOOR),
+                           EXP_FLOOR)
+        k_new = 7 - e_top
+        p = tl.exp2(tl.fma(s5, _rows5(q_scale), _rows5(k_new.to(tl.float32) - m_safe)))  # P̃ · 2^k_new < 256
+        p8 = round_e4m3_signed(p, ASM)
+        if PNQ:  # the sums of the rounded values
+            part = _block_reduce(p8.to(tl.float32), False)
+        else:
+            part = _block_reduce(p, False)
+        p8 = tl.reshape(p8, (BLOCK_M, BLOCK_N))
     else:
-        part = _block_reduce(p, False)
+        amax = tl.exp2(block_max - m_safe[:, None])
+        e_blk = tl.where(amax > 0, mx_block_exponent(amax, OCP, QMAX), EXP_FLOOR)
+        # the tile's largest block exponent is the exponent of its largest block maximum: computed
+        # per row from the row's tile maximum (the same arithmetic on the same value), not reduced
+        # across the lanes that hold the blocks (shuffles on the loop's critical path)
+        e_top = tl.maximum(tl.where(top > 0, mx_block_exponent(top, OCP, QMAX), EXP_FLOOR), EXP_FLOOR)
+        e_blk = tl.minimum(e_blk, e_top[:, None])  # a no-op (exp2 is monotonic); the f16 rounding's unit <= 16 relies on it
+        k_new = 4 - e_top
+        p = tl.exp2(tl.fma(s5, _rows5(q_scale), _rows5(k_new.to(tl.float32) - m_safe)))  # P̃ · 2^k_new
+        unit = pow2(tl.maximum(e_blk + k_new[:, None], -126))
+        p_hat = round_e2m1_f16x2_odd(p, _blocks5(unit.to(tl.float16)), _blocks5((unit * 6.0).to(tl.float16)), ASM)
+        # l per row and block (lane): summed over the lanes once, after the loop
+        if PNQ:  # block sums on f16 pairs (exact: multiples of unit / 2, at most 192 units)
+            part = tl.sum(tl.sum(tl.sum(p_hat, axis=2), axis=1).to(tl.float32), axis=2)
+        else:
+            part = _block_reduce(p, False)
+        p8 = tl.reshape(p_hat, (BLOCK_M, BLOCK_N)).to(tl.float8e4nv)
+    alpha = tl.exp2(m_i - m_safe + (k_new - k_i).to(tl.float32))
     l_new = tl.fma(alpha[:, None], l_i, part)
-    p8 = as_mma_operand(tl.reshape(p_hat, (BLOCK_M, BLOCK_N)).to(tl.float8e4nv), BLOCK_M, BLOCK_N)
-    return p8, m_new, k_new, l_new, alpha
+    return as_mma_operand(p8, BLOCK_M, BLOCK_N), m_new, k_new, l_new, alpha
 
 
 @triton.jit
 def _tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd,
           OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_N: tl.constexpr, QB: tl.constexpr, EXP_FLOOR: tl.constexpr, TMA: tl.constexpr, v_row,
-          ASM: tl.constexpr, FRESH_PV: tl.constexpr):
+          ASM: tl.constexpr, FRESH_PV: tl.constexpr, P_E4M3: tl.constexpr):
     """:func:`quantize_p` and P̂·V̂ of one key tile, given its logits from :func:`.tiles.tile_logits`:
     returns the updated (m, k, l, acc). TMA: ``V_base`` is a tensor descriptor of V̂ᵀ's rows
     (channels), this head's first at ``v_row``.
@@ -152,7 +170,7 @@ def _tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd,
     at three programs per SM, made every MMA wait for the previous one (warning C7512): Wan 720p
     loop 158.2 ms against 171.6 (H200). The pointer-load loop, not register-bound, is faster
     overlapping P̂·V̂ with the next tile (163.49 against 169.04 ms)."""
-    p8, m_new, k_new, l_i, alpha = quantize_p(qk, q_scale, m_i, k_i, l_i, OCP, QMAX, PNQ, QB, EXP_FLOOR, ASM)
+    p8, m_new, k_new, l_i, alpha = quantize_p(qk, q_scale, m_i, k_i, l_i, OCP, QMAX, PNQ, QB, EXP_FLOOR, ASM, P_E4M3)
     # V̂ᵀ is stored in P̂'s operand order, padded with zeros to whole tiles: plain loads
     if TMA:
         vt = V_base.load([v_row, start])
@@ -179,7 +197,7 @@ def _e4m3_attn_fwd(
     HAS_MASK: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
     D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QB: tl.constexpr, EXP_FLOOR: tl.constexpr, TMA: tl.constexpr, K_TILE_ORDER: tl.constexpr,
-    ASM: tl.constexpr, FRESH_PV: tl.constexpr,
+    ASM: tl.constexpr, FRESH_PV: tl.constexpr, P_E4M3: tl.constexpr = False,
 ):
     """MXFP4 attention on e4m3 tensor cores. TMA (with K_TILE_ORDER: K̂ stored in tile key order,
     whole tiles): ``K8`` and ``V8T`` are tensor descriptors of K̂'s rows (B·H·SK_PAD) and V̂ᵀ's
@@ -214,13 +232,13 @@ def _e4m3_attn_fwd(
         qk = tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB, False,
                          K_TILE_ORDER, TMA, k_row)
         m_i, k_i, l_i, acc = _tile(qk, qk_scale, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV,
-                                   BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, v_row, ASM, FRESH_PV)
+                                   BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, v_row, ASM, FRESH_PV, P_E4M3)
     if n_full < SK:
         qk_scale = q_scale * tl.load(KF_base + n_full // BLOCK_N)
         qk = tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, QB, False,
                          K_TILE_ORDER, TMA, k_row)
         m_i, k_i, l_i, acc = _tile(qk, qk_scale, m_i, k_i, l_i, acc, V_base, n_full, svd, OCP, QMAX, PNQ, BLOCK_DV,
-                                   BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, v_row, ASM, FRESH_PV)
+                                   BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, v_row, ASM, FRESH_PV, P_E4M3)
 
     v_fac = tl.load(VFac + bh * BLOCK_DV + tl.arange(0, BLOCK_DV))  # acc is in units of V̂'s channel factors
     store_out_lse(Out, Lse, acc, v_fac[None, :], tl.sum(l_i, axis=1), m_i, k_i.to(tl.float32), b, h, offs_m, row_ok,
@@ -268,7 +286,7 @@ def attention_e4m3(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive
         scale * LOG2E,
         HAS_MASK=key_alive is not None, OCP=recipe.scale_rule is ScaleRule.OCP, QMAX=recipe.scale_rule.qmax,
         PNQ=recipe.row_sum is RowSum.QUANTIZED, D=d, BLOCK_DV=dvp, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
-        QB=recipe.pv_format.block, EXP_FLOOR=TILE_EXP_FLOOR, TMA=tma, K_TILE_ORDER=k_tile_order,
+        QB=LANE_BLOCK, EXP_FLOOR=TILE_EXP_FLOOR, TMA=tma, K_TILE_ORDER=k_tile_order, P_E4M3=recipe.pv_format is Format.E4M3,
         ASM=q8.is_cuda, FRESH_PV=tma if fresh_pv is None else fresh_pv,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
         **({"maxnreg": TMA_REGISTER_BUDGET} if capped else {}),  # registers per thread (ptxas spills the rest)

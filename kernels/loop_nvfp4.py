@@ -29,11 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4video.formats import Format
 from fp4video.recipe import AttentionRecipe, PScale, RowSum
 from fp4video.reference import KEY_TILE, TWO_LEVEL_P_FLOOR, TWO_LEVEL_P_RANGE
 
-from .fp4_math import (const_div_rn, div_const_rn, e2m1_times_scale, nvfp4_block_scale, recip_rn_few_bits,
-                       round_e2m1_at_scale)
+from .fp4_math import (const_div_rn, div_const_rn, e2m1_times_scale, nvfp4_block_scale, pow2, recip_rn_few_bits,
+                       round_e2m1_at_scale, round_e4m3_signed)
 from .launch import LoopLaunch
 from .tiles import LOG2E, key_mask, next_pow2, outputs, program_rows, store_out_lse, tile_logits
 
@@ -94,7 +95,8 @@ def nv_row_vector(tile, value):
 
 @triton.jit
 def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr,
-                  PNQ: tl.constexpr, FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr, P_DTYPE: tl.constexpr):
+                  PNQ: tl.constexpr, FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr, P_DTYPE: tl.constexpr,
+                  P_E4M3: tl.constexpr = False):
     """Online softmax and NVFP4 quantization of one key tile of logits ``qk`` (BLOCK_M × 128, keys
     in ``mma_key_order`` with QB = 32, masked keys at -inf): the part both NVFP4 loops (this
     module's and the Gluon one of :mod:`.loop_nvfp4_sm90`) share.
@@ -106,7 +108,9 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
     (sm_80+: the approximate reciprocal of :func:`.fp4_math.approx_recip`, the packed 16-bit
     steps of :func:`.fp4_math.e2m1_times_scale`; False in the interpreter, which has no inline PTX).
     HW_E4M3: the block scales by the hardware's E4M3 conversion (:func:`.fp4_math.nvfp4_block_scale`;
-    sm_89+, not in the interpreter, whose fp8 conversion rounds differently).
+    sm_89+, not in the interpreter, whose fp8 conversion rounds differently). P_E4M3 (``sage3-pv8``,
+    the Triton loop only): P̃ in E4M3 with one power-of-two scale per row and tile instead
+    (:func:`fp4video.formats.e4m3_pow2_quantize_dequantize`), exact in bf16.
     """
     BLOCK_M: tl.constexpr = qk.shape[0]
     tl.static_assert(qk.shape[1] == 128, "the lane layout below is that of 128-key tiles")
@@ -123,6 +127,13 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
     # they equal the largest P̃ of their block bit for bit (fma and exp2 are monotonic)
     amax = tl.exp2(tl.fma(bmax, scale_log2, -_rows3(m_safe)))
     p = tl.exp2(tl.fma(s6, scale_log2, -_rows6(m_safe)))
+    if P_E4M3:  # the tile's largest P̃ (from its largest logit, the same arithmetic) into [128, 256)
+        rmax = tl.exp2(tl.fma(tile_max, scale_log2, -m_safe))
+        k = tl.minimum(7 - (((rmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127), 126)
+        q = round_e4m3_signed(p * _rows6(pow2(k)), HW_E4M3).to(tl.float32) * _rows6(pow2(-k))
+        alpha = tl.exp2(m_i - m_safe)
+        l_new = tl.fma(alpha, l_i, _row_sum6(q if PNQ else p))
+        return tl.reshape(q.to(P_DTYPE), (BLOCK_M, 128)), m_new, r_i, l_new, alpha
     if TWO_LEVEL:  # P̃ · (448·6 / rowmax P̃) is quantized; P̂ = that · (rowmax / (448·6))
         rmax = tl.exp2(tl.fma(tile_max, scale_log2, -m_safe))  # the largest amax (monotonic): no reduction
         # the reference's floor (TWO_LEVEL_P_FLOOR): the pre-scale and the accumulator's units stay
@@ -164,12 +175,12 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
 def _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV,
              TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr,
              IEEE: tl.constexpr, FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, DV_PAD: tl.constexpr):
+             BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, DV_PAD: tl.constexpr, P_E4M3: tl.constexpr = False):
     """:func:`nv_quantize_p` and P̂·V̂ for one key tile. Returns the updated (m, r, l, acc): m in
     log2 units, acc in units of r (the last tile's two-level row factor)."""
     tl.static_assert(BLOCK_N == 128, "the lane layout of nv_quantize_p is that of 128-key tiles")
     p_hat, m_new, r_new, l_i, acc_scale = nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ,
-                                                           FAST_RCP, HW_E4M3, V_base.dtype.element_ty)
+                                                           FAST_RCP, HW_E4M3, V_base.dtype.element_ty, P_E4M3)
     offs_dv = tl.arange(0, BLOCK_DV)
     # V̂ is stored in tile key order and padded to whole tiles (prepass.prepass_tiles): its rows
     # are read as stored, without a bounds mask (V's offsets are not hoisted out of the loop like
@@ -201,7 +212,7 @@ def _nv_attn_fwd(
     HAS_MASK: tl.constexpr, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr,
     IEEE: tl.constexpr, FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr, D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DV_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, P_E4M3: tl.constexpr = False,
 ):
     b, h, offs_m, row_ok = program_rows(H, SQ, BLOCK_M)
     offs_d = tl.arange(0, D)
@@ -219,12 +230,12 @@ def _nv_attn_fwd(
         qk = tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, 32, IEEE, True)
         m_i, r_i, l_i, acc = _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV, TWO_LEVEL,
                                       P_RANGE, PNQ, IEEE, FAST_RCP, HW_E4M3, BLOCK_M, BLOCK_N, BLOCK_DV,
-                                      DV_PAD)
+                                      DV_PAD, P_E4M3)
     if n_full < SK:
         qk = tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, 32, IEEE, True)
         m_i, r_i, l_i, acc = _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, n_full, SK, svs, DV, TWO_LEVEL,
                                       P_RANGE, PNQ, IEEE, FAST_RCP, HW_E4M3, BLOCK_M, BLOCK_N, BLOCK_DV,
-                                      DV_PAD)
+                                      DV_PAD, P_E4M3)
 
     store_out_lse(Out, Lse, acc, r_i[:, None], l_i, m_i, 0.0, b, h, offs_m, row_ok, tl.arange(0, BLOCK_DV), DV,
                   sob, soh, sos, sod, slb, slh, sls)  # acc is in units of the last two-level row factor
@@ -268,7 +279,7 @@ def attention_nvfp4(qh, kh, vh, key_alive, *, sk: int, recipe: AttentionRecipe, 
     cap = torch.cuda.get_device_capability(qh.device) if qh.is_cuda else (0, 0)
     _nv_attn_fwd[(triton.cdiv(sq, block_m), b * h)](  # packed bf16x2 / f16x2 min and fma: sm_80+; cvt to e4m3: sm_89+
         **args, **meta, IEEE=qh.dtype == torch.float32, FAST_RCP=cap >= (8, 0), HW_E4M3=cap >= (8, 9), BLOCK_DV=block_dv,
-        DV_PAD=block_dv != dv,
+        DV_PAD=block_dv != dv, P_E4M3=recipe.pv_format is Format.E4M3,
         BLOCK_M=block_m, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
     )
     return out, lse

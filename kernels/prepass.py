@@ -22,12 +22,13 @@ from fp4video.reference import KEY_TILE, qk_padded_dim
 from fp4video.rotation import hadamard_matrix
 
 from .checks import k_smoothing_mean
-from .fp4_math import fake_quant_rows, fp8_shift_from_raw_max, mx_block_exponent, mx_pack_rows, pow2, round_e2m1_signed
+from .fp4_math import (e4m3_pow2_shift, fake_quant_rows, fp8_shift_from_raw_max, mx_block_exponent, mx_pack_rows, pow2,
+                       round_e2m1_signed, round_e4m3_signed)
 from .key_order import as_mma_operand, key_order_matrix, tile_key_position
 from .launch import fitting_stages
 from .tiles import next_pow2
 
-FMT_CODE = {None: 0, Format.MXFP4: 1, Format.NVFP4: 2}
+FMT_CODE = {None: 0, Format.MXFP4: 1, Format.NVFP4: 2, Format.E4M3: 3}
 #: output modes of the pre-pass kernels (0: the work dtype)
 FP8_ROW, FP8_AMAX, FP8_HEAD, E2M1_PACKED, FP8_TILE, TILE_ROWS, FP8_TILE_ORDERED, HEAD_AMAX = 1, 2, 3, 4, 5, 6, 7, 8
 
@@ -91,7 +92,7 @@ def _prepass_rows(
     ROT_PARTS: tl.constexpr,
     FMT: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
     D: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
-    PERSISTENT: tl.constexpr, TSCALE: tl.constexpr = False,
+    PERSISTENT: tl.constexpr, TSCALE: tl.constexpr = False, HW_E4M3: tl.constexpr = False,
 ):
     """Q or K: rows of D channels, quantized along D, in blocks of BLOCK_S rows (``n_blocks`` per
     head, ``n_heads`` = B·H heads). Each program reads the Hadamard matrix once, then takes
@@ -116,14 +117,14 @@ def _prepass_rows(
             _rows_block(X, Alive, Mean, hm, Out, Fac, bh // H, bh % H, bh, item % n_blocks,
                         S, D_IN, h_norm, sxb, sxh, sxs, sxd, sab, sas, smb, smh, sob, soh, sos,
                         HAS_ALIVE, SMOOTH, ROTATE, ROT_PRECISION, ROT_PARTS, FMT, QB, OCP, QMAX, D, BLOCK_S, OUT,
-                        TSCALE)
+                        TSCALE, HW_E4M3)
     else:
         bh = tl.program_id(1)
         for i in range(BLOCKS_PER_PROGRAM):
             _rows_block(X, Alive, Mean, hm, Out, Fac, bh // H, bh % H, bh, tl.program_id(0) * BLOCKS_PER_PROGRAM + i,
                         S, D_IN, h_norm, sxb, sxh, sxs, sxd, sab, sas, smb, smh, sob, soh, sos,
                         HAS_ALIVE, SMOOTH, ROTATE, ROT_PRECISION, ROT_PARTS, FMT, QB, OCP, QMAX, D, BLOCK_S, OUT,
-                        TSCALE)
+                        TSCALE, HW_E4M3)
 
 
 @triton.jit
@@ -132,7 +133,7 @@ def _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, blk,
                 HAS_ALIVE: tl.constexpr, SMOOTH: tl.constexpr, ROTATE: tl.constexpr, ROT_PRECISION: tl.constexpr,
                 ROT_PARTS: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr,
                 QMAX: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr,
-                TSCALE: tl.constexpr = False):
+                TSCALE: tl.constexpr = False, HW_E4M3: tl.constexpr = False):
     """Block ``blk`` of BLOCK_S rows of :func:`_prepass_rows`."""
     rows = blk * BLOCK_S + tl.arange(0, BLOCK_S)
     cols = tl.arange(0, D)
@@ -168,22 +169,33 @@ def _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, blk,
         # the shift c follows from the largest |x · norm| before quantization (fp8_shift_from_raw_max),
         # so one product x · (norm · 2^c) both normalizes and shifts (2^c is exact: equal to
         # shifting the quantized values), and the blocks are quantized at their scales times 2^c
-        xb = tl.reshape(x, (BLOCK_S, D // QB, QB))
-        block_max = tl.max(tl.abs(xb), axis=2)
-        big = tl.max(block_max, axis=1)
-        if OUT != 1:  # one shift per key tile
-            big = tl.max(big, axis=0)
-        c = fp8_shift_from_raw_max(big * norm, OCP, QMAX)
-        factor = norm * pow2(c)
-        if OUT == 1:
-            e = mx_block_exponent(block_max * factor[:, None], OCP, QMAX)
-            xs = xb * factor[:, None, None]
+        if FMT == 3:  # E4M3 itself: no blocks, the row's / key tile's largest |x| into [128, 256)
+            big = tl.max(tl.abs(x), axis=1)
+            if OUT != 1:
+                big = tl.max(big, axis=0)
+            c = e4m3_pow2_shift(big * norm)
+            factor = norm * pow2(c)
+            if OUT == 1:
+                y = round_e4m3_signed(x * factor[:, None], HW_E4M3)
+            else:
+                y = round_e4m3_signed(x * factor, HW_E4M3)
         else:
-            e = mx_block_exponent(block_max * factor, OCP, QMAX)
-            xs = xb * factor
-        # (all-zero blocks: any unit rounds them to 0)
-        q = round_e2m1_signed(xs, pow2(tl.minimum(tl.maximum(e, -126), 126))[:, :, None])
-        y = tl.reshape(q, (BLOCK_S, D)).to(tl.float8e4nv)
+            xb = tl.reshape(x, (BLOCK_S, D // QB, QB))
+            block_max = tl.max(tl.abs(xb), axis=2)
+            big = tl.max(block_max, axis=1)
+            if OUT != 1:  # one shift per key tile
+                big = tl.max(big, axis=0)
+            c = fp8_shift_from_raw_max(big * norm, OCP, QMAX)
+            factor = norm * pow2(c)
+            if OUT == 1:
+                e = mx_block_exponent(block_max * factor[:, None], OCP, QMAX)
+                xs = xb * factor[:, None, None]
+            else:
+                e = mx_block_exponent(block_max * factor, OCP, QMAX)
+                xs = xb * factor
+            # (all-zero blocks: any unit rounds them to 0)
+            q = round_e2m1_signed(xs, pow2(tl.minimum(tl.maximum(e, -126), 126))[:, :, None])
+            y = tl.reshape(q, (BLOCK_S, D)).to(tl.float8e4nv)
         if OUT == 7:  # a whole key tile (zero rows past S), its rows in the loops' key order; none past the
             # last tile (a program's last blocks can lie beyond it)
             tl.store(Out + b * sob + h * soh + tile_key_position(rows, BLOCK_S)[:, None] * sos + cols[None, :], y,
@@ -226,7 +238,7 @@ def _prepass_v(
     HAS_ALIVE: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
     DV_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr,
     MMA_T: tl.constexpr = False, IEEE: tl.constexpr = False,
-    TILES: tl.constexpr = 1, TSCALE: tl.constexpr = False,
+    TILES: tl.constexpr = 1, TSCALE: tl.constexpr = False, HW_E4M3: tl.constexpr = False,
 ):
     """V: quantized along tokens (blocks of QB consecutive keys per channel); each program takes
     BLOCK_S tokens of BLOCK_DV of the DV_PAD channels (grid axis 2) — the tensor-core transposed
@@ -246,7 +258,9 @@ def _prepass_v(
     b = bh // H
     h = bh % H
     cols = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    if OUT == 3:  # FP8_HEAD: the channel shifts, from the maxima FP8_AMAX folded (before quantization)
+    if FMT == 3 and (OUT == 3 or OUT == 6):  # E4M3 V: each channel's largest |v| into [128, 256)
+        c = e4m3_pow2_shift(tl.load(Amax + bh * DV_PAD + cols).to(tl.float32, bitcast=True))
+    elif OUT == 3:  # FP8_HEAD: the channel shifts, from the maxima FP8_AMAX folded (before quantization)
         c = fp8_shift_from_raw_max(tl.load(Amax + bh * DV_PAD + cols).to(tl.float32, bitcast=True), OCP, QMAX)
     if OUT == 3 and MMA_T:  # FP8_HEAD, transposed by the tensor cores (V's own dtype): TILES tiles per
         # program, Π and the channel shifts read once for all of them
@@ -256,7 +270,7 @@ def _prepass_v(
             tile = pid * TILES + i
             x = _v_tile(V, Alive, b, h, tile, cols, S, DV, svb, svh, svs, svd, sab, sas, HAS_ALIVE, BLOCK_S)
             _v_e4m3_mma_transposed(x, pi, c, Out, Fac, b, h, bh, tile, cols, S, sob, soh, sod,
-                                   DV_PAD, BLOCK_DV, BLOCK_S, QB, OCP, QMAX, IEEE)
+                                   DV_PAD, BLOCK_DV, BLOCK_S, QB, OCP, QMAX, IEEE, FMT, HW_E4M3)
     elif OUT == 2:  # FP8_AMAX: a plain read of TILES tiles, no quantization; one atomic per channel
         # for the channel maxima, and one for the smallest nonzero block maximum (Fac: the e4m3
         # window check of prepass_fp8_window)
@@ -282,7 +296,11 @@ def _prepass_v(
             nb = pid * (BLOCK_S // QB) + tl.arange(0, BLOCK_S // QB)
             tl.store(Fac + (bh * DV_PAD + cols)[:, None] * (sod * 2 // QB) + nb[None, :], scales)
         else:
-            if FMT != 0 and TSCALE:  # NVFP4 with the head's tensor scale g, 1/g in Fac (as in _prepass_rows)
+            if FMT == 3 and OUT == 6:  # E4M3 values with their channel scales, in Out's dtype (exact)
+                x = round_e4m3_signed(x * pow2(c)[None, :], HW_E4M3).to(tl.float32) * pow2(-c)[None, :]
+            elif FMT == 3:
+                tl.static_assert(OUT == 3, "E4M3 V: the e4m3 (FP8_HEAD) or tile-ordered (TILE_ROWS) outputs")
+            elif FMT != 0 and TSCALE:  # NVFP4 with the head's tensor scale g, 1/g in Fac (as in _prepass_rows)
                 x = tl.trans(fake_quant_rows(tl.trans(x * tl.load(Fac + 2 * bh + 1)), BLOCK_DV, BLOCK_S, FMT, QB, OCP,
                                              QMAX, True)) * tl.load(Fac + 2 * bh)
             elif FMT != 0:
@@ -294,6 +312,9 @@ def _prepass_v(
                 out_ok = (rows < tl.cdiv(S, 128) * 128)[:, None] & (cols[None, :] < DV)
             if OUT == 0 or OUT == 6:
                 tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=out_ok)
+            elif FMT == 3:  # FP8_HEAD of E4M3 V
+                _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD, BLOCK_S, QB,
+                           round_e4m3_signed(x * pow2(c)[None, :], HW_E4M3), c)
             else:  # FP8_HEAD
                 _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD, BLOCK_S, QB,
                            (x * pow2(c)[None, :]).to(tl.float8e4nv), c)
@@ -329,7 +350,8 @@ def _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD: tl.constexp
 @triton.jit
 def _v_e4m3_mma_transposed(x, pi, c, Out, Fac, b, h, bh, pid, cols, S, sob, soh, sod, DV_PAD: tl.constexpr,
                            BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr,
-                           QMAX: tl.constexpr, IEEE: tl.constexpr):
+                           QMAX: tl.constexpr, IEEE: tl.constexpr, FMT: tl.constexpr = 1,
+                           HW_E4M3: tl.constexpr = False):
     """FP8_HEAD with the transposition done by an MMA: Vᵀ · Π, Π (:func:`.key_order.key_order_matrix`)
     the 0/1 matrix that puts token ``mma_key_order(c)`` in column c — one product x · 1 per output,
     the rest zeros: exact (fp32 accumulation of bf16/fp16 inputs; IEEE fp32 in the interpreter).
@@ -345,11 +367,14 @@ def _v_e4m3_mma_transposed(x, pi, c, Out, Fac, b, h, bh, pid, cols, S, sob, soh,
         xt = tl.dot(tl.trans(x.to(tl.float32)), pi, input_precision="ieee")
     else:
         xt = tl.dot(tl.trans(x), pi)
-    xb = tl.reshape(xt, (BLOCK_DV, BLOCK_S // 8, 4, 2))  # column 8j + 2t + e: block t
-    amax = tl.max(tl.max(tl.abs(xb), axis=3), axis=1)
-    e = tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126)
-    q = round_e2m1_signed(xb, pow2(e)[:, None, :, None])
-    y = (tl.reshape(q, (BLOCK_DV, BLOCK_S)) * pow2(c)[:, None]).to(tl.float8e4nv)
+    if FMT == 3:  # E4M3 V: the channel's shift only
+        y = round_e4m3_signed(xt * pow2(c)[:, None], HW_E4M3)
+    else:
+        xb = tl.reshape(xt, (BLOCK_DV, BLOCK_S // 8, 4, 2))  # column 8j + 2t + e: block t
+        amax = tl.max(tl.max(tl.abs(xb), axis=3), axis=1)
+        e = tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126)
+        q = round_e2m1_signed(xb, pow2(e)[:, None, :, None])
+        y = (tl.reshape(q, (BLOCK_DV, BLOCK_S)) * pow2(c)[:, None]).to(tl.float8e4nv)
     y = as_mma_operand(y, BLOCK_DV, BLOCK_S)
     first = pid * BLOCK_S + k * 0  # (the tile's first token, as a tensor: a mask for every column)
     tl.store(Out + b * sob + h * soh + cols[:, None] * sod + (pid * BLOCK_S + k)[None, :], y,
@@ -441,9 +466,9 @@ class _PrePass:
             # ran 10x slower on the H200); exact fp32 in the interpreter
             ROT_PRECISION="bf16" if self.dev.type == "cuda" else "ieee",
             ROT_PARTS=self.rotation_parts(x, smooth=mean.dim() == 3),
-            FMT=FMT_CODE[fmt], QB=fmt.block if fmt else 32, OCP=rule is ScaleRule.OCP, QMAX=rule.qmax,
+            FMT=FMT_CODE[fmt], QB=fmt.block if fmt and fmt.fp4 else 32, OCP=rule is ScaleRule.OCP, QMAX=rule.qmax,
             D=self.d, BLOCK_S=block_s, OUT=out_mode, BLOCKS_PER_PROGRAM=per_program, PERSISTENT=bool(per_sm),
-            TSCALE=tscale is not None, num_warps=warps,
+            TSCALE=tscale is not None, HW_E4M3=self.dev.type == "cuda", num_warps=warps,
             num_stages=fitting_stages(self.dev, stages, ROW_SHARED_MEMORY),  # (1 on ~100 KB GPUs)
         )
 
@@ -468,12 +493,12 @@ class _PrePass:
             *self.v.stride(),
             self.alive.stride(0), self.alive.stride(1),
             *((out.stride(0), out.stride(1), 1, out.stride(2)) if transposed else (*out.stride()[:3], 1)),
-            HAS_ALIVE=self.key_alive is not None, FMT=FMT_CODE[fmt], QB=fmt.block if fmt else 32,
+            HAS_ALIVE=self.key_alive is not None, FMT=FMT_CODE[fmt], QB=fmt.block if fmt and fmt.fp4 else 32,
             OCP=rule is ScaleRule.OCP, QMAX=rule.qmax, DV_PAD=dv_pad, BLOCK_DV=chunk,
             BLOCK_S=block_s, OUT=out_mode, num_warps=self.launch.v_warps,
             # (exact for V's own precision only: bf16 or fp16, at most 11 significant bits)
             MMA_T=mma_t, IEEE=not gpu, TILES=tiles, num_stages=fitting_stages(self.dev, self.launch.v_stages, V_SHARED_MEMORY),
-            TSCALE=tscale is not None,
+            TSCALE=tscale is not None, HW_E4M3=gpu,
         )
 
     def tensor_scales(self):
@@ -506,6 +531,9 @@ class _PrePass:
         return ts_q, ts_k, ts_v
 
     def run(self, work_dtype):
+        if Format.E4M3 in (self.recipe.qk_format, self.recipe.pv_format):
+            raise ValueError(f"{self.recipe.name}: E4M3 (FP8) operands come from prepass_fp8 (the e4m3 loop) or, with "
+                             "NVFP4 Q/K, prepass_tiles (the NVFP4 loop), not from the work-dtype pre-pass")
         b, h, dev = self.b, self.h, self.dev
         q_hat = torch.empty(b, h, self.sq, self.d, device=dev, dtype=work_dtype)
         k_hat = torch.empty(b, h, self.sk, self.d, device=dev, dtype=work_dtype)
@@ -527,8 +555,17 @@ class _PrePass:
         ts_q, ts_k, ts_v = self.tensor_scales()
         self.rows(self.q, self.sq, False, 0, q_hat, tscale=ts_q)
         self.rows(self.k, self.sk, True, TILE_ROWS, k_hat, tscale=ts_k)
-        self.values(TILE_ROWS, v_hat, tscale=ts_v)
+        amax = self.channel_maxima(next_pow2(self.dv)) if self.recipe.pv_format is Format.E4M3 else None
+        self.values(TILE_ROWS, v_hat, amax=amax, tscale=ts_v)
         return q_hat, k_hat, v_hat
+
+    def channel_maxima(self, width: int) -> torch.Tensor:
+        """Each V channel's largest |v| over the live keys, as fp32 bits (B, H, ``width``) int32
+        (FP8_AMAX's read): E4M3 V's channel scales."""
+        amax = torch.zeros(self.b, self.h, width, device=self.dev, dtype=torch.int32)
+        bmin = torch.empty(self.b, self.h, width, device=self.dev, dtype=torch.int32)
+        self.values(FP8_AMAX, torch.empty(1, 1, width, 1, device=self.dev), amax=amax, fac=bmin)
+        return amax
 
     def run_packed(self):
         b, h, dev, u8 = self.b, self.h, self.dev, torch.uint8

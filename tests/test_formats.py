@@ -370,3 +370,43 @@ def test_nvfp4_roundtrip_through_storage(vals):
     qt = F.quantize(x, "nvfp4")
     assert torch.equal(qt.dequantize(), F.quantize_dequantize(x, "nvfp4"))
     assert torch.equal(qt.elements(), F.decode_e2m1(F.unpack_nibbles(qt.codes)))
+
+
+def test_e4m3_pow2_groups_round_to_the_nearest_e4m3_value_at_their_scale():
+    """e4m3_pow2_quantize_dequantize against an independent oracle: each group's largest magnitude
+    scaled by a power of two into [128, 256), every element the nearest E4M3 value (ties to the
+    even code) at that scale, read off the table of all 127 magnitudes; zero groups stay zero,
+    tuple dims form one group."""
+    from fp4video.formats import e4m3_pow2_quantize_dequantize, e4m3_values
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 4, 40, generator=g, dtype=torch.float64) * torch.exp2(torch.randint(-30, 30, (6, 4, 1), generator=g))
+    x[0, 0] = 0
+    got = e4m3_pow2_quantize_dequantize(x, dim=-1)
+    grid = e4m3_values().double()
+    amax = x.abs().amax(-1, keepdim=True)
+    c = 7 - torch.floor(torch.log2(torch.where(amax > 0, amax, 1.0)))
+    scaled = x.abs() * torch.exp2(c)
+    assert ((scaled.amax(-1) >= 128) & (scaled.amax(-1) < 256) | (amax[..., 0] == 0)).all()
+    dist = (scaled[..., None] - grid).abs()
+    best = dist.min(-1, keepdim=True).values
+    ties = (dist == best)
+    codes = torch.arange(len(grid))
+    pick = torch.where(ties, codes, len(grid) + 1)
+    even = torch.where(ties & (codes % 2 == 0), codes, len(grid) + 1).amin(-1)  # ties: the even code
+    idx = torch.where(ties.sum(-1) > 1, even, pick.amin(-1))
+    want = torch.copysign(grid[idx] * torch.exp2(-c), x)
+    assert torch.equal(got, torch.where(x == 0, torch.zeros_like(x), want))
+    assert not got[0, 0].any()
+    tiles = e4m3_pow2_quantize_dequantize(x, dim=(-2, -1))  # one scale per (4 × 40) group
+    amax_t = x.abs().amax(dim=(-2, -1))
+    assert torch.equal(tiles.abs().amax(dim=(-2, -1)) * torch.exp2(7 - torch.floor(torch.log2(torch.where(amax_t > 0, amax_t, 1.0)))) >= 128,
+                       amax_t > 0)
+
+
+def test_e4m3_is_not_a_block_format():
+    from fp4video.formats import Format, quantize_dequantize
+
+    assert Format("e4m3").block == 1 and not Format.E4M3.fp4
+    with pytest.raises(ValueError, match="not a block format"):
+        quantize_dequantize(torch.ones(32), "e4m3")

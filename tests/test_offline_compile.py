@@ -43,3 +43,35 @@ def test_scaled_kernel_compiles_to_native_fp4_mma(arch, instruction):
     mmas = re.findall(rf"{re.escape(instruction)}[.\w:]*", ptx)
     assert len(mmas) >= 2 and all("kind::mxf4" in m and "block_scale" in m for m in mmas), sorted(set(mmas))
     assert not re.search(r"(wgmma|mma)[.\w]*\.bf16", ptx), "an MMA fell back to bf16 (emulation)"
+
+
+#: compiles the e4m3 loop with FP8 P̂ (the FP8-P·V methods, pointer loads, a mask) for sm_{arch}
+E4M3_PTX = """
+import sys
+sys.path.insert(0, {tools!r})
+from offline_compile import compile_kernel
+from fp4video.formats import ScaleRule
+from fp4video.kernels.loop_e4m3 import TILE_EXP_FLOOR, _e4m3_attn_fwd as fn
+ptr = dict(Q8="*fp8e4nv", QFac="*fp32", K8="*fp8e4nv", KFac="*fp32", V8T="*fp8e4nv", VFac="*fp32", KeyMask="*i8",
+           Out="*bf16", Lse="*fp32")
+consts = dict(HAS_MASK=True, OCP=False, QMAX=ScaleRule.UOS.qmax, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=64,
+              BLOCK_N=128, QB=32, EXP_FLOOR=TILE_EXP_FLOOR, TMA=False, K_TILE_ORDER=False, ASM=True, FRESH_PV=False,
+              P_E4M3=True)
+ints = dict(sqs=128, sks=128, svd=4096, SQ=4096, SK_PAD=4096)
+print(compile_kernel(fn, consts, ptr, ints, arch={arch}, floats=("scale_log2",), num_warps=4, num_stages=2,
+                     enable_fp_fusion=False).asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize("arch, mma", [(90, r"wgmma\.mma_async[.\w]*\.e4m3\.e4m3"), (100, r"tcgen05\.mma[.\w:]*kind::f8f6f4"),
+                                       (120, r"mma\.sync[.\w]*\.e4m3\.e4m3")])
+def test_fp8_pv_loop_compiles_to_fp8_mmas(arch, mma):
+    """The FP8-P·V methods' e4m3 loop, compiled for Hopper and both Blackwell families: both of its
+    products on the FP8 MMAs (Q·K of the MXFP4 methods' e4m3-stored values, P̂·V̂), no bf16 MMA."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", E4M3_PTX.format(tools=str(ROOT / "tools"), arch=arch)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    if run.returncode != 0:
+        pytest.skip(f"this Triton cannot compile for sm_{arch}: {run.stderr.strip().splitlines()[-1:]}")
+    assert len(re.findall(mma, run.stdout)) >= 2, sorted(set(re.findall(r"(?:tcgen05\.mma|mma\.sync|wgmma\.mma_async)[.\w:]*", run.stdout)))
+    assert not re.search(r"(wgmma|mma)[.\w]*\.bf16", run.stdout), "an MMA fell back to bf16"

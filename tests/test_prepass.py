@@ -24,7 +24,11 @@ def _unpack(codes, scales, block=32):
     return vals * torch.ldexp(torch.ones(scales.shape), scales.long() - 127).repeat_interleave(block, -1)
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if METHODS[m].quantized])
+FP4_METHODS = [m for m in METHODS if METHODS[m].quantized and "e4m3" not in (
+    getattr(METHODS[m].qk_format, "value", None), getattr(METHODS[m].pv_format, "value", None))]
+
+
+@pytest.mark.parametrize("method", FP4_METHODS)
 def test_prepass_matches_reference_prepare(method, device):
     """The fused pre-pass writes the reference's dequantized Q̂, K̂, V̂: bit for bit without the
     rotation; with it, the fp32 dot's summation order may move a value across a rounding
@@ -219,3 +223,37 @@ def test_prepass_rotation_in_bf16_parts_is_exact_gpu(method):
         want = prepass_fp8(q.float(), k.float(), v.float(), METHODS[method], None)
         for name, a, b in zip(("q8", "q_fac", "k8", "k_fac", "v8t", "v_fac"), got, want):
             assert torch.equal(a.float(), b.float()), (dtype, name)
+
+
+@pytest.mark.parametrize("method", ["fp8", "mxattn-pv8", "sage3-pv8"])
+def test_e4m3_prepass_equals_reference(method, device):
+    """The FP8 methods' pre-pass writes the reference's E4M3 values with their power-of-two scales:
+    Q per row and K per key tile (``fp8``), V per channel, bit for bit (MXFP4 Q/K of
+    ``mxattn-pv8`` as ``mxattn``'s, NVFP4 Q/K of ``sage3-pv8`` through the NVFP4 loops' tiles);
+    the work-dtype pre-pass refuses them."""
+    from fp4video.kernels.key_order import k_fac_per_key, tile_key_order, v8t_in_key_order
+    from fp4video.kernels.prepass import prepass, prepass_fp8, prepass_tiles
+    from fp4video.reference import prepare_qkv
+
+    recipe = METHODS[method]
+    g = torch.Generator().manual_seed(12)
+    q, k = torch.randn(2, 2, 45, 64, generator=g), torch.randn(2, 2, 300, 64, generator=g) * 7
+    v = torch.randn(2, 2, 300, 48, generator=g) * torch.exp2(torch.randint(-8, 8, (1, 1, 1, 48), generator=g))
+    q, k, v = (t.to(device) for t in (q, k, v))
+    alive = (torch.arange(300, device=device) % 9 != 4)[None].expand(2, -1)
+    rq, rk, rv = prepare_qkv(q, k, v, recipe, key_alive=alive[:, None, :])
+    if recipe.qk_format.value == "nvfp4":
+        qh, kh, vh = prepass_tiles(q, k, v, recipe, alive, torch.float32 if device == "cpu" else torch.bfloat16)
+        keys = tile_key_order(vh.shape[-2])
+        got_v = torch.empty_like(vh.float())
+        got_v[:, :, keys] = vh.float()
+        assert torch.equal(got_v[..., :300, :], rv[..., :300, :48])
+    else:
+        q8, q_fac, k8, k_fac, v8, v_fac = prepass_fp8(q, k, v, recipe, alive)
+        got_v = v8t_in_key_order(v8).float().transpose(-1, -2)[..., :300, :48] * v_fac[..., None, :48]
+        assert torch.equal(got_v, rv[..., :300, :48])
+        if recipe.qk_format.value == "e4m3":
+            assert torch.equal(q8.float()[..., :64] * q_fac[..., None], rq[..., :45, :64])
+            assert torch.equal(k8.float()[..., :300, :64] * k_fac_per_key(k_fac, 300)[..., None], rk[..., :300, :64])
+    with pytest.raises(ValueError, match="E4M3"):
+        prepass(q, k, v, recipe, alive, torch.float32)

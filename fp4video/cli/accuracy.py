@@ -13,6 +13,7 @@ EXAMPLES = """examples:
                                           # accuracy.md (the README's tables) in ./accuracy-report
   fp4video accuracy --out report --seed 1
   fp4video accuracy --json > acc.json     # one JSON object on stdout (tables suppressed)
+  fp4video accuracy --speed BENCHMARKS.md # also speed_accuracy.png: accuracy against measured speed
 """
 
 N_STEPS = 10  # progress steps reported by harness.report.run_all
@@ -30,6 +31,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of every random input (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object to stdout instead of tables")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--speed", type=Path, metavar="MARKDOWN",
+                   help="also plot accuracy against kernel speed, read from `fp4video bench kernel` tables in this "
+                        "file (a run's --out file, or BENCHMARKS.md): speed_accuracy.png")
+    p.add_argument("--speed-seq", type=int, metavar="S", help="the sequence length of --speed's rows (default: the longest)")
     return p
 
 
@@ -51,6 +56,13 @@ def run(args) -> int:
     specs = report.tables(result)
     (args.out / "accuracy.md").write_text(report.render_markdown(specs))
     plots = [] if args.no_plots else report.plots(result, args.out)
+    if args.speed:
+        try:
+            plots.append(report.speed_accuracy_plot(result, args.speed.read_text(), args.out / "speed_accuracy.png",
+                                                    args.speed_seq))
+        except (OSError, ValueError) as e:
+            print(f"error: --speed {args.speed}: {e}", file=sys.stderr)
+            return 2
     elapsed = time.perf_counter() - t0
     if args.json:
         json.dump(summary, sys.stdout, default=report._json_default)
