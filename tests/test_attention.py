@@ -97,7 +97,8 @@ def test_tiled_equals_materialized_when_max_is_in_first_tile(method):
     assert (s.argmax(-1) < KEY_TILE).all()
     a, la = attention_tiled(qh, kh, vh, scale=0.125, recipe=recipe)
     b, lb = attention_materialized(qh, kh, vh, scale=0.125, recipe=recipe)
-    if recipe.p_scale.value == "two_level":  # per-tile vs per-row pre-scale: different by design
+    per_tile = recipe.p_scale.value == "two_level" or getattr(recipe.pv_format, "value", None) == "e4m3"
+    if per_tile:  # a P scale per row of each tile vs per row of the whole P: different by design
         assert cossim(a, b) > 0.999
     else:
         assert (a - b).abs().max() < 1e-5 and (la - lb).abs().max() < 1e-5
@@ -233,7 +234,7 @@ def _qkv(**kw):
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        (dict(method="fp8"), ValueError, "unknown method 'fp8'"),
+        (dict(method="fp6"), ValueError, "unknown method 'fp6'"),
         (dict(layout="bsdh"), ValueError, "layout must be one of"),
         (dict(backend="cuda"), ValueError, "backend must be one of"),
         (dict(scale=-1.0), ValueError, "scale must be a positive"),
