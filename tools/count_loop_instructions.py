@@ -2,8 +2,8 @@
 """Instructions per element of S in the attention loops, read from their sm_90 code, compiled
 offline (no GPU needed): the ALU budget docs/history.md discusses.
 
-    python tools/count_loop_instructions.py [--ocp] [--pointer-loads] [--mask] [--pv-into-acc] [--max-registers N]
-    python tools/count_loop_instructions.py --kernel nvfp4 [--no-two-level]
+    python tools/count_loop_instructions.py [--ocp] [--pointer-loads] [--mask] [--pv-into-acc] [--max-registers N] [--pv8]
+    python tools/count_loop_instructions.py --kernel nvfp4 [--no-two-level | --pv8]
     python tools/count_loop_instructions.py --kernel nvfp4-sm90 [--no-two-level]
 
 Compiles ``_e4m3_attn_fwd`` (the e4m3 MXFP4 loop), ``_nv_attn_fwd`` (the bf16 NVFP4 loop) or
@@ -53,7 +53,8 @@ def compile_loop_kernel(args):
 
         ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
         consts = dict(HAS_MASK=False, TWO_LEVEL=not args.no_two_level, P_RANGE=TWO_LEVEL_P_RANGE, PNQ=False,
-                      IEEE=False, FAST_RCP=True, HW_E4M3=True, D=128, BLOCK_DV=128, DV_PAD=False, BLOCK_M=128, BLOCK_N=128)
+                      IEEE=False, FAST_RCP=True, HW_E4M3=True, D=128, BLOCK_DV=128, DV_PAD=False, BLOCK_M=128, BLOCK_N=128,
+                      P_E4M3=args.pv8)
         stages, warps, max_registers = LAUNCH.num_stages, LAUNCH.num_warps, None
     elif args.kernel == "nvfp4-sm90":
         from triton.experimental.gluon import language as gl
@@ -80,7 +81,7 @@ def compile_loop_kernel(args):
         rule = ScaleRule.OCP if args.ocp else ScaleRule.UOS
         consts = dict(HAS_MASK=args.mask, OCP=args.ocp, QMAX=rule.qmax, PNQ=True, D=128, BLOCK_DV=128,
                       BLOCK_M=launch.block_m, BLOCK_N=128, QB=32, EXP_FLOOR=TILE_EXP_FLOOR, TMA=tma, K_TILE_ORDER=tma,
-                      ASM=True, FRESH_PV=tma and not args.pv_into_acc)
+                      ASM=True, FRESH_PV=tma and not args.pv_into_acc, P_E4M3=args.pv8)
         stages, warps = launch.num_stages, launch.num_warps
         max_registers = args.max_registers
         if max_registers is None and tma and args.mask:  # as the masked TMA loop is launched
@@ -179,6 +180,7 @@ def main(argv=None) -> int:
                     help="mx: P̂·V̂ accumulated into the rescaled accumulator, awaited in the next tile (the TMA "
                          "loop's default is a fresh accumulator, FRESH_PV)")
     ap.add_argument("--max-registers", type=int, help="mx: cap the registers per thread (maxnreg)")
+    ap.add_argument("--pv8", action="store_true", help="mx / nvfp4: P̃ in E4M3 (the FP8-P·V methods) instead of FP4")
     ap.add_argument("--top", type=int, default=16, help="opcodes to list")
     args = ap.parse_args(argv)
 
