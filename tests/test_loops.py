@@ -167,7 +167,7 @@ def _check_tma_equals_pointer_loads(dev, dt, b, h, sq, sk, d, masked):
 
 
 def test_kernel_accuracy_equals_reference_on_the_sageattention3_harness(device):
-    """Issue 3: the kernel's accuracy on the source-000 harness equals the reference's within 0.01
+    """The kernel's accuracy on the SageAttention3 harness equals the reference's within 0.01
     cosine points (MXFP4 methods on the e4m3 path, NVFP4 methods on their bf16 loop; CPU
     interpreter or the GPU)."""
     from fp4video.harness import sageattention3
