@@ -227,24 +227,41 @@ def test_bench_kernel_tables_parse_back_and_plot(tmp_path):
     as a PNG with one bar per fp4video row; a header without rows is an error, not a silent skip."""
     from PIL import Image
 
-    from fp4video.cli.bench import format_kernel_table
+    from fp4video.cli.bench import RATIO_PEERS, KernelTiming, format_kernel_table
     from fp4video.eval.speed import KernelTable, parse_kernel_tables, plot_kernel_tables
 
-    rows_a = [(32760, "cuDNN SDPA bf16 (best baseline)", 38.48, None, None, 1.0, None),
-              (32760, "fp4video mxattn", 36.91, 0.98, 35.97, 38.48 / 36.91, 0.97045),
-              (32760, "fp4video sage3", 53.77, 1.85, 51.94, 38.48 / 53.77, 0.98184)]
-    rows_b = [(119056, "SDPA default dispatch bf16 (best baseline)", 438.76, None, None, 1.0, None),
-              (119056, "fp4video nvfp4", 485.90, 2.29, 484.04, 438.76 / 485.90, 0.98181)]
+    sage, fa3 = 40.0, 41.0  # peers' ms
+    row = lambda s, k, t, pre=None, loop=None, peers=True, cos=0.9: KernelTiming(  # noqa: E731
+        s, k, t, pre, loop, 38.48 / t, dict(zip(RATIO_PEERS, (sage / t, fa3 / t) if peers else (None, None))),
+        cos, cos - 0.1, None if "best" in k else 0.99)
+    rows_a = [row(32760, "cuDNN SDPA bf16 (best bf16)", 38.48), row(32760, "FlashAttention-3 FP8 (cast included)", fa3),
+              row(32760, "fp4video mxattn", 36.91, 0.98, 35.97, cos=0.97045),
+              row(32760, "fp4video sage3", 53.77, 1.85, 51.94, cos=0.98184)]
+    rows_b = [row(119056, "SDPA default dispatch bf16 (best bf16)", 438.76, peers=False),
+              row(119056, "fp4video nvfp4", 485.90, 2.29, 484.04, peers=False, cos=0.98181)]
     text = "\n".join([
         "# notes", format_kernel_table("### bench kernel, B=1 H=40 D=128, bf16: GPU X, 2026-11-30", rows_a, 40, 128),
         "some prose | with a pipe", "### bench pipeline, other: GPU X",
         format_kernel_table("### bench kernel, B=1 H=24 D=128, bf16, last 56 keys masked (key padding): GPU X, d",
-                            rows_b, 24, 128)])
+                            rows_b, 24, 128, notes=["SageAttention2: takes no key-padding mask"]),
+        # a table of the format before peers were timed reads back too
+        "### bench kernel, B=1 H=40 D=128, bf16: GPU Y, 2026-11-30", "",
+        "| S | kernel | ms (total) | TFLOP/s | pre-pass ms | loop ms | × best baseline | cosine to best baseline |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| 8192 | cuDNN SDPA bf16 (best baseline) | 2.50 | 440 |  |  | 1.00 | (reference) |",
+        "| 8192 | fp4video mxattn | 2.30 | 478 | 0.10 | 2.10 | 1.09 | 0.96900 |"])
+    assert "Not timed: SageAttention2: takes no key-padding mask." in text
     tables = parse_kernel_tables(text)
-    assert [t.title for t in tables] == ["B=1 H=40 D=128, bf16", "B=1 H=24 D=128, bf16, last 56 keys masked (key padding)"]
+    assert [t.title for t in tables] == ["B=1 H=40 D=128, bf16", "B=1 H=24 D=128, bf16, last 56 keys masked (key padding)",
+                                         "B=1 H=40 D=128, bf16"]
     for table, rows in zip(tables, (rows_a, rows_b)):
-        assert [(r.seq, r.kernel, r.ms) for r in table.rows] == [(s, k, round(t, 2)) for s, k, t, *_ in rows]
-        assert [r.ratio for r in table.rows] == [round(row[5], 2) for row in rows]
+        assert [(r.seq, r.kernel, r.ms) for r in table.rows] == [(x.seq, x.kernel, round(x.ms, 2)) for x in rows]
+        assert [r.ratio for r in table.rows] == [round(x.x_best_bf16, 2) for x in rows]
+        assert [r.cos_fp32 for r in table.rows] == [round(x.cos_fp32, 5) for x in rows]
+    assert tables[0].rows[2].x_peers == (round(sage / 36.91, 2), round(fa3 / 36.91, 2))
+    assert tables[1].rows[1].x_peers == (None, None)
+    assert [(r.kernel, r.ratio, r.x_peers, r.cos_fp32) for r in tables[2].rows] == [
+        ("cuDNN SDPA bf16 (best baseline)", 1.0, (), None), ("fp4video mxattn", 1.09, (), None)]
     png = plot_kernel_tables(tables, tmp_path / "speed.png", bar=0.8)
     with Image.open(png) as im:
         assert im.size[0] > 600 and im.size[1] > 300

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 EXAMPLES = """examples:
   fp4video bench kernel --seqs 8192 32760 75600 --out BENCHMARKS-run.md --plot kernel-speed.png
@@ -42,11 +44,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="GPU speed: kernels and full-size transformer steps", description=__doc__,
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     which = p.add_subparsers(dest="what", required=True, metavar="{kernel,pipeline,parallel}")
-    k = which.add_parser("kernel", help="attention kernels vs cuDNN / flash SDPA")
-    k.add_argument("--seqs", type=int, nargs="+", default=[8192, 32760, 75600])
-    k.add_argument("--heads", type=int, default=40)
-    k.add_argument("--head-dim", type=int, default=128)
-    k.add_argument("--methods", nargs="+", default=["fp16", "mxattn", "mxattn-sk", "sage3", "nvfp4", "mxfp4-ocp"])
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    k = which.add_parser("kernel", help="attention kernels vs every bf16 attention and peer installed",
+                         description=bench_kernel.__doc__, formatter_class=fmt)
+    k.add_argument("--seqs", type=int, nargs="+", default=[8192, 32760, 75600],
+                   help="sequence lengths (Wan2.2 480p: 32760, 720p: 75600; HunyuanVideo 720p: 119056)")
+    k.add_argument("--heads", type=int, default=40, help="attention heads (Wan2.2-A14B: 40, HunyuanVideo: 24)")
+    k.add_argument("--head-dim", type=int, default=128, help="head dimension")
+    k.add_argument("--methods", nargs="+", default=["fp16", "mxattn", "mxattn-pv8", "fp8", "sage3", "nvfp4", "mxfp4-ocp"],
+                   help="fp4video methods to time (fp4video methods lists them)")
     k.add_argument("--masked-keys", type=int, default=0,
                    help="mask the last N keys (key padding; HunyuanVideo 720p: --heads 24 --seqs 119056 --masked-keys 56)")
     k.add_argument("--layout", choices=["bhsd", "bshd"], default="bhsd",
@@ -54,24 +60,34 @@ def add_parser(sub) -> argparse.ArgumentParser:
     k.add_argument("--out", default=None, help="append the markdown table to this file")
     k.add_argument("--plot", default=None, metavar="PNG",
                    help="also draw the table (× best baseline per method and length) as this PNG")
-    pl = which.add_parser("pipeline", help="Wan2.2-A14B-shaped transformer forward: stock vs policies")
-    pl.add_argument("--resolutions", nargs="+", default=["480p", "720p"], choices=list(LATENTS))
-    pl.add_argument("--methods", nargs="+", default=["fp16", "mxattn", "sage3"],
-                    help="each runs with MXAttention's block-0-in-FP16 rule (the paper's policy)")
+    pl = which.add_parser("pipeline", help="Wan2.2-A14B-shaped transformer forward: stock vs policies",
+                          description="One denoising forward of a full-size transformer (random bf16 weights) "
+                                      "with diffusers' stock attention and with each policy, in one run.",
+                          formatter_class=fmt)
+    pl.add_argument("--resolutions", nargs="+", default=["480p", "720p"], choices=list(LATENTS),
+                    help="81 frames (Wan) / 129 frames (HunyuanVideo) at these sizes")
+    pl.add_argument("--methods", nargs="*", default=["fp16", "mxattn", "sage3"],
+                    help="each runs with MXAttention's block-0-in-FP16 rule on Wan (the paper's policy), "
+                         "fully in that method on HunyuanVideo; none: --methods with no names")
+    pl.add_argument("--configs", nargs="+", default=[], metavar="YAML",
+                    help="also each run config's policy (its family must match --model; a lone forward is a "
+                         "middle step, so step rules do not apply)")
     pl.add_argument("--model", choices=["wan22", "hunyuan"], default="wan22", help="transformer shape")
     pl.add_argument("--layers", type=int, default=None,
                     help="transformer blocks (default: the real model's; HunyuanVideo: dual blocks, "
                          "with twice as many single blocks)")
-    pl.add_argument("--reps", type=int, default=2)
+    pl.add_argument("--reps", type=int, default=2, help="timed forwards after one warm-up (the median is kept)")
     pl.add_argument("--out", default=None, help="append the markdown table to this file")
-    pp = which.add_parser("parallel", help="under torchrun: one forward on 1 GPU vs split over N (context parallel)")
+    pp = which.add_parser("parallel", help="under torchrun: one forward on 1 GPU vs split over N (context parallel)",
+                          description=bench_parallel.__doc__, formatter_class=fmt)
     pp.add_argument("--model", choices=["wan22", "hunyuan"], default="wan22", help="transformer shape")
     pp.add_argument("--layers", type=int, default=None, help="transformer blocks (default: the real model's)")
-    pp.add_argument("--resolution", choices=list(LATENTS), default="720p")
+    pp.add_argument("--resolution", choices=list(LATENTS), default="720p", help="video size of the forward")
     pp.add_argument("--methods", nargs="+", default=["fp16", "mxattn"], help="each fully in that method")
-    pp.add_argument("--ring-degree", type=int, default=None)
+    pp.add_argument("--ring-degree", type=int, default=None,
+                    help="ring attention degree (default: processes / ulysses degree)")
     pp.add_argument("--ulysses-degree", type=int, default=None, help="default: all processes")
-    pp.add_argument("--reps", type=int, default=2)
+    pp.add_argument("--reps", type=int, default=2, help="timed forwards after one warm-up (the median is kept)")
     pp.add_argument("--tiny", action="store_true", help="the tiny test transformers (CPU smoke run)")
     pp.add_argument("--out", default=None, help="append the markdown table to this file")
     return p
@@ -108,7 +124,15 @@ def _header(what: str) -> str:
             f"{datetime.date.today().isoformat()}")
 
 
+#: Heads of the fp32 reference every row's accuracy is measured against (all heads cost seconds).
+REFERENCE_HEADS = 4
+
+
 def bench_kernel(args) -> str:
+    """Every bf16 attention installed (cuDNN, flash and default SDPA, FlashAttention-3), the peers
+    (SageAttention2, FlashAttention-3 FP8 with and without its cast) and fp4video's methods, timed in
+    this process on the same inputs; speed × the fastest bf16 and × each peer, accuracy against an
+    fp32 reference (its first 4 heads: cosine, worst row)."""
     import contextlib
 
     import torch
@@ -116,15 +140,20 @@ def bench_kernel(args) -> str:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from .. import METHODS, fp4_attention
+    from ..eval.peers import find_peers
     from ..kernels.dispatch import attention_prepared, prepare
-    from ..metrics import cossim
+    from ..metrics import cossim, row_cosine
 
     def bench(fn):  # ~1.5 s per measurement: at least 7 calls of the longest shapes
         return triton.testing.do_bench(fn, warmup=100, rep=1500, return_mode="median")
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    baselines = (("cuDNN SDPA bf16", SDPBackend.CUDNN_ATTENTION), ("flash SDPA bf16", SDPBackend.FLASH_ATTENTION),
+    sdpa_rows = (("cuDNN SDPA bf16", SDPBackend.CUDNN_ATTENTION), ("flash SDPA bf16", SDPBackend.FLASH_ATTENTION),
                  ("SDPA default dispatch bf16", None))
+    peers = find_peers(key_mask=bool(args.masked_keys))
+    for p in peers:
+        if p.fn is None:
+            print(f"  {p.name}: not timed, {p.missing}", file=sys.stderr)
     rows = []
     for s in args.seqs:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -137,19 +166,33 @@ def bench_kernel(args) -> str:
             mask = torch.ones(1, 1, 1, s, device="cuda", dtype=torch.bool)
             mask[..., s - args.masked_keys:] = False
             key_alive = mask[:, 0, 0, :]
-        measured = []
-        for name, backend in baselines:
+        h = min(REFERENCE_HEADS, args.heads)
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):  # fp32, O(S) memory
+            truth = sdpa(*(t[:, :h].float() for t in (q, k, v)), attn_mask=mask)
+
+        def accuracy(out):
+            out = out[:, :h].float()
+            return cossim(out, truth), float(row_cosine(out, truth).min())
+
+        measured = []  # (name, precision, ms, pre-pass ms, loop ms, output)
+        for name, backend in sdpa_rows:
             try:
                 with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
                     out = sdpa(q, k, v, attn_mask=mask)
-                    measured.append((name, bench(lambda: sdpa(q, k, v, attn_mask=mask)), out))
+                    measured.append((name, "bf16", bench(lambda: sdpa(q, k, v, attn_mask=mask)), None, None, out))
             except RuntimeError as e:  # this backend cannot run the call (e.g. flash with a mask)
                 print(f"  S={s} {name}: not available ({str(e).splitlines()[0][:80]})", file=sys.stderr)
-        best_name, t_best, ref = min(measured, key=lambda r: r[1])
-        for name, t, out in measured:
-            cos = None if name == best_name else cossim(out.float(), ref.float())
-            rows.append((s, name + (" (best baseline)" if name == best_name else ""), t, None, None, t_best / t, cos))
-        del measured
+        for p in peers:
+            if p.fn is None:
+                continue
+            try:
+                a = p.args(q, k, v)
+                out = p.fn(*a)
+                measured.append((p.name, p.precision, bench(lambda: p.fn(*a)), None, None, out))
+            except Exception as e:  # a peer's build that cannot run this shape: say so, keep going
+                print(f"  S={s} {p.name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})",
+                      file=sys.stderr)
+            a = None
         for m in args.methods:
             recipe = METHODS[m]
             out = fp4_attention(q, k, v, method=m, attn_mask=mask, backend="triton")
@@ -158,29 +201,68 @@ def bench_kernel(args) -> str:
             prepared = prepare(q, k, v, recipe, key_alive)
             t_loop = bench(lambda: attention_prepared(prepared, key_alive, recipe=recipe, scale=args.head_dim**-0.5,
                                                       out_dtype=q.dtype, dv=v.shape[-1]))
-            rows.append((s, f"fp4video {m}", t_total, t_pre, t_loop, t_best / t_total, cossim(out.float(), ref.float())))
+            measured.append((f"fp4video {m}", m, t_total, t_pre, t_loop, out))
             print(f"  S={s} {m}: {t_total:.2f} ms", file=sys.stderr, flush=True)
             prepared = None
-        q = k = v = ref = None  # (frees the GPU memory before the next length; the closures above are done)
+        best = min((r for r in measured if r[1] == "bf16"), key=lambda r: r[2])
+        peer_ms = {r[0]: r[2] for r in measured}
+        for name, _, t, pre, loop, out in measured:
+            cos32, worst32 = accuracy(out)
+            rows.append(KernelTiming(
+                s, name + (" (best bf16)" if name == best[0] else ""), t, pre, loop, best[2] / t,
+                {peer: peer_ms[peer] / t if peer in peer_ms else None for peer in RATIO_PEERS},
+                cos32, worst32, None if name == best[0] else cossim(out.float(), best[5].float())))
+        del measured, best
+        q = k = v = truth = out = None  # (frees the GPU memory before the next length)
         torch.cuda.empty_cache()
     masked = f", last {args.masked_keys} keys masked (key padding)" if args.masked_keys else ""
     layout = ", (B, S, H, D) storage as in diffusers" if args.layout == "bshd" else ""
+    notes = [f"{p.name}: {p.missing}" for p in peers if p.fn is None]
     return format_kernel_table(_header(f"bench kernel, B=1 H={args.heads} D={args.head_dim}, bf16{masked}{layout}"),
-                               rows, args.heads, args.head_dim)
+                               rows, args.heads, args.head_dim, notes=notes)
 
 
-def format_kernel_table(header: str, rows, heads: int, head_dim: int) -> str:
-    """``bench kernel``'s markdown: ``rows`` of (S, kernel, ms, pre-pass ms | None, loop ms | None,
-    × best baseline, cosine | None for the baseline itself); :mod:`fp4video.eval.speed` reads it back."""
+#: The peers every row is also compared with (× their time), in the table's column order.
+RATIO_PEERS = ("SageAttention2 sageattn (INT8 QK, FP8 PV)", "FlashAttention-3 FP8 (cast included)")
+_RATIO_TITLES = ("× SageAttention2", "× FA3 FP8 (cast incl.)")
+
+
+@dataclass(frozen=True)
+class KernelTiming:
+    """One row of ``bench kernel``: times in ms (pre-pass and loop for fp4video's methods),
+    speed × the best bf16 of the run and × each of :data:`RATIO_PEERS` (None: not run), cosine and
+    worst-row cosine to the fp32 reference, cosine to the best bf16 (None for that row itself)."""
+
+    seq: int
+    kernel: str
+    ms: float
+    pre_ms: float | None
+    loop_ms: float | None
+    x_best_bf16: float
+    x_peers: dict
+    cos_fp32: float
+    worst_row_fp32: float
+    cos_best_bf16: float | None
+
+
+def format_kernel_table(header: str, rows: list[KernelTiming], heads: int, head_dim: int, *,
+                        notes: list[str] = ()) -> str:
+    """``bench kernel``'s markdown (:mod:`fp4video.eval.speed` reads it back); ``notes`` (peers not
+    run, and why) follow the table."""
     lines = [header, "",
-             "| S | kernel | ms (total) | TFLOP/s | pre-pass ms | loop ms | × best baseline | cosine to best baseline |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    fmt = lambda x: "" if x is None else f"{x:.2f}"  # noqa: E731
-    for s, what, t, pre, loop, ratio, cos in rows:
-        tflops = 4 * heads * s * s * head_dim / t / 1e9
-        lines.append(f"| {s} | {what} | {t:.2f} | {tflops:.0f} | {fmt(pre)} | {fmt(loop)} | {ratio:.2f} | "
-                     f"{'(reference)' if cos is None else f'{cos:.5f}'} |")
-    return "\n".join(lines) + "\n"
+             "| S | kernel | ms (total) | TFLOP/s | pre-pass ms | loop ms | × best bf16 | "
+             + " | ".join(_RATIO_TITLES) + f" | cosine to fp32 | worst-row cosine to fp32 | cosine to best bf16 |",
+             "|" + " --- |" * (11 + len(_RATIO_TITLES) - 1)]
+    fmt = lambda x, spec=".2f": "" if x is None else format(x, spec)  # noqa: E731
+    for r in rows:
+        tflops = 4 * heads * r.seq * r.seq * head_dim / r.ms / 1e9
+        ratios = " | ".join("n/a" if r.x_peers.get(p) is None else f"{r.x_peers[p]:.2f}" for p in RATIO_PEERS)
+        lines.append(f"| {r.seq} | {r.kernel} | {r.ms:.2f} | {tflops:.0f} | {fmt(r.pre_ms)} | {fmt(r.loop_ms)} | "
+                     f"{r.x_best_bf16:.2f} | {ratios} | {r.cos_fp32:.5f} | {r.worst_row_fp32:.4f} | "
+                     f"{'(best bf16)' if r.cos_best_bf16 is None else f'{r.cos_best_bf16:.5f}'} |")
+    lines.append("")
+    lines += [f"Not timed: {n}." for n in notes]
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def _build(args, device="cuda"):
@@ -338,6 +420,7 @@ def bench_pipeline(args) -> str:
     import torch
 
     from ..integration import Policy, install, uninstall
+    from ..integration.config import load_config
 
     model, inputs, desc = _build(args)
 
@@ -355,22 +438,31 @@ def bench_pipeline(args) -> str:
                 times.append(start.elapsed_time(end) / 1000)
         return sorted(times)[len(times) // 2]
 
+    policies = []  # (row label, policy)
+    for m in args.methods:
+        # Wan: MXAttention's block-0-in-FP16 rule; HunyuanVideo: fully 4-bit, as the paper runs it
+        rules = [{"method": "fp16", "blocks": [0]}] if m != "fp16" and args.model == "wan22" else []
+        policies.append((f"fp4video {m}" + (" (block 0 fp16)" if rules else ""),
+                         Policy.model_validate({"method": m, "rules": rules})))
+    for path in args.configs:
+        config = load_config(path)
+        if config.family != {"wan22": "wan", "hunyuan": "hunyuan"}[args.model]:
+            raise SystemExit(f"error: {path} is a {config.family} config; this bench runs --model {args.model}")
+        policies.append((f"fp4video {Path(path).name}", config.policy))
     rows = []
     for res in args.resolutions:
         kw, tokens = inputs(res)
         stock = forward_seconds(kw)
         rows.append((res, tokens, "stock diffusers attention (SDPA)", stock))
         print(f"  {res} stock: {stock:.2f} s", file=sys.stderr, flush=True)
-        for m in args.methods:
-            # Wan: MXAttention's block-0-in-FP16 rule; HunyuanVideo: fully 4-bit, as the paper runs it
-            rules = [{"method": "fp16", "blocks": [0]}] if m != "fp16" and args.model == "wan22" else []
-            install(model, Policy.model_validate({"method": m, "rules": rules}), record=False)
+        for label, policy in policies:
+            install(model, policy, record=False)
             try:
                 secs = forward_seconds(kw)
             finally:
                 uninstall(model)
-            rows.append((res, tokens, f"fp4video {m}" + (" (block 0 fp16)" if rules else ""), secs))
-            print(f"  {res} {m}: {secs:.2f} s", file=sys.stderr, flush=True)
+            rows.append((res, tokens, label, secs))
+            print(f"  {res} {label}: {secs:.2f} s", file=sys.stderr, flush=True)
         del kw
         torch.cuda.empty_cache()
     lines = [_header(f"bench pipeline, {desc}, one forward, batch 1, bf16"), "",

@@ -11,16 +11,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _HEADER = re.compile(r"^### bench kernel, (?P<what>[^:]*): (?P<where>.*)$")
-_ROW = re.compile(r"^\| (?P<s>\d+) \| (?P<kernel>[^|]+?) \| (?P<ms>[\d.]+) \| (?P<tflops>\d+) \| [^|]* \| [^|]* \| "
-                  r"(?P<ratio>[\d.]+) \| [^|]* \|$")
+_ROW = re.compile(r"^\| (?P<s>\d+) \| (?P<kernel>[^|]+?) \| (?P<ms>[\d.]+) \| \d+ \| [^|]* \| [^|]* \| "
+                  r"(?P<ratio>[\d.]+) \|(?P<rest>( [^|]* \|)+)$")
 
 
 @dataclass(frozen=True)
 class KernelRow:
     seq: int
-    kernel: str  # e.g. "fp4video mxattn", "cuDNN SDPA bf16 (best baseline)"
+    kernel: str  # e.g. "fp4video mxattn", "cuDNN SDPA bf16 (best bf16)"
     ms: float
-    ratio: float  # × the best baseline of the same run
+    ratio: float  # × the best (bf16) baseline of the same run
+    #: The tables written since peers are timed: × each peer column (None: "n/a"), cosine to fp32.
+    x_peers: tuple[float | None, ...] = ()
+    cos_fp32: float | None = None
 
 
 @dataclass(frozen=True)
@@ -51,35 +54,44 @@ def parse_kernel_tables(text: str) -> list[KernelTable]:
             continue
         m = _ROW.match(line.strip())
         if m and title is not None:
-            rows.append(KernelRow(int(m["s"]), m["kernel"].strip(), float(m["ms"]), float(m["ratio"])))
+            rest = [c.strip() for c in m["rest"].strip(" |").split("|")]
+            peers, cos = (), None
+            if len(rest) >= 5:  # × peers..., cosine to fp32, worst row, cosine to best bf16
+                peers = tuple(None if c == "n/a" else float(c) for c in rest[:-3])
+                cos = float(rest[-3])
+            rows.append(KernelRow(int(m["s"]), m["kernel"].strip(), float(m["ms"]), float(m["ratio"]), peers, cos))
     close()
     return tables
 
 
 def plot_kernel_tables(tables: list[KernelTable], path: Path, *, bar: float | None = None) -> Path:
-    """One group of bars per (table, sequence length): each fp4video method's speed as a multiple of
-    the best baseline measured in the same run (the line at 1), optionally a target line ``bar``."""
+    """One group of bars per (table, sequence length): each fp4video method's and each peer's speed
+    as a multiple of the best bf16 attention measured in the same run (the line at 1), optionally a
+    target line ``bar``. SDPA's rows are the baseline, not bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     groups = [(t, s) for t in tables for s in dict.fromkeys(r.seq for r in t.rows)]
-    methods = list(dict.fromkeys(r.kernel for t in tables for r in t.rows if r.kernel.startswith("fp4video ")))
-    if not groups or not methods:
+    kernels = [r.kernel.removesuffix(" (best bf16)") for t in tables for r in t.rows]
+    methods = list(dict.fromkeys(k for k in kernels if "SDPA" not in k and "(best baseline)" not in k))
+    if not groups or not any(m.startswith("fp4video ") for m in methods):
         raise ValueError("no fp4video rows to plot")
     width = 0.8 / len(methods)
     fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(groups) + 4), 4.2))
     for i, method in enumerate(methods):
         xs, ys = [], []
         for g, (t, s) in enumerate(groups):
-            hit = [r for r in t.rows if r.seq == s and r.kernel == method]
+            hit = [r for r in t.rows if r.seq == s and r.kernel.removesuffix(" (best bf16)") == method]
             if hit:
                 xs.append(g + (i - (len(methods) - 1) / 2) * width)
                 ys.append(hit[0].ratio)
-        bars = ax.bar(xs, ys, width, label=method.removeprefix("fp4video "))
+        peer = not method.startswith("fp4video ")  # peers hatched, so fp4video's own bars stand out
+        bars = ax.bar(xs, ys, width, label=method.removeprefix("fp4video "), hatch="//" if peer else None,
+                      alpha=0.6 if peer else 1.0)
         ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
-    ax.axhline(1.0, color="black", linewidth=1, label="best baseline (cuDNN SDPA), same run")
+    ax.axhline(1.0, color="black", linewidth=1, label="fastest bf16 attention of the same run")
     if bar is not None:
         ax.axhline(bar, color="gray", linestyle="--", linewidth=1, label=f"target {bar:g}×")
     def label(t: KernelTable, s: int) -> str:
@@ -87,9 +99,9 @@ def plot_kernel_tables(tables: list[KernelTable], path: Path, *, bar: float | No
         return f"S={s:,}" + (f"\nH={h[1]}" if h else "") + (", masked" if "masked" in t.title else "")
 
     ax.set_xticks(range(len(groups)), [label(t, s) for t, s in groups])
-    ax.set_ylabel("× best baseline (higher is faster)")
+    ax.set_ylabel("× fastest bf16 of the run (higher is faster)")
     wheres = sorted({t.where for t in tables})
-    ax.set_title("fp4video attention, pre-pass included\n" + "; ".join(wheres), fontsize=8)
+    ax.set_title("attention speed, quantization included\n" + "; ".join(wheres), fontsize=8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: bars stay visible
     ax.set_ylim(0, max(1.25, max(r.ratio for t in tables for r in t.rows) * 1.15))
     path = Path(path)

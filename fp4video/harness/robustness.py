@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..metrics import row_cosine
+
 __all__ = ["Sharpness", "DISTRIBUTIONS", "make_inputs", "row_cosine", "row_relative_error", "robustness_table"]
 
 
@@ -81,23 +83,10 @@ def make_inputs(sharp: Sharpness, *, batch: int = 1, heads: int = 2, sq: int = 2
     return tuple(t.to(dtype=dtype, device=device) for t in (q, k, v))
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x.double().reshape(-1, x.shape[-1])
-
-
-def row_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Cosine similarity of every output row (the last dim), fp64; rows that are zero in both
-    count as 1 (equal), a zero row against a nonzero one as 0."""
-    a, b = _rows(a), _rows(b)
-    na, nb = a.norm(dim=-1), b.norm(dim=-1)
-    cos = (a * b).sum(-1) / (na * nb).clamp(min=1e-300)
-    return torch.where((na == 0) & (nb == 0), torch.ones_like(cos), cos)
-
-
 def row_relative_error(got: torch.Tensor, want: torch.Tensor, floor: float = 1e-6) -> torch.Tensor:
     """``||got - want|| / max(||want||, floor · largest ||want||)`` per row, fp64: a row the
     reference makes (nearly) zero is judged against the tensor's scale, not its own."""
-    g, w = _rows(got), _rows(want)
+    g, w = (x.double().reshape(-1, x.shape[-1]) for x in (got, want))
     nw = w.norm(dim=-1)
     return (g - w).norm(dim=-1) / torch.clamp(nw, min=floor * float(nw.max().clamp(min=1e-300)))
 

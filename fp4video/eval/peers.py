@@ -1,0 +1,116 @@
+"""The attention kernels a Hopper user would pick instead of fp4video, found if installed.
+
+fp4video never ships or builds them; it imports them when they are there (as diffusers does) so
+``fp4video bench kernel`` can time them in the same process as its own kernels:
+
+- FlashAttention-3 (``flash_attn_interface``, or the ``fa3-fwd`` wheel's ``fa3_fwd_interface``), in
+  bf16 and in FP8 e4m3 with the per-tensor scale a user takes (amax / 448), timed with the cast
+  included and as the kernel alone;
+- SageAttention2 (``sageattention.sageattn``: INT8 Q·K, FP8 P·V, its own quantization inside the call).
+
+Every peer's ``fn`` takes what its ``prepare`` returns (``q, k, v`` when it has none) and returns
+(B, H, S, D); inputs are (B, H, S, D) tensors (views of other layouts are fine). A peer that is not
+installed, or cannot run a call (a key mask), is returned with the reason, never dropped.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Peer", "find_peers", "E4M3_MAX", "fp8_per_tensor"]
+
+#: The largest finite float8_e4m3fn value (the per-tensor scale is amax / E4M3_MAX).
+E4M3_MAX = 448.0
+
+#: Module names FlashAttention-3's forward is published under (upstream, then the ``fa3-fwd`` wheel).
+FA3_MODULES = ("flash_attn_interface", "fa3_fwd_interface")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One peer kernel. ``fn`` is None when it cannot run here; ``missing`` then says why."""
+
+    name: str
+    precision: str  # "bf16" (a candidate for the best bf16 baseline) or what it quantizes to
+    fn: Callable[..., torch.Tensor] | None
+    missing: str | None = None
+    #: ``prepare(q, k, v)`` -> the arguments of ``fn``: work done before the timed kernel (the FP8
+    #: cast of the kernel-only row), or None (``fn(q, k, v)``).
+    prepare: Callable | None = None
+
+    def args(self, q, k, v) -> tuple:
+        return (q, k, v) if self.prepare is None else (self.prepare(q, k, v),)
+
+
+def _import(names):
+    """(module, None) for the first importable name, else (None, why)."""
+    errors = []
+    for name in names:
+        try:
+            return importlib.import_module(name), None
+        except ImportError as e:  # a broken build raises ImportError subclasses too
+            errors.append(f"import {name}: {str(e).splitlines()[0][:100] if str(e) else type(e).__name__}")
+    return None, "; ".join(errors)
+
+
+def fp8_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (B, H, S, D) as float8_e4m3fn with one scale per (batch, head) (what FlashAttention-3's
+    ``*_descale`` arguments take, shape (B, H)): x ≈ x8 · scale, scale = amax / 448."""
+    amax = x.detach().abs().amax(dim=(2, 3)).float()
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    x8 = (x.float() / scale[:, :, None, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return x8, scale
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _fa3_peers(module, missing: str | None) -> list[Peer]:
+    names = ("FlashAttention-3 bf16", "FlashAttention-3 FP8 (cast included)", "FlashAttention-3 FP8 (kernel only)")
+    if module is None:
+        return [Peer(n, p, None, f"not installed ({missing})") for n, p in zip(names, ("bf16", "fp8", "fp8"))]
+    func = module.flash_attn_func
+
+    def bf16(q, k, v):  # FlashAttention-3 takes (B, S, H, D)
+        return _first(func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))).transpose(1, 2)
+
+    def cast(q, k, v):
+        (q8, qs), (k8, ks), (v8, vs) = (fp8_per_tensor(t) for t in (q, k, v))
+        return (q8, k8, v8), (qs, ks, vs)
+
+    def fp8_kernel(prepared):
+        (q8, k8, v8), (qs, ks, vs) = prepared
+        out = func(q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2), q_descale=qs, k_descale=ks,
+                   v_descale=vs)
+        return _first(out).transpose(1, 2)
+
+    def fp8(q, k, v):
+        return fp8_kernel(cast(q, k, v))
+
+    return [Peer(names[0], "bf16", bf16), Peer(names[1], "fp8", fp8),
+            Peer(names[2], "fp8", fp8_kernel, prepare=cast)]
+
+
+def _sage_peer(module, missing: str | None) -> Peer:
+    name = "SageAttention2 sageattn (INT8 QK, FP8 PV)"
+    if module is None or not hasattr(module, "sageattn"):
+        return Peer(name, "int8/fp8", None, f"not installed ({missing or 'sageattention has no sageattn'})")
+    sageattn = module.sageattn
+    return Peer(name, "int8/fp8", lambda q, k, v: _first(sageattn(q, k, v, tensor_layout="HND")))
+
+
+def find_peers(*, key_mask: bool = False) -> list[Peer]:
+    """Every peer fp4video knows, installed or not (``fn`` None, ``missing`` saying why). With
+    ``key_mask`` (the call has a key-padding mask), peers without a mask argument are marked as not
+    applicable rather than run without it."""
+    fa3, fa3_missing = _import(FA3_MODULES)
+    sage, sage_missing = _import(("sageattention",))
+    peers = [*_fa3_peers(fa3, fa3_missing), _sage_peer(sage, sage_missing)]
+    if key_mask:
+        peers = [p if p.fn is None else Peer(p.name, p.precision, None, "takes no key-padding mask") for p in peers]
+    return peers
