@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("diffusers")
 
 from fp4video.integration import FP4Processor, Policy, install, uninstall  # noqa: E402
+from fp4video.integration.routing import BACKEND  # noqa: E402
 from fp4video.integration.config import ConfigError, load_config  # noqa: E402
 from fp4video.integration.tiny import TINY_SIZES, tiny_wan_pipeline  # noqa: E402
 
@@ -36,12 +37,15 @@ def test_fp16_policy_reproduces_stock_and_uninstall_restores(pipe):
     before = {n: p for n, p in pipe.transformer.attn_processors.items()}
     stock = run(pipe)
     ctx = install(pipe, Policy(method="fp16"))
-    assert all(isinstance(p, FP4Processor) for p in pipe.transformer_2.attn_processors.values())
+    routed = pipe.transformer_2.attn_processors
+    assert all(getattr(p._attention_backend, "value", None) == BACKEND for p in routed.values())
+    assert all(pipe.transformer.attn_processors[n] is p for n, p in before.items())  # the stock processors stay
     fp16 = run(pipe)
     assert abs(fp16 - stock).max() <= 1e-5
     assert len(ctx.calls) == 4 * 2 * 2 * 2  # steps x (cond, uncond) x blocks x (self, cross)
     uninstall(pipe)
     assert all(pipe.transformer.attn_processors[n] is p for n, p in before.items())
+    assert all(p._attention_backend is None and "_attention_backend" not in vars(p) for p in before.values())
     assert not any(hasattr(m, "_fp4video_block") for m in pipe.transformer.modules())
     assert abs(run(pipe) - stock).max() == 0
 
@@ -134,7 +138,7 @@ def test_wan22_mxattn_config_is_the_papers_policy():
     ("policy: {method: mxfp5}", r"bad.yaml: policy.method: .*unknown method 'mxfp5'"),
     ("policy: {method: mxattn, rules: [{method: fp16, blok: [0]}]}", r"policy.rules\[0\].blok: unknown field \(allowed: blocks, experts, kinds, method, steps\)"),
     ("policy: {rules: [{method: fp16, steps: {last: 2, first: 1}}]}", r"policy.rules\[0\].steps: .*exactly one of"),
-    ("policy: {rules: [{method: fp16, kinds: [joint]}]}", r"policy.rules\[0\].kinds\[0\]: Input should be 'self', 'cross' or 'image'"),
+    ("policy: {rules: [{method: fp16, kinds: [audio]}]}", r"policy.rules\[0\].kinds\[0\]: Input should be 'self', 'cross', 'image' or 'joint'"),
     ("heigth: 480", r"bad.yaml: heigth: unknown field \(allowed: .*height"),
     ("steps: zero", r"bad.yaml: steps: Input should be a valid integer"),
     ("- a\n- b", r"expected a mapping"),
@@ -312,7 +316,7 @@ def test_generate_every_shipped_config_on_the_tiny_model(tmp_path, config):
     policy = load_config(ROOT / "configs" / config).policy
     assert side["frames"] == 9 and side["attention_calls"]
     for c in side["attention_calls"]:
-        if c["kind"] != "refiner":
+        if c["method"] != "skipped":
             assert c["method"] == policy.method_for(block=c["block"], step=c["step"], num_steps=2, kind=c["kind"],
                                                     expert=c["expert"])
 
@@ -449,6 +453,7 @@ def test_policy_that_does_not_fit_the_model_is_refused_or_warned(pipe):
     for model in (pipe.transformer, pipe.transformer_2):  # both experts left as they were
         assert not any(hasattr(m, "_fp4video_block") for m in model.modules())
         assert not any(isinstance(p, FP4Processor) for p in model.attn_processors.values())
+        assert not any(getattr(p, "_attention_backend", None) is not None for p in model.attn_processors.values())
     assert getattr(pipe, "_fp4video_context", None) is None
     every = Policy.model_validate({"method": "mxattn", "rules": [{"method": "fp16", "steps": {"last": 50}}]})
     install(pipe, every)

@@ -256,7 +256,7 @@ def test_hunyuan_transformer_under_context_parallelism(tmp_path, mode, method):
     with torch.no_grad():
         single = model(**_hunyuan_inputs())[0]
     assert got[0]["out"].shape == single.shape
-    joint = [c for c in got[0]["calls"] if c["kind"] == "self" and c["block"] >= 0]
+    joint = [c for c in got[0]["calls"] if c["kind"] == "joint" and c["block"] >= 0]
     assert joint and all(c["context_parallel"] for c in joint)
     if method == "fp16" or mode == "ulysses":  # Ulysses keeps the single-GPU key order: the same blocks
         assert (got[0]["out"] - single).abs().max() < 1e-4

@@ -63,15 +63,18 @@ def hunyuan_video_plan() -> dict:
 
 def _require_fp4_processors(model, args):
     """Under fp4video's HunyuanVideo plan the text tokens are replicated on every rank; diffusers'
-    stock joint-attention processor would count them once per rank. Refuse to run with it."""
+    stock joint attention would count them once per rank. Refuse to run without fp4video's routing
+    (installed by :func:`fp4video.install`) or its processors."""
     from .processor import FP4Processor
 
+    if getattr(model, "_fp4video_saved", None) is not None:
+        return
     stock = [name for name, proc in model.attn_processors.items()
              if "token_refiner" not in name and not isinstance(proc, FP4Processor)]
     if stock:
         raise RuntimeError(
-            f"{type(model).__name__} runs context parallelism with fp4video's plan, which needs fp4video's "
-            f"processors on its joint attention ({len(stock)} modules have others, e.g. {stock[0]}): call "
+            f"{type(model).__name__} runs context parallelism with fp4video's plan, which needs fp4video on its "
+            f"joint attention ({len(stock)} modules have stock processors, e.g. {stock[0]}): call "
             "fp4video.install(pipe, policy) (method 'fp16' keeps full precision)")
 
 

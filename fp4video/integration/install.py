@@ -1,23 +1,26 @@
-"""Install FP4 attention into a diffusers pipeline (every transformer, both Wan2.2 experts) and
-keep the denoising step current for the policy; ``uninstall`` restores the stock processors."""
+"""Install a precision policy into a diffusers pipeline (every transformer, both Wan2.2 experts)
+and keep the denoising step current for it; ``uninstall`` restores the model as it was.
+
+Works for every diffusers transformer whose attention processors call diffusers' dispatcher (Wan
+T2V / I2V / VACE / Animate, Wan2.2, SkyReels-V2, HunyuanVideo and HunyuanVideo-1.5, LTX-Video,
+LTX-2, Sana-Video, Kandinsky 5, Cosmos, ...): blocks and attention roles are read from the model's
+structure (:mod:`fp4video.integration.sites`) and the model keeps its own processors
+(:mod:`fp4video.integration.routing`). Models whose processors call PyTorch's SDPA themselves
+(CogVideoX, Mochi, Allegro) are refused with a message saying so.
+"""
 
 from __future__ import annotations
 
-import re
 import warnings
 
 import torch
 
 from .policy import Policy
 from .processor import AttentionContext, FP4Processor
+from .routing import route, unroute
+from .sites import NotRoutable, Site, attention_sites, routable
 
-__all__ = ["install", "uninstall", "annotate"]
-
-# processor names -> (block index offset group, kind of blocks)
-_WAN_BLOCK = re.compile(r"^blocks\.(\d+)\.attn[12]\.processor$")
-_HY_DUAL = re.compile(r"^transformer_blocks\.(\d+)\.attn\.processor$")
-_HY_SINGLE = re.compile(r"^single_transformer_blocks\.(\d+)\.attn\.processor$")
-_HY_REFINER = re.compile(r"token_refiner\.refiner_blocks\.(\d+)\.attn\.processor$")
+__all__ = ["install", "uninstall", "annotate", "block_sites"]
 
 
 def _transformers(target):
@@ -30,83 +33,102 @@ def _transformers(target):
     return [("high_noise", t1), ("low_noise", t2)] if t2 is not None else [(None, t1)]
 
 
-def _site(name: str, n_dual: int):
-    """(block index, covered) for a processor name; None for names fp4video does not handle."""
-    if m := _WAN_BLOCK.match(name):
-        return int(m.group(1))
-    if m := _HY_DUAL.match(name):
-        return int(m.group(1))
-    if m := _HY_SINGLE.match(name):
-        return n_dual + int(m.group(1))
-    return None
-
-
 def annotate(model: torch.nn.Module) -> dict[str, int]:
-    """Tag each attention module with its block index (``_fp4video_block``), for policies and records.
-    Returns {processor name: block} for the modules fp4video handles."""
-    names = list(model.attn_processors)
-    n_dual = sum(bool(_HY_DUAL.match(n)) for n in names)
+    """Tag each attention module in the model's block lists with its block index
+    (``_fp4video_block``, read by :class:`FP4Processor`). Returns {processor name: block}."""
     sites = {}
-    for name in names:
-        block = _site(name, n_dual)
-        if block is not None:
-            model.get_submodule(name.removesuffix(".processor"))._fp4video_block = block
-            sites[name] = block
+    for site in attention_sites(model):
+        if site.block >= 0:
+            site.module._fp4video_block = site.block
+            sites[f"{site.name}.processor"] = site.block
     return sites
 
 
+def block_sites(model: torch.nn.Module) -> list[Site]:
+    """The attention sites of the model's transformer blocks (what a policy's blocks count)."""
+    return [s for s in attention_sites(model) if s.block >= 0]
+
+
 def install(pipe, policy: Policy | str | None = None, *, backend: str = "auto", record: bool = True) -> AttentionContext:
-    """Put :class:`FP4Processor` on every Wan / HunyuanVideo attention module of ``pipe`` (a pipeline,
-    both Wan2.2 experts included, or a bare transformer). Returns the shared
-    :class:`AttentionContext` (its ``calls`` list records each attention call)."""
+    """Apply ``policy`` (a :class:`Policy`, a method name, default ``"mxattn"``) to every attention call
+    of ``pipe``'s transformer blocks (a pipeline, both Wan2.2 experts included, or a bare transformer).
+    Returns the shared :class:`AttentionContext` (its ``calls`` list records each attention call)."""
     if isinstance(policy, str) or policy is None:
         policy = Policy(method=policy or "mxattn")
     if getattr(pipe, "_fp4video_context", None) is not None:
         raise RuntimeError("fp4video is already installed on this pipeline: call fp4video.uninstall(pipe) first")
     ctx = AttentionContext(policy=policy, backend=backend, record=record)
-    processor = FP4Processor(context=ctx)
     models = _transformers(pipe)
-    try:  # every model is checked before any is changed: an error leaves the pipeline as it was
-        all_sites = [_checked_sites(model, policy) for _, model in models]
-    except (ValueError, NotImplementedError):
-        for _, model in models:
-            _unannotate(model)
-        raise
+    # every model is checked before any is changed: an error leaves the pipeline as it was
+    all_sites = [_checked_sites(model, policy) for _, model in models]
+    for _, model in models:
+        unrouted = _unrouted(model)
+        if unrouted:
+            ctx.unrouted.update({f"{type(model).__name__}.{n}": c for n, c in unrouted.items()})
+            classes = sorted(set(unrouted.values()))
+            warnings.warn(f"fp4video: {len(unrouted)} attention modules of {type(model).__name__}'s blocks keep their "
+                          f"own attention ({', '.join(classes)}: not through diffusers' dispatcher, e.g. linear "
+                          "attention); the policy covers the others (AttentionContext.unrouted lists them)", stacklevel=2)
     for (expert, model), sites in zip(models, all_sites):
-        original = dict(model.attn_processors)
-        model.set_attn_processor({name: processor if name in sites else proc for name, proc in original.items()})
-        parallel = getattr(model, "_parallel_config", None)  # enable_parallelism ran before install
-        if parallel is not None and getattr(parallel, "context_parallel_config", None) is not None:
-            processor._parallel_config = parallel
+        annotate(model)
+        routed = route(model, sites, ctx)
         hook = model.register_forward_pre_hook(_step_hook(pipe, ctx, expert))
-        model._fp4video_saved = (original, hook)
+        model._fp4video_saved = (routed, hook)
     pipe._fp4video_context = ctx
     return ctx
 
 
 def uninstall(pipe) -> None:
-    """Restore the processors that were there before :func:`install`."""
+    """Restore the model as it was before :func:`install`."""
     for _, model in _transformers(pipe):
         saved = getattr(model, "_fp4video_saved", None)
         if saved is None:
             continue
-        original, hook = saved
-        model.set_attn_processor(original)
+        routed, hook = saved
+        unroute(routed)
         hook.remove()
         del model._fp4video_saved
         _unannotate(model)
     pipe._fp4video_context = None
 
 
-def _checked_sites(model: torch.nn.Module, policy: Policy) -> dict[str, int]:
-    """:func:`annotate`, refusing a model fp4video does not know or a policy that does not fit it."""
-    sites = annotate(model)
-    if not sites:
-        raise ValueError(f"{type(model).__name__} has no Wan or HunyuanVideo attention modules fp4video knows")
-    policy.check_blocks(max(sites.values()) + 1, type(model).__name__)
-    if policy.refiner and any(_HY_REFINER.search(name) for name in model.attn_processors):
-        raise NotImplementedError("quantizing HunyuanVideo's token refiner is not supported yet (refiner: false)")
-    return sites
+def _checked_sites(model: torch.nn.Module, policy: Policy) -> list[Site]:
+    """The sites to route, refusing a model fp4video cannot reach or a policy that does not fit it."""
+    name = type(model).__name__
+    sites = attention_sites(model)
+    blocks = [s for s in sites if s.block >= 0]
+    if not blocks:
+        raise ValueError(f"{name} has no transformer blocks with attention modules (no nn.ModuleList of blocks "
+                         "holding diffusers attention modules): fp4video finds attention through them")
+    ours = sorted({s.name for s in sites if isinstance(s.processor, FP4Processor)})
+    if ours:
+        raise ValueError(f"{name} already has FP4Processor on {ours[0]} (and {len(ours) - 1} more): fp4video.install "
+                         "routes the model's own processors; restore them first (set_attn_processor(original))")
+    stuck = [s for s in blocks if not routable(s.processor)]
+    if len(stuck) == len(blocks):
+        kinds = sorted({type(s.processor).__name__ for s in stuck})
+        raise NotRoutable(
+            f"{name}: the attention processors of its blocks ({', '.join(kinds)}) call PyTorch's "
+            "scaled_dot_product_attention themselves instead of diffusers' dispatch_attention_fn, so fp4video "
+            "cannot route them (e.g. CogVideoX, Mochi and Allegro in diffusers 0.42); transformers whose "
+            "processors use the dispatcher are supported (Wan, HunyuanVideo, LTX-Video, Sana-Video, ...)")
+    policy.check_blocks(max(s.block for s in blocks) + 1, name)
+    blocks = [s for s in blocks if routable(s.processor)]
+    outside = [s for s in sites if s.block < 0]
+    if policy.refiner and outside:
+        stuck = sorted({type(s.processor).__name__ for s in outside if not routable(s.processor)})
+        if stuck:
+            raise NotImplementedError(
+                f"refiner: true asks to quantize the attention outside {name}'s blocks (HunyuanVideo's token "
+                f"refiner), but its processors ({', '.join(stuck)}) call SDPA directly; refiner: false keeps "
+                "them in full precision")
+        return sites
+    return blocks
+
+
+def _unrouted(model: torch.nn.Module) -> dict[str, str]:
+    """{site name: processor class} for the block attention fp4video cannot route."""
+    return {s.name: type(s.processor).__name__ for s in block_sites(model) if not routable(s.processor)}
 
 
 def _unannotate(model: torch.nn.Module) -> None:

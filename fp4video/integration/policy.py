@@ -18,7 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..recipe import METHODS
 
-KINDS = ("self", "cross", "image")
+#: Kinds of attention call (see :mod:`fp4video.integration.routing`): ``self``, ``cross`` (keys from
+#: the text or another sequence), ``image`` (Wan I2V's image-context keys), ``joint`` (context tokens
+#: among the queries: HunyuanVideo's blocks).
+KINDS = ("self", "cross", "image", "joint")
 EXPERTS = ("high_noise", "low_noise")
 
 
@@ -66,7 +69,7 @@ class Rule(_Strict):
     method: str
     blocks: list[int] | None = Field(None, description="transformer block indices (0-based)")
     steps: StepRange | None = None
-    kinds: list[Literal["self", "cross", "image"]] | None = None
+    kinds: list[Literal["self", "cross", "image", "joint"]] | None = None
     experts: list[Literal["high_noise", "low_noise"]] | None = None
 
     @field_validator("method")
@@ -113,7 +116,8 @@ class Policy(_Strict):
     method: str = "mxattn"
     rules: list[Rule] = []
     fallback: Literal["error", "stock"] = "error"
-    refiner: bool = Field(False, description="HunyuanVideo: quantize the token refiner's attention too")
+    refiner: bool = Field(False, description="quantize the attention outside the transformer blocks too "
+                                            "(HunyuanVideo's token refiner); block rules never match it")
 
     @field_validator("method")
     @classmethod

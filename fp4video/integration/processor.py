@@ -37,6 +37,8 @@ class AttentionContext:
     record: bool = True
     calls: list[dict] = field(default_factory=list)
     fallbacks: Counter = field(default_factory=Counter)
+    #: {model.site: processor class} of block attention left as it was (not through the dispatcher)
+    unrouted: dict = field(default_factory=dict)
 
     def method_for(self, block: int, kind: str) -> str:
         return self.policy.method_for(block=block, step=self.step, num_steps=self.num_steps, kind=kind,

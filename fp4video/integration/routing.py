@@ -1,0 +1,272 @@
+"""Policies on any diffusers transformer whose processors call diffusers' dispatcher.
+
+The model keeps its own (stock) processors: projections, norms, RoPE, masks and output
+projections stay diffusers' code. :func:`route` points each routable processor's
+``_attention_backend`` at one fp4video backend (``fp4video_policy``) and hooks each attention module,
+so when a processor calls ``dispatch_attention_fn`` the backend knows the site (block, role), the
+call's kind and the installation's :class:`~fp4video.integration.processor.AttentionContext`
+(denoising step, expert, policy). With method ``fp16`` the call goes on to the backend the
+processor had before, so the output is the stock output.
+
+Kinds of a call: ``joint`` (the queries include the context tokens: HunyuanVideo's dual- and
+single-stream blocks), ``image`` (keys from the module's added K projection: Wan I2V's image
+context), ``cross`` (keys from another sequence), ``self``.
+
+Caches (diffusers' ``enable_cache``: FirstBlockCache, PyramidAttentionBroadcast, FasterCache,
+MagCache, TaylorSeer) skip blocks or reuse attention outputs; every site that did not attend in a
+transformer forward is recorded with method ``"skipped"``, and the step stays the denoising step
+(it is read from the pipeline, not counted).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from .sites import Site
+
+__all__ = ["BACKEND", "route", "unroute", "call_kind", "boolean_mask"]
+
+#: The diffusers backend name fp4video's routed processors use.
+BACKEND = "fp4video_policy"
+
+#: An additive float mask entry at or below this is a masked key (diffusers' models use -10000 or -inf).
+MASKED_BELOW = -1e4
+
+_local = threading.local()  # the attention module calls in progress (innermost last), per thread
+
+
+@dataclass
+class _Call:
+    """One attention module's forward in progress."""
+
+    site: Site
+    route: "_Route"
+    queries_in: int  # hidden_states' token count
+    context: int | None  # encoder_hidden_states' token count, None without one
+    added_keys: set = field(default_factory=set)  # storages of the added K projection's outputs
+    attended: int = 0
+
+
+@dataclass
+class _Route:
+    """One transformer's routing: its sites, the stock backends, the shared context."""
+
+    model: torch.nn.Module
+    sites: list[Site]
+    ctx: object  # AttentionContext
+    original: dict  # id(processor) -> (processor, its _attention_backend before, whether set on the instance)
+    handles: list
+    attended: set = field(default_factory=set)  # site names that attended in this forward
+    replicated_context: bool = False  # fp4video's HunyuanVideo plan: the context tokens on every rank
+
+
+def _stack() -> list:
+    if not hasattr(_local, "calls"):
+        _local.calls = []
+    return _local.calls
+
+
+def call_kind(call: _Call, q: torch.Tensor, k: torch.Tensor) -> str:
+    """The kind of one dispatch within ``call`` (q, k as (B, S, H, D))."""
+    if call.context is not None and q.shape[1] != call.queries_in and q.shape[1] == k.shape[1]:
+        return "joint"
+    if k.untyped_storage().data_ptr() in call.added_keys:
+        return "image"
+    if call.context is not None or k.shape[1] != q.shape[1]:
+        return "cross"
+    return "joint" if call.site.role == "joint" else "self"
+
+
+def boolean_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """diffusers' masks as fp4video takes them (bool, True = attend): a bool mask unchanged; an
+    additive float mask whose entries are 0 (attend) or ≤ -1e4 / -inf (masked) as bool. Any other
+    additive mask (a bias) raises: fp4video cannot add it, and dropping it would change the output."""
+    if mask is None or mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        raise ValueError(f"attention mask of dtype {mask.dtype}: fp4video takes bool masks or additive float masks")
+    keep = mask == 0
+    if not bool((keep | (mask <= MASKED_BELOW)).all()):
+        bad = mask[~keep & (mask > MASKED_BELOW)]
+        raise ValueError(f"additive attention mask with bias values (e.g. {float(bad.flatten()[0]):g}): fp4video "
+                         "takes masks that only keep (0) or remove (≤ -1e4, -inf) keys; this call needs method fp16")
+    return keep
+
+
+def _backend(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+             scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False, _parallel_config=None):
+    """The ``fp4video_policy`` diffusers backend: the policy's method for this call."""
+    stack = _stack()
+    if not stack:
+        raise RuntimeError(f"diffusers called the {BACKEND} attention backend outside an attention module fp4video "
+                           "routed: use fp4video.install(pipe, policy), not set_attention_backend, for it")
+    call = stack[-1]
+    route, site, ctx = call.route, call.site, call.route.ctx
+    kind = call_kind(call, query, key)
+    method = ctx.method_for(site.block, kind)
+    used = method
+    call.attended += 1
+    route.attended.add(site.name)
+    unsupported = ([f"dropout_p={dropout_p}"] if dropout_p else []) + (["is_causal"] if is_causal else []) + (
+        ["enable_gqa"] if enable_gqa else [])
+    ring = _parallel_config is not None and _parallel_config.context_parallel_config.ring_degree > 1
+    # stock attention cannot split replicated context tokens (fp4video's HunyuanVideo plan): its fp16
+    # runs fp4video's unquantized attention there, as under ring (which merges partial results by their LSE)
+    replicated = _parallel_config is not None and kind == "joint" and route.replicated_context
+    if method == "fp16" and not ring and not replicated:
+        out = _stock(route, site, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                     return_lse, _parallel_config)
+    else:
+        try:
+            if unsupported:
+                raise ValueError(f"fp4video's methods have no {', '.join(unsupported)} ({site.name})")
+            out = _fp4(route, call, kind, method, query, key, value, boolean_mask(attn_mask), scale, return_lse,
+                       _parallel_config)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            if ctx.policy.fallback != "stock":
+                raise
+            ctx.fallbacks[f"{kind}: {e}"] += 1
+            used = "stock-fallback"
+            out = _stock(route, site, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                         return_lse, _parallel_config)
+    if ctx.record:
+        record = {"step": ctx.step, "expert": ctx.expert, "block": site.block, "kind": kind, "method": used,
+                  "site": site.name}
+        if _parallel_config is not None:
+            cp = _parallel_config.context_parallel_config
+            record["context_parallel"] = {"ring": cp.ring_degree, "ulysses": cp.ulysses_degree}
+        ctx.calls.append(record)
+    return out
+
+
+def _stock(route, site, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+           parallel_config):
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    backend = route.original[id(site.processor)][1]
+    kw = {"attention_kwargs": {"return_lse": True}} if return_lse else {}
+    return dispatch_attention_fn(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                 scale=scale, enable_gqa=enable_gqa, backend=backend, parallel_config=parallel_config,
+                                 **kw)
+
+
+def _fp4(route, call, kind, method, q, k, v, mask, scale, return_lse, parallel_config):
+    from ..attention import fp4_attention
+
+    if parallel_config is None:
+        return fp4_attention(q, k, v, method=method, layout="bshd", attn_mask=mask, scale=scale,
+                             return_lse=return_lse, backend=route.ctx.backend)
+    if kind == "joint" and route.replicated_context:
+        from .parallel import joint_context_parallel_attention
+
+        out = joint_context_parallel_attention(q, k, v, n_replicated=call.context, method=method,
+                                               parallel_config=parallel_config, attn_mask=mask, backend=route.ctx.backend)
+        if return_lse:
+            raise NotImplementedError("the replicated-context split returns no LSE")
+        return out
+    from .parallel import context_parallel_attention
+
+    return context_parallel_attention(q, k, v, method=method, parallel_config=parallel_config, attn_mask=mask,
+                                      scale=scale, return_lse=return_lse, backend=route.ctx.backend)
+
+
+def _register_backend():
+    from .dispatcher import _internals, _member
+
+    enum_cls, registry = _internals()
+    member = _member(enum_cls, BACKEND)
+    if registry._backends.get(member) is not _backend:
+        registry.register(member, supports_context_parallel=True)(_backend)
+    return member
+
+
+def _pre_hook(route: _Route, site: Site):
+    def hook(module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        context = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
+        _stack().append(_Call(site, route, int(hidden.shape[1]) if torch.is_tensor(hidden) and hidden.dim() >= 2 else -1,
+                              int(context.shape[1]) if torch.is_tensor(context) and context.dim() >= 2 else None))
+
+    return hook
+
+
+def _post_hook(route: _Route, site: Site):
+    def hook(module, args, kwargs, output):
+        stack = _stack()
+        call = stack.pop() if stack and stack[-1].site is site else None
+        if call is not None and call.attended == 0:
+            _record_skipped(route, site)  # a cache returned this module's output without attending
+        return None
+
+    return hook
+
+
+def _added_key_hook(call_site: Site):
+    def hook(module, args, output):
+        stack = _stack()
+        if stack and stack[-1].site is call_site and torch.is_tensor(output):
+            stack[-1].added_keys.add(output.untyped_storage().data_ptr())
+
+    return hook
+
+
+def _record_skipped(route: _Route, site: Site) -> None:
+    ctx = route.ctx
+    route.attended.add(site.name)  # once per forward
+    if ctx.record:
+        ctx.calls.append({"step": ctx.step, "expert": ctx.expert, "block": site.block, "kind": None,
+                          "method": "skipped", "site": site.name})
+
+
+def _model_pre_hook(route: _Route):
+    def hook(module, args):
+        route.attended = set()
+        parallel = getattr(module, "_parallel_config", None)
+        route.replicated_context = parallel is not None and getattr(module, "_cp_plan", None) is None
+
+    return hook
+
+
+def _model_post_hook(route: _Route):
+    def hook(module, args, output):
+        for site in route.sites:
+            if site.name not in route.attended:
+                _record_skipped(route, site)  # a cache skipped its whole block
+        return None
+
+    return hook
+
+
+def route(model: torch.nn.Module, sites: list[Site], ctx) -> _Route:
+    """Route ``sites`` (routable, checked by the caller) of ``model`` through the policy backend."""
+    member = _register_backend()
+    r = _Route(model, sites, ctx, {}, [])
+    for site in sites:
+        proc = site.processor
+        if id(proc) not in r.original:
+            r.original[id(proc)] = (proc, getattr(proc, "_attention_backend", None), "_attention_backend" in vars(proc))
+        m = site.module
+        r.handles.append(m.register_forward_pre_hook(_pre_hook(r, site), with_kwargs=True))
+        r.handles.append(m.register_forward_hook(_post_hook(r, site), with_kwargs=True, always_call=True))
+        for name in ("add_k_proj", "norm_added_k"):
+            sub = getattr(m, name, None)
+            if isinstance(sub, torch.nn.Module):
+                r.handles.append(sub.register_forward_hook(_added_key_hook(site)))
+    for proc, _, _ in r.original.values():
+        proc._attention_backend = member
+    r.handles.append(model.register_forward_pre_hook(_model_pre_hook(r)))
+    r.handles.append(model.register_forward_hook(_model_post_hook(r), always_call=True))
+    return r
+
+
+def unroute(r: _Route) -> None:
+    for proc, backend, own in r.original.values():
+        if own:
+            proc._attention_backend = backend
+        else:
+            del proc._attention_backend  # back to the class attribute
+    for h in r.handles:
+        h.remove()

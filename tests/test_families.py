@@ -1,0 +1,252 @@
+"""`fp4video.install` on the video transformers of diffusers, each a tiny random model built from
+its config: blocks and kinds found from the model's structure, `fp16` equal to stock bit for bit,
+each call routed as the policy says, masks honoured, models that bypass the dispatcher refused, and
+diffusers' caches keeping the step and recording what they skipped."""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+import diffusers  # noqa: E402
+
+from fp4video.integration import Policy, install, uninstall  # noqa: E402
+from fp4video.integration.routing import BACKEND, boolean_mask  # noqa: E402
+from fp4video.integration.sites import NotRoutable, attention_sites  # noqa: E402
+
+
+def _rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _randomized(model):
+    """A random model: diffusers zero-initializes some output layers, which would hide attention."""
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            if not p.any():
+                p.copy_(_rand(*p.shape, seed=100 + i) * 0.05)
+    return model.eval()
+
+
+#: family -> (tiny transformer, its inputs, the kinds its blocks' calls have, number of blocks)
+FAMILIES = {
+    "wan-vace": (
+        lambda: diffusers.WanVACETransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16,
+            text_dim=32, freq_dim=256, ffn_dim=32, num_layers=3, qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32, vace_layers=[0, 2], vace_in_channels=48),
+        lambda: dict(hidden_states=_rand(1, 16, 2, 8, 8), timestep=torch.tensor([500]),
+                     encoder_hidden_states=_rand(1, 12, 32, seed=1), control_hidden_states=_rand(1, 48, 2, 8, 8, seed=2)),
+        {"self", "cross"}, 5),  # 3 blocks, then the 2 VACE blocks
+    "skyreels-v2": (
+        lambda: diffusers.SkyReelsV2Transformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16,
+            text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, rope_max_seq_len=32),
+        lambda: dict(hidden_states=_rand(1, 16, 2, 8, 8), timestep=torch.tensor([500]),
+                     encoder_hidden_states=_rand(1, 12, 32, seed=1)),
+        {"self", "cross"}, 2),
+    "hunyuan-video-1.5": (
+        lambda: diffusers.HunyuanVideo15Transformer3DModel(
+            in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=32, num_layers=2,
+            num_refiner_layers=1, text_embed_dim=16, text_embed_2_dim=8, image_embed_dim=12, rope_axes_dim=(8, 12, 12),
+            task_type="t2v"),
+        lambda: dict(hidden_states=_rand(1, 9, 2, 8, 8), timestep=torch.tensor([500.0]),
+                     encoder_hidden_states=_rand(1, 10, 16, seed=1), encoder_attention_mask=torch.tensor([[1] * 7 + [0] * 3]),
+                     encoder_hidden_states_2=_rand(1, 6, 8, seed=2), encoder_attention_mask_2=torch.tensor([[1] * 4 + [0] * 2]),
+                     image_embeds=torch.zeros(1, 5, 12)),
+        {"joint"}, 2),
+    "ltx-video": (
+        lambda: diffusers.LTXVideoTransformer3DModel(
+            in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=32, cross_attention_dim=64,
+            num_layers=2, caption_channels=16),
+        lambda: dict(hidden_states=_rand(1, 2 * 8 * 8, 8), encoder_hidden_states=_rand(1, 10, 16, seed=1),
+                     timestep=torch.tensor([500]), encoder_attention_mask=torch.tensor([[1] * 7 + [0] * 3]),
+                     num_frames=2, height=8, width=8),
+        {"self", "cross"}, 2),
+    "sana-video": (  # linear self-attention (not through the dispatcher) stays; cross-attention is routed
+        lambda: diffusers.SanaVideoTransformer3DModel(
+            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=32, num_layers=2,
+            num_cross_attention_heads=2, cross_attention_head_dim=32, cross_attention_dim=64, caption_channels=16,
+            sample_size=8),
+        lambda: dict(hidden_states=_rand(1, 4, 2, 8, 8), encoder_hidden_states=_rand(1, 10, 16, seed=1),
+                     timestep=torch.tensor([500]), encoder_attention_mask=torch.tensor([[1] * 7 + [0] * 3])),
+        {"cross"}, 2),
+    "kandinsky5": (
+        lambda: diffusers.Kandinsky5Transformer3DModel(
+            in_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=32, out_visual_dim=4, model_dim=64, ff_dim=64,
+            num_text_blocks=1, num_visual_blocks=2, axes_dims=(8, 12, 12)),
+        lambda: dict(hidden_states=_rand(1, 2, 8, 8, 4), encoder_hidden_states=_rand(1, 10, 16, seed=1),
+                     timestep=torch.tensor([500.0]), pooled_projections=_rand(1, 8, seed=2),
+                     visual_rope_pos=(torch.arange(2), torch.arange(4), torch.arange(4)), text_rope_pos=torch.arange(10)),
+        {"self", "cross"}, 3),  # the text block, then the 2 visual blocks
+}
+
+REFUSED = {
+    "cogvideox": lambda: diffusers.CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=8,
+        text_embed_dim=16, num_layers=1, sample_width=8, sample_height=8, sample_frames=5, max_text_seq_length=10),
+    "cosmos-1.0": lambda: diffusers.CosmosTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=32, num_layers=2, text_embed_dim=16,
+        adaln_lora_dim=8, max_size=(4, 16, 16), concat_padding_mask=False),
+}
+
+
+def _forward(model, kw):
+    with torch.no_grad():
+        return model(**kw, return_dict=False)[0]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request):
+    build, inputs, kinds, n_blocks = FAMILIES[request.param]
+    torch.manual_seed(0)
+    return request.param, _randomized(build()), inputs(), kinds, n_blocks
+
+
+def test_fp16_is_stock_and_the_policy_routes_each_call(family):
+    name, model, kw, kinds, n_blocks = family
+    stock = _forward(model, kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sana-video's linear attention: its own test below
+        ctx = install(model, "fp16")
+    try:
+        assert torch.equal(_forward(model, kw), stock)  # the model's own processors, stock backend
+    finally:
+        uninstall(model)
+    assert {c["kind"] for c in ctx.calls} == kinds
+    assert sorted({c["block"] for c in ctx.calls}) == list(range(n_blocks))
+    policy = Policy.model_validate({"method": "fp16", "rules": [
+        {"method": "mxattn", "blocks": [n_blocks - 1]}, {"method": "sage3", "kinds": ["cross", "joint"]}]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ctx = install(model, policy)
+    try:
+        out = _forward(model, kw)
+    finally:
+        uninstall(model)
+    assert torch.isfinite(out).all() and not torch.equal(out, stock)
+    for c in ctx.calls:
+        assert c["method"] == policy.method_for(block=c["block"], step=None, num_steps=None, kind=c["kind"], expert=None)
+    assert {c["method"] for c in ctx.calls} >= {"sage3", "mxattn"} - ({"mxattn"} if kinds <= {"cross", "joint"} else set())
+    assert torch.equal(_forward(model, kw), stock)  # uninstall restored the model
+    assert not any(getattr(getattr(m, "processor", None), "_attention_backend", None) is not None
+                   for m in model.modules())
+
+
+def test_sites_are_read_from_the_structure():
+    """Block indices count the model's block lists in registration order (Kandinsky 5: the text
+    block first); attention outside the lists (HunyuanVideo-1.5's token refiner) is block -1."""
+    k5 = FAMILIES["kandinsky5"][0]()
+    blocks = {s.name.split(".")[0]: s.block for s in attention_sites(k5) if s.block >= 0}
+    assert blocks == {"text_transformer_blocks": 0, "visual_transformer_blocks": 2}  # last site of each list
+    hy = FAMILIES["hunyuan-video-1.5"][0]()
+    outside = [s for s in attention_sites(hy) if s.block < 0]
+    assert outside and all("refiner" in s.name for s in outside)
+
+
+def test_linear_attention_is_named_not_dropped():
+    build, inputs, *_ = FAMILIES["sana-video"]
+    model = _randomized(build())
+    with pytest.warns(UserWarning, match=r"2 attention modules of SanaVideoTransformer3DModel's blocks keep their own "
+                                         r"attention \(SanaLinearAttnProcessor3_0"):
+        ctx = install(model, "mxattn")
+    uninstall(model)
+    assert sorted(ctx.unrouted) == ["SanaVideoTransformer3DModel.transformer_blocks.0.attn1",
+                                    "SanaVideoTransformer3DModel.transformer_blocks.1.attn1"]
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_models_whose_processors_bypass_the_dispatcher_are_refused(name):
+    model = REFUSED[name]()
+    before = {s.name: s.processor for s in attention_sites(model)}
+    with pytest.raises(NotRoutable, match=r"call PyTorch's scaled_dot_product_attention themselves"):
+        install(model, "mxattn")
+    assert {s.name: s.processor for s in attention_sites(model)} == before
+    assert not any(hasattr(m, "_fp4video_block") or m._forward_pre_hooks for m in model.modules())
+
+
+def test_ltx_text_mask_is_honoured_on_the_fp4_path():
+    """LTX-Video passes its text padding as an additive mask: padded text tokens must not change
+    the output under an FP4 method (they would, were the mask dropped)."""
+    build, inputs, *_ = FAMILIES["ltx-video"]
+    model = _randomized(build())
+    kw = inputs()
+    other = dict(kw, encoder_hidden_states=kw["encoder_hidden_states"].clone())
+    other["encoder_hidden_states"][:, 7:] = 50.0  # only the masked (padding) tokens differ
+    assert not torch.equal(_forward(model, kw)[..., :1], torch.zeros(1))
+    install(model, "mxattn")
+    try:
+        a, b = _forward(model, kw), _forward(model, other)
+    finally:
+        uninstall(model)
+    assert torch.equal(a, b)
+
+
+def test_boolean_mask():
+    assert boolean_mask(None) is None
+    m = torch.tensor([[True, False]])
+    assert boolean_mask(m) is m
+    additive = torch.tensor([[0.0, -10000.0, float("-inf"), 0.0]])
+    assert torch.equal(boolean_mask(additive), torch.tensor([[True, False, False, True]]))
+    with pytest.raises(ValueError, match=r"bias values \(e.g. -0.5\).*needs method fp16"):
+        boolean_mask(torch.tensor([[0.0, -0.5]]))
+    with pytest.raises(ValueError, match="dtype torch.int64"):
+        boolean_mask(torch.tensor([[1, 0]]))
+
+
+def test_the_backend_outside_an_install_says_what_to_do():
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    from fp4video.integration.routing import _register_backend
+
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(RuntimeError, match=rf"{BACKEND} attention backend outside an attention module"):
+        dispatch_attention_fn(q, q, q, backend=_register_backend())
+
+
+# --- diffusers' caches -----------------------------------------------------------------------------
+
+
+def _cache_configs(pipe):
+    return {
+        "FirstBlockCache": diffusers.FirstBlockCacheConfig(threshold=1e9),  # skip every block it may
+        "PyramidAttentionBroadcast": diffusers.PyramidAttentionBroadcastConfig(
+            spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 1001),
+            current_timestep_callback=lambda: pipe.current_timestep),
+    }
+
+
+@pytest.mark.parametrize("cache", ["FirstBlockCache", "PyramidAttentionBroadcast"])
+def test_caches_keep_the_step_and_record_what_they_skip(cache):
+    from fp4video.integration.tiny import TINY_SIZES, tiny_wan_pipeline
+
+    pipe = tiny_wan_pipeline(two_experts=False, seed=3)
+    config = _cache_configs(pipe)[cache]
+    pipe.transformer.enable_cache(config)
+    policy = Policy.model_validate({"method": "mxattn", "rules": [{"method": "fp16", "blocks": [0]},
+                                                                 {"method": "fp16", "steps": {"last": 1}}]})
+    ctx = install(pipe, policy)
+    try:
+        out = pipe(prompt="a cat", negative_prompt="", height=TINY_SIZES["height"], width=TINY_SIZES["width"],
+                   num_frames=TINY_SIZES["frames"], num_inference_steps=4, guidance_scale=1.0, output_type="np",
+                   generator=torch.Generator().manual_seed(0)).frames[0]
+    finally:
+        uninstall(pipe)
+        pipe.transformer.disable_cache()
+    assert torch.isfinite(torch.as_tensor(out)).all()
+    attended = [c for c in ctx.calls if c["method"] != "skipped"]
+    skipped = [c for c in ctx.calls if c["method"] == "skipped"]
+    assert skipped, f"{cache} skipped nothing: the test would not show anything"
+    assert sorted({c["step"] for c in ctx.calls}) == [0, 1, 2, 3]  # denoising steps, not transformer calls
+    for c in attended:
+        assert c["method"] == policy.method_for(block=c["block"], step=c["step"], num_steps=4, kind=c["kind"],
+                                                expert=None)
+    # per step, every site of every block either attended or was recorded as skipped
+    sites = {s.name for s in attention_sites(pipe.transformer) if s.block >= 0}
+    per_step = Counter((c["step"], c["site"]) for c in ctx.calls)
+    for step in range(4):
+        assert {site for (s, site) in per_step if s == step} == sites
