@@ -37,8 +37,26 @@ def test_identical_videos_score_perfectly(tmp_path):
     write_video(tmp_path / "a.mp4", v)
     r = evaluate_paths(tmp_path / "a.mp4", tmp_path / "a.mp4")
     assert r["cosine"] == pytest.approx(1.0, abs=1e-12) and r["ssim"] == pytest.approx(1.0, abs=1e-12)
-    assert r["psnr"] == math.inf
-    assert json.loads(json.dumps(r))["psnr"] == math.inf  # written as Infinity
+    assert r["psnr"] is None and r["identical_frames"] == r["frames"] == 5  # no finite PSNR exists
+    json.dumps(r, allow_nan=False)  # standard JSON: no Infinity anywhere
+    from fp4video.cli.eval import summary_line
+
+    assert "psnr n/a (every frame identical)" in summary_line(r)
+
+
+def test_psnr_mean_leaves_identical_frames_out_and_counts_them():
+    ref = smooth_video(seed=7)
+    cand = ref.clone()
+    cand[2:] = (cand[2:] + 0.02).clamp(0, 1)  # frames 0 and 1 stay identical
+    m = paired_metrics(ref, cand)
+    differing = m["per_frame"]["psnr"][2:]
+    assert m["per_frame"]["psnr"][:2] == [None, None] and all(math.isfinite(x) for x in differing)
+    assert m["identical_frames"] == 2 and m["psnr"] == pytest.approx(sum(differing) / 3)
+    from fp4video.cli.eval import summary_line
+
+    line = summary_line({**m, "videos": {"v": m}, "cosine_range": "x"})
+    assert "over the 3 differing frames (2 identical)" in line
+    assert f"cosine {m['cosine']:.6f}" in line  # six digits: methods differ in the fourth
 
 
 def test_metrics_match_per_frame_definitions():
@@ -94,8 +112,9 @@ def test_folders_are_paired_by_name(tmp_path):
         write_video(tmp_path / "cand" / name, v if name == "a.mp4" else (v * 0.9))
     r = evaluate_paths(tmp_path / "ref", tmp_path / "cand")
     assert set(r["videos"]) == {"a.mp4", "b.mp4"}
-    assert r["videos"]["a.mp4"]["psnr"] == math.inf and r["videos"]["b.mp4"]["psnr"] < 40
-    assert r["psnr"] == math.inf  # the mean over videos of a mean containing +inf
+    assert r["videos"]["a.mp4"]["psnr"] is None and r["videos"]["b.mp4"]["psnr"] < 40
+    assert r["psnr"] == r["videos"]["b.mp4"]["psnr"]  # the mean over videos that have a PSNR
+    assert r["identical_frames"] == r["videos"]["a.mp4"]["frames"]
 
 
 def test_eval_cli(tmp_path):
@@ -205,7 +224,8 @@ def test_sweep_produces_both_tables_and_resumes(tmp_path):
     for r in res["table2"][1:] + res["table3"]:
         assert 0 < r["ssim"] <= 1 and r["cosine"] > 0.5
     md = (tmp_path / "s" / "tables.md").read_text()
-    assert "**" in md and "Table 3" in md
+    assert "Table 3" in md and "policy rules: block 0 in fp16" in md
+    assert all(r["cosine_se"] is not None for r in res["table2"][1:])  # two prompts: a spread
     for png in ("methods.png", "similarity_over_frames.png"):
         assert (tmp_path / "s" / png).stat().st_size > 1000
     # Table 3's rows are fully 4-bit, Table 2's keep block 0 in FP16: the sidecars say so
@@ -216,6 +236,23 @@ def test_sweep_produces_both_tables_and_resumes(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0 and "sweep:" not in again.stderr  # nothing left to generate
     assert (tmp_path / "s" / "videos" / "fp16" / "000.mp4").stat().st_mtime_ns == mtime
+
+
+def test_sweep_tables_bold_only_differences_beyond_the_spread_and_say_the_policy():
+    from fp4video.eval.sweep import _bold_best, describe_rules
+
+    rows = [{"method": "FP16", "cosine": None},
+            {"method": "A", "cosine": 0.990, "cosine_se": 0.001}, {"method": "B", "cosine": 0.980, "cosine_se": 0.001},
+            {"method": "C", "cosine": 0.970, "cosine_se": None}]
+    assert [c["cosine"] for c in _bold_best(rows, ["cosine"])] == ["–", "**0.990000**", "0.980000", "0.970000"]
+    close = [dict(r) for r in rows]
+    close[1]["cosine"] = 0.9815  # 0.0015 ahead, within 2 × 0.001
+    assert "**" not in "".join(c["cosine"] for c in _bold_best(close, ["cosine"]))
+    one_prompt = [dict(r, cosine_se=None) for r in rows]
+    assert "**" not in "".join(c["cosine"] for c in _bold_best(one_prompt, ["cosine"]))
+    assert describe_rules([{"method": "fp16", "blocks": [0]}, {"method": "fp16", "steps": {"last": 2}}]) == \
+        "block 0 in fp16; the last 2 steps in fp16"
+    assert describe_rules([]) == "none (every call in the method)"
 
 
 # --- speed tables as plots (fp4video.eval.speed) -------------------------------------------------

@@ -464,3 +464,24 @@ def test_policy_that_does_not_fit_the_model_is_refused_or_warned(pipe):
         uninstall(pipe)
     assert Policy.model_validate({"rules": [{"method": "fp16", "steps": {"range": [50, 60]}}]}).step_warnings(40) \
         == ["rules[0] {method: fp16, steps: {'range': (50, 60)}} covers none of the 40 denoising steps"]
+
+
+def test_device_and_backend_problems_are_one_line_errors():
+    """`--device cuda` on a CPU-only torch and `--backend triton` without a GPU (or without Triton)
+    end with one line saying what to do, not a traceback."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU machine's messages")
+    proc = _cli("generate", "--device", "cuda")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "--device cuda: this machine has" in proc.stderr
+    proc = _cli("generate", "--backend", "triton")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "--backend reference" in proc.stderr
+    from fp4video.cli.generate import device_problem
+
+    assert device_problem(None, "auto") is None and device_problem("cpu", "reference") is None
+
+
+def test_generate_help_keeps_the_torchrun_example_on_two_lines():
+    out = _cli("generate", "--help").stdout
+    line = next(x for x in out.splitlines() if x.lstrip().startswith("torchrun"))
+    assert line.rstrip().endswith("\\")

@@ -27,6 +27,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def summary_line(result: dict) -> str:
+    """One line: cosine with 6 digits (methods differ in the 4th), SSIM, PSNR over the differing frames."""
+    same, frames = result["identical_frames"], result["frames"]
+    psnr = "psnr n/a (every frame identical)" if result["psnr"] is None else f"psnr {result['psnr']:.2f} dB"
+    if same and result["psnr"] is not None:
+        psnr += f" over the {frames - same} differing frames ({same} identical)"
+    return (f"cosine {result['cosine']:.6f}  ssim {result['ssim']:.6f}  {psnr}  "
+            f"({len(result['videos'])} video(s), {frames} frames; cosine on {result['cosine_range']})")
+
+
 def run(args) -> int:
     from ..eval import evaluate_paths
 
@@ -47,6 +57,5 @@ def run(args) -> int:
         args.out.write_text(text)
     else:
         print(text)
-    print(f"cosine {result['cosine']:.4f}  ssim {result['ssim']:.4f}  psnr {result['psnr']:.2f} dB  "
-          f"({len(result['videos'])} video(s); cosine on {result['cosine_range']})", file=sys.stderr)
+    print(summary_line(result), file=sys.stderr)
     return 0

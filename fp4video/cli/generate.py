@@ -14,7 +14,7 @@ EXAMPLES = """examples:
   fp4video generate --config configs/wan22_mxattn.yaml --model /models/Wan2.2-T2V-A14B-Diffusers \\
       --output wan.mp4 --device cuda
   fp4video generate --config configs/wan22_sage3.yaml --model tiny --steps 6 --seed 3
-  torchrun --nproc-per-node 2 -m fp4video.cli.main generate --config configs/wan22_mxattn.yaml \
+  torchrun --nproc-per-node 2 -m fp4video.cli.main generate --config configs/wan22_mxattn.yaml \\
       --model /models/Wan2.2-T2V-A14B-Diffusers --ulysses-degree 2     # one video on 2 GPUs
 """
 
@@ -99,6 +99,10 @@ def run(args) -> int:
         print("error: context parallelism needs several processes: launch with "
               "`torchrun --nproc-per-node N -m fp4video.cli.main generate ...`", file=sys.stderr)
         return 2
+    problem = device_problem(args.device, args.backend)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     device = distributed.setup_process_group(args.device) if size > 1 else \
         torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.perf_counter()
@@ -128,6 +132,30 @@ def run(args) -> int:
         dist.barrier()  # every rank done with its collectives before the group goes
         dist.destroy_process_group()
     return 0
+
+
+def device_problem(device: str | None, backend: str) -> str | None:
+    """What stops ``--device`` / ``--backend`` from working on this machine, in one line (or None)."""
+    import torch
+
+    wants_cuda = (device or "").startswith("cuda")
+    if wants_cuda and not torch.cuda.is_available():
+        build = "a CPU-only build of PyTorch" if torch.version.cuda is None else f"PyTorch {torch.__version__}, but no GPU is visible"
+        return (f"--device {device}: this machine has {build}; install a CUDA build of torch on a GPU machine, "
+                "or leave --device out (CPU)")
+    if wants_cuda:
+        index = torch.device(device).index
+        if index is not None and index >= torch.cuda.device_count():
+            return f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    if backend == "triton":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "--backend triton: Triton is not installed (pip install 'fp4video[triton]'), or use --backend auto"
+        if not torch.cuda.is_available() or (device or "cuda").startswith("cpu"):
+            return ("--backend triton runs fp4video's kernels on a CUDA GPU; on the CPU use --backend reference "
+                    "(or auto)")
+    return None
 
 
 def _summary(out, sidecar):

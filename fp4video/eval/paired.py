@@ -2,15 +2,16 @@
 Cosine / SSIM / PSNR columns: per frame, then averaged.
 
 - SSIM: 11×11 Gaussian window, σ = 1.5, data range 1 (torchmetrics' definition, per frame).
-- PSNR: per frame with data range 1, then the mean over frames (not one global PSNR); identical
-  frames give +inf, and a mean containing +inf is +inf.
+- PSNR: per frame with data range 1, then the mean over the frames that differ (not one global
+  PSNR); identical frames have no finite PSNR, so they are counted (``identical_frames``) and left
+  out of the mean, which is None when every frame is identical. Per frame, an identical frame's
+  PSNR is None (JSON has no infinity).
 - Cosine: per frame on the flattened RGB pixels in [0, 1], then the mean. Pixel values are all
   non-negative, so any two frames score well above 0; read it comparatively.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -46,14 +47,16 @@ def paired_metrics(ref: torch.Tensor, cand: torch.Tensor, *, name: str = "video"
     ssim = structural_similarity_index_measure(c, r, gaussian_kernel=True, sigma=1.5, kernel_size=11,
                                                data_range=1.0, reduction="none")
     mse = (r - c).pow(2).flatten(1).mean(1)
-    psnr = torch.where(mse > 0, peak_signal_noise_ratio(c, r, data_range=1.0, dim=(1, 2, 3), reduction="none"),
-                       torch.full_like(mse, math.inf))
+    differ = mse > 0
+    psnr = peak_signal_noise_ratio(c, r, data_range=1.0, dim=(1, 2, 3), reduction="none")
     return {
         "frames": int(ref.shape[0]),
         "cosine": float(cos.mean()),
         "ssim": float(ssim.mean()),
-        "psnr": float(psnr.mean()),
-        "per_frame": {"cosine": cos.tolist(), "ssim": ssim.tolist(), "psnr": psnr.tolist()},
+        "psnr": float(psnr[differ].mean()) if bool(differ.any()) else None,
+        "identical_frames": int((~differ).sum()),
+        "per_frame": {"cosine": cos.tolist(), "ssim": ssim.tolist(),
+                      "psnr": [float(x) if d else None for x, d in zip(psnr.tolist(), differ.tolist())]},
     }
 
 
@@ -85,5 +88,7 @@ def evaluate_paths(reference: str | Path, candidate: str | Path, progress: bool 
         it = tqdm(pairs, desc="eval", unit="video")
     videos = {name: paired_metrics(read_video(r), read_video(c), name=name) for name, r, c in it}
     mean = lambda key: sum(v[key] for v in videos.values()) / len(videos)  # noqa: E731
-    return {"cosine": mean("cosine"), "ssim": mean("ssim"), "psnr": mean("psnr"), "cosine_range": COSINE_RANGE,
-            "videos": videos}
+    psnrs = [v["psnr"] for v in videos.values() if v["psnr"] is not None]
+    return {"cosine": mean("cosine"), "ssim": mean("ssim"), "psnr": sum(psnrs) / len(psnrs) if psnrs else None,
+            "identical_frames": sum(v["identical_frames"] for v in videos.values()),
+            "frames": sum(v["frames"] for v in videos.values()), "cosine_range": COSINE_RANGE, "videos": videos}

@@ -80,7 +80,35 @@ def _row(tag, sims, vb):
     row = {d: vb.get(tag, {}).get(d) for d in ("subject_consistency", "imaging_quality", "aesthetic_quality")}
     if tag != "fp16":
         row.update({k: sims[tag][k] for k in SIMILARITY})
+        for k in SIMILARITY:  # the spread over prompts: what a difference between methods must exceed
+            vals = [v[k] for v in sims[tag]["videos"].values() if v[k] is not None]
+            n = len(vals)
+            row[f"{k}_se"] = (math.sqrt(sum((x - sum(vals) / n) ** 2 for x in vals) / (n - 1) / n) if n > 1 else None)
     return row
+
+
+def describe_rules(rules) -> str:
+    """Policy rules in words: "block 0 in fp16; the last 2 steps in fp16"."""
+    parts = []
+    for r in rules:
+        where = []
+        if r.get("blocks") is not None:
+            where.append(("block " if len(r["blocks"]) == 1 else "blocks ") + ", ".join(map(str, r["blocks"])))
+        if r.get("kinds") is not None:
+            where.append("/".join(r["kinds"]) + " attention")
+        if r.get("experts") is not None:
+            where.append("the " + "/".join(r["experts"]) + " expert")
+        steps = r.get("steps")
+        if steps:
+            (key, val), = steps.items()
+            if key in ("first", "last"):
+                where.append(f"the {key} {val} steps")
+            elif key == "range":
+                where.append(f"steps {val[0]} to {val[1] - 1}")
+            else:
+                where.append(f"steps in [{val[0]:g}, {val[1]:g}) of the schedule")
+        parts.append(f"{' and '.join(where) or 'every call'} in {r['method']}")
+    return "; ".join(parts) if parts else "none (every call in the method)"
 
 
 def _tables(cfg, sims, vb):
@@ -90,6 +118,7 @@ def _tables(cfg, sims, vb):
           for label, m, h, p, u in TABLE3]
     return {"model": cfg.model, "prompts": len(cfg.prompts), "steps": cfg.steps, "seed": cfg.seed,
             "policy_rules_table2": [r.model_dump(exclude_none=True) for r in cfg.policy.rules],
+            "policy_table2": describe_rules([r.model_dump(exclude_none=True) for r in cfg.policy.rules]),
             "vbench": bool(vb), "table2": t2, "table3": t3}
 
 
@@ -102,18 +131,25 @@ def _fmt(v, digits=4):
 
 
 def _bold_best(rows, keys):
-    """Cell text with the best value among quantized rows in bold (higher is better everywhere)."""
-    best = {}
+    """Cell text, the best value among quantized rows in bold (higher is better everywhere) only
+    where it beats the runner-up by more than twice the larger of their standard errors over
+    prompts (a difference within the spread is not a win; with one prompt there is no spread, so
+    nothing is bold; VBench's dimensions carry no spread here, so they are never bold)."""
+    winner = {}
     for k in keys:
-        vals = [r[k] for r in rows if r.get(k) is not None and r.get("method") != "FP16"]
-        best[k] = max(vals) if vals else None
+        ranked = sorted((r for r in rows if r.get(k) is not None and r.get("method") != "FP16"),
+                        key=lambda r: r[k], reverse=True)
+        if len(ranked) < 2:
+            continue
+        (a, b), se = ranked[:2], [ranked[0].get(f"{k}_se"), ranked[1].get(f"{k}_se")]
+        if None not in se and a[k] - b[k] > 2 * max(se):
+            winner[k] = id(a)
     out = []
     for r in rows:
         cells = {}
         for k in keys:
             text = _fmt(r.get(k), {"psnr": 2, "cosine": 6}.get(k, 4))
-            quantized = r.get("method") != "FP16"
-            cells[k] = f"**{text}**" if quantized and r.get(k) is not None and r[k] == best[k] else text
+            cells[k] = f"**{text}**" if winner.get(k) == id(r) else text
         out.append(cells)
     return out
 
@@ -122,8 +158,9 @@ def _markdown(res) -> str:
     keys = ["subject_consistency", "imaging_quality", "aesthetic_quality", *SIMILARITY]
     head = "| {} | Subject | Imaging | Aesthetic | Cosine | SSIM | PSNR |"
     lines = [f"Model `{res['model']}`, {res['prompts']} prompt(s), {res['steps']} steps, seed {res['seed']}. "
-             f"VBench: {'run' if res['vbench'] else 'not run (–)'}. Best quantized value in bold.", "",
-             f"**Table 2 — methods under the policy rules {res['policy_rules_table2']}**", "",
+             f"VBench: {'run' if res['vbench'] else 'not run (–)'}. A quantized value is bold where it beats the "
+             "next best by more than twice their standard error over prompts.", "",
+             f"**Table 2 — methods under the config's policy rules: {res.get('policy_table2') or describe_rules(res['policy_rules_table2'])}**", "",
              head.format("Method"), "|" + " --- |" * 7]
     for r, cells in zip(res["table2"], _bold_best(res["table2"], keys)):
         lines.append(f"| {r['method']} | " + " | ".join(cells[k] for k in keys) + " |")
@@ -144,11 +181,19 @@ def _plots(res, sims, out: Path):
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
     for ax, key in zip(axes, SIMILARITY):
+        shown = []
         for table, rows, label_key in (("T2", res["table2"][1:], "method"), ("T3", res["table3"], "configuration")):
+            rows = [r for r in rows if r.get(key) is not None]  # PSNR of identical videos has no value
             names = [f"{table}: {r[label_key]}" for r in rows]
-            vals = [r[key] if not math.isinf(r[key]) else 0 for r in rows]
-            ax.barh(names, vals, color="tab:blue" if table == "T2" else "tab:orange")
-        ax.set_title(f"{key} vs FP16")
+            vals = [r[key] for r in rows]
+            errs = [r.get(f"{key}_se") or 0 for r in rows]
+            ax.barh(names, vals, xerr=errs, color="tab:blue" if table == "T2" else "tab:orange")
+            shown += vals
+        if shown:  # the axis spans the values, not 0 to 1: the differences must be visible
+            lo, hi = min(shown), max(shown)
+            pad = (hi - lo) * 0.15 or abs(hi) * 1e-3 or 1e-3
+            ax.set_xlim(lo - pad, hi + pad)
+        ax.set_title(f"{key} vs FP16 (± s.e. over prompts)", fontsize=9)
         ax.invert_yaxis()
     for ax in axes[1:]:
         ax.set_yticklabels([])

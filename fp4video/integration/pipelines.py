@@ -41,7 +41,7 @@ def _from_pretrained(model: str, device: torch.device):
         raise FileNotFoundError(
             f"could not load the pipeline {model!r}: it is neither a local folder nor in the Hugging Face cache, and "
             f"the hub could not be reached ({type(e).__name__}). Download it where there is network, e.g. "
-            f"`huggingface-cli download {model} --local-dir DIR`, then pass --model DIR; or run --model tiny."
+            f"`hf download {model} --local-dir DIR` (the Hugging Face CLI of huggingface_hub ≥ 0.34), then pass --model DIR; or run --model tiny."
         ) from None
     return pipe.to(device)
 
