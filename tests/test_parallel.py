@@ -325,3 +325,70 @@ def test_hunyuan_plan_refuses_stock_processors(tmp_path):
     mp.spawn(_hunyuan_stock_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD)
     message = torch.load(tmp_path / "msg0.pt")
     assert "fp4video.install" in message, message
+
+
+# --- every method, shards of different statistics -------------------------------------------------
+
+
+def _skewed_inputs():
+    """Two token shards that differ: the second half of K has a channel mean (what K smoothing
+    removes, per shard: the LSE must carry it back) and twice the spread, V's second half an offset,
+    and the second half of the queries is sharper."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, S, H, D, generator=g) for _ in range(3))
+    half = S // 2
+    k[:, half:] = 2 * k[:, half:] + 3 * torch.randn(1, 1, H, D, generator=g)
+    v[:, half:] += 2.0
+    q[:, half:] *= 3
+    return q, k, v
+
+
+def _every_method_worker(rank, init_file, mode, out_dir):
+    import torch.distributed as dist
+
+    from fp4video.integration.distributed import cpu_parallel_config
+    from fp4video.integration.parallel import context_parallel_attention
+    from fp4video.recipe import METHODS
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        config = cpu_parallel_config(**_degrees(mode))
+        q, k, v = (x.chunk(WORLD, dim=1)[rank] for x in _skewed_inputs())
+        outs = {m: context_parallel_attention(q, k, v, method=m, parallel_config=config, backend="reference")
+                for m in METHODS}
+        torch.save(outs, f"{out_dir}/every{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_every_method_under_context_parallelism_with_skewed_shards(tmp_path, mode):
+    """Every method, two gloo processes, shards of different statistics. Ulysses = the
+    single-process result exactly; ring = the LSE merge of the per-shard results, and as close to
+    fp64 attention as the single-process result (the smooth-K methods too: their LSE carries the
+    shard's K mean back)."""
+    import torch.multiprocessing as mp
+
+    from fp4video import fp4_attention
+    from fp4video.metrics import cossim
+    from fp4video.recipe import METHODS
+
+    mp.spawn(_every_method_worker, args=(str(tmp_path / "init"), mode, str(tmp_path)), nprocs=WORLD)
+    shards = [torch.load(tmp_path / f"every{r}.pt") for r in range(WORLD)]
+    q, k, v = _skewed_inputs()
+    truth = torch.nn.functional.scaled_dot_product_attention(*(t.double().transpose(1, 2) for t in (q, k, v)))
+    truth = truth.transpose(1, 2)
+    for m in METHODS:
+        got = torch.cat([s[m] for s in shards], dim=1)
+        single = fp4_attention(q, k, v, method=m, layout="bshd", backend="reference")
+        assert torch.isfinite(got).all(), m
+        if mode == "ulysses":
+            assert (got - single).abs().max() < 1e-6, m
+            continue
+        parts = [fp4_attention(q, kj, vj, method=m, layout="bshd", return_lse=True, backend="reference")
+                 for kj, vj in zip(k.chunk(WORLD, 1), v.chunk(WORLD, 1))]
+        lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
+        merged = sum(torch.exp(lj - lse)[..., None] * oj for oj, lj in parts)
+        assert (got - merged).abs().max() < 1e-5, m
+        assert cossim(got, truth) > cossim(single, truth) - 0.01, (m, cossim(got, truth), cossim(single, truth))
