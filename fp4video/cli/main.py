@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import accuracy, bench, generate, vbench_weights
+from . import accuracy, bench, check, generate, vbench_weights
 from . import eval as eval_
 
-SUBCOMMANDS = {"generate": generate, "eval": eval_, "accuracy": accuracy, "bench": bench,
+SUBCOMMANDS = {"generate": generate, "eval": eval_, "accuracy": accuracy, "bench": bench, "check": check,
                "vbench-weights": vbench_weights}
 
 

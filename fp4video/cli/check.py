@@ -1,0 +1,60 @@
+"""``fp4video check``: every method's kernel against the reference on this GPU (random and sharp
+inputs, every row, the LSE), and one timing against SDPA and any installed peer; a table on screen
+and a JSON report. About two minutes on an H200. Run it on a GPU this project has not run on
+(Blackwell) and send the JSON back."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+EXAMPLES = """examples:
+  fp4video check                                  # every method; fp4video-check.json
+  fp4video check --methods mxattn sage3 --out my-gpu.json
+  TRITON_INTERPRET=1 fp4video check --device cpu --methods mxattn --small   # the code path on a CPU (slow)
+"""
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    from ..recipe import METHODS
+
+    quantized = [m for m in METHODS if m != "fp16"]
+    p = sub.add_parser("check", help="self-check on this GPU: kernels vs reference, and speed", description=__doc__,
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", default=quantized, choices=quantized, metavar="METHOD",
+                   help="methods to check (default: every quantized method)")
+    p.add_argument("--out", type=Path, default=Path("fp4video-check.json"), help="JSON report (default: %(default)s)")
+    p.add_argument("--device", default="cuda", help="CUDA device (default: %(default)s); cpu only under TRITON_INTERPRET=1")
+    p.add_argument("--small", action="store_true", help="small shapes, no timing (the interpreter's CPU run)")
+    return p
+
+
+def run(args) -> int:
+    import torch
+
+    cpu = args.device.startswith("cpu")
+    if cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        print("error: --device cpu runs the kernels only under TRITON_INTERPRET=1 (slow; use --small)", file=sys.stderr)
+        return 2
+    if not cpu and not torch.cuda.is_available():
+        print("error: fp4video check needs a CUDA GPU (or TRITON_INTERPRET=1 with --device cpu --small)", file=sys.stderr)
+        return 2
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("error: fp4video check runs the Triton kernels: pip install 'fp4video[triton]'", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    from ..eval.check import format_check, run_check
+
+    shapes = dict(heads=2, sq=64, sk=130, head_dim=64, timing_seq=None) if args.small or cpu else {}
+    report = run_check(args.methods, device=args.device, progress=lambda it, what: tqdm(it, desc=what, leave=False),
+                       **shapes)
+    print(format_check(report))
+    args.out.write_text(json.dumps(report, indent=1, allow_nan=False))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0 if report["ok"] else 1
