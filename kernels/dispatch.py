@@ -4,9 +4,9 @@ shift and the NaN policy, in that order. Every environment override of the kerne
 ======================  ==================================  ===============================================
 variable                values                              effect
 ======================  ==================================  ===============================================
-``FP4VIDEO_MX_KERNEL``  ``scaled`` | ``fp8`` | ``bf16``     the MXFP4 loop (default: ``scaled`` on sm_100+,
-                                                            ``fp8`` on sm_89+ and in the interpreter,
-                                                            else ``bf16``)
+``FP4VIDEO_MX_KERNEL``  ``scaled`` | ``fp8`` | ``bf16``     the MXFP4 loop (default: ``scaled`` on sm_100
+                                                            and sm_120, ``fp8`` on other sm_89+ GPUs and
+                                                            in the interpreter, else ``bf16``)
 ``FP4VIDEO_MX_TMA``     ``0`` | ``1``                       the e4m3 loop's tiles by pointer loads (0), or
                                                             TMA required (1; an error where it cannot run)
 ``FP4VIDEO_NV_KERNEL``  ``sm90`` | ``triton``               the NVFP4 loop (default: ``sm90`` on Hopper at
@@ -31,7 +31,7 @@ from fp4video.recipe import AttentionRecipe
 from fp4video.reference import poison_heads
 
 from .checks import k_smoothing_mean, nonfinite_heads, smoothing_lse_shift
-from .launch import tma_unsupported_reason
+from .launch import device_arch, tma_unsupported_reason
 from .loop_bf16 import attention_bf16
 from .loop_e4m3 import E4M3_V_SPAN_LIMIT, attention_e4m3
 from .loop_nvfp4 import attention_nvfp4
@@ -81,10 +81,18 @@ def _device_name(device: torch.device) -> str:
     return f"sm_{cap[0]}{cap[1]}"
 
 
+#: Architectures whose native FP4 MMAs the ``scaled`` loop was compiled for and checked offline
+#: (``tests/test_offline_compile.py``: ``tcgen05.mma kind::mxf4`` on sm_100, ``mma.sync kind::mxf4nvf4``
+#: on sm_120). Other Blackwell-generation GPUs (sm_103, sm_110, sm_121) run the e4m3 loop, whose FP8
+#: MMAs every sm_89+ GPU has, until the native loop is checked there (``FP4VIDEO_MX_KERNEL=scaled``
+#: tries it).
+NATIVE_FP4_ARCHS = ("sm_100", "sm_120")
+
+
 def mx_kernel(recipe: AttentionRecipe, device: torch.device) -> str | None:
     """Which MXFP4 / FP8 loop runs this recipe: ``"scaled"`` (``tl.dot_scaled``: native FP4 MMAs on
-    sm_100+), ``"fp8"`` (e4m3 tensor cores: sm_89+, and the CPU interpreter) or None (the bf16
-    loop: not an MXFP4 recipe, or an older GPU). ``FP4VIDEO_MX_KERNEL`` overrides the choice
+    :data:`NATIVE_FP4_ARCHS`), ``"fp8"`` (e4m3 tensor cores: sm_89+, and the CPU interpreter) or None
+    (the bf16 loop: not an MXFP4 recipe, or an older GPU). ``FP4VIDEO_MX_KERNEL`` overrides the choice
     (e.g. to run the Blackwell loop, emulated, on a Hopper GPU). Recipes with E4M3 (FP8) P and V
     and MXFP4 or E4M3 Q and K run the e4m3 loop on every sm_89+ GPU (``"scaled"`` has no FP8 P·V)."""
     qk, pv = recipe.qk_format, recipe.pv_format
@@ -98,8 +106,9 @@ def mx_kernel(recipe: AttentionRecipe, device: torch.device) -> str | None:
     if forced:
         return None if forced == "bf16" else forced
     if device.type == "cuda":
-        cap = torch.cuda.get_device_capability(device)
-        return "scaled" if cap >= (10, 0) else "fp8" if cap >= (8, 9) else None
+        if device_arch(device) in NATIVE_FP4_ARCHS:
+            return "scaled"
+        return "fp8" if torch.cuda.get_device_capability(device) >= (8, 9) else None
     return "fp8" if interpreting() else None
 
 

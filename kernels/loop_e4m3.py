@@ -42,14 +42,19 @@ TILE_EXP_FLOOR = -60
 #: (the dispatch decides from the pre-pass's ``v_span``).
 E4M3_V_SPAN_LIMIT = 10
 #: pointer loads (Ada, or FP4VIDEO_MX_TMA=0)
+#: Shared memory (bytes) per number of stages, compiled offline (Triton 3.9, head dim 128, masked, 64
+#: rows, 4 warps), by pointer loads and by TMA
+POINTER_SHARED_MEMORY = {"sm_90": {2: 73860, 3: 106632}, "sm_100": {2: 73892, 3: 106664},
+                         "sm_120": {2: 49156, 3: 81928}}
+TMA_SHARED_MEMORY = {"sm_90": {2: 73892, 3: 106696}, "sm_100": {2: 57524, 3: 90312}, "sm_120": {2: 49188, 3: 81960}}
 POINTER_LAUNCH = LoopLaunch(
-    64, 4, 3, shared_memory={2: 73732, 3: 106504},
+    64, 4, 3, shared_memory=POINTER_SHARED_MEMORY,
     reason="64 rows and one warpgroup per program, so that two programs share an SM and one's MMAs overlap "
            "the other's softmax (H200, 2026-11-30: 32.41 ms against 36.16 at 128/8/3, Wan 480p); 2 stages "
            "on Ada's 99 KB")
 #: TMA loads (Hopper)
 TMA_LAUNCH = LoopLaunch(
-    64, 4, 2, shared_memory={2: 73764, 3: 106568},
+    64, 4, 2, shared_memory=TMA_SHARED_MEMORY,
     reason="2 stages and at most 168 registers let three programs share an SM (H200, 2026-11-30: 158.24 ms "
            "at Wan 720p against 165.59 at 3 stages)")
 #: registers per thread that let three TMA programs share an SM (3 × 128 threads × 168 ≤ 64 K; the

@@ -33,10 +33,11 @@ FMT_CODE = {None: 0, Format.MXFP4: 1, Format.NVFP4: 2, Format.E4M3: 3}
 FP8_ROW, FP8_AMAX, FP8_HEAD, E2M1_PACKED, FP8_TILE, TILE_ROWS, FP8_TILE_ORDERED, HEAD_AMAX = 1, 2, 3, 4, 5, 6, 7, 8
 
 
-#: shared memory of the row pre-pass by stages (K's 128-row key tiles, bf16 inputs: the most)
-ROW_SHARED_MEMORY = {1: 98304, 2: 106496, 3: 139264}
+#: shared memory of the row pre-pass by stages (K's 128-row key tiles, bf16 inputs: the most;
+#: offline sm_90 compiles, the figure every architecture uses: :func:`.launch.stages_that_fit`)
+ROW_SHARED_MEMORY = {"sm_90": {1: 98304, 2: 106496, 3: 139264}}
 #: the same for the tensor-core V path at 64 channels and 4 tiles per program
-V_SHARED_MEMORY = {1: 49152, 2: 73728, 3: 90112}
+V_SHARED_MEMORY = {"sm_90": {1: 49152, 2: 73728, 3: 90112}}
 
 
 @dataclass(frozen=True)

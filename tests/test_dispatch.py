@@ -30,36 +30,68 @@ def test_nvfp4_kernel_choice_without_hopper(monkeypatch):
 
 def test_launches_fit_the_shared_memory_of_the_gpu(monkeypatch):
     """Software-pipelining stages that need more shared memory than the GPU gives a program are
-    dropped: on H100/H200 (228 KB per SM) every launch as configured; on A100 (164 KB) the NVFP4
-    loop with 2 stages (160 KB; 3 take 224 KB); on ~100 KB GPUs (Ada, sm_86: 99 KB per block)
-    the e4m3 loop with 2 (74 KB; 3 take 106.5 KB), the NVFP4 loop, the row pre-pass and the bf16
-    loop of older GPUs (160 KB at 3) with 1; the tensor-core V pre-pass (90 KB at 3) fits everywhere.
+    dropped, by each architecture's own offline-compiled figures: on H100/H200 every launch as
+    configured; on B200 (sm_100, 227 KB) the NVFP4 loop at 2 stages (3 need 233,504 B there, 1 KB
+    more than a block may have); on sm_120 (99 KB) the e4m3 loop keeps 3 stages (80 KB there) and
+    the NVFP4 and bf16 loops 2 (96 KB); on A100 (sm_80: sm_90's figures) the NVFP4 and bf16 loops
+    2; on Ada (99 KB) the e4m3 loop 2, the NVFP4 and bf16 loops and the row pre-pass 1. Unnamed
+    architectures take their family's table (sm_103 sm_100's, sm_121 sm_120's, older sm_90's).
     Without the device property (older torch) the capability decides; the interpreter: no limit."""
     from types import SimpleNamespace
 
     from fp4video.kernels import launch, loop_bf16, loop_e4m3, loop_nvfp4
     from fp4video.kernels import prepass as pp
 
+    def stages(arch, limit):
+        fit = launch.stages_that_fit
+        return (fit(arch, limit, loop_e4m3.POINTER_LAUNCH.num_stages, loop_e4m3.POINTER_LAUNCH.shared_memory),
+                fit(arch, limit, loop_nvfp4.LAUNCH.num_stages, loop_nvfp4.LAUNCH.shared_memory),
+                fit(arch, limit, pp.PREPASS_LAUNCH.row_stages, pp.ROW_SHARED_MEMORY),
+                fit(arch, limit, loop_bf16.LAUNCH.num_stages, loop_bf16.LAUNCH.shared_memory),
+                fit(arch, limit, pp.PREPASS_LAUNCH.v_stages, pp.V_SHARED_MEMORY))
+
+    limits = launch.SHARED_MEMORY_LIMIT
+    assert stages("sm_90", limits["sm_90"]) == (3, 3, 2, 3, 3)
+    assert stages("sm_100", limits["sm_100"]) == (3, 2, 2, 3, 3)
+    assert stages("sm_120", limits["sm_120"]) == (3, 2, 1, 2, 3)
+    assert stages("sm_80", (164 << 10) - 1024) == (3, 2, 2, 2, 3)
+    assert stages("sm_89", (100 << 10) - 1024) == (2, 1, 1, 1, 3)
+    assert stages("sm_103", limits["sm_100"]) == stages("sm_100", limits["sm_100"])
+    assert stages("sm_121", limits["sm_120"]) == stages("sm_120", limits["sm_120"])
+    assert [launch.table_arch(a) for a in ("sm_90", "sm_100", "sm_103", "sm_110", "sm_120", "sm_121", "sm_89", None)] == \
+        ["sm_90", "sm_100", "sm_100", "sm_100", "sm_120", "sm_120", "sm_90", "sm_90"]
+    tma = loop_e4m3.TMA_LAUNCH  # its 2 stages (74 KB at most) fit everywhere
+    assert all(launch.stages_that_fit(a, limits[a], tma.num_stages, tma.shared_memory) == 2 for a in limits)
+    # the device path: the property, else the capability; the interpreter has no limit
     cuda = torch.device("cuda", 0)
-
-    def stages(dev):
-        return (loop_e4m3.POINTER_LAUNCH.resolve(dev)[2], loop_nvfp4.LAUNCH.resolve(dev)[2],
-                launch.fitting_stages(dev, pp.PREPASS_LAUNCH.row_stages, pp.ROW_SHARED_MEMORY),
-                loop_bf16.LAUNCH.resolve(dev)[2],
-                launch.fitting_stages(dev, pp.PREPASS_LAUNCH.v_stages, pp.V_SHARED_MEMORY))
-
-    for per_sm, want in ((228 << 10, (3, 3, 2, 3, 3)), (164 << 10, (3, 2, 2, 3, 3)), (100 << 10, (2, 1, 1, 1, 3))):
-        monkeypatch.setattr(torch.cuda, "get_device_properties",
-                            lambda device=None, n=per_sm: SimpleNamespace(shared_memory_per_multiprocessor=n))
-        assert launch.shared_memory_per_block(cuda) == per_sm - 1024
-        assert stages(cuda) == want, per_sm
-        tma = loop_e4m3.TMA_LAUNCH  # its 2 stages (74 KB) fit everywhere
-        assert tma.resolve(cuda) == (tma.block_m, tma.num_warps, tma.num_stages)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(shared_memory_per_multiprocessor=228 << 10))
+    assert launch.shared_memory_per_block(cuda) == limits["sm_100"]
+    assert loop_nvfp4.LAUNCH.resolve(cuda)[2] == 2
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace())
-    for cap, want in (((8, 9), (2, 1, 1, 1, 3)), ((9, 0), (3, 3, 2, 3, 3)), ((8, 0), (3, 2, 2, 3, 3))):
+    for cap, want in (((8, 9), (100 << 10) - 1024), ((9, 0), (228 << 10) - 1024), ((8, 0), (164 << 10) - 1024)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
-        assert stages(cuda) == want, cap
-    assert stages(torch.device("cpu")) == (3, 3, 2, 3, 3)
+        assert launch.shared_memory_per_block(cuda) == want, cap
+    assert loop_nvfp4.LAUNCH.resolve(torch.device("cpu"))[2] == 3
+
+
+def test_native_fp4_loop_only_where_it_was_compiled(monkeypatch):
+    """The MXFP4 methods take the native-FP4 loop on sm_100 and sm_120 (compiled and read offline),
+    the e4m3 loop on every other sm_89+ GPU — the Blackwell-generation ones not named too (sm_103,
+    sm_110, sm_121) — and the bf16 loop before sm_89; FP8-P·V methods the e4m3 loop everywhere."""
+    from fp4video.kernels import dispatch
+
+    monkeypatch.delenv("FP4VIDEO_MX_KERNEL", raising=False)
+    cuda = torch.device("cuda", 0)
+    want = {(8, 0): None, (8, 9): "fp8", (9, 0): "fp8", (10, 0): "scaled", (10, 3): "fp8", (11, 0): "fp8",
+            (12, 0): "scaled", (12, 1): "fp8"}
+    for cap, kernel in want.items():
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
+        assert dispatch.mx_kernel(METHODS["mxattn"], cuda) == kernel, cap
+        assert dispatch.mx_kernel(METHODS["mxattn-pv8"], cuda) == (None if cap < (8, 9) else "fp8"), cap
+    monkeypatch.setenv("FP4VIDEO_MX_KERNEL", "scaled")
+    assert dispatch.mx_kernel(METHODS["mxattn"], cuda) == "scaled"  # the override tries it anywhere
 
 
 def test_tma_loop_where_the_gpu_has_tma(monkeypatch):

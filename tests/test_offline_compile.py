@@ -75,3 +75,51 @@ def test_fp8_pv_loop_compiles_to_fp8_mmas(arch, mma):
         pytest.skip(f"this Triton cannot compile for sm_{arch}: {run.stderr.strip().splitlines()[-1:]}")
     assert len(re.findall(mma, run.stdout)) >= 2, sorted(set(re.findall(r"(?:tcgen05\.mma|mma\.sync|wgmma\.mma_async)[.\w:]*", run.stdout)))
     assert not re.search(r"(wgmma|mma)[.\w]*\.bf16", run.stdout), "an MMA fell back to bf16"
+
+
+#: compiles a loop for sm_{arch} at the stage count its launch picks there and prints its shared memory
+LAUNCH_SMEM = """
+import sys
+sys.path.insert(0, {tools!r})
+from offline_compile import compile_kernel
+from fp4video.formats import ScaleRule
+from fp4video.kernels.launch import SHARED_MEMORY_LIMIT, stages_that_fit
+from fp4video.reference import TWO_LEVEL_P_RANGE
+arch = "sm_{arch}"
+_S, _SP = 32760, 32768
+ints = dict(H=40, SQ=_S, SK=_S, SK_PAD=_SP, DV=128, sqb=40 * _S * 128, sqh=_S * 128, sqs=128, skb=40 * _SP * 128,
+            skh=_SP * 128, sks=128, svb=40 * 128 * _SP, svh=128 * _SP, svs=128, svd=_SP, smb=_S, sms=1,
+            sob=40 * _S * 128, soh=_S * 128, sos=128, sod=1, slb=40 * _S, slh=_S, sls=1)  # Wan 480p, as launched
+if {kernel!r} == "nvfp4":
+    from fp4video.kernels.loop_nvfp4 import LAUNCH, _nv_attn_fwd as fn
+    ptr = dict(Q="*bf16", K="*bf16", V="*bf16", KeyMask="*i8", Out="*bf16", Lse="*fp32")
+    consts = dict(HAS_MASK=True, TWO_LEVEL=True, P_RANGE=TWO_LEVEL_P_RANGE, PNQ=False, IEEE=False, FAST_RCP=True,
+                  HW_E4M3=True, D=128, BLOCK_DV=128, DV_PAD=False, BLOCK_M=128, BLOCK_N=128, P_E4M3=False)
+    options = dict(enable_fp_fusion=False)
+else:
+    from fp4video.kernels.loop_e4m3 import POINTER_LAUNCH as LAUNCH, TILE_EXP_FLOOR, _e4m3_attn_fwd as fn
+    ptr = dict(Q8="*fp8e4nv", QFac="*fp32", K8="*fp8e4nv", KFac="*fp32", V8T="*fp8e4nv", VFac="*fp32", KeyMask="*i8",
+               Out="*bf16", Lse="*fp32")
+    consts = dict(HAS_MASK=True, OCP=False, QMAX=ScaleRule.UOS.qmax, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=64,
+                  BLOCK_N=128, QB=32, EXP_FLOOR=TILE_EXP_FLOOR, TMA=False, K_TILE_ORDER=False, ASM=True,
+                  FRESH_PV=False, P_E4M3=False)
+    options = dict(enable_fp_fusion=False)
+stages = stages_that_fit(arch, SHARED_MEMORY_LIMIT[arch], LAUNCH.num_stages, LAUNCH.shared_memory)
+kernel = compile_kernel(fn, consts, ptr, ints, arch={arch}, floats=("scale_log2",), num_warps=LAUNCH.num_warps,
+                        num_stages=stages, **options)
+print(stages, kernel.metadata.shared, SHARED_MEMORY_LIMIT[arch], LAUNCH.shared_memory[arch][stages])
+"""
+
+
+@pytest.mark.parametrize("kernel, arch, stages", [("nvfp4", 100, 2), ("nvfp4", 120, 2), ("e4m3", 120, 3)])
+def test_launch_fits_each_blackwell_architecture(kernel, arch, stages):
+    """Each architecture's launch, compiled for it offline: the stage count its table picks, the
+    shared memory the compiler allots within what a block may have there, and the table's figure
+    the compiler's (so the table cannot drift from the kernel unnoticed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", LAUNCH_SMEM.format(tools=str(ROOT / "tools"), arch=arch, kernel=kernel)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    if run.returncode != 0:
+        pytest.skip(f"this Triton cannot compile for sm_{arch}: {run.stderr.strip().splitlines()[-1:]}")
+    picked, shared, limit, table = map(int, run.stdout.split()[-4:])
+    assert picked == stages and shared <= limit and shared == table, run.stdout

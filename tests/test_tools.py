@@ -44,7 +44,9 @@ def test_instruction_count_script_reads_the_fp8_loop():
     e4m3 = float(m.group(1))
     assert 4 < e4m3 < 40, e4m3
     shared = re.search(r"(\d+) bytes of shared memory", run.stdout)
-    assert shared and int(shared.group(1)) == tma.shared_memory[tma.num_stages], run.stdout
+    # the unmasked loop: at most the launch table's (masked) figure, within 1 KB of it
+    table = tma.shared_memory["sm_90"][tma.num_stages]
+    assert shared and table - 1024 < int(shared.group(1)) <= table, run.stdout
     assert 3 * (int(shared.group(1)) + 1024) <= 228 * 1024
     if regs:
         assert int(regs.group(1)) <= budget and " 0 bytes spill stores" in run.stdout, run.stdout
@@ -67,7 +69,8 @@ def test_instruction_count_script_reads_the_fp8_loop():
     assert run.returncode == 0, run.stderr[-2000:]
     shared = re.search(r"(\d+) bytes of shared memory", run.stdout)
     pointer = loop_e4m3.POINTER_LAUNCH
-    assert shared and int(shared.group(1)) == pointer.shared_memory[pointer.num_stages], run.stdout
+    table = pointer.shared_memory["sm_90"][pointer.num_stages]
+    assert shared and table - 1024 < int(shared.group(1)) <= table, run.stdout
     # the bf16 NVFP4 loop: bf16 MMAs (HGMMA), more work per element than the e4m3 MXFP4 loop
     run = subprocess.run([sys.executable, str(script), "--kernel", "nvfp4"], capture_output=True, text=True,
                          env=env, timeout=600)
