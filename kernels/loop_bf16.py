@@ -123,3 +123,7 @@ def attention_bf16(qh, kh, vh, key_alive, *, recipe: AttentionRecipe, scale: flo
         num_warps=num_warps, num_stages=num_stages,
     )
     return out, lse
+
+
+#: the loop's jit kernel, by a public name: what offline compilation (:mod:`.report`) compiles
+KERNEL = _bf16_attn_fwd

@@ -297,3 +297,7 @@ def attention_e4m3(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive
         **({"maxnreg": TMA_REGISTER_BUDGET} if capped else {}),  # registers per thread (ptxas spills the rest)
     )
     return out, lse
+
+
+#: the loop's jit kernel, by a public name: what offline compilation (:mod:`.report`) compiles
+KERNEL = _e4m3_attn_fwd

@@ -287,3 +287,7 @@ def attention_nvfp4(qh, kh, vh, key_alive, *, sk: int, recipe: AttentionRecipe, 
         BLOCK_M=block_m, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
     )
     return out, lse
+
+
+#: the loop's jit kernel, by a public name: what offline compilation (:mod:`.report`) compiles
+KERNEL = _nv_attn_fwd

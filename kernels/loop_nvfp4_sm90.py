@@ -255,3 +255,7 @@ def attention_nvfp4_sm90(qh, kh, vh, key_alive, *, sk: int, recipe: AttentionRec
         num_warps=4, enable_fp_fusion=False,  # explicit fma only
     )
     return out, lse
+
+
+#: the loop's jit kernel, by a public name: what offline compilation (:mod:`.report`) compiles
+KERNEL = _nv_attn_fwd_sm90

@@ -140,3 +140,7 @@ def attention_packed(q4, q_scale, k4, k_scale, v4t, v_scale, key_alive, *, recip
         QB=recipe.pv_format.block, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only, as the reference
     )
     return out, lse
+
+
+#: the loop's jit kernel, by a public name: what offline compilation (:mod:`.report`) compiles
+KERNEL = _mx_scaled_attn_fwd

@@ -58,8 +58,11 @@ def test_integration_does_not_import_the_cli_or_harness(path):
 def test_kernels_import_only_torch_triton_and_numerics(path):
     for m in _modules(path, package="fp4video.kernels"):
         top = m.split(".")[0]
+        # the offline compiler and its report are tools inside the package: they also read files and run ptxas
+        tooling = {"argparse", "collections", "json", "re", "subprocess", "sys", "tempfile"} \
+            if path.stem in ("offline", "report") else set()
         assert top in {"torch", "triton", "fp4video", "__future__", "math", "functools", "os", "dataclasses",
-                       "typing", "importlib", "warnings"}, f"{path.name} imports {m}"
+                       "typing", "importlib", "warnings"} | tooling, f"{path.name} imports {m}"
         if top == "fp4video" and m != "fp4video":  # numerics only, never the API / harness / CLI
             assert m.split(".")[1] in {"formats", "recipe", "reference", "rotation", "kernels"}, f"{path.name}: {m}"
 

@@ -123,3 +123,26 @@ def test_launch_fits_each_blackwell_architecture(kernel, arch, stages):
         pytest.skip(f"this Triton cannot compile for sm_{arch}: {run.stderr.strip().splitlines()[-1:]}")
     picked, shared, limit, table = map(int, run.stdout.split()[-4:])
     assert picked == stages and shared <= limit and shared == table, run.stdout
+
+
+@pytest.mark.parametrize("method, target, qk, pv, specialized", [
+    ("mxattn", "sm_100", "mxf4", "mxf4", False), ("mxattn", "sm_120", "mxf4nvf4", "mxf4nvf4", False),
+    ("mxattn-pv8", "sm_100", "f8f6f4", "f8f6f4", False), ("sage3", "sm_90", "bf16", "bf16", True)])
+def test_kernel_report_reads_the_compiled_loop(method, target, qk, pv, specialized):
+    """`python -m fp4video.kernels.report`: the loop the dispatch picks on the target, compiled for
+    it, its MMA kinds read from the PTX, a SASS instruction count of its main loop, its memory."""
+    import json
+
+    from fp4video.kernels.launch import SHARED_MEMORY_LIMIT
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "fp4video.kernels.report", "--target", target, "--method", method,
+                          "--json"], capture_output=True, text=True, env=env, timeout=600)
+    if run.returncode != 0 and "cannot" in run.stderr:
+        pytest.skip(f"this Triton cannot compile for {target}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    rep = json.loads(run.stdout.strip().splitlines()[0])
+    assert (rep["qk_mma_kind"], rep["pv_mma_kind"], rep["warp_specialized"]) == (qk, pv, specialized), rep
+    assert rep["instructions_source"] == "SASS" and 4 < rep["instructions_per_element"] < 60, rep
+    assert 0 < rep["shared_memory_bytes"] <= SHARED_MEMORY_LIMIT[target], rep
+    assert (rep["tensor_memory_columns"] > 0) == (target == "sm_100"), rep

@@ -26,7 +26,6 @@ import argparse
 import collections
 import os
 import re
-import subprocess
 import sys
 import tempfile
 
@@ -96,63 +95,7 @@ def compile_loop_kernel(args):
         raise SystemExit(f"error: {e}")
 
 
-def loop_opcodes(lines, label_re, branch_re, op_re, is_mma):
-    """Opcode counts and lines of the innermost loop (label ... backward branch to it, the shortest
-    such span) that issues MMAs: the main loop (the tail tile is not a loop); in the Gluon kernel,
-    one warpgroup's (the partitions' loops are alike)."""
-    labels, best, body = {}, None, []
-    for i, line in enumerate(lines):
-        m = re.match(label_re, line.strip())
-        if m:
-            labels[m.group(1)] = i
-        m = re.search(branch_re, line)
-        # a loop's latch is a conditional backward branch (an unconditional one jumps back from
-        # out-of-line code, e.g. an mbarrier wait's retry, into the middle of the kernel)
-        if m and labels.get(m.group(1), i) < i and re.match(r"\s*(?:/\*[0-9a-f]+\*/\s+)?@", line):
-            ops = collections.Counter()
-            for body_line in lines[labels[m.group(1)]:i + 1]:
-                mm = re.match(op_re, body_line)
-                if mm:
-                    ops[mm.group(1)] += 1
-            span = i + 1 - labels[m.group(1)]
-            if any(is_mma(op) for op in ops) and (best is None or span < len(body)):
-                best, body = ops, lines[labels[m.group(1)]:i + 1]
-    if best is None:
-        raise SystemExit("error: no loop with MMAs found")
-    return best, body
-
-
-def sass_mma_loop(kernel, nvdisasm: str, tmp: str):
-    """:func:`loop_opcodes` of a compiled kernel's SASS (disassembled by ``nvdisasm``): the
-    innermost loop issuing warpgroup MMAs."""
-    path = os.path.join(tmp, "loop.cubin")
-    with open(path, "wb") as f:
-        f.write(kernel.asm["cubin"])
-    sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
-    return loop_opcodes(sass.splitlines(), r"^(\.L_x_\d+):", r"BRA\s+`?\(?(\.L_x_\d+)",
-                        r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", lambda op: "GMMA" in op)
-
-
-def ptxas_report(ptx: str, bin_dir: str, tmp: str):
-    """(registers, spill-store bytes, serialization warnings) as ``ptxas -v`` reports them for
-    sm_90a, from the first of Triton's ptxas that takes this PTX version; None if none does.
-    C7513: ptxas found a register hazard between asynchronous MMAs and made them all wait; C7512:
-    it had too few registers to keep them in flight, and did the same."""
-    path = os.path.join(tmp, "kernel.ptx")
-    with open(path, "w") as f:
-        f.write(ptx)
-    for name in ("ptxas-blackwell", "ptxas"):
-        exe = os.path.join(bin_dir, name)
-        if not os.path.exists(exe):
-            continue
-        run = subprocess.run([exe, "-v", "--gpu-name", "sm_90a", path, "-o", os.path.join(tmp, "kernel.o")],
-                             capture_output=True, text=True)
-        text = run.stderr + run.stdout
-        regs, spills = re.search(r"Used (\d+) registers", text), re.search(r"(\d+) bytes spill stores", text)
-        if run.returncode == 0 and regs:
-            codes = [c for c in ("C7512", "C7513") if c in text]
-            return int(regs.group(1)), int(spills.group(1)) if spills else 0, codes
-    return None
+from fp4video.kernels.offline import loop_opcodes, ptxas_report, sass_mma_loop  # noqa: E402
 
 
 def ptxas_registers(ptx: str, bin_dir: str, tmp: str) -> str:

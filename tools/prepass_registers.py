@@ -56,7 +56,7 @@ def main(argv=None) -> int:
 
     from fp4video.kernels import prepass as pp
 
-    from count_loop_instructions import ptxas_report, sass_mma_loop
+    from fp4video.kernels.offline import ptxas_report, sass_mma_loop
     from prepass_bandwidth import launch_options
 
     try:

@@ -1,0 +1,121 @@
+"""Compiling the kernels offline, for GPUs this machine does not have (no GPU needed), and reading
+what the compiler made of them: the launch signature as Triton's launcher specializes it, the main
+loop's opcodes in PTX or SASS, ptxas's register and spill report. Used by
+:mod:`fp4video.kernels.report`, the offline tests and the lab tools."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+
+#: the integer arguments of a Wan-480p launch (B = 1, H = 40, S = 32,760, D = 128; K̂/V̂ᵀ padded to
+#: 32,768 keys; the key mask (B, S)), by name across the loop kernels
+_S, _SP = 32760, 32768
+WAN_480P_INTS = dict(H=40, SQ=_S, SK=_S, SK_PAD=_SP, DV=128, DQK=128, sqb=40 * _S * 128, sqh=_S * 128, sqs=128, sqd=1,
+                     skb=40 * _SP * 128, skh=_SP * 128, sks=128, skd=1, svb=40 * 128 * _SP, svh=128 * _SP, svs=128,
+                     svd=_SP, smb=_S, sms=1, sob=40 * _S * 128, soh=_S * 128, sos=128, sod=1, slb=40 * _S, slh=_S, sls=1,
+                     svsd=128)
+
+
+def tool_path(name: str) -> str:
+    """A CUDA tool Triton ships (``nvdisasm``, ``ptxas``, ``ptxas-blackwell``, ``cuobjdump``)."""
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def launch_signature(fn, consts: dict, ptr: dict, ints: dict, floats=()):
+    """(signature, constexprs, attributes) for ``ASTSource`` as Triton's launcher specializes a
+    launch of ``fn`` with these integer arguments: one equal to 1 becomes the constant 1, a
+    multiple of 16 is marked 16-divisible, as is every pointer (torch aligns its allocations);
+    ``ptr``: the types of the pointer (or descriptor) arguments, ``floats``: the fp32 ones.
+    (Compiled without this, unit strides stay runtime values and loads and stores go scalar.)"""
+    names = fn.arg_names
+    consts = {**{n: 1 for n, v in ints.items() if v == 1 and n in names}, **consts}
+    sig = {n: "constexpr" if n in consts else ptr.get(n, "fp32" if n in floats else "i32") for n in names}
+    aligned = [n for n in names if sig[n].startswith("*") or (sig[n] == "i32" and n in ints and ints[n] % 16 == 0)]
+    return (sig, {(names.index(k),): v for k, v in consts.items()},
+            {(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+
+
+def compile_kernel(fn, consts: dict, ptr: dict, ints: dict, *, arch: int = 90, floats=(), gluon: bool = False,
+                   **options):
+    """``fn`` compiled for ``sm_{arch}`` with these constexprs, pointer types and integer arguments
+    (:func:`launch_signature`), Triton's options (``num_warps``, ``num_stages``, ``maxnreg``, ...)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    else:
+        from triton.compiler import ASTSource as source
+    names = fn.arg_names
+    missing = [names[i] for i in fn.constexprs if names[i] not in consts]
+    if missing:  # every constexpr must be fixed, or Triton makes it a runtime argument
+        raise ValueError(f"constexpr arguments not set: {missing}")
+    sig, constexprs, attrs = launch_signature(fn, consts, ptr, ints, floats)
+    return triton.compile(source(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", arch, 32),
+                          options=options)
+
+
+def loop_opcodes(lines, label_re, branch_re, op_re, is_mma, conditional_re=r"\s*(?:/\*[0-9a-f]+\*/\s+)?@"):
+    """Opcode counts and lines of the innermost loop (label ... backward branch to it, the shortest
+    such span) that issues MMAs: the main loop (the tail tile is not a loop); in the Gluon kernel,
+    one warpgroup's (the partitions' loops are alike)."""
+    labels, best, body = {}, None, []
+    for i, line in enumerate(lines):
+        m = re.match(label_re, line.strip())
+        if m:
+            labels[m.group(1)] = i
+        m = re.search(branch_re, line)
+        # a loop's latch is a conditional backward branch (an unconditional one jumps back from
+        # out-of-line code, e.g. an mbarrier wait's retry, into the middle of the kernel)
+        if m and labels.get(m.group(1), i) < i and re.match(conditional_re, line):
+            ops = collections.Counter()
+            for body_line in lines[labels[m.group(1)]:i + 1]:
+                mm = re.match(op_re, body_line)
+                if mm:
+                    ops[mm.group(1)] += 1
+            span = i + 1 - labels[m.group(1)]
+            if any(is_mma(op) for op in ops) and (best is None or span < len(body)):
+                best, body = ops, lines[labels[m.group(1)]:i + 1]
+    if best is None:
+        raise SystemExit("error: no loop with MMAs found")
+    return best, body
+
+
+def sass_mma_loop(kernel, nvdisasm: str, tmp: str):
+    """:func:`loop_opcodes` of a compiled kernel's SASS (disassembled by ``nvdisasm``): the
+    innermost loop issuing MMAs (Hopper's warpgroup MMAs, Blackwell's tcgen05 / mma.sync ones)."""
+    path = os.path.join(tmp, "loop.cubin")
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+    # a latch: a predicated branch (@P0 BRA), or Blackwell's uniform one (BRA.U UP0, target)
+    return loop_opcodes(sass.splitlines(), r"^(\.L_x_\d+):", r"BRA(?:\.U)?\s+(?:!?UP\w+,\s*)?`?\(?(\.L_x_\d+)",
+                        r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", lambda op: "MMA" in op,
+                        conditional_re=r"\s*(?:/\*[0-9a-f]+\*/\s+)?(?:@|BRA\.U\s+!?UP)")
+
+
+def ptxas_report(ptx: str, bin_dir: str, tmp: str, arch: int = 90):
+    """(registers, spill-store bytes, serialization warnings) as ``ptxas -v`` reports them for
+    sm_{arch}a, from the first of Triton's ptxas that takes this PTX version; None if none does.
+    C7513: ptxas found a register hazard between asynchronous MMAs and made them all wait; C7512:
+    it had too few registers to keep them in flight, and did the same."""
+    path = os.path.join(tmp, "kernel.ptx")
+    with open(path, "w") as f:
+        f.write(ptx)
+    for name in ("ptxas-blackwell", "ptxas"):
+        exe = os.path.join(bin_dir, name)
+        if not os.path.exists(exe):
+            continue
+        run = subprocess.run([exe, "-v", "--gpu-name", f"sm_{arch}a", path, "-o", os.path.join(tmp, "kernel.o")],
+                             capture_output=True, text=True)
+        text = run.stderr + run.stdout
+        regs, spills = re.search(r"Used (\d+) registers", text), re.search(r"(\d+) bytes spill stores", text)
+        if run.returncode == 0 and regs:
+            codes = [c for c in ("C7512", "C7513") if c in text]
+            return int(regs.group(1)), int(spills.group(1)) if spills else 0, codes
+    return None

@@ -1,0 +1,184 @@
+"""What a method's attention loop compiles to on a GPU architecture, read offline (no GPU needed):
+
+    python -m fp4video.kernels.report --target sm_100 --method mxattn [--json]
+
+The loop the dispatch picks on that architecture is compiled as it is launched there (its launch
+table, head dim 128, no mask, a Wan-480p launch's sizes) and read back from Triton's IR, the PTX and
+the SASS: the MMA kinds of Q·K and P·V (the first and the last MMA of the main loop in PTX),
+SASS instructions per element of S in the main loop (PTX where no SASS can be had, saying so),
+ptxas's registers and spills, shared and tensor memory, warp specialization and TMA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+
+from fp4video.formats import Format, ScaleRule
+from fp4video.recipe import METHODS, PScale, RowSum
+from fp4video.reference import TWO_LEVEL_P_RANGE
+
+from .dispatch import NATIVE_FP4_ARCHS
+from .launch import SHARED_MEMORY_LIMIT, stages_that_fit
+from .offline import WAN_480P_INTS, compile_kernel, loop_opcodes, ptxas_report, sass_mma_loop, tool_path
+
+__all__ = ["LoopReport", "loop_report", "TARGETS"]
+
+TARGETS = ("sm_90", "sm_100", "sm_120")
+_MMA_PTX = ("wgmma.mma_async", "tcgen05.mma", "mma.sync")
+
+
+@dataclass
+class LoopReport:
+    method: str
+    target: str
+    loop: str  # the loop module's kernel
+    qk_mma_kind: str
+    pv_mma_kind: str
+    instructions_per_element: float
+    instructions_source: str  # "SASS" or "PTX (no SASS: ...)"
+    registers: int | None
+    spill_bytes: int | None
+    shared_memory_bytes: int
+    tensor_memory_columns: int
+    warp_specialized: bool
+    tma: bool
+    num_warps: int
+    num_stages: int
+
+
+def _loop(method: str, arch: int):
+    """(name, jit fn, constexprs, pointer types, elements of S per thread per key tile, options, gluon)
+    of the loop the dispatch runs ``method`` with on ``sm_{arch}``."""
+    r = METHODS[method]
+    qk, pv = r.qk_format, r.pv_format
+    target = f"sm_{arch}"
+    limit = SHARED_MEMORY_LIMIT[target]
+    mx_common = dict(OCP=r.scale_rule is ScaleRule.OCP, QMAX=r.scale_rule.qmax, PNQ=r.row_sum is RowSum.QUANTIZED,
+                     HAS_MASK=False, D=128, BLOCK_DV=128, BLOCK_N=128)
+    fp8_pv = pv is Format.E4M3 and qk in (Format.MXFP4, Format.E4M3)
+    if qk is Format.MXFP4 and pv is Format.MXFP4 and target in NATIVE_FP4_ARCHS:
+        from .loop_scaled import LAUNCH, KERNEL as fn
+
+        stages = stages_that_fit(target, limit, LAUNCH.num_stages, LAUNCH.shared_memory)
+        ptr = dict(Q4="*u8", QS="*u8", K4="*u8", KS="*u8", V4T="*u8", VS="*u8", KeyMask="*i8", Out="*bf16", Lse="*fp32")
+        consts = dict(mx_common, BLOCK_M=LAUNCH.block_m, QB=32)
+        return ("loop_scaled._mx_scaled_attn_fwd", fn, consts, ptr, LAUNCH.block_m * 128 // (LAUNCH.num_warps * 32),
+                dict(num_warps=LAUNCH.num_warps, num_stages=stages, enable_fp_fusion=False), False)
+    if fp8_pv or (qk is Format.MXFP4 and pv is Format.MXFP4):
+        from .key_order import LANE_BLOCK
+        from .loop_e4m3 import TILE_EXP_FLOOR, TMA_LAUNCH, KERNEL as fn
+
+        launch = TMA_LAUNCH  # every target here has TMA
+        stages = stages_that_fit(target, limit, launch.num_stages, launch.shared_memory)
+        ptr = {"Q8": "*fp8e4nv", "QFac": "*fp32", "K8": "tensordesc<fp8e4nv[128, 128]>", "KFac": "*fp32",
+               "V8T": "tensordesc<fp8e4nv[128, 128]>", "VFac": "*fp32", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
+        consts = dict(mx_common, BLOCK_M=launch.block_m, QB=LANE_BLOCK, EXP_FLOOR=TILE_EXP_FLOOR, TMA=True,
+                      K_TILE_ORDER=True, ASM=True, FRESH_PV=True, P_E4M3=pv is Format.E4M3)
+        return ("loop_e4m3._e4m3_attn_fwd", fn, consts, ptr, launch.block_m * 128 // (launch.num_warps * 32),
+                dict(num_warps=launch.num_warps, num_stages=stages, enable_fp_fusion=False), False)
+    if qk is Format.NVFP4:
+        nv = dict(HAS_MASK=False, TWO_LEVEL=r.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
+                  PNQ=r.row_sum is RowSum.QUANTIZED, D=128, BLOCK_DV=128, BLOCK_N=128)
+        if target == "sm_90" and pv is not Format.E4M3:
+            from triton.experimental.gluon import language as gl
+
+            from .loop_nvfp4_sm90 import CONSUMER_REGS, NUM_BUFFERS, KERNEL as fn
+
+            desc = f"tensordesc<bf16[128, 128],{gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16)!r}>"
+            ptr = {"Q": "*bf16", "Kd": desc, "Vd": desc, "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
+            consts = dict(nv, BLOCK_M=128, NUM_BUF=NUM_BUFFERS, CONSUMER_REGS=CONSUMER_REGS)
+            # one warpgroup of 64 rows is compiled; the other runs the same code in a partition
+            return ("loop_nvfp4_sm90._nv_attn_fwd_sm90", fn, consts, ptr, 64, dict(num_warps=4, num_stages=1), True)
+        from .loop_nvfp4 import LAUNCH, KERNEL as fn
+
+        stages = stages_that_fit(target, limit, LAUNCH.num_stages, LAUNCH.shared_memory)
+        ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
+        consts = dict(nv, IEEE=False, FAST_RCP=True, HW_E4M3=True, DV_PAD=False, BLOCK_M=LAUNCH.block_m,
+                      P_E4M3=pv is Format.E4M3)
+        return ("loop_nvfp4._nv_attn_fwd", fn, consts, ptr, LAUNCH.block_m * 128 // (LAUNCH.num_warps * 32),
+                dict(num_warps=LAUNCH.num_warps, num_stages=stages, enable_fp_fusion=False), False)
+    from .loop_bf16 import LAUNCH, P_MX, P_NONE, KERNEL as fn
+
+    stages = stages_that_fit(target, limit, LAUNCH.num_stages, LAUNCH.shared_memory)
+    ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
+    consts = dict(HAS_MASK=False, P_MODE=P_MX if pv is Format.MXFP4 else P_NONE, QB=32, OCP=r.scale_rule is ScaleRule.OCP,
+                  QMAX=r.scale_rule.qmax, PNQ=r.row_sum is RowSum.QUANTIZED, IEEE=False, D=128, BLOCK_DV=128,
+                  BLOCK_M=LAUNCH.block_m, BLOCK_N=128)
+    return ("loop_bf16._bf16_attn_fwd", fn, consts, ptr, LAUNCH.block_m * 128 // (LAUNCH.num_warps * 32),
+            dict(num_warps=LAUNCH.num_warps, num_stages=stages), False)
+
+
+def _mma_kind(instruction: str) -> str:
+    """``mxf4``, ``mxf4nvf4``, ``f8f6f4``, ``e4m3``, ``bf16``, ... of one PTX MMA instruction."""
+    m = re.search(r"kind::(\w+)", instruction)
+    if m:
+        return m.group(1)
+    types = re.findall(r"\.(e4m3|e5m2|bf16|f16|tf32|e2m1)\b", instruction)
+    return types[-1] if types else instruction
+
+
+def loop_report(method: str, target: str) -> LoopReport:
+    """Compile ``method``'s loop for ``target`` (``sm_90`` / ``sm_100`` / ``sm_120``) and read it."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; known methods: {', '.join(METHODS)}")
+    arch = int(target[3:])
+    name, fn, consts, ptr, per_thread, options, gluon = _loop(method, arch)
+    ints = dict(WAN_480P_INTS, smb=1)
+    kernel = compile_kernel(fn, consts, ptr, ints, arch=arch, floats=("scale_log2", "scale"), gluon=gluon, **options)
+    ptx_ops, ptx_body = loop_opcodes(kernel.asm["ptx"].splitlines(), r"^(\$L__BB\d+_\d+):",
+                                     r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+)", r"^\s*(?:@%?!?\w+\s+)?([a-z][\w.:]*)",
+                                     lambda op: op.startswith(_MMA_PTX))
+    mmas = [m.group(1) for line in ptx_body if (m := re.match(r"^\s*(?:@%?!?\w+\s+)?([a-z][\w.:]*)", line))
+            and m.group(1).startswith(_MMA_PTX)]
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            sass_ops, _ = sass_mma_loop(kernel, tool_path("nvdisasm"), tmp)
+            count, source = sum(sass_ops.values()), "SASS"
+        except (SystemExit, OSError, subprocess.CalledProcessError) as e:  # report PTX instead, saying why
+            why = str(e) if isinstance(e, SystemExit) else f"nvdisasm failed ({type(e).__name__})"
+            count, source = sum(ptx_ops.values()), f"PTX (no SASS: {why})"
+        regs = ptxas_report(kernel.asm["ptx"], tool_path(""), tmp, arch=arch)
+    ttgir = kernel.asm.get("ttgir", "")
+    return LoopReport(
+        method=method, target=target, loop=name, qk_mma_kind=_mma_kind(mmas[0]), pv_mma_kind=_mma_kind(mmas[-1]),
+        instructions_per_element=round(count / per_thread, 2), instructions_source=source,
+        registers=None if regs is None else regs[0], spill_bytes=None if regs is None else regs[1],
+        shared_memory_bytes=int(kernel.metadata.shared),
+        tensor_memory_columns=int(getattr(kernel.metadata, "tmem_size", 0) or 0),
+        warp_specialized="warp_specialize" in ttgir or gluon,
+        tma=bool(re.search(r"async_tma|descriptor_load|descriptor_store", ttgir)),
+        num_warps=options["num_warps"], num_stages=options["num_stages"])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fp4video.kernels.report", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, choices=TARGETS, help="GPU architecture to compile for")
+    ap.add_argument("--method", required=True, nargs="+", choices=list(METHODS), metavar="METHOD",
+                    help=f"one or more of: {', '.join(METHODS)}")
+    ap.add_argument("--json", action="store_true", help="one JSON object per method instead of text")
+    args = ap.parse_args(argv)
+    for method in args.method:
+        rep = loop_report(method, args.target)
+        if args.json:
+            print(json.dumps(asdict(rep)))
+            continue
+        regs = "ptxas took no PTX here" if rep.registers is None else f"{rep.registers} registers, {rep.spill_bytes} B spilled"
+        print(f"{rep.method} on {rep.target}: {rep.loop} ({rep.num_warps} warps, {rep.num_stages} stages)\n"
+              f"  Q·K MMA {rep.qk_mma_kind}, P·V MMA {rep.pv_mma_kind}; {rep.instructions_per_element} "
+              f"{rep.instructions_source} instructions per element of S; {regs}\n"
+              f"  shared memory {rep.shared_memory_bytes} B, tensor memory {rep.tensor_memory_columns} columns, "
+              f"warp specialized: {rep.warp_specialized}, TMA: {rep.tma}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
