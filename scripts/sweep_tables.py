@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fp4video.eval.sweep import run_sweep
 from fp4video.integration.config import DEFAULT_CONFIG, load_config
-from fp4video.integration.tiny import TINY_SIZES
+from fp4video.integration.tiny import tiny_sizes
 
 
 def main(argv=None) -> int:
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     if args.model:
         changes["model"] = args.model
     if changes.get("model", cfg.model) == "tiny":
-        changes.update({k: TINY_SIZES[k] for k in ("height", "width", "frames", "steps", "fps")})
+        changes.update(tiny_sizes(cfg.family))
     if args.prompts_file:
         changes["prompts"] = [p.strip() for p in args.prompts_file.read_text().splitlines() if p.strip()]
     for k in ("steps", "frames"):

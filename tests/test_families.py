@@ -250,3 +250,32 @@ def test_caches_keep_the_step_and_record_what_they_skip(cache):
     per_step = Counter((c["step"], c["site"]) for c in ctx.calls)
     for step in range(4):
         assert {site for (s, site) in per_step if s == step} == sites
+
+
+def test_tiny_ltx_pipeline_fp16_is_stock_and_steps_are_tracked():
+    """The embedded tiny LTX-Video pipeline (`generate --model tiny` with `family: ltx`): fp16
+    through fp4video is the stock video bit for bit, the policy sees each denoising step."""
+    from fp4video.integration.tiny import TINY_LTX_CALL, tiny_ltx_pipeline, tiny_sizes
+
+    pipe = tiny_ltx_pipeline()
+    sz = tiny_sizes("ltx")
+
+    def run():
+        return pipe(prompt="a cat", negative_prompt="", height=sz["height"], width=sz["width"], num_frames=sz["frames"],
+                    num_inference_steps=2, guidance_scale=3.0, output_type="np",
+                    generator=torch.Generator().manual_seed(0), **TINY_LTX_CALL).frames[0]
+
+    stock = run()
+    ctx = install(pipe, Policy.model_validate({"method": "fp16", "rules": [{"method": "mxattn", "steps": {"last": 1}}]}))
+    try:
+        out = run()
+    finally:
+        uninstall(pipe)
+    assert sorted({c["step"] for c in ctx.calls}) == [0, 1]
+    assert {(c["step"], c["method"]) for c in ctx.calls} == {(0, "fp16"), (1, "mxattn")}
+    assert out.shape == stock.shape and abs(out - stock).max() > 0
+    install(pipe, "fp16")
+    try:
+        assert abs(run() - stock).max() == 0
+    finally:
+        uninstall(pipe)

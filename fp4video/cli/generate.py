@@ -44,7 +44,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def resolve_config(args):
     from ..integration.config import DEFAULT_CONFIG, RunConfig, load_config
     from ..integration.policy import Policy
-    from ..integration.tiny import TINY_SIZES
+    from ..integration.tiny import tiny_sizes
 
     cfg = load_config(args.config) if args.config else DEFAULT_CONFIG
     changes = {}
@@ -55,8 +55,7 @@ def resolve_config(args):
     if args.method:
         changes["policy"] = Policy(method=args.method)
     if (args.model or cfg.model) == "tiny":  # the YAML's sizes are for the real model
-        changes.update(height=TINY_SIZES["height"], width=TINY_SIZES["width"], frames=TINY_SIZES["frames"],
-                       steps=TINY_SIZES["steps"], fps=TINY_SIZES["fps"])
+        changes.update(tiny_sizes(cfg.family))
     for name in ("steps", "seed", "height", "width", "frames"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)

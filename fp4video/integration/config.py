@@ -31,7 +31,7 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
     model: str = Field("tiny", description='"tiny" (embedded random model), a local folder or a hub id')
-    family: Literal["wan", "hunyuan"] = "wan"
+    family: Literal["wan", "hunyuan", "ltx"] = "wan"
     task: Literal["t2v", "i2v"] = "t2v"
     height: int = Field(480, gt=0, multiple_of=16)
     width: int = Field(832, gt=0, multiple_of=16)

@@ -16,10 +16,10 @@ def load_pipeline(cfg: RunConfig, device: torch.device):
     if cfg.model == "tiny":
         from . import tiny
 
-        if cfg.family == "hunyuan":
+        if cfg.family in ("hunyuan", "ltx"):
             if cfg.task != "t2v":
-                raise ValueError("HunyuanVideo configs are text-to-video (task: t2v)")
-            return tiny.tiny_hunyuan_pipeline().to(device)
+                raise ValueError(f"the tiny {cfg.family} model is text-to-video (task: t2v)")
+            return (tiny.tiny_hunyuan_pipeline() if cfg.family == "hunyuan" else tiny.tiny_ltx_pipeline()).to(device)
         if cfg.task == "i2v":
             return tiny.tiny_wan_i2v_pipeline().to(device)
         return tiny.tiny_wan_pipeline(two_experts=True).to(device)
@@ -57,9 +57,13 @@ def pipeline_kwargs(cfg: RunConfig, prompt: str, device: torch.device) -> dict:
         generator=torch.Generator(device="cpu").manual_seed(cfg.seed),
         output_type="np",
     )
-    if cfg.family == "wan":
+    if cfg.family in ("wan", "ltx"):
         kw["negative_prompt"] = cfg.negative_prompt
-    elif cfg.model == "tiny":  # HunyuanVideo's default prompt template assumes its Llama tokenizer
+    if cfg.family == "ltx" and cfg.model == "tiny":
+        from .tiny import TINY_LTX_CALL
+
+        kw.update(TINY_LTX_CALL)
+    elif cfg.family == "hunyuan" and cfg.model == "tiny":  # its default prompt template assumes its Llama tokenizer
         from .tiny import TINY_HUNYUAN_CALL
 
         kw.update(TINY_HUNYUAN_CALL)

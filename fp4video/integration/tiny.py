@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TINY_SIZES", "tiny_wan_pipeline", "tiny_wan_i2v_pipeline", "tiny_hunyuan_pipeline", "tiny_tokenizer"]
+__all__ = ["TINY_SIZES", "tiny_wan_pipeline", "tiny_wan_i2v_pipeline", "tiny_hunyuan_pipeline", "tiny_ltx_pipeline",
+           "tiny_sizes", "tiny_tokenizer"]
 
 #: Generation sizes used with the tiny models (the YAML's sizes are for the real model).
 #: 96×160, 17 frames -> latent 5 × 12 × 20 -> 300 video tokens after the (1, 2, 2) patch.
@@ -121,6 +122,40 @@ def tiny_hunyuan_pipeline(*, head_dim: int = 64, seed: int = 0):
                                 vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=clip,
                                 tokenizer_2=tiny_tokenizer())
 
+
+def tiny_ltx_pipeline(*, head_dim: int = 64, seed: int = 0):
+    """LTX-Video T2V: 2 blocks (self-attention with RoPE, cross-attention with the text padding mask
+    as an additive mask), a tiny causal video VAE (4× in space and time) and T5 text encoder."""
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    blocks = dict(block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+                  spatio_temporal_scaling=(True, True, False, False))
+    vae = AutoencoderKLLTXVideo(
+        in_channels=3, out_channels=3, latent_channels=8, **blocks,
+        decoder_block_out_channels=blocks["block_out_channels"], decoder_layers_per_block=blocks["layers_per_block"],
+        decoder_spatio_temporal_scaling=blocks["spatio_temporal_scaling"],
+        decoder_inject_noise=(False,) * 5, upsample_residual=(False,) * 4, upsample_factor=(1,) * 4,
+        timestep_conditioning=False, patch_size=1, patch_size_t=1, encoder_causal=True, decoder_causal=False).eval()
+    text_encoder = T5EncoderModel(T5Config(vocab_size=len(_VOCAB), d_model=32, d_kv=8, d_ff=37, num_layers=2,
+                                           num_heads=4, relative_attention_num_buckets=8)).eval()
+    transformer = LTXVideoTransformer3DModel(in_channels=8, out_channels=8, patch_size=1, patch_size_t=1,
+                                             num_attention_heads=2, attention_head_dim=head_dim, cross_attention_dim=128,
+                                             num_layers=2, caption_channels=32).eval()
+    return LTXPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder,
+                       tokenizer=tiny_tokenizer(), transformer=transformer)
+
+
+#: Generation sizes of the tiny LTX-Video model: 64×96, 9 frames -> latent 3 × 16 × 24 = 1,152 tokens.
+TINY_LTX_SIZES = {"height": 64, "width": 96, "frames": 9, "steps": 4, "fps": 8}
+def tiny_sizes(family: str) -> dict:
+    """Height, width, frames, steps and fps of a family's tiny model (a YAML's are the real model's)."""
+    return dict(TINY_LTX_SIZES if family == "ltx" else TINY_SIZES)
+
+
+#: The tiny LTX-Video model's text length (its tokenizer spells prompts letter by letter).
+TINY_LTX_CALL = {"max_sequence_length": 32}
 
 #: HunyuanVideo's default prompt template assumes its Llama tokenizer; the tiny model uses none.
 TINY_HUNYUAN_CALL = {"prompt_template": {"template": "{}", "crop_start": 0}, "max_sequence_length": 48}
