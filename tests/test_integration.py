@@ -234,7 +234,7 @@ def test_generate_without_weights_offline_says_how_to_get_them(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fp4video.cli.main", "generate", "--model", "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
                            "--output", str(tmp_path / "x.mp4")], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 2
-    assert "huggingface-cli download Wan-AI/Wan2.2-T2V-A14B-Diffusers" in proc.stderr
+    assert "hf download Wan-AI/Wan2.2-T2V-A14B-Diffusers --local-dir" in proc.stderr and "huggingface-cli" not in proc.stderr
 
 
 # --- HunyuanVideo and Wan image-to-video ---------------------------------------------------------
