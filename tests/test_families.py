@@ -169,14 +169,18 @@ def test_models_whose_processors_bypass_the_dispatcher_are_refused(name):
     assert not any(hasattr(m, "_fp4video_block") or m._forward_pre_hooks for m in model.modules())
 
 
-def test_ltx_text_mask_is_honoured_on_the_fp4_path():
-    """LTX-Video passes its text padding as an additive mask: padded text tokens must not change
-    the output under an FP4 method (they would, were the mask dropped)."""
-    build, inputs, *_ = FAMILIES["ltx-video"]
+@pytest.mark.parametrize("name", ["ltx-video", "hunyuan-video-1.5"])
+def test_text_mask_is_honoured_on_the_fp4_path(name):
+    """LTX-Video passes its text padding as an additive mask to the cross-attention,
+    HunyuanVideo-1.5 as a boolean mask over [video; text] to its joint attention: padded text tokens
+    must not change the output under an FP4 method (they would, were the mask dropped)."""
+    build, inputs, *_ = FAMILIES[name]
     model = _randomized(build())
     kw = inputs()
     other = dict(kw, encoder_hidden_states=kw["encoder_hidden_states"].clone())
     other["encoder_hidden_states"][:, 7:] = 50.0  # only the masked (padding) tokens differ
+    assert not torch.equal(_forward(model, dict(kw, encoder_hidden_states=kw["encoder_hidden_states"] * 2)),
+                           _forward(model, kw))  # the text does matter
     assert not torch.equal(_forward(model, kw)[..., :1], torch.zeros(1))
     install(model, "mxattn")
     try:

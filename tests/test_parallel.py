@@ -392,3 +392,68 @@ def test_every_method_under_context_parallelism_with_skewed_shards(tmp_path, mod
         merged = sum(torch.exp(lj - lse)[..., None] * oj for oj, lj in parts)
         assert (got - merged).abs().max() < 1e-5, m
         assert cossim(got, truth) > cossim(single, truth) - 0.01, (m, cossim(got, truth), cossim(single, truth))
+
+
+# --- LTX-Video: a family reached through the dispatcher, with diffusers' own plan ------------------
+
+
+def _ltx_forward(method, degrees=None, padded=False):
+    from fp4video.integration import distributed, install
+    from fp4video.integration.tiny import tiny_ltx_pipeline
+
+    model = tiny_ltx_pipeline().transformer
+    if degrees is not None:
+        distributed.enable_context_parallel(model, **degrees, device=torch.device("cpu"))
+    ctx = install(model, method, backend="reference")
+    g = torch.Generator().manual_seed(3)
+    mask = torch.ones(1, 12, dtype=torch.long)
+    if padded:
+        mask[:, 9:] = 0  # text padding: the model passes it to the cross-attention as an additive mask
+    with torch.no_grad():
+        out = model(hidden_states=torch.randn(1, 2 * 8 * 8, 8, generator=g), encoder_hidden_states=torch.randn(
+            1, 12, 32, generator=g), timestep=torch.tensor([500]), encoder_attention_mask=mask, num_frames=2, height=8,
+            width=8, return_dict=False)[0]
+    return out, ctx
+
+
+def _ltx_worker(rank, init_file, mode, method, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        try:
+            _ltx_forward(method, _degrees(mode), padded=True)
+            refused = None
+        except ValueError as e:
+            refused = str(e)
+        out, ctx = _ltx_forward(method, _degrees(mode))
+        out = torch.from_numpy(out.numpy().copy())  # a plain tensor (the plan gathers into an async collective one)
+        torch.save({"out": out, "calls": ctx.calls, "refused": refused}, f"{out_dir}/ltx{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_ltx_transformer_under_context_parallelism(tmp_path, mode):
+    """LTX-Video under diffusers' own context-parallel plan (it splits the text and its mask with
+    the video tokens), its processors stock and routed by fp4video: self- and cross-attention run
+    context-parallel; Ulysses equals one process, ring is close. Padded text is refused with a
+    message (a rank's share of the mask is not the keys it attends to), not run wrong."""
+    import torch.multiprocessing as mp
+
+    from fp4video.metrics import cossim
+
+    mp.spawn(_ltx_worker, args=(str(tmp_path / "init"), mode, "mxattn", str(tmp_path)), nprocs=WORLD)
+    results = [torch.load(tmp_path / f"ltx{r}.pt") for r in range(WORLD)]
+    single, _ = _ltx_forward("mxattn")
+    assert torch.equal(results[0]["out"], results[1]["out"]) and results[0]["out"].shape == single.shape
+    degrees = {"ring": WORLD, "ulysses": 1} if mode == "ring" else {"ring": 1, "ulysses": WORLD}
+    calls = results[0]["calls"]
+    assert {c["kind"] for c in calls} == {"self", "cross"}
+    assert all(c.get("context_parallel") == degrees for c in calls), calls
+    assert "mask that removes keys" in results[0]["refused"] and "LTX-Video" in results[0]["refused"]
+    if mode == "ulysses":
+        assert (results[0]["out"] - single).abs().max() < 1e-4
+    else:
+        assert cossim(results[0]["out"], single) > 0.99

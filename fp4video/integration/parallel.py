@@ -54,6 +54,18 @@ def make_forward_op(method: str | AttentionRecipe, backend: str = "auto"):
     return forward_op
 
 
+def _any_rank(flag: bool, device) -> bool:
+    """Whether ``flag`` holds on any rank of the process group."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def _no_backward(*args, **kwargs):
     raise RuntimeError("fp4video's FP4 attention is inference-only: it has no backward pass")
 
@@ -68,6 +80,14 @@ def context_parallel_attention(q, k, v, *, method: str | AttentionRecipe, parall
         raise ValueError("parallel_config has no context_parallel_config")
     if cp.ulysses_degree > 1 and q.shape[2] % cp.ulysses_degree:
         raise ValueError(f"Ulysses needs the head count ({q.shape[2]}) divisible by ulysses_degree ({cp.ulysses_degree})")
+    if attn_mask is not None:
+        if _any_rank(not bool(attn_mask.all()), q.device):  # every rank decides alike (or one would wait forever)
+            raise ValueError(
+                "context-parallel attention with a mask that removes keys: diffusers' plan splits the mask with "
+                "the tokens, but under Ulysses a rank attends to every rank's keys and under ring to each shard in "
+                "turn, so this rank's mask does not describe the keys it sees (e.g. LTX-Video's padded text). "
+                "Run this model without context parallelism, or with prompts that fill its text length")
+        attn_mask = None  # every key kept: the mask changes nothing
     return _templated_attention()(
         q, k, v, attn_mask, 0.0, False, scale, False, return_lse,
         forward_op=make_forward_op(method, backend), backward_op=_no_backward, _parallel_config=parallel_config,
