@@ -105,8 +105,8 @@ def cpu_parallel_config(*, ring_degree: int, ulysses_degree: int):
 
 def enable_context_parallel(pipe, *, ring_degree: int, ulysses_degree: int, device: torch.device) -> None:
     """Split every transformer of ``pipe`` (a pipeline, both Wan2.2 experts, or a bare transformer)
-    over the process group (call before ``fp4video.install`` or after it: the FP4 processors pick
-    the configuration up either way)."""
+    over the process group (call before ``fp4video.install`` or after it: the model's processors,
+    which fp4video's routing keeps, pick the configuration up either way)."""
     import torch.distributed as dist
     from diffusers import ContextParallelConfig
 

@@ -1,5 +1,8 @@
 """``FP4Processor``: one attention processor for the Wan (2.1 / 2.2, T2V and I2V) and HunyuanVideo
-transformers of diffusers.
+transformers of diffusers, for users who set processors themselves
+(``transformer.set_attn_processor(FP4Processor(method=...))``). :func:`fp4video.install` does not
+use it: it keeps the model's own processors and routes their dispatcher calls
+(:mod:`fp4video.integration.routing`), which covers every family.
 
 Processors do plumbing only (projections, norms, RoPE, the reshape to (B, S, H, D), the output
 projection), reproducing diffusers' stock processors; the single numerics decision, which method a
@@ -72,10 +75,9 @@ class FP4Processor:
 
     ``FP4Processor(method="mxattn")`` applies one method everywhere;
     ``FP4Processor(policy=Policy(...))`` picks per block, step, kind and expert (block indices and
-    steps are known once :func:`fp4video.install` has annotated the model). ``fp4video.install``
-    creates the processors itself; with ``set_attn_processor`` directly, a policy may have kind
-    rules only: one with block, step or expert rules raises at the first call, saying to use
-    ``fp4video.install``.
+    steps are known once :func:`fp4video.integration.annotate` has tagged the model's blocks). With
+    ``set_attn_processor`` alone, a policy may have kind rules only: one with block, step or expert
+    rules raises at the first call, saying to use ``fp4video.install``.
     """
 
     _attention_backend = None  # read by diffusers' own code paths

@@ -44,7 +44,7 @@ class _Call:
 
     site: Site
     route: "_Route"
-    queries_in: int  # hidden_states' token count
+    queries_in: int | None  # hidden_states' token count (None: not passed by that name or first)
     context: int | None  # encoder_hidden_states' token count, None without one
     added_keys: set = field(default_factory=set)  # storages of the added K projection's outputs
     attended: int = 0
@@ -71,7 +71,8 @@ def _stack() -> list:
 
 def call_kind(call: _Call, q: torch.Tensor, k: torch.Tensor) -> str:
     """The kind of one dispatch within ``call`` (q, k as (B, S, H, D))."""
-    if call.context is not None and q.shape[1] != call.queries_in and q.shape[1] == k.shape[1]:
+    if call.context is not None and call.queries_in is not None and q.shape[1] != call.queries_in \
+            and q.shape[1] == k.shape[1]:
         return "joint"
     if k.untyped_storage().data_ptr() in call.added_keys:
         return "image"
@@ -187,8 +188,10 @@ def _pre_hook(route: _Route, site: Site):
     def hook(module, args, kwargs):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         context = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
-        _stack().append(_Call(site, route, int(hidden.shape[1]) if torch.is_tensor(hidden) and hidden.dim() >= 2 else -1,
-                              int(context.shape[1]) if torch.is_tensor(context) and context.dim() >= 2 else None))
+        def tokens(x):
+            return int(x.shape[1]) if torch.is_tensor(x) and x.dim() >= 2 else None
+
+        _stack().append(_Call(site, route, tokens(hidden), tokens(context)))
 
     return hook
 
