@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
-"""Per-pixel difference of two frame arrays from scripts/generate_frames.py, in 8-bit steps.
+"""Per-pixel difference of two videos, in 8-bit steps: frame arrays from scripts/generate_frames.py
+(.npy, floats in [0, 1]) or mp4 files (e.g. one `fp4video generate` on one process and one under
+torchrun).
 
     python scripts/compare_frames.py A.npy B.npy
+    python scripts/compare_frames.py one_gpu.mp4 two_gpus.mp4
 """
 
 import argparse
@@ -10,12 +13,20 @@ import sys
 import numpy as np
 
 
+def _frames(path: str) -> np.ndarray:
+    if path.endswith(".mp4"):
+        from fp4video.eval.paired import read_video
+
+        return read_video(path).numpy()
+    return np.load(path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("a")
     ap.add_argument("b")
     args = ap.parse_args(argv)
-    a, b = np.load(args.a), np.load(args.b)
+    a, b = (_frames(p) for p in (args.a, args.b))
     if a.shape != b.shape:
         raise SystemExit(f"error: shapes differ: {a.shape} vs {b.shape}")
     d = np.abs(np.round(a * 255) - np.round(b * 255))
