@@ -31,7 +31,7 @@ from fp4video.recipe import AttentionRecipe
 from fp4video.reference import poison_heads
 
 from .checks import k_smoothing_mean, nonfinite_heads, smoothing_lse_shift
-from .launch import device_arch, tma_unsupported_reason
+from .launch import arch_capability, device_arch, tma_unsupported_reason
 from .loop_bf16 import attention_bf16
 from .loop_e4m3 import E4M3_V_SPAN_LIMIT, attention_e4m3
 from .loop_nvfp4 import attention_nvfp4
@@ -90,26 +90,32 @@ NATIVE_FP4_ARCHS = ("sm_100", "sm_120")
 
 
 def mx_kernel(recipe: AttentionRecipe, device: torch.device) -> str | None:
-    """Which MXFP4 / FP8 loop runs this recipe: ``"scaled"`` (``tl.dot_scaled``: native FP4 MMAs on
-    :data:`NATIVE_FP4_ARCHS`), ``"fp8"`` (e4m3 tensor cores: sm_89+, and the CPU interpreter) or None
-    (the bf16 loop: not an MXFP4 recipe, or an older GPU). ``FP4VIDEO_MX_KERNEL`` overrides the choice
-    (e.g. to run the Blackwell loop, emulated, on a Hopper GPU). Recipes with E4M3 (FP8) P and V
+    """Which MXFP4 / FP8 loop runs this recipe on ``device``: :func:`mx_kernel_on` for its
+    architecture (the CPU interpreter runs ``"fp8"``)."""
+    if device.type != "cuda":
+        return mx_kernel_on(recipe, "interpreter" if interpreting() else None)
+    return mx_kernel_on(recipe, device_arch(device))
+
+
+def mx_kernel_on(recipe: AttentionRecipe, arch: str | None) -> str | None:
+    """Which MXFP4 / FP8 loop runs this recipe on ``arch`` (``"sm_90"``, ...; ``"interpreter"``;
+    None: nothing runs the kernels): ``"scaled"`` (``tl.dot_scaled``: native FP4 MMAs on
+    :data:`NATIVE_FP4_ARCHS`), ``"fp8"`` (e4m3 tensor cores: sm_89+, and the CPU interpreter) or
+    None (the bf16 loop: not an MXFP4 recipe, or an older GPU). ``FP4VIDEO_MX_KERNEL`` overrides the
+    choice (e.g. to run the Blackwell loop, emulated, on a Hopper GPU). Recipes with E4M3 (FP8) P and V
     and MXFP4 or E4M3 Q and K run the e4m3 loop on every sm_89+ GPU (``"scaled"`` has no FP8 P·V)."""
+    fp8_tensor_cores = arch == "interpreter" or (arch is not None and arch_capability(arch) >= (8, 9))
     qk, pv = recipe.qk_format, recipe.pv_format
     if pv is Format.E4M3 and qk in (Format.MXFP4, Format.E4M3):
-        if device.type == "cuda":
-            return "fp8" if torch.cuda.get_device_capability(device) >= (8, 9) else None
-        return "fp8" if interpreting() else None
+        return "fp8" if fp8_tensor_cores else None
     if qk is not Format.MXFP4 or pv is not Format.MXFP4:
         return None
     forced = _env("FP4VIDEO_MX_KERNEL")
     if forced:
         return None if forced == "bf16" else forced
-    if device.type == "cuda":
-        if device_arch(device) in NATIVE_FP4_ARCHS:
-            return "scaled"
-        return "fp8" if torch.cuda.get_device_capability(device) >= (8, 9) else None
-    return "fp8" if interpreting() else None
+    if arch in NATIVE_FP4_ARCHS:
+        return "scaled"
+    return "fp8" if fp8_tensor_cores else None
 
 
 def tma_loop(device: torch.device) -> bool:

@@ -21,6 +21,11 @@ def device_arch(device: torch.device) -> str | None:
     return f"sm_{major}{minor}"
 
 
+def arch_capability(arch: str) -> tuple[int, int]:
+    """(major, minor) of ``"sm_90"``, ``"sm_100"``, ``"sm_121"``, ... (the last digit is the minor)."""
+    return int(arch[3:-1]), int(arch[-1])
+
+
 def table_arch(arch: str | None) -> str:
     """The launch table an architecture uses: its own where fp4video has one (:data:`TABLE_ARCHS`);
     an architecture not named takes its family's (sm_10x and sm_11x — B300, Thor: 228 KB of shared
@@ -28,8 +33,12 @@ def table_arch(arch: str | None) -> str:
     everything else (Ampere, Ada, the interpreter) sm_90's, whose figures are what its kernels need."""
     if arch in TABLE_ARCHS:
         return arch
-    major = int(arch[3:-1]) if arch else 0
+    major = arch_capability(arch)[0] if arch and arch.startswith("sm_") else 0
     return "sm_100" if major in (10, 11) else "sm_120" if major == 12 else "sm_90"
+
+
+#: Shared memory per SM (bytes) by architecture (others: 100 KB, as Ada and sm_86).
+SHARED_MEMORY_PER_SM = {"sm_80": 164 << 10, "sm_90": 228 << 10, "sm_100": 228 << 10, "sm_120": 100 << 10}
 
 
 def shared_memory_per_block(device: torch.device) -> int:
@@ -39,14 +48,14 @@ def shared_memory_per_block(device: torch.device) -> int:
     if device.type != "cuda":
         return 1 << 30
     per_sm = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", None)
-    if per_sm is None:  # older torch: by capability
-        cap = torch.cuda.get_device_capability(device)
-        per_sm = {(8, 0): 164 << 10, (9, 0): 228 << 10, (10, 0): 228 << 10}.get(cap, 100 << 10)
+    if per_sm is None:  # older torch: by architecture
+        per_sm = SHARED_MEMORY_PER_SM.get(device_arch(device), 100 << 10)
     return per_sm - (1 << 10)
 
 
-#: Shared memory one program may use (bytes) on each architecture of :data:`TABLE_ARCHS`.
-SHARED_MEMORY_LIMIT = {"sm_90": 232448, "sm_100": 232448, "sm_120": 101376}
+#: Shared memory one program may use (bytes) on each architecture of :data:`TABLE_ARCHS`: the SM's
+#: less the 1 KB CUDA keeps.
+SHARED_MEMORY_LIMIT = {arch: SHARED_MEMORY_PER_SM[arch] - (1 << 10) for arch in TABLE_ARCHS}
 
 
 def stages_that_fit(arch: str | None, limit: int, stages: int, need: dict[str, dict[int, int]]) -> int:

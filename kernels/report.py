@@ -23,7 +23,7 @@ from fp4video.formats import Format, ScaleRule
 from fp4video.recipe import METHODS, PScale, RowSum
 from fp4video.reference import TWO_LEVEL_P_RANGE
 
-from .dispatch import NATIVE_FP4_ARCHS
+from .dispatch import mx_kernel_on
 from .launch import SHARED_MEMORY_LIMIT, stages_that_fit
 from .offline import WAN_480P_INTS, compile_kernel, loop_opcodes, ptxas_report, sass_mma_loop, tool_path
 
@@ -61,8 +61,8 @@ def _loop(method: str, arch: int):
     limit = SHARED_MEMORY_LIMIT[target]
     mx_common = dict(OCP=r.scale_rule is ScaleRule.OCP, QMAX=r.scale_rule.qmax, PNQ=r.row_sum is RowSum.QUANTIZED,
                      HAS_MASK=False, D=128, BLOCK_DV=128, BLOCK_N=128)
-    fp8_pv = pv is Format.E4M3 and qk in (Format.MXFP4, Format.E4M3)
-    if qk is Format.MXFP4 and pv is Format.MXFP4 and target in NATIVE_FP4_ARCHS:
+    mx = mx_kernel_on(r, target)  # the dispatch's choice, by architecture
+    if mx == "scaled":
         from .loop_scaled import LAUNCH, KERNEL as fn
 
         stages = stages_that_fit(target, limit, LAUNCH.num_stages, LAUNCH.shared_memory)
@@ -70,7 +70,7 @@ def _loop(method: str, arch: int):
         consts = dict(mx_common, BLOCK_M=LAUNCH.block_m, QB=32)
         return ("loop_scaled._mx_scaled_attn_fwd", fn, consts, ptr, LAUNCH.block_m * 128 // (LAUNCH.num_warps * 32),
                 dict(num_warps=LAUNCH.num_warps, num_stages=stages, enable_fp_fusion=False), False)
-    if fp8_pv or (qk is Format.MXFP4 and pv is Format.MXFP4):
+    if mx == "fp8":
         from .key_order import LANE_BLOCK
         from .loop_e4m3 import TILE_EXP_FLOOR, TMA_LAUNCH, KERNEL as fn
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ..recipe import METHODS
 
-__all__ = ["register_attention_backends", "backend_name", "reset_attention_backend"]
+__all__ = ["register_attention_backends", "register_backend", "backend_name", "reset_attention_backend"]
 
 PREFIX = "fp4video_"
 
@@ -78,17 +78,24 @@ def _backend_fn(method: str):
     return attention
 
 
+def register_backend(name: str, fn):
+    """Register ``fn`` as the diffusers attention backend ``name`` (context parallelism supported;
+    calling again with the same function is harmless). Returns its ``AttentionBackendName`` member."""
+    enum_cls, registry = _internals()
+    member = _member(enum_cls, name)
+    if registry._backends.get(member) is not fn:
+        registry.register(member, supports_context_parallel=True)(fn)
+    return member
+
+
 def register_attention_backends(methods=None) -> list[str]:
     """Register ``fp4video_<method>`` diffusers attention backends (all methods by default; calling
     again is harmless). Returns their names."""
-    enum_cls, registry = _internals()
     names = []
     for method in methods or list(METHODS):
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; known methods: {', '.join(METHODS)}")
-        member = _member(enum_cls, backend_name(method))
-        registry.register(member, supports_context_parallel=True)(_backend_fn(method))
-        names.append(member.value)
+        names.append(register_backend(backend_name(method), _backend_fn(method)).value)
     return names
 
 

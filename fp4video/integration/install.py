@@ -70,8 +70,7 @@ def install(pipe, policy: Policy | str | None = None, *, backend: str = "auto", 
                           f"own attention ({', '.join(classes)}: not through diffusers' dispatcher, e.g. linear "
                           "attention); the policy covers the others (AttentionContext.unrouted lists them)", stacklevel=2)
     for (expert, model), sites in zip(models, all_sites):
-        annotate(model)
-        routed = route(model, sites, ctx)
+        routed = route(model, sites, ctx)  # (the routing knows each site's block: no annotation)
         hook = model.register_forward_pre_hook(_step_hook(pipe, ctx, expert))
         model._fp4video_saved = (routed, hook)
     pipe._fp4video_context = ctx
@@ -88,7 +87,6 @@ def uninstall(pipe) -> None:
         unroute(routed)
         hook.remove()
         del model._fp4video_saved
-        _unannotate(model)
     pipe._fp4video_context = None
 
 
@@ -129,12 +127,6 @@ def _checked_sites(model: torch.nn.Module, policy: Policy) -> list[Site]:
 def _unrouted(model: torch.nn.Module) -> dict[str, str]:
     """{site name: processor class} for the block attention fp4video cannot route."""
     return {s.name: type(s.processor).__name__ for s in block_sites(model) if not routable(s.processor)}
-
-
-def _unannotate(model: torch.nn.Module) -> None:
-    for module in model.modules():
-        if hasattr(module, "_fp4video_block"):
-            del module._fp4video_block
 
 
 def _step_hook(pipe, ctx: AttentionContext, expert):

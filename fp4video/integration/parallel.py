@@ -24,6 +24,12 @@ from ..attention import fp4_attention
 from ..recipe import AttentionRecipe, get_recipe
 
 
+def uses_ring(parallel_config) -> bool:
+    """Whether ``parallel_config`` (diffusers' ``ParallelConfig`` or None) splits keys over a ring."""
+    cp = getattr(parallel_config, "context_parallel_config", None)
+    return cp is not None and cp.ring_degree > 1
+
+
 def _templated_attention():
     try:
         from diffusers.models.attention_dispatch import _templated_context_parallel_attention
@@ -54,15 +60,17 @@ def make_forward_op(method: str | AttentionRecipe, backend: str = "auto"):
     return forward_op
 
 
-def _any_rank(flag: bool, device) -> bool:
-    """Whether ``flag`` holds on any rank of the process group."""
+def _any_rank(flag: bool, parallel_config, device) -> bool:
+    """Whether ``flag`` holds on any rank of the context-parallel group (of the whole process group
+    where the config has no mesh)."""
     import torch
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return flag
+    mesh = getattr(parallel_config, "_flattened_mesh", None)
     t = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=None if mesh is None else mesh.get_group())
     return bool(t.item())
 
 
@@ -81,7 +89,7 @@ def context_parallel_attention(q, k, v, *, method: str | AttentionRecipe, parall
     if cp.ulysses_degree > 1 and q.shape[2] % cp.ulysses_degree:
         raise ValueError(f"Ulysses needs the head count ({q.shape[2]}) divisible by ulysses_degree ({cp.ulysses_degree})")
     if attn_mask is not None:
-        if _any_rank(not bool(attn_mask.all()), q.device):  # every rank decides alike (or one would wait forever)
+        if _any_rank(not bool(attn_mask.all()), parallel_config, q.device):  # every rank decides alike (or one would wait forever)
             raise ValueError(
                 "context-parallel attention with a mask that removes keys: diffusers' plan splits the mask with "
                 "the tokens, but under Ulysses a rank attends to every rank's keys and under ring to each shard in "

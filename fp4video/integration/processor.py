@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import fp4_attention
+from .parallel import uses_ring
 from .policy import Policy
 
 __all__ = ["FP4Processor", "AttentionContext"]
@@ -47,6 +48,17 @@ class AttentionContext:
         return self.policy.method_for(block=block, step=self.step, num_steps=self.num_steps, kind=kind,
                                       expert=self.expert)
 
+    def record_call(self, block: int, kind: str | None, method: str, parallel_config=None, **extra) -> None:
+        """Append one attention call to :attr:`calls` (when recording): step, expert, block, kind,
+        method, the context-parallel degrees where it ran split, and ``extra`` (e.g. the site)."""
+        if not self.record:
+            return
+        record = {"step": self.step, "expert": self.expert, "block": block, "kind": kind, "method": method, **extra}
+        if parallel_config is not None:
+            cp = parallel_config.context_parallel_config
+            record["context_parallel"] = {"ring": cp.ring_degree, "ulysses": cp.ulysses_degree}
+        self.calls.append(record)
+
 
 def _rope_wan(x, cos, sin):
     """Wan's RoPE on interleaved pairs, as its stock processor applies it."""
@@ -63,11 +75,6 @@ def _is_hunyuan_joint(attn, encoder_hidden_states, image_rotary_emb) -> bool:
     are called with the text tokens (and RoPE) beside the video tokens."""
     return getattr(attn, "add_q_proj", None) is not None or encoder_hidden_states is not None or (
         image_rotary_emb is not None)
-
-
-def _ring(parallel_config) -> bool:
-    cp = getattr(parallel_config, "context_parallel_config", None)
-    return cp is not None and cp.ring_degree > 1
 
 
 class FP4Processor:
@@ -116,7 +123,7 @@ class FP4Processor:
             # stock attention has no such split; fp16 runs fp4video's unquantized attention here
             out = joint_context_parallel_attention(q, k, v, n_replicated=replicated, method=method,
                                                    parallel_config=parallel_config, attn_mask=mask, backend=ctx.backend)
-        elif method == "fp16" and not _ring(parallel_config):
+        elif method == "fp16" and not uses_ring(parallel_config):
             out = self._stock(q, k, v, mask, parallel_config)
         else:
             try:
@@ -136,12 +143,7 @@ class FP4Processor:
                 ctx.fallbacks[f"{kind}: {e}"] += 1
                 used = "stock-fallback"
                 out = self._stock(q, k, v, mask, parallel_config)
-        if ctx.record:
-            record = {"step": ctx.step, "expert": ctx.expert, "block": block, "kind": kind, "method": used}
-            if parallel_config is not None:
-                cp = parallel_config.context_parallel_config
-                record["context_parallel"] = {"ring": cp.ring_degree, "ulysses": cp.ulysses_degree}
-            ctx.calls.append(record)
+        ctx.record_call(block, kind, used, parallel_config)
         return out
 
     def _stock(self, q, k, v, mask, parallel_config):

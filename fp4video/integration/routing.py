@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .parallel import uses_ring
 from .sites import Site
 
 __all__ = ["BACKEND", "route", "unroute", "call_kind", "boolean_mask"]
@@ -113,7 +114,7 @@ def _backend(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causa
     route.attended.add(site.name)
     unsupported = ([f"dropout_p={dropout_p}"] if dropout_p else []) + (["is_causal"] if is_causal else []) + (
         ["enable_gqa"] if enable_gqa else [])
-    ring = _parallel_config is not None and _parallel_config.context_parallel_config.ring_degree > 1
+    ring = uses_ring(_parallel_config)
     # stock attention cannot split replicated context tokens (fp4video's HunyuanVideo plan): its fp16
     # runs fp4video's unquantized attention there, as under ring (which merges partial results by their LSE)
     replicated = _parallel_config is not None and kind == "joint" and route.replicated_context
@@ -133,13 +134,7 @@ def _backend(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causa
             used = "stock-fallback"
             out = _stock(route, site, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                          return_lse, _parallel_config)
-    if ctx.record:
-        record = {"step": ctx.step, "expert": ctx.expert, "block": site.block, "kind": kind, "method": used,
-                  "site": site.name}
-        if _parallel_config is not None:
-            cp = _parallel_config.context_parallel_config
-            record["context_parallel"] = {"ring": cp.ring_degree, "ulysses": cp.ulysses_degree}
-        ctx.calls.append(record)
+    ctx.record_call(site.block, kind, used, _parallel_config, site=site.name)
     return out
 
 
@@ -175,13 +170,9 @@ def _fp4(route, call, kind, method, q, k, v, mask, scale, return_lse, parallel_c
 
 
 def _register_backend():
-    from .dispatcher import _internals, _member
+    from .dispatcher import register_backend
 
-    enum_cls, registry = _internals()
-    member = _member(enum_cls, BACKEND)
-    if registry._backends.get(member) is not _backend:
-        registry.register(member, supports_context_parallel=True)(_backend)
-    return member
+    return register_backend(BACKEND, _backend)
 
 
 def _pre_hook(route: _Route, site: Site):
@@ -217,11 +208,8 @@ def _added_key_hook(call_site: Site):
 
 
 def _record_skipped(route: _Route, site: Site) -> None:
-    ctx = route.ctx
     route.attended.add(site.name)  # once per forward
-    if ctx.record:
-        ctx.calls.append({"step": ctx.step, "expert": ctx.expert, "block": site.block, "kind": None,
-                          "method": "skipped", "site": site.name})
+    route.ctx.record_call(site.block, None, "skipped", site=site.name)
 
 
 def _model_pre_hook(route: _Route):
