@@ -421,14 +421,11 @@ def _ltx_worker(rank, init_file, mode, method, out_dir):
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        try:
-            _ltx_forward(method, _degrees(mode), padded=True)
-            refused = None
-        except ValueError as e:
-            refused = str(e)
+        padded, padded_ctx = _ltx_forward(method, _degrees(mode), padded=True)
         out, ctx = _ltx_forward(method, _degrees(mode))
-        out = torch.from_numpy(out.numpy().copy())  # a plain tensor (the plan gathers into an async collective one)
-        torch.save({"out": out, "calls": ctx.calls, "refused": refused}, f"{out_dir}/ltx{rank}.pt")
+        plain = [torch.from_numpy(t.numpy().copy()) for t in (out, padded)]  # plain tensors (the plan gathers into async collective ones)
+        torch.save({"out": plain[0], "padded": plain[1], "calls": ctx.calls, "padded_calls": padded_ctx.calls},
+                   f"{out_dir}/ltx{rank}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -438,8 +435,10 @@ def _ltx_worker(rank, init_file, mode, method, out_dir):
 def test_ltx_transformer_under_context_parallelism(tmp_path, mode):
     """LTX-Video under diffusers' own context-parallel plan (it splits the text and its mask with
     the video tokens), its processors stock and routed by fp4video: self- and cross-attention run
-    context-parallel; Ulysses equals one process, ring is close. Padded text is refused with a
-    message (a rank's share of the mask is not the keys it attends to), not run wrong."""
+    context-parallel; Ulysses equals one process, ring is close. With padded text (the plan splits
+    the mask with the text tokens) the masked cross-attention gathers keys and mask from every rank
+    and equals one process under both; a test that fails if a rank used its share of the mask for
+    keys it does not hold, or dropped the mask."""
     import torch.multiprocessing as mp
 
     from fp4video.metrics import cossim
@@ -452,7 +451,18 @@ def test_ltx_transformer_under_context_parallelism(tmp_path, mode):
     calls = results[0]["calls"]
     assert {c["kind"] for c in calls} == {"self", "cross"}
     assert all(c.get("context_parallel") == degrees for c in calls), calls
-    assert "mask that removes keys" in results[0]["refused"] and "LTX-Video" in results[0]["refused"]
+    padded, _ = _ltx_forward("mxattn", padded=True)
+    assert torch.equal(results[0]["padded"], results[1]["padded"])
+    assert (results[0]["padded"] - padded).abs().max() < 1e-4 if mode == "ulysses" else cossim(results[0]["padded"], padded) > 0.99
+    # the padding matters (dropping three text tokens changes the output), and the gathered
+    # cross-attention honours it: padded, the split run is as far from one process as unpadded
+    # (ring: its shard-wise FP4 rounding of the self-attention), and much closer to the padded one
+    # process than the padding moves the output
+    effect = (padded - single).abs().max()
+    err_padded = (results[0]["padded"] - padded).abs().max()
+    err_plain = (results[0]["out"] - single).abs().max()
+    assert effect > 1e-2 and err_padded < effect / 3 and err_padded < 2 * err_plain + 1e-4, (effect, err_padded, err_plain)
+    assert all(c.get("context_parallel") == degrees for c in results[0]["padded_calls"])
     if mode == "ulysses":
         assert (results[0]["out"] - single).abs().max() < 1e-4
     else:

@@ -68,10 +68,47 @@ def _any_rank(flag: bool, parallel_config, device) -> bool:
 
     if not dist.is_initialized():
         return flag
-    mesh = getattr(parallel_config, "_flattened_mesh", None)
     t = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=None if mesh is None else mesh.get_group())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cp_group(parallel_config))
     return bool(t.item())
+
+
+def _cp_group(parallel_config):
+    """The process group of the context-parallel mesh (the whole process group without one)."""
+    mesh = getattr(parallel_config, "_flattened_mesh", None)
+    return None if mesh is None else mesh.get_group()
+
+
+def _gather_tokens(x, dim: int, parallel_config):
+    """Every rank's shard of ``x`` concatenated along ``dim`` in the mesh's rank order: the order
+    in which diffusers' plan split the tokens (equal chunks, rank r the r-th)."""
+    import torch
+    import torch.distributed as dist
+
+    group = _cp_group(parallel_config)
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _gathered_attention(q, k, v, attn_mask, method, parallel_config, scale, backend, return_lse):
+    """A masked call under context parallelism: diffusers' plan splits a key-padding mask with the
+    tokens (LTX-Video's text and its mask), so a rank's share of it describes only its own keys,
+    while Ulysses attends to every rank's keys and ring to each shard in turn. Here K, V and the
+    mask are gathered from every rank in token order and this rank's queries attend to all keys,
+    all heads: the single-process result for these rows under both Ulysses and ring (the keys'
+    quantization blocks are the single-process ones). The cost is an all-gather of K and V, as
+    diffusers' ring does; the masked calls of the video models are text cross-attention, whose
+    keys are a few hundred tokens."""
+    if attn_mask.dim() != 4 or attn_mask.shape[2] != 1 or attn_mask.shape[3] != k.shape[1]:
+        raise ValueError(
+            f"context-parallel attention takes key-padding masks (B, 1 or H, 1, S_local) over this rank's "
+            f"{k.shape[1]} keys; got a mask of shape {tuple(attn_mask.shape)}")
+    k_all, v_all = _gather_tokens(k, 1, parallel_config), _gather_tokens(v, 1, parallel_config)
+    mask_all = _gather_tokens(attn_mask, 3, parallel_config)
+    out, lse = fp4_attention(q, k_all, v_all, method=method, layout="bshd", attn_mask=mask_all, scale=scale,
+                             return_lse=True, backend=backend)
+    return (out, lse) if return_lse else out
 
 
 def _no_backward(*args, **kwargs):
@@ -90,11 +127,7 @@ def context_parallel_attention(q, k, v, *, method: str | AttentionRecipe, parall
         raise ValueError(f"Ulysses needs the head count ({q.shape[2]}) divisible by ulysses_degree ({cp.ulysses_degree})")
     if attn_mask is not None:
         if _any_rank(not bool(attn_mask.all()), parallel_config, q.device):  # every rank decides alike (or one would wait forever)
-            raise ValueError(
-                "context-parallel attention with a mask that removes keys: diffusers' plan splits the mask with "
-                "the tokens, but under Ulysses a rank attends to every rank's keys and under ring to each shard in "
-                "turn, so this rank's mask does not describe the keys it sees (e.g. LTX-Video's padded text). "
-                "Run this model without context parallelism, or with prompts that fill its text length")
+            return _gathered_attention(q, k, v, attn_mask, method, parallel_config, scale, backend, return_lse)
         attn_mask = None  # every key kept: the mask changes nothing
     return _templated_attention()(
         q, k, v, attn_mask, 0.0, False, scale, False, return_lse,
