@@ -216,15 +216,30 @@ def test_the_backend_outside_an_install_says_what_to_do():
 
 
 def _cache_configs(pipe):
+    """Each cache set to skip on the tiny Wan model: diffusers' defaults skip nothing in 4 steps or,
+    for Wan, cannot run (FasterCache's defaults expect CFG batched into one call, which Wan's
+    pipeline does not do; TaylorSeer's default patterns fully match no module named ``attn1``)."""
     return {
         "FirstBlockCache": diffusers.FirstBlockCacheConfig(threshold=1e9),  # skip every block it may
         "PyramidAttentionBroadcast": diffusers.PyramidAttentionBroadcastConfig(
             spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 1001),
             current_timestep_callback=lambda: pipe.current_timestep),
+        # the first step must compute (the approximation needs two cached outputs)
+        "FasterCache": diffusers.FasterCacheConfig(
+            spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 900),
+            current_timestep_callback=lambda: pipe.current_timestep, attention_weight_callback=lambda _: 0.3,
+            is_guidance_distilled=True, tensor_format="BFCHW"),
+        "TaylorSeerCache": diffusers.TaylorSeerCacheConfig(
+            cache_interval=2, disable_cache_before_step=1, cache_identifiers=[r"blocks\.\d+\.attn\d"],
+            taylor_factors_dtype=torch.float32),
+        # ratios of 1 (residuals that do not change) let it skip as long as max_skip_steps allows
+        "MagCache": diffusers.MagCacheConfig(mag_ratios=[1.0] * 4, num_inference_steps=4, threshold=0.5,
+                                             max_skip_steps=2, retention_ratio=0.0),
     }
 
 
-@pytest.mark.parametrize("cache", ["FirstBlockCache", "PyramidAttentionBroadcast"])
+@pytest.mark.parametrize("cache", ["FirstBlockCache", "PyramidAttentionBroadcast", "FasterCache", "TaylorSeerCache",
+                                   "MagCache"])
 def test_caches_keep_the_step_and_record_what_they_skip(cache):
     from fp4video.integration.tiny import TINY_SIZES, tiny_wan_pipeline
 
