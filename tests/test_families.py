@@ -85,13 +85,50 @@ FAMILIES = {
         {"self", "cross"}, 3),  # the text block, then the 2 visual blocks
 }
 
+# processors that call the dispatcher without naming a backend: routed through the active backend
+FAMILIES["cosmos-1.0"] = (
+    lambda: diffusers.CosmosTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=32, num_layers=2, text_embed_dim=16,
+        adaln_lora_dim=8, max_size=(4, 16, 16), concat_padding_mask=False),
+    lambda: dict(hidden_states=_rand(1, 4, 2, 8, 8), timestep=torch.tensor([500.0]),
+                 encoder_hidden_states=_rand(1, 10, 16, seed=1)),
+    {"self", "cross"}, 2)
+FAMILIES["cosmos-2.5"] = (  # the image context (Cosmos 2.5's img_context): its own dispatch, kind "image"
+    lambda: diffusers.CosmosTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=32, num_layers=2, text_embed_dim=16,
+        adaln_lora_dim=8, max_size=(4, 16, 16), concat_padding_mask=False, extra_pos_embed_type=None,
+        use_crossattn_projection=True, crossattn_proj_in_channels=24, encoder_hidden_states_channels=16,
+        img_context_dim_in=12, img_context_num_tokens=5, img_context_dim_out=64),
+    lambda: dict(hidden_states=_rand(1, 4, 2, 8, 8), timestep=torch.tensor([500.0]),
+                 encoder_hidden_states=(_rand(1, 10, 24, seed=1), _rand(1, 5, 12, seed=2))),
+    {"self", "cross", "image"}, 2)
+FAMILIES["ltx-2"] = (  # video and audio streams: self, text cross, audio-to-video and video-to-audio cross
+    lambda: diffusers.LTX2VideoTransformer3DModel(
+        in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=32, cross_attention_dim=64,
+        audio_in_channels=8, audio_out_channels=8, audio_num_attention_heads=2, audio_attention_head_dim=16,
+        audio_cross_attention_dim=32, num_layers=2, caption_channels=16),
+    lambda: dict(hidden_states=_rand(1, 2 * 8 * 8, 8), audio_hidden_states=_rand(1, 6, 8, seed=3),
+                 encoder_hidden_states=_rand(1, 10, 16, seed=1), audio_encoder_hidden_states=_rand(1, 10, 16, seed=2),
+                 timestep=torch.tensor([500]), encoder_attention_mask=torch.tensor([[1] * 7 + [0] * 3]),
+                 audio_encoder_attention_mask=torch.tensor([[1] * 7 + [0] * 3]), num_frames=2, height=8, width=8,
+                 audio_num_frames=6),
+    {"self", "cross"}, 2)
+FAMILIES["wan-animate"] = (  # the 2 blocks, then the face adapter's 2 attention blocks (its own block list)
+    lambda: diffusers.WanAnimateTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=36, latent_channels=16,
+        out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, image_dim=16, added_kv_proj_dim=64,
+        rope_max_seq_len=32, motion_encoder_size=64, motion_style_dim=16, motion_dim=8, motion_encoder_dim=16,
+        face_encoder_hidden_dim=32, face_encoder_num_heads=2, inject_face_latents_blocks=1),
+    lambda: dict(hidden_states=_rand(1, 36, 3, 8, 8), timestep=torch.tensor([500]),
+                 encoder_hidden_states=_rand(1, 512, 32, seed=1),  # its processor takes the last 512 as the text
+                 encoder_hidden_states_image=_rand(1, 5, 16, seed=2), pose_hidden_states=_rand(1, 16, 2, 8, 8, seed=3),
+                 face_pixel_values=_rand(1, 3, 2, 64, 64, seed=4)),
+    {"self", "cross", "image"}, 4)
+
 REFUSED = {
     "cogvideox": lambda: diffusers.CogVideoXTransformer3DModel(
         num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=8,
         text_embed_dim=16, num_layers=1, sample_width=8, sample_height=8, sample_frames=5, max_text_seq_length=10),
-    "cosmos-1.0": lambda: diffusers.CosmosTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=32, num_layers=2, text_embed_dim=16,
-        adaln_lora_dim=8, max_size=(4, 16, 16), concat_padding_mask=False),
 }
 
 
@@ -108,7 +145,10 @@ def family(request):
 
 
 def test_fp16_is_stock_and_the_policy_routes_each_call(family):
+    from fp4video.integration.dispatcher import active_backend
+
     name, model, kw, kinds, n_blocks = family
+    active = active_backend()
     stock = _forward(model, kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # sana-video's linear attention: its own test below
@@ -133,6 +173,7 @@ def test_fp16_is_stock_and_the_policy_routes_each_call(family):
         assert c["method"] == policy.method_for(block=c["block"], step=None, num_steps=None, kind=c["kind"], expert=None)
     assert {c["method"] for c in ctx.calls} >= {"sage3", "mxattn"} - ({"mxattn"} if kinds <= {"cross", "joint"} else set())
     assert torch.equal(_forward(model, kw), stock)  # uninstall restored the model
+    assert active_backend() is active  # the process-wide backend put back after each routed module
     assert not any(getattr(getattr(m, "processor", None), "_attention_backend", None) is not None
                    for m in model.modules())
 

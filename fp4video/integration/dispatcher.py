@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from ..recipe import METHODS
 
-__all__ = ["register_attention_backends", "register_backend", "backend_name", "reset_attention_backend"]
+__all__ = ["register_attention_backends", "register_backend", "backend_name", "reset_attention_backend",
+           "active_backend", "set_active_backend"]
 
 PREFIX = "fp4video_"
 
@@ -35,7 +36,8 @@ def _internals():
     except ImportError as e:
         raise RuntimeError("fp4video's attention backends need diffusers (pip install 'fp4video[diffusers]')") from e
     needed = [hasattr(_AttentionBackendRegistry, a) for a in
-              ("register", "_backends", "_supported_arg_names", "_supports_context_parallel")]
+              ("register", "_backends", "_supported_arg_names", "_supports_context_parallel", "_active_backend",
+               "set_active_backend")]
     needed += [hasattr(AttentionBackendName, a) for a in ("_member_map_", "_value2member_map_", "_member_names_")]
     if not all(needed):
         raise RuntimeError(
@@ -86,6 +88,17 @@ def register_backend(name: str, fn):
     if registry._backends.get(member) is not fn:
         registry.register(member, supports_context_parallel=True)(fn)
     return member
+
+
+def active_backend():
+    """The process-wide backend that runs the attention of processors naming none (the
+    ``attention_backend`` context manager's, or ``DIFFUSERS_ATTN_BACKEND``)."""
+    return _internals()[1]._active_backend
+
+
+def set_active_backend(member) -> None:
+    """Make ``member`` the process-wide active backend (:func:`active_backend`)."""
+    _internals()[1].set_active_backend(member)
 
 
 def register_attention_backends(methods=None) -> list[str]:

@@ -5,8 +5,11 @@ projections stay diffusers' code. :func:`route` points each routable processor's
 ``_attention_backend`` at one fp4video backend (``fp4video_policy``) and hooks each attention module,
 so when a processor calls ``dispatch_attention_fn`` the backend knows the site (block, role), the
 call's kind and the installation's :class:`~fp4video.integration.processor.AttentionContext`
-(denoising step, expert, policy). With method ``fp16`` the call goes on to the backend the
-processor had before, so the output is the stock output.
+(denoising step, expert, policy). Processors that call the dispatcher without naming a backend
+(Cosmos) run on diffusers' process-wide active backend: for them the module's hooks make
+``fp4video_policy`` the active backend while that module runs, and put the previous one back. With
+method ``fp16`` the call goes on to the backend the processor had before, so the output is the
+stock output.
 
 Kinds of a call: ``joint`` (the queries include the context tokens: HunyuanVideo's dual- and
 single-stream blocks), ``image`` (keys from the module's added K projection: Wan I2V's image
@@ -47,8 +50,10 @@ class _Call:
     route: "_Route"
     queries_in: int | None  # hidden_states' token count (None: not passed by that name or first)
     context: int | None  # encoder_hidden_states' token count, None without one
-    added_keys: set = field(default_factory=set)  # storages of the added K projection's outputs
+    added_keys: set = field(default_factory=set)  # storages of the added (image) projections' outputs
     attended: int = 0
+    stock_backend: object = None  # the backend the processor would have used: fp16 goes on to it
+    active_before: object = None  # the process-wide backend this module's call replaced (None: it replaced none)
 
 
 @dataclass
@@ -58,8 +63,10 @@ class _Route:
     model: torch.nn.Module
     sites: list[Site]
     ctx: object  # AttentionContext
-    original: dict  # id(processor) -> (processor, its _attention_backend before, whether set on the instance)
+    original: dict  # id(processor) -> (processor, its _attention_backend before, whether set on the instance,
+    #                 whether it names its backend: else it runs on the process-wide one)
     handles: list
+    member: object = None  # the fp4video_policy backend
     attended: set = field(default_factory=set)  # site names that attended in this forward
     replicated_context: bool = False  # fp4video's HunyuanVideo plan: the context tokens on every rank
 
@@ -75,7 +82,7 @@ def call_kind(call: _Call, q: torch.Tensor, k: torch.Tensor) -> str:
     if call.context is not None and call.queries_in is not None and q.shape[1] != call.queries_in \
             and q.shape[1] == k.shape[1]:
         return "joint"
-    if k.untyped_storage().data_ptr() in call.added_keys:
+    if k.untyped_storage().data_ptr() in call.added_keys or q.untyped_storage().data_ptr() in call.added_keys:
         return "image"
     if call.context is not None or k.shape[1] != q.shape[1]:
         return "cross"
@@ -119,8 +126,8 @@ def _backend(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causa
     # runs fp4video's unquantized attention there, as under ring (which merges partial results by their LSE)
     replicated = _parallel_config is not None and kind == "joint" and route.replicated_context
     if method == "fp16" and not ring and not replicated:
-        out = _stock(route, site, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                     return_lse, _parallel_config)
+        out = _stock(call, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                     _parallel_config)
     else:
         try:
             if unsupported:
@@ -132,17 +139,17 @@ def _backend(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causa
                 raise
             ctx.fallbacks[f"{kind}: {e}"] += 1
             used = "stock-fallback"
-            out = _stock(route, site, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                         return_lse, _parallel_config)
+            out = _stock(call, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                         _parallel_config)
     ctx.record_call(site.block, kind, used, _parallel_config, site=site.name)
     return out
 
 
-def _stock(route, site, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+def _stock(call, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
            parallel_config):
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    backend = route.original[id(site.processor)][1]
+    backend = call.stock_backend
     kw = {"attention_kwargs": {"return_lse": True}} if return_lse else {}
     return dispatch_attention_fn(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                  scale=scale, enable_gqa=enable_gqa, backend=backend, parallel_config=parallel_config,
@@ -177,12 +184,24 @@ def _register_backend():
 
 def _pre_hook(route: _Route, site: Site):
     def hook(module, args, kwargs):
+        from .dispatcher import active_backend, set_active_backend
+
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         context = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
+        if isinstance(context, (tuple, list)):  # Cosmos 2.5: (text, image) contexts
+            context = context[0] if context else None
+
         def tokens(x):
             return int(x.shape[1]) if torch.is_tensor(x) and x.dim() >= 2 else None
 
-        _stack().append(_Call(site, route, tokens(hidden), tokens(context)))
+        call = _Call(site, route, tokens(hidden), tokens(context))
+        proc, backend, _, by_name = route.original[id(site.processor)]
+        if by_name:
+            call.stock_backend = backend
+        else:  # it dispatches on the process-wide backend: ours while this module runs
+            call.stock_backend = call.active_before = active_backend()
+            set_active_backend(route.member)
+        _stack().append(call)
 
     return hook
 
@@ -191,6 +210,10 @@ def _post_hook(route: _Route, site: Site):
     def hook(module, args, kwargs, output):
         stack = _stack()
         call = stack.pop() if stack and stack[-1].site is site else None
+        if call is not None and call.active_before is not None:
+            from .dispatcher import set_active_backend
+
+            set_active_backend(call.active_before)
         if call is not None and call.attended == 0:
             _record_skipped(route, site)  # a cache returned this module's output without attending
         return None
@@ -233,28 +256,34 @@ def _model_post_hook(route: _Route):
 
 def route(model: torch.nn.Module, sites: list[Site], ctx) -> _Route:
     """Route ``sites`` (routable, checked by the caller) of ``model`` through the policy backend."""
+    from .sites import names_its_backend
+
     member = _register_backend()
-    r = _Route(model, sites, ctx, {}, [])
+    r = _Route(model, sites, ctx, {}, [], member=member)
     for site in sites:
         proc = site.processor
         if id(proc) not in r.original:
-            r.original[id(proc)] = (proc, getattr(proc, "_attention_backend", None), "_attention_backend" in vars(proc))
+            r.original[id(proc)] = (proc, getattr(proc, "_attention_backend", None), "_attention_backend" in vars(proc),
+                                    names_its_backend(proc))
         m = site.module
         r.handles.append(m.register_forward_pre_hook(_pre_hook(r, site), with_kwargs=True))
         r.handles.append(m.register_forward_hook(_post_hook(r, site), with_kwargs=True, always_call=True))
-        for name in ("add_k_proj", "norm_added_k"):
+        for name in ("add_k_proj", "norm_added_k", "k_img_norm", "q_img_norm"):  # Wan I2V's; Cosmos 2.5's
             sub = getattr(m, name, None)
             if isinstance(sub, torch.nn.Module):
                 r.handles.append(sub.register_forward_hook(_added_key_hook(site)))
-    for proc, _, _ in r.original.values():
-        proc._attention_backend = member
+    for proc, _, _, by_name in r.original.values():
+        if by_name:
+            proc._attention_backend = member
     r.handles.append(model.register_forward_pre_hook(_model_pre_hook(r)))
     r.handles.append(model.register_forward_hook(_model_post_hook(r), always_call=True))
     return r
 
 
 def unroute(r: _Route) -> None:
-    for proc, backend, own in r.original.values():
+    for proc, backend, own, by_name in r.original.values():
+        if not by_name:
+            continue
         if own:
             proc._attention_backend = backend
         else:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Site", "attention_sites", "is_attention", "routable", "NotRoutable"]
+__all__ = ["Site", "attention_sites", "is_attention", "routable", "names_its_backend", "dispatches_without_backend",
+           "NotRoutable"]
 
 
 class NotRoutable(ValueError):
@@ -54,9 +55,28 @@ def is_attention(module: torch.nn.Module) -> bool:
     return hasattr(module, "processor") and callable(getattr(module, "set_processor", None))
 
 
+def names_its_backend(processor) -> bool:
+    """Whether ``processor`` passes its own ``_attention_backend`` to diffusers' dispatcher (most
+    processors of diffusers 0.42: Wan, HunyuanVideo, LTX-Video, ...)."""
+    return hasattr(type(processor), "_attention_backend") or hasattr(processor, "_attention_backend")
+
+
+def dispatches_without_backend(processor) -> bool:
+    """Whether ``processor`` calls diffusers' dispatcher without naming a backend (Cosmos 1.0 and
+    2.5), so that the process-wide active backend runs its attention: read from the source of its
+    ``__call__`` (False where the source cannot be read)."""
+    import inspect
+
+    try:
+        source = inspect.getsource(type(processor).__call__)
+    except (OSError, TypeError):
+        return False
+    return "dispatch_attention_fn(" in source
+
+
 def routable(processor) -> bool:
     """Whether ``processor`` hands its attention to diffusers' dispatcher (which fp4video routes)."""
-    return hasattr(type(processor), "_attention_backend") or hasattr(processor, "_attention_backend")
+    return names_its_backend(processor) or dispatches_without_backend(processor)
 
 
 def attention_sites(model: torch.nn.Module) -> list[Site]:
