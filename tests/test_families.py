@@ -312,18 +312,21 @@ def test_caches_keep_the_step_and_record_what_they_skip(cache):
         assert {site for (s, site) in per_step if s == step} == sites
 
 
-def test_tiny_ltx_pipeline_fp16_is_stock_and_steps_are_tracked():
-    """The embedded tiny LTX-Video pipeline (`generate --model tiny` with `family: ltx`): fp16
-    through fp4video is the stock video bit for bit, the policy sees each denoising step."""
-    from fp4video.integration.tiny import TINY_LTX_CALL, tiny_ltx_pipeline, tiny_sizes
+@pytest.mark.parametrize("family", ["ltx", "skyreels", "vace"])
+def test_tiny_pipelines_fp16_is_stock_and_steps_are_tracked(family):
+    """The embedded tiny pipelines beyond Wan and HunyuanVideo (`generate --model tiny` with
+    `family: ltx | skyreels | vace`): fp16 through fp4video is the stock video bit for bit, the
+    policy sees each denoising step, and the FP4 step changes the video."""
+    from fp4video.integration.tiny import TINY_LTX_CALL, tiny_pipeline, tiny_sizes
 
-    pipe = tiny_ltx_pipeline()
-    sz = tiny_sizes("ltx")
+    pipe = tiny_pipeline(family)
+    sz = tiny_sizes(family)
+    extra = TINY_LTX_CALL if family == "ltx" else {}
 
     def run():
         return pipe(prompt="a cat", negative_prompt="", height=sz["height"], width=sz["width"], num_frames=sz["frames"],
                     num_inference_steps=2, guidance_scale=3.0, output_type="np",
-                    generator=torch.Generator().manual_seed(0), **TINY_LTX_CALL).frames[0]
+                    generator=torch.Generator().manual_seed(0), **extra).frames[0]
 
     stock = run()
     ctx = install(pipe, Policy.model_validate({"method": "fp16", "rules": [{"method": "mxattn", "steps": {"last": 1}}]}))
@@ -333,9 +336,20 @@ def test_tiny_ltx_pipeline_fp16_is_stock_and_steps_are_tracked():
         uninstall(pipe)
     assert sorted({c["step"] for c in ctx.calls}) == [0, 1]
     assert {(c["step"], c["method"]) for c in ctx.calls} == {(0, "fp16"), (1, "mxattn")}
+    if family == "vace":  # the control branch's blocks are routed too
+        assert {c["site"].split(".")[0] for c in ctx.calls} == {"blocks", "vace_blocks"}
     assert out.shape == stock.shape and abs(out - stock).max() > 0
     install(pipe, "fp16")
     try:
         assert abs(run() - stock).max() == 0
     finally:
         uninstall(pipe)
+
+
+def test_tiny_pipeline_names_the_families_it_has():
+    from fp4video.integration.tiny import tiny_pipeline
+
+    with pytest.raises(ValueError, match="no tiny model for family 'mochi'; tiny models: wan, hunyuan, ltx"):
+        tiny_pipeline("mochi")
+    with pytest.raises(ValueError, match="the tiny ltx model is text-to-video"):
+        tiny_pipeline("ltx", "i2v")

@@ -14,15 +14,9 @@ __all__ = ["load_pipeline", "pipeline_kwargs"]
 
 def load_pipeline(cfg: RunConfig, device: torch.device):
     if cfg.model == "tiny":
-        from . import tiny
+        from .tiny import tiny_pipeline
 
-        if cfg.family in ("hunyuan", "ltx"):
-            if cfg.task != "t2v":
-                raise ValueError(f"the tiny {cfg.family} model is text-to-video (task: t2v)")
-            return (tiny.tiny_hunyuan_pipeline() if cfg.family == "hunyuan" else tiny.tiny_ltx_pipeline()).to(device)
-        if cfg.task == "i2v":
-            return tiny.tiny_wan_i2v_pipeline().to(device)
-        return tiny.tiny_wan_pipeline(two_experts=True).to(device)
+        return tiny_pipeline(cfg.family, cfg.task).to(device)
     return _from_pretrained(cfg.model, device)
 
 
@@ -57,7 +51,7 @@ def pipeline_kwargs(cfg: RunConfig, prompt: str, device: torch.device) -> dict:
         generator=torch.Generator(device="cpu").manual_seed(cfg.seed),
         output_type="np",
     )
-    if cfg.family in ("wan", "ltx"):
+    if cfg.family in ("wan", "ltx", "skyreels", "vace"):
         kw["negative_prompt"] = cfg.negative_prompt
     if cfg.family == "ltx" and cfg.model == "tiny":
         from .tiny import TINY_LTX_CALL

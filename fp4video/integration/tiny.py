@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["TINY_SIZES", "tiny_wan_pipeline", "tiny_wan_i2v_pipeline", "tiny_hunyuan_pipeline", "tiny_ltx_pipeline",
-           "tiny_sizes", "tiny_tokenizer"]
+           "tiny_skyreels_pipeline", "tiny_vace_pipeline", "tiny_pipeline", "tiny_sizes", "tiny_tokenizer"]
 
 #: Generation sizes used with the tiny models (the YAML's sizes are for the real model).
 #: 96×160, 17 frames -> latent 5 × 12 × 20 -> 300 video tokens after the (1, 2, 2) patch.
@@ -30,8 +30,11 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
-def _tiny_wan_transformer(seed: int, head_dim: int, **overrides):
-    from diffusers import WanTransformer3DModel
+def _tiny_wan_transformer(seed: int, head_dim: int, cls=None, **overrides):
+    """A 2-block Wan-architecture transformer (``cls``: WanTransformer3DModel, or a Wan derivative
+    taking the same config: SkyReels-V2, VACE)."""
+    if cls is None:
+        from diffusers import WanTransformer3DModel as cls
 
     torch.manual_seed(seed)
     config = dict(
@@ -39,7 +42,7 @@ def _tiny_wan_transformer(seed: int, head_dim: int, **overrides):
         out_channels=16, text_dim=32, freq_dim=256, ffn_dim=256, num_layers=2, cross_attn_norm=True,
         qk_norm="rms_norm_across_heads", rope_max_seq_len=64,
     )
-    return WanTransformer3DModel(**{**config, **overrides}).eval()
+    return cls(**{**config, **overrides}).eval()
 
 
 def _tiny_wan_parts(seed: int):
@@ -88,6 +91,25 @@ def tiny_wan_pipeline(*, two_experts: bool = True, head_dim: int = 64, seed: int
     transformer_2 = _tiny_wan_transformer(seed + 2, head_dim) if two_experts else None
     return WanPipeline(**parts, transformer=transformer, transformer_2=transformer_2,
                        boundary_ratio=0.875 if two_experts else None)
+
+
+def tiny_skyreels_pipeline(*, head_dim: int = 64, seed: int = 0):
+    """SkyReels-V2 text-to-video (a Wan derivative: UMT5-style text encoder, the Wan VAE)."""
+    from diffusers import SkyReelsV2Pipeline, SkyReelsV2Transformer3DModel
+
+    return SkyReelsV2Pipeline(**_tiny_wan_parts(seed),
+                              transformer=_tiny_wan_transformer(seed + 1, head_dim, SkyReelsV2Transformer3DModel))
+
+
+def tiny_vace_pipeline(*, head_dim: int = 64, seed: int = 0):
+    """Wan VACE (its control branch: 2 VACE blocks beside the 2 main ones). Without a control video
+    the pipeline conditions on an empty one, as for text-to-video."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanVACEPipeline, WanVACETransformer3DModel
+
+    parts = dict(_tiny_wan_parts(seed), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    transformer = _tiny_wan_transformer(seed + 1, head_dim, WanVACETransformer3DModel, vace_layers=[0, 1],
+                                        vace_in_channels=96)
+    return WanVACEPipeline(**parts, transformer=transformer)
 
 
 def tiny_hunyuan_transformer(seed: int = 0, head_dim: int = 64):
@@ -149,6 +171,19 @@ def tiny_ltx_pipeline(*, head_dim: int = 64, seed: int = 0):
 
 #: Generation sizes of the tiny LTX-Video model: 64×96, 9 frames -> latent 3 × 16 × 24 = 1,152 tokens.
 TINY_LTX_SIZES = {"height": 64, "width": 96, "frames": 9, "steps": 4, "fps": 8}
+def tiny_pipeline(family: str, task: str = "t2v"):
+    """The embedded tiny pipeline of a family (``RunConfig.family``) and task."""
+    if task == "i2v":
+        if family != "wan":
+            raise ValueError(f"the tiny {family} model is text-to-video (task: t2v); the tiny i2v model is Wan's")
+        return tiny_wan_i2v_pipeline()
+    builders = {"wan": lambda: tiny_wan_pipeline(two_experts=True), "hunyuan": tiny_hunyuan_pipeline,
+                "ltx": tiny_ltx_pipeline, "skyreels": tiny_skyreels_pipeline, "vace": tiny_vace_pipeline}
+    if family not in builders:
+        raise ValueError(f"no tiny model for family {family!r}; tiny models: {', '.join(builders)}")
+    return builders[family]()
+
+
 def tiny_sizes(family: str) -> dict:
     """Height, width, frames, steps and fps of a family's tiny model (a YAML's are the real model's)."""
     return dict(TINY_LTX_SIZES if family == "ltx" else TINY_SIZES)
