@@ -251,7 +251,7 @@ def format_kernel_table(header: str, rows: list[KernelTiming], heads: int, head_
     run, and why) follow the table."""
     lines = [header, "",
              "| S | kernel | ms (total) | TFLOP/s | pre-pass ms | loop ms | × best bf16 | "
-             + " | ".join(_RATIO_TITLES) + f" | cosine to fp32 | worst-row cosine to fp32 | cosine to best bf16 |",
+             + " | ".join(_RATIO_TITLES) + " | cosine to fp32 | worst-row cosine to fp32 | cosine to best bf16 |",
              "|" + " --- |" * (11 + len(_RATIO_TITLES) - 1)]
     fmt = lambda x, spec=".2f": "" if x is None else format(x, spec)  # noqa: E731
     for r in rows:
