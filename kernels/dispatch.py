@@ -9,12 +9,13 @@ variable                values                              effect
                                                             in the interpreter, else ``bf16``)
 ``FP4VIDEO_MX_TMA``     ``0`` | ``1``                       the e4m3 loop's tiles by pointer loads (0), or
                                                             TMA required (1; an error where it cannot run)
-``FP4VIDEO_NV_KERNEL``  ``sm90`` | ``triton``               the NVFP4 loop (default: ``sm90`` on Hopper at
-                                                            head dims 128, else ``triton``)
+``FP4VIDEO_NV_KERNEL``  ``scaled`` | ``sm90`` | ``triton``  the NVFP4 loop (default: ``scaled`` — native
+                                                            FP4 MMAs — on sm_100 and sm_120, ``sm90`` on
+                                                            Hopper at head dims 128, else ``triton``)
 ======================  ==================================  ===============================================
 
 Loops (one module each): :mod:`.loop_e4m3` (MXFP4 on e4m3 tensor cores, sm_89+),
-:mod:`.loop_scaled` (MXFP4 through ``tl.dot_scaled``: Blackwell's native FP4 MMAs),
+:mod:`.loop_scaled` (MXFP4 and NVFP4 through ``tl.dot_scaled``: Blackwell's native FP4 MMAs),
 :mod:`.loop_nvfp4` and :mod:`.loop_nvfp4_sm90` (NVFP4 on bf16 tensor cores; the Gluon ping-pong on
 Hopper), :mod:`.loop_bf16` (``fp16``, and MXFP4 where nothing faster runs). Limits
 (:func:`supports` reports them): key-padding masks ``(B, 1, 1, Sk)`` only.
@@ -42,7 +43,7 @@ from .tiles import work_dtype
 ENVIRONMENT = {
     "FP4VIDEO_MX_KERNEL": ("scaled", "fp8", "bf16"),
     "FP4VIDEO_MX_TMA": ("0", "1"),
-    "FP4VIDEO_NV_KERNEL": ("sm90", "triton"),
+    "FP4VIDEO_NV_KERNEL": ("scaled", "sm90", "triton"),
 }
 
 
@@ -82,11 +83,35 @@ def _device_name(device: torch.device) -> str:
 
 
 #: Architectures whose native FP4 MMAs the ``scaled`` loop was compiled for and checked offline
-#: (``tests/test_offline_compile.py``: ``tcgen05.mma kind::mxf4`` on sm_100, ``mma.sync kind::mxf4nvf4``
-#: on sm_120). Other Blackwell-generation GPUs (sm_103, sm_110, sm_121) run the e4m3 loop, whose FP8
-#: MMAs every sm_89+ GPU has, until the native loop is checked there (``FP4VIDEO_MX_KERNEL=scaled``
-#: tries it).
-NATIVE_FP4_ARCHS = ("sm_100", "sm_120")
+#: (``tests/test_offline_compile.py``: ``tcgen05.mma kind::mxf4`` / ``kind::mxf4nvf4 … block16`` on
+#: sm_100, ``mma.sync kind::mxf4nvf4`` on sm_120), with the oldest Triton that compiles it there:
+#: Triton 3.6, 3.7 and 3.8 fail on sm_100 (``'ttng.tmem_alloc' op uninitialized alloc must have a
+#: mutable memdesc type``; the NVFP4 form also in ``TritonGPUAccelerateMatmul``), 3.9 compiles it;
+#: on sm_120 3.6 to 3.9 all do (offline compiles, 2026-12-01). Other Blackwell-generation GPUs
+#: (sm_103, sm_110, sm_121), and these with an older Triton, run the e4m3 loop (MXFP4; its FP8 MMAs
+#: every sm_89+ GPU has) or the bf16 NVFP4 loop until the native loop is checked there
+#: (``FP4VIDEO_MX_KERNEL=scaled`` / ``FP4VIDEO_NV_KERNEL=scaled`` try it).
+NATIVE_FP4_MIN_TRITON = {"sm_100": (3, 9), "sm_120": (3, 6)}
+NATIVE_FP4_ARCHS = tuple(NATIVE_FP4_MIN_TRITON)
+
+
+def triton_version() -> tuple[int, int]:
+    """(major, minor) of the installed Triton."""
+    import triton
+
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+#: The oldest Triton that compiles the NVFP4 form of the dot_scaled loop where Triton emulates
+#: ``dot_scaled`` (off Blackwell: sm_90 checked; 3.6 and 3.7 fail in ``TritonGPUAccelerateMatmul``)
+NV_EMULATED_MIN_TRITON = (3, 8)
+
+
+def native_fp4(arch: str | None) -> bool:
+    """Whether the native FP4 loop runs by default on ``arch`` with the installed Triton
+    (:data:`NATIVE_FP4_MIN_TRITON`)."""
+    return arch in NATIVE_FP4_MIN_TRITON and triton_version() >= NATIVE_FP4_MIN_TRITON[arch]
 
 
 def mx_kernel(recipe: AttentionRecipe, device: torch.device) -> str | None:
@@ -100,7 +125,7 @@ def mx_kernel(recipe: AttentionRecipe, device: torch.device) -> str | None:
 def mx_kernel_on(recipe: AttentionRecipe, arch: str | None) -> str | None:
     """Which MXFP4 / FP8 loop runs this recipe on ``arch`` (``"sm_90"``, ...; ``"interpreter"``;
     None: nothing runs the kernels): ``"scaled"`` (``tl.dot_scaled``: native FP4 MMAs on
-    :data:`NATIVE_FP4_ARCHS`), ``"fp8"`` (e4m3 tensor cores: sm_89+, and the CPU interpreter) or
+    :data:`NATIVE_FP4_ARCHS` with a Triton that compiles it there, :func:`native_fp4`), ``"fp8"`` (e4m3 tensor cores: sm_89+, and the CPU interpreter) or
     None (the bf16 loop: not an MXFP4 recipe, or an older GPU). ``FP4VIDEO_MX_KERNEL`` overrides the
     choice (e.g. to run the Blackwell loop, emulated, on a Hopper GPU). Recipes with E4M3 (FP8) P and V
     and MXFP4 or E4M3 Q and K run the e4m3 loop on every sm_89+ GPU (``"scaled"`` has no FP8 P·V)."""
@@ -113,9 +138,47 @@ def mx_kernel_on(recipe: AttentionRecipe, arch: str | None) -> str | None:
     forced = _env("FP4VIDEO_MX_KERNEL")
     if forced:
         return None if forced == "bf16" else forced
-    if arch in NATIVE_FP4_ARCHS:
+    if native_fp4(arch):
         return "scaled"
     return "fp8" if fp8_tensor_cores else None
+
+
+def nv_scaled_on(recipe: AttentionRecipe, arch: str | None) -> bool:
+    """Whether the NVFP4 recipe (NVFP4 Q·K and P·V: ``nvfp4``, ``sage3``, ``sage3-hpnq``) runs the
+    ``dot_scaled`` loop (native ``kind::mxf4nvf4`` MMAs) on ``arch``: where :func:`native_fp4`,
+    or anywhere Triton runs when ``FP4VIDEO_NV_KERNEL=scaled`` asks (emulated off Blackwell); never
+    in the interpreter unless asked (its ``dot_scaled`` reads every scale as E8M0)."""
+    if recipe.qk_format is not Format.NVFP4 or recipe.pv_format is not Format.NVFP4:
+        return False
+    forced = _env("FP4VIDEO_NV_KERNEL")
+    if forced:
+        if forced == "scaled":
+            _check_forced_nv_scaled(arch)
+        return forced == "scaled"
+    return native_fp4(arch)
+
+
+def _check_forced_nv_scaled(arch: str | None) -> None:
+    """``FP4VIDEO_NV_KERNEL=scaled`` where the loop would not compile, or (the interpreter) would
+    compute wrong products, is an error saying so."""
+    version = ".".join(map(str, triton_version()))
+    if arch == "interpreter":
+        from .loop_scaled import interpreter_reads_e4m3_scales
+
+        if not interpreter_reads_e4m3_scales():
+            raise ValueError("FP4VIDEO_NV_KERNEL=scaled: Triton's CPU interpreter reads dot_scaled's E4M3 scales "
+                             "as E8M0, so the NVFP4 loop would compute wrong products here; unset it")
+        return
+    need = NATIVE_FP4_MIN_TRITON.get(arch, NV_EMULATED_MIN_TRITON)
+    if arch is not None and triton_version() < need:
+        raise ValueError(f"FP4VIDEO_NV_KERNEL=scaled: Triton {version} cannot compile the NVFP4 dot_scaled loop for "
+                         f"{arch} (Triton {'.'.join(map(str, need))}+ can); unset it")
+
+
+def nv_scaled(recipe: AttentionRecipe, device: torch.device) -> bool:
+    """:func:`nv_scaled_on` for this device (the CPU interpreter: ``"interpreter"``)."""
+    arch = device_arch(device) if device.type == "cuda" else "interpreter" if interpreting() else None
+    return nv_scaled_on(recipe, arch)
 
 
 def tma_loop(device: torch.device) -> bool:
@@ -135,7 +198,7 @@ def nv_kernel(qh: torch.Tensor, vh: torch.Tensor, launch_given: bool) -> str:
     (``block_m``, ...: the Triton loop's) are given; else ``"triton"``. ``FP4VIDEO_NV_KERNEL``
     forces one; a forced ``sm90`` raises where it cannot run (or where this Triton has no Gluon)."""
     forced = _env("FP4VIDEO_NV_KERNEL")
-    if forced == "triton":
+    if forced in ("triton", "scaled"):  # ("scaled": the dot_scaled loop, chosen before the pre-pass)
         return "triton"
     sm90 = _gluon_nvfp4()
     reason = "this Triton has no Gluon Hopper API (3.5+)" if sm90 is None else sm90.unsupported_reason(qh, vh)
@@ -190,7 +253,7 @@ def _prepare_checked(q, k, v, recipe: AttentionRecipe, key_alive, mean, bad):
         if widest is None or widest <= E4M3_V_SPAN_LIMIT:
             return ("fp8", (*tensors, k.shape[-2], tiled)), has_bad
         return ("work", prepass(q, k, v, recipe, key_alive, work_dtype(q), mean)), has_bad
-    if path == "scaled":
+    if path == "scaled" or nv_scaled(recipe, q.device):
         prepared = ("scaled", prepass_packed(q, k, v, recipe, key_alive, mean))
     elif recipe.pv_format is Format.NVFP4 or (recipe.qk_format, recipe.pv_format) == (Format.NVFP4, Format.E4M3):
         # the NVFP4 loops read K̂, V̂ in tile key order, whole tiles
@@ -241,7 +304,8 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
     if path == "scaled":
         from .loop_scaled import attention_packed
 
-        return attention_packed(*tensors, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv, **launch)
+        return attention_packed(*tensors, key_alive=key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv,
+                                **launch)
     if path == "fp8":
         return attention_e4m3(*tensors, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv, tma=tma,
                               **launch)

@@ -249,6 +249,35 @@ def mx_pack_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, QB: tl.constexpr, OC
 
 
 @triton.jit
+def e4m3_bits(s):
+    """The E4M3 (e4m3fn) byte of ``s`` >= 0, an E4M3 value (0, subnormals 2^-9·{1..7}, normals up to
+    448), from its fp32 bits: exponent + 7 and the top three mantissa bits; subnormals s · 2^9. The
+    scale bytes of NVFP4 blocks, written without the fp8 conversion (the interpreter's rounds
+    differently)."""
+    bits = s.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    normal = ((e + 7) << 3) | ((bits >> 20) & 7)
+    return tl.where(s >= 0.015625, normal, (s * 512.0).to(tl.int32)).to(tl.uint8)
+
+
+@triton.jit
+def nv_pack_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, QB: tl.constexpr):
+    """NVFP4-quantize ``x`` ([ROWS, COLS] fp32) in blocks of QB (16) along the last axis, as packed
+    E2M1 codes ([ROWS, COLS // 2] uint8) and E4M3 scale bytes ([ROWS, COLS // QB] uint8): the values
+    of ``fake_quant_rows(x, .., FMT=2, SIGNED=True)`` (a block whose scale rounds to 0 becomes 0),
+    in the storage Blackwell's ``kind::mxf4nvf4`` MMAs take."""
+    xb = tl.reshape(x, (ROWS, COLS // QB, QB))
+    a = tl.abs(xb)
+    s = nvfp4_block_scale(tl.max(a, axis=2), False)
+    live = s > 0
+    s_safe = tl.where(live, s, 1.0)
+    q = round_e2m1_abs(tl.math.div_rn(a, s_safe[:, :, None] + tl.zeros_like(a)))  # grid values 0 … 6
+    q = tl.where(live[:, :, None], q, 0.0)
+    codes = tl.reshape(e2m1_codes(q, xb < 0), (ROWS, COLS))
+    return pack_nibbles(codes, ROWS, COLS), e4m3_bits(s)
+
+
+@triton.jit
 def div_const_rn(a, D: tl.constexpr, RCP_D: tl.constexpr):
     """rn(a / D) for fp32 a >= 0 and a constant D, without a division (a correctly rounded
     ``div_rn`` costs ~10 instructions and a slow-path branch): q0 = rn(a · rn(1/D)) is within an

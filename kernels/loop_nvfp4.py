@@ -88,6 +88,34 @@ def _row_sum6(x):
 
 
 @triton.jit
+def two_level_factors(rmax, r_i, P_RANGE: tl.constexpr, FAST_RCP: tl.constexpr):
+    """Two-level P of one key tile from its largest P̃ per row ``rmax``: (inv_s1 = rn(448·6 / r),
+    the pre-scale of P̃; r_new = rn(r / (448·6)), the units of P̂ and of the accumulator; acc_ratio
+    = r_i / r_new, the accumulator's rescale), with r = max(rmax, the reference's floor). The
+    floor keeps the pre-scale and the units finite however far below the running maximum the tile
+    lies; a tile with no live key (rmax = 0: its P̂ is 0 whatever the factor) keeps the units. The
+    ratio is taken without a division: 1 / r_new = rmax⁻¹·P_RANGE ≈ inv_s1 (within 2 ulp; the
+    accumulator's rescaling is not part of the reference's rounding)."""
+    live = rmax > 0
+    r_floor = tl.maximum(rmax, P_FLOOR)
+    inv_s1 = const_div_rn(P_RANGE, r_floor, FAST_RCP)
+    r_new = tl.where(live, div_const_rn(r_floor, P_RANGE, RCP_P_RANGE), r_i)
+    return inv_s1, r_new, tl.where(live, r_i * inv_s1, 1.0)
+
+
+@triton.jit
+def block_scale_and_reciprocal(amax, FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr):
+    """NVFP4 block scales of P from the blocks' maxima, and their correctly rounded reciprocals:
+    elements are multiplied by the reciprocal (times the two-level factor), not divided, so
+    p · rn(inv_s1 · rn(1/s)) is within 2.5 ulp of the reference's rn(rn(p · inv_s1) / s) and an
+    element that close to an E2M1 rounding boundary may round the other way; a block whose scale
+    rounds to 0 becomes 0 (reciprocal 0)."""
+    scale = nvfp4_block_scale(amax, HW_E4M3)
+    live_b = scale > 0
+    return scale, tl.where(live_b, recip_rn_few_bits(tl.where(live_b, scale, 1.0), FAST_RCP), 0.0)
+
+
+@triton.jit
 def nv_row_vector(tile, value):
     """A per-row vector of ``value`` in the layout :func:`nv_quantize_p`'s row vectors have (for the
     Gluon kernel's initial state; ``tile``: any finite tile of S's shape and layout)."""
@@ -140,27 +168,12 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
         return tl.reshape(q.to(P_DTYPE), (BLOCK_M, 128)), m_new, r_i, l_new, alpha
     if TWO_LEVEL:  # P̃ · (448·6 / rowmax P̃) is quantized; P̂ = that · (rowmax / (448·6))
         rmax = tl.exp2(tl.fma(tile_max, scale_log2, -m_safe))  # the largest amax (monotonic): no reduction
-        # the reference's floor (TWO_LEVEL_P_FLOOR): the pre-scale and the accumulator's units stay
-        # finite however far below the running maximum the tile lies; a tile with no live key
-        # (rmax = 0: its P̂ is 0 whatever the factor) keeps the accumulator's units
-        live = rmax > 0
-        r_floor = tl.maximum(rmax, P_FLOOR)
-        inv_s1 = const_div_rn(P_RANGE, r_floor, FAST_RCP)
-        r_new = tl.where(live, div_const_rn(r_floor, P_RANGE, RCP_P_RANGE), r_i)
+        inv_s1, r_new, acc_ratio = two_level_factors(rmax, r_i, P_RANGE, FAST_RCP)
         amax = amax * _rows3(inv_s1)  # the block maxima of the scaled P̃ (a monotonic rounding)
-        # r_i / r_new without a division: 1 / r_new = rmax⁻¹·P_RANGE ≈ inv_s1 (within 2 ulp; the
-        # accumulator's rescaling is not part of the reference's rounding); a dead tile keeps r
-        acc_ratio = tl.where(live, r_i * inv_s1, 1.0)
     else:
         r_new = r_i
         acc_ratio = 1.0
-    scale = nvfp4_block_scale(amax, HW_E4M3)
-    # elements are multiplied by the block's correctly rounded reciprocal (times the two-level
-    # factor), not divided: p · rn(inv_s1 · rn(1/s)) is within 2.5 ulp of the reference's
-    # rn(rn(p · inv_s1) / s), so an element that close to an E2M1 rounding boundary may round the
-    # other way; a block whose scale rounds to 0 becomes 0 (reciprocal 0)
-    live_b = scale > 0
-    inv = tl.where(live_b, recip_rn_few_bits(tl.where(live_b, scale, 1.0), FAST_RCP), 0.0)
+    scale, inv = block_scale_and_reciprocal(amax, FAST_RCP, HW_E4M3)
     if TWO_LEVEL:
         inv = inv * _rows3(inv_s1)
     alpha = tl.exp2(m_i - m_safe)

@@ -1,4 +1,5 @@
-"""MXFP4 attention through ``tl.dot_scaled``: packed E2M1 operands with E8M0 block scales.
+"""FP4 attention through ``tl.dot_scaled``: packed E2M1 operands with E8M0 block scales (MXFP4)
+or E4M3 block scales of 16 (NVFP4: ``nvfp4``, ``sage3``, ``sage3-hpnq``).
 
 On Blackwell (sm_100 / sm_120) Triton lowers ``tl.dot_scaled(.., "e2m1", .., "e2m1")`` to the
 native FP4 MMAs (``tcgen05.mma … kind::mxf4`` / ``mma.sync … kind::mxf4nvf4``; the tests
@@ -7,8 +8,16 @@ block of the method maps onto the MMA's own scale blocks: Q and K blocks of 32 a
 dim (the QKᵀ reduction), P blocks of 32 keys per row and V blocks of 32 tokens per channel (the
 PV reduction). No e4m3 window applies: every block carries its own E8M0 scale.
 
+NVFP4 (``kind::mxf4nvf4 … block16`` / ``scale_vec::4X … ue4m3``): Q, K blocks of 16 along the head
+dim, P blocks of 16 keys, V blocks of 16 tokens, each with its E4M3 scale; the heads' power-of-two
+tensor scales multiply the logits' and the output's units. P is quantized with the arithmetic of
+the bf16 NVFP4 loop (:func:`.loop_nvfp4.nv_quantize_p`: the same block scales, two-level row
+factors and reciprocals, so the same codes), in natural key order: a block is 16 consecutive
+columns, as the MMA's scale blocks are.
+
 On Hopper and older, Triton emulates ``dot_scaled`` (operands upcast to bf16), so the e4m3 kernel
-of :mod:`.loop_e4m3` is the fast path there; this one still runs and matches the reference.
+of :mod:`.loop_e4m3` and the NVFP4 loops are the fast paths there; this one still runs and matches
+the reference.
 """
 
 from __future__ import annotations
@@ -16,36 +25,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fp4video.formats import ScaleRule
-from fp4video.recipe import AttentionRecipe, RowSum
-from fp4video.reference import KEY_TILE
+import torch
 
-from .fp4_math import e2m1_magnitude_codes, mx_block_exponent, pack_nibbles, pow2, round_e2m1_at_scale
+from fp4video.formats import Format, ScaleRule
+from fp4video.recipe import AttentionRecipe, PScale, RowSum
+from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
+
+from .fp4_math import e2m1_magnitude_codes, e4m3_bits, mx_block_exponent, pack_nibbles, pow2, round_e2m1_at_scale
 from .launch import LoopLaunch
+from .loop_nvfp4 import block_scale_and_reciprocal, two_level_factors
 from .tiles import LOG2E, key_mask, outputs, program_rows, store_out_lse
 
 
 @triton.jit
-def _scaled_tile(q4, q_sc, m_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, SK_PAD, sks,
-                 svd, svsd, sms, scale_log2,
-                 HAS_MASK: tl.constexpr, TAIL: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
-                 PNQ: tl.constexpr, D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, QB: tl.constexpr):
-    """One key tile: returns the updated (m, l, acc); m in log2 units."""
+def _mx_p(s, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr, QB: tl.constexpr):
+    """MXFP4 P of one tile of logits ``s`` (log2 units, masked keys -inf): (codes, E8M0 scale
+    bytes, m_new, l_new, alpha)."""
+    BLOCK_M: tl.constexpr = s.shape[0]
+    BLOCK_N: tl.constexpr = s.shape[1]
     NB: tl.constexpr = BLOCK_N // QB
-    keys = start + tl.arange(0, BLOCK_N)
-    half_d = tl.arange(0, D // 2)
-    nb_d = tl.arange(0, D // QB)
-    dv = tl.arange(0, BLOCK_DV)
-    key_ok = keys < SK
-    k4 = tl.load(K_base + keys[:, None] * sks + half_d[None, :], mask=key_ok[:, None], other=0)
-    k_sc = tl.load(KS_base + keys[:, None] * (D // QB) + nb_d[None, :], mask=key_ok[:, None], other=127)
-    s = tl.dot_scaled(q4, q_sc, "e2m1", tl.trans(k4), k_sc, "e2m1") * scale_log2
-    if HAS_MASK:
-        km = tl.load(M_base + keys * sms, mask=key_ok, other=0)
-        s = tl.where((km != 0)[None, :], s, float("-inf"))
-    elif TAIL:
-        s = tl.where(key_ok[None, :], s, float("-inf"))
     block_max = tl.max(tl.reshape(s, (BLOCK_M, NB, QB)), axis=2)
     m_new = tl.maximum(m_i, tl.max(block_max, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -57,22 +55,98 @@ def _scaled_tile(q4, q_sc, m_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_ba
     codes = tl.reshape(e2m1_magnitude_codes(p_hat3 * pow2(-e_blk)[:, :, None]), (BLOCK_M, BLOCK_N))
     alpha = tl.exp2(m_i - m_safe)
     if PNQ:
-        l_i = tl.fma(alpha, l_i, tl.sum(tl.reshape(p_hat3, (BLOCK_M, BLOCK_N)), axis=1))
+        l_new = tl.fma(alpha, l_i, tl.sum(tl.reshape(p_hat3, (BLOCK_M, BLOCK_N)), axis=1))
     else:
-        l_i = tl.fma(alpha, l_i, tl.sum(p, axis=1))
+        l_new = tl.fma(alpha, l_i, tl.sum(p, axis=1))
+    return codes, (e_blk + 127).to(tl.uint8), m_new, l_new, alpha
+
+
+@triton.jit
+def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr,
+          FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr, QB: tl.constexpr):
+    """NVFP4 P of one tile of raw logits ``qk`` (masked keys -inf; the logit in log2 units is
+    qk · scale_log2), blocks of QB consecutive keys: (codes, E4M3 scale bytes, m_new, r_new, l_new,
+    acc_scale), with :func:`.loop_nvfp4.nv_quantize_p`'s arithmetic step for step (its lane layout
+    aside): P̂ is in units of r_new, the accumulator is rescaled by acc_scale."""
+    BLOCK_M: tl.constexpr = qk.shape[0]
+    BLOCK_N: tl.constexpr = qk.shape[1]
+    NB: tl.constexpr = BLOCK_N // QB
+    s3 = tl.reshape(qk, (BLOCK_M, NB, QB))
+    bmax = tl.max(s3, axis=2)
+    tile_max = tl.max(bmax, axis=1)
+    m_new = tl.maximum(m_i, tile_max * scale_log2)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    amax = tl.exp2(tl.fma(bmax, scale_log2, -m_safe[:, None]))
+    p = tl.exp2(tl.fma(s3, scale_log2, -m_safe[:, None, None]))
+    if TWO_LEVEL:
+        inv_s1, r_new, acc_ratio = two_level_factors(tl.exp2(tl.fma(tile_max, scale_log2, -m_safe)), r_i, P_RANGE,
+                                                     FAST_RCP)
+        amax = amax * inv_s1[:, None]
+    else:
+        r_new = r_i
+        acc_ratio = 1.0
+    scale, inv = block_scale_and_reciprocal(amax, FAST_RCP, HW_E4M3)
+    if TWO_LEVEL:
+        inv = inv * inv_s1[:, None]
+    q = round_e2m1_at_scale(p * inv[:, :, None], 1.0)  # grid values 0 … 6
+    alpha = tl.exp2(m_i - m_safe)
+    if PNQ:  # the row sum of P̂ = q · scale · r_new
+        part = tl.sum(tl.sum(q * scale[:, :, None], axis=2), axis=1) * r_new
+    else:
+        part = tl.sum(tl.sum(p, axis=2), axis=1)
+    l_new = tl.fma(alpha, l_i, part)
+    codes = tl.reshape(e2m1_magnitude_codes(q), (BLOCK_M, BLOCK_N))
+    return codes, e4m3_bits(scale), m_new, r_new, l_new, alpha * acc_ratio
+
+
+@triton.jit
+def _scaled_tile(q4, q_sc, m_i, r_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks,
+                 svd, svsd, sms, scale_log2,
+                 HAS_MASK: tl.constexpr, TAIL: tl.constexpr, NV: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
+                 PNQ: tl.constexpr, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, FAST_RCP: tl.constexpr,
+                 HW_E4M3: tl.constexpr, D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, QB: tl.constexpr):
+    """One key tile: returns the updated (m, r, l, acc); m in log2 units, acc in units of r (the
+    two-level row factor; 1 otherwise). NV: the scale bytes follow the codes in each row of K̂
+    (``KS_base`` = ``K_base`` + D/2) and V̂ᵀ, E4M3 to be read as such."""
+    NB: tl.constexpr = BLOCK_N // QB
+    keys = start + tl.arange(0, BLOCK_N)
+    half_d = tl.arange(0, D // 2)
+    nb_d = tl.arange(0, D // QB)
+    dv = tl.arange(0, BLOCK_DV)
+    key_ok = keys < SK
+    k4 = tl.load(K_base + keys[:, None] * sks + half_d[None, :], mask=key_ok[:, None], other=0)
+    if NV:
+        k_sc = tl.load(KS_base + keys[:, None] * sks + nb_d[None, :], mask=key_ok[:, None], other=0)
+        qk = tl.dot_scaled(q4, q_sc, "e2m1", tl.trans(k4), k_sc.to(tl.float8e4nv, bitcast=True), "e2m1")
+    else:
+        k_sc = tl.load(KS_base + keys[:, None] * (D // QB) + nb_d[None, :], mask=key_ok[:, None], other=127)
+        qk = tl.dot_scaled(q4, q_sc, "e2m1", tl.trans(k4), k_sc, "e2m1") * scale_log2
+    if HAS_MASK:
+        km = tl.load(M_base + keys * sms, mask=key_ok, other=0)
+        qk = tl.where((km != 0)[None, :], qk, float("-inf"))
+    elif TAIL:
+        qk = tl.where(key_ok[None, :], qk, float("-inf"))
+    if NV:
+        codes, p_sc, m_new, r_i, l_i, acc_scale = _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ,
+                                                        FAST_RCP, HW_E4M3, QB)
+        p_sc = p_sc.to(tl.float8e4nv, bitcast=True)
+    else:
+        codes, p_sc, m_new, l_i, acc_scale = _mx_p(qk, m_i, l_i, OCP, QMAX, PNQ, QB)
     half_n = start // 2 + tl.arange(0, BLOCK_N // 2)
     nb_n = start // QB + tl.arange(0, NB)
     v4t = tl.load(V_base + dv[:, None] * svd + half_n[None, :])  # padded to whole tiles: no mask
     v_sc = tl.load(VS_base + dv[:, None] * svsd + nb_n[None, :])
-    pv = tl.dot_scaled(pack_nibbles(codes, BLOCK_M, BLOCK_N), (e_blk + 127).to(tl.uint8), "e2m1",
-                       tl.trans(v4t), v_sc, "e2m1")
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
+    if NV:
+        v_sc = v_sc.to(tl.float8e4nv, bitcast=True)
+    pv = tl.dot_scaled(pack_nibbles(codes, BLOCK_M, BLOCK_N), p_sc, "e2m1", tl.trans(v4t), v_sc, "e2m1")
+    acc = acc * acc_scale[:, None] + pv
+    return m_new, r_i, l_i, acc
 
 
 @triton.jit
-def _mx_scaled_attn_fwd(
-    Q4, QS, K4, KS, V4T, VS, KeyMask, Out, Lse,
+def _scaled_attn_fwd(
+    Q4, QS, K4, KS, V4T, VS, GQK, GV, KeyMask, Out, Lse,
     H, SQ, SK, SK_PAD, DV,
     sqb, sqh, sqs,
     skb, skh, sks,
@@ -81,37 +155,77 @@ def _mx_scaled_attn_fwd(
     sob, soh, sos, sod,
     slb, slh, sls,
     scale_log2,
-    HAS_MASK: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
+    HAS_MASK: tl.constexpr, NV: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
+    TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr,
     D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
 ):
-    """Online-softmax MXFP4 attention on ``tl.dot_scaled``; operands from :func:`.prepass.prepass_packed`."""
+    """Online-softmax FP4 attention on ``tl.dot_scaled``; operands from :func:`.prepass.prepass_packed`.
+    MXFP4: scales in their own tensors (QS, KS, VS). NV (NVFP4): each row of Q4 / K4 / V4T holds its
+    codes then its E4M3 scale bytes (QS, KS, VS are those tensors again, read past the codes);
+    GQK (B·H) the product of Q's and K's tensor scales, GV (B·H) V's."""
     b, h, offs_m, row_ok = program_rows(H, SQ, BLOCK_M)
     bh = tl.program_id(1)
     half_d = tl.arange(0, D // 2)
     nb_d = tl.arange(0, D // QB)
-    q4 = tl.load(Q4 + b * sqb + h * sqh + offs_m[:, None] * sqs + half_d[None, :], mask=row_ok[:, None], other=0)
-    q_sc = tl.load(QS + (bh * SQ + offs_m)[:, None] * (D // QB) + nb_d[None, :], mask=row_ok[:, None], other=127)
+    q_rows = Q4 + b * sqb + h * sqh + offs_m[:, None] * sqs
+    q4 = tl.load(q_rows + half_d[None, :], mask=row_ok[:, None], other=0)
+    K_base = K4 + b * skb + h * skh
+    V_base = V4T + b * svb + h * svh
+    out_factor = 1.0
+    if NV:
+        q_sc = tl.load(q_rows + D // 2 + nb_d[None, :], mask=row_ok[:, None], other=0).to(tl.float8e4nv, bitcast=True)
+        scale_log2 = scale_log2 * tl.load(GQK + bh)  # a power of two: the logits' product is exact
+        KS_base = K_base + D // 2
+        VS_base = V_base + SK_PAD // 2
+        out_factor = tl.load(GV + bh)
+    else:
+        q_sc = tl.load(QS + (bh * SQ + offs_m)[:, None] * (D // QB) + nb_d[None, :], mask=row_ok[:, None], other=127)
+        KS_base = KS + bh * SK * (D // QB)
+        VS_base = VS + bh * BLOCK_DV * svsd
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    r_i = tl.full((BLOCK_M,), 1.0, tl.float32)  # units of acc (the two-level row factor)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    K_base = K4 + b * skb + h * skh
-    KS_base = KS + bh * SK * (D // QB)
-    V_base = V4T + b * svb + h * svh
-    VS_base = VS + bh * BLOCK_DV * svsd
     M_base = KeyMask + b * smb
     n_full = (SK // BLOCK_N) * BLOCK_N
     for start in range(0, n_full, BLOCK_N):
-        m_i, l_i, acc = _scaled_tile(
-            q4, q_sc, m_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, SK_PAD, sks, svd, svsd,
-            sms, scale_log2, HAS_MASK, False, OCP, QMAX, PNQ, D, BLOCK_DV, BLOCK_M, BLOCK_N, QB)
+        m_i, r_i, l_i, acc = _scaled_tile(
+            q4, q_sc, m_i, r_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks, svd, svsd,
+            sms, scale_log2, HAS_MASK, False, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D, BLOCK_DV,
+            BLOCK_M, BLOCK_N, QB)
     if n_full < SK:
-        m_i, l_i, acc = _scaled_tile(
-            q4, q_sc, m_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, n_full, SK, SK_PAD, sks, svd, svsd,
-            sms, scale_log2, HAS_MASK, True, OCP, QMAX, PNQ, D, BLOCK_DV, BLOCK_M, BLOCK_N, QB)
+        m_i, r_i, l_i, acc = _scaled_tile(
+            q4, q_sc, m_i, r_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, n_full, SK, sks, svd, svsd,
+            sms, scale_log2, HAS_MASK, True, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D, BLOCK_DV,
+            BLOCK_M, BLOCK_N, QB)
 
-    store_out_lse(Out, Lse, acc, 1.0, l_i, m_i, 0.0, b, h, offs_m, row_ok, tl.arange(0, BLOCK_DV), DV,
-                  sob, soh, sos, sod, slb, slh, sls)
+    store_out_lse(Out, Lse, acc, r_i[:, None] * out_factor, l_i, m_i, 0.0, b, h, offs_m, row_ok,
+                  tl.arange(0, BLOCK_DV), DV, sob, soh, sos, sod, slb, slh, sls)
+
+
+@triton.jit
+def _e4m3_scaled_probe(A, S, Out):
+    """One 16 × 64 by 64 × 16 NVFP4 product: every code 2 (the value 1.0), every E4M3 scale byte
+    0x38 (1.0): each output is 64."""
+    rows, half, groups = tl.arange(0, 16), tl.arange(0, 32), tl.arange(0, 4)
+    a = tl.load(A + rows[:, None] * 32 + half[None, :])
+    s = tl.load(S + rows[:, None] * 4 + groups[None, :]).to(tl.float8e4nv, bitcast=True)
+    tl.store(Out + rows[:, None] * 16 + rows[None, :], tl.dot_scaled(a, s, "e2m1", tl.trans(a), s, "e2m1"))
+
+
+def interpreter_reads_e4m3_scales() -> bool:
+    """Whether Triton's CPU interpreter computes ``tl.dot_scaled`` with E4M3 scales as the GPU does
+    (Triton 3.9's decodes every scale as E8M0: an NVFP4 product then comes out wrong). Runs one
+    tiny product; call it only under ``TRITON_INTERPRET=1``."""
+    a = torch.full((16, 32), 0x22, dtype=torch.uint8)  # two codes 2 (1.0) per byte
+    s = torch.full((16, 4), 0x38, dtype=torch.uint8)  # E4M3 1.0
+    out = torch.zeros(16, 16)
+    try:
+        _e4m3_scaled_probe[(1,)](a, s, out)
+    except Exception:  # an interpreter without dot_scaled
+        return False
+    return bool((out == 64.0).all())
 
 
 #: Shared memory (bytes), compiled offline (Triton 3.9, head dim 128, masked, 8 warps): the same at 1-3 stages
@@ -119,28 +233,47 @@ SHARED_MEMORY = {"sm_100": {1: 32768, 2: 32768, 3: 32768}, "sm_120": {1: 32768, 
 LAUNCH = LoopLaunch(128, 8, 2, shared_memory=SHARED_MEMORY, reason="not tuned: no Blackwell GPU has run it")
 
 
-def attention_packed(q4, q_scale, k4, k_scale, v4t, v_scale, key_alive, *, recipe: AttentionRecipe, scale: float,
-                     out_dtype, dv: int, block_m=None, num_warps=None, num_stages=None):
-    """The loop on :func:`.prepass.prepass_packed`'s output. Returns (out, lse)."""
-    b, h, sq, d2 = q4.shape
-    sk, dvp, sk_pad = k4.shape[-2], v4t.shape[-2], v4t.shape[-1] * 2
+def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float, out_dtype, dv: int, block_m=None,
+                     num_warps=None, num_stages=None):
+    """The loop on :func:`.prepass.prepass_packed`'s output (its six tensors, MXFP4 or NVFP4).
+    Returns (out, lse)."""
+    nv = recipe.qk_format is Format.NVFP4
+    if nv != (recipe.pv_format is Format.NVFP4) or (not nv and recipe.qk_format is not Format.MXFP4):
+        raise ValueError(f"{recipe.name}: the dot_scaled loop runs MXFP4 or NVFP4 Q·K and P·V, not "
+                         f"{recipe.qk_format} / {recipe.pv_format}")
+    if nv:
+        q4, k4, v4t, g_q, g_k, g_v = tensors
+        qb = Format.NVFP4.block
+        d = q4.shape[-1] * qb // (qb // 2 + 1)  # rows of D/2 code bytes and D/16 scale bytes
+        sk_pad = v4t.shape[-1] * qb // (qb // 2 + 1)
+        qs = ks = vs = None
+        gqk, gv = (g_q * g_k).reshape(-1).contiguous(), g_v.reshape(-1).contiguous()
+    else:
+        q4, qs, k4, ks, v4t, vs = tensors
+        qb = recipe.pv_format.block
+        d, sk_pad = q4.shape[-1] * 2, v4t.shape[-1] * 2
+        gqk = gv = q4.new_ones(1, dtype=torch.float32)
+    b, h, sq = q4.shape[:3]
+    sk, dvp = k4.shape[-2], v4t.shape[-2]
     dev = q4.device
-    out, lse = outputs(q4.shape, dv, dev, out_dtype)
+    out, lse = outputs((b, h, sq, d), dv, dev, out_dtype)
     km = key_mask(key_alive, dev)
     block_m, num_warps, num_stages = LAUNCH.resolve(dev, block_m, num_warps, num_stages)
-    _mx_scaled_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
-        q4, q_scale, k4, k_scale, v4t, v_scale, km, out, lse,
+    cap = torch.cuda.get_device_capability(dev) if q4.is_cuda else (0, 0)
+    _scaled_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
+        q4, q4 if nv else qs, k4, k4 if nv else ks, v4t, v4t if nv else vs, gqk, gv, km, out, lse,
         h, sq, sk, sk_pad, dv,
-        *q4.stride()[:3], *k4.stride()[:3], *v4t.stride()[:3], v_scale.stride(2),
+        *q4.stride()[:3], *k4.stride()[:3], *v4t.stride()[:3], v4t.stride(2) if nv else vs.stride(2),
         km.stride(0), km.stride(1),
         *out.stride(), *lse.stride(),
         scale * LOG2E,
-        HAS_MASK=key_alive is not None, OCP=recipe.scale_rule is ScaleRule.OCP, QMAX=recipe.scale_rule.qmax,
-        PNQ=recipe.row_sum is RowSum.QUANTIZED, D=d2 * 2, BLOCK_DV=dvp, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
-        QB=recipe.pv_format.block, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only, as the reference
+        HAS_MASK=key_alive is not None, NV=nv, OCP=recipe.scale_rule is ScaleRule.OCP, QMAX=recipe.scale_rule.qmax,
+        PNQ=recipe.row_sum is RowSum.QUANTIZED, TWO_LEVEL=recipe.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
+        FAST_RCP=cap >= (8, 0), HW_E4M3=cap >= (8, 9), D=d, BLOCK_DV=dvp, BLOCK_M=block_m, BLOCK_N=KEY_TILE, QB=qb,
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only, as the reference
     )
     return out, lse
 
 
 #: the loop's jit kernel, by a public name: what offline compilation (:mod:`.report`) compiles
-KERNEL = _mx_scaled_attn_fwd
+KERNEL = _scaled_attn_fwd

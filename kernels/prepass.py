@@ -22,7 +22,8 @@ from fp4video.reference import KEY_TILE, qk_padded_dim
 from fp4video.rotation import hadamard_matrix
 
 from .checks import k_smoothing_mean
-from .fp4_math import (e4m3_pow2_shift, fake_quant_rows, fp8_shift_from_raw_max, mx_block_exponent, mx_pack_rows, pow2,
+from .fp4_math import (e4m3_pow2_shift, fake_quant_rows, fp8_shift_from_raw_max, mx_block_exponent, mx_pack_rows,
+                       nv_pack_rows, pow2,
                        round_e2m1_signed, round_e4m3_signed)
 from .key_order import as_mma_operand, key_order_matrix, tile_key_position
 from .launch import fitting_stages
@@ -209,6 +210,17 @@ def _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, blk,
             tl.store(Fac + bh * tl.cdiv(S, BLOCK_S) + blk, pow2(-c), mask=blk * BLOCK_S < S)
     elif OUT == 8:  # HEAD_AMAX
         tl.atomic_max(Fac + bh, tl.max(tl.max(tl.abs(x * norm), axis=1), axis=0))
+    elif OUT == 4 and FMT == 2:  # E2M1_PACKED, NVFP4: each row of Out holds its codes along D, then its
+        # E4M3 scale bytes (B, H, S, D // 2 + D // QB); blocks quantized on x / g (TSCALE: g, 1/g in Fac)
+        x = x * norm
+        if TSCALE:
+            x = x * tl.load(Fac + 2 * bh + 1)
+        codes, scales = nv_pack_rows(x, BLOCK_S, D, QB)
+        half = tl.arange(0, D // 2)
+        nb = tl.arange(0, D // QB)
+        row_base = Out + b * sob + h * soh + rows[:, None] * sos
+        tl.store(row_base + half[None, :], codes, mask=(rows < S)[:, None])
+        tl.store(row_base + D // 2 + nb[None, :], scales, mask=(rows < S)[:, None])
     elif OUT == 4:  # E2M1_PACKED: codes along D into Out, E8M0 scales into Fac (B, H, S, D // QB)
         codes, scales = mx_pack_rows(x * norm, BLOCK_S, D, QB, OCP, QMAX)
         half = tl.arange(0, D // 2)
@@ -289,7 +301,17 @@ def _prepass_v(
         x = _v_tile(V, Alive, b, h, pid, cols, S, DV, svb, svh, svs, svd, sab, sas, HAS_ALIVE, BLOCK_S)
         rows = pid * BLOCK_S + tl.arange(0, BLOCK_S)
         x = x.to(tl.float32)
-        if OUT == 4:  # E2M1_PACKED, transposed: codes along tokens (B, H, Dv, S_pad // 2), scales
+        if OUT == 4 and FMT == 2:  # E2M1_PACKED, NVFP4, transposed: each channel's row holds its codes
+            # along tokens, then its E4M3 scale bytes (B, H, Dv, S_pad // 2 + S_pad // QB); TSCALE: g, 1/g in Fac
+            if TSCALE:
+                x = x * tl.load(Fac + 2 * bh + 1)
+            codes, scales = nv_pack_rows(tl.trans(x), BLOCK_DV, BLOCK_S, QB)
+            half = pid * (BLOCK_S // 2) + tl.arange(0, BLOCK_S // 2)
+            nb = pid * (BLOCK_S // QB) + tl.arange(0, BLOCK_S // QB)
+            row_base = Out + b * sob + h * soh + cols[:, None] * sod
+            tl.store(row_base + half[None, :], codes)
+            tl.store(row_base + tl.cdiv(S, BLOCK_S) * (BLOCK_S // 2) + nb[None, :], scales)
+        elif OUT == 4:  # E2M1_PACKED, transposed: codes along tokens (B, H, Dv, S_pad // 2), scales
             # (B, H, Dv, S_pad // QB); S_pad is a multiple of BLOCK_S, so every program writes whole tiles
             codes, scales = mx_pack_rows(tl.trans(x), BLOCK_DV, BLOCK_S, QB, OCP, QMAX)
             half = pid * (BLOCK_S // 2) + tl.arange(0, BLOCK_S // 2)
@@ -568,7 +590,28 @@ class _PrePass:
         self.values(FP8_AMAX, torch.empty(1, 1, width, 1, device=self.dev), amax=amax, fac=bmin)
         return amax
 
+    def run_packed_nv(self):
+        """NVFP4 Q̂, K̂, V̂ᵀ packed: each row its E2M1 codes, then its E4M3 block-scale bytes (one
+        buffer per tensor), and the heads' tensor scales (B, H) fp32 of Q, K and V (ones without
+        ``tensor_scale``): the dequantized value is code · scale · g."""
+        b, h, dev, u8 = self.b, self.h, self.dev, torch.uint8
+        dvp = next_pow2(self.dv, floor=32)
+        sk_pad = -(-self.sk // KEY_TILE) * KEY_TILE
+        d, qb = self.d, Format.NVFP4.block
+        q4 = torch.empty(b, h, self.sq, d // 2 + d // qb, device=dev, dtype=u8)
+        k4 = torch.empty(b, h, self.sk, d // 2 + d // qb, device=dev, dtype=u8)
+        v4t = torch.empty(b, h, dvp, sk_pad // 2 + sk_pad // qb, device=dev, dtype=u8)
+        ts_q, ts_k, ts_v = self.tensor_scales()
+        self.rows(self.q, self.sq, False, E2M1_PACKED, q4, tscale=ts_q)
+        self.rows(self.k, self.sk, True, E2M1_PACKED, k4, tscale=ts_k)
+        self.values(E2M1_PACKED, v4t, tscale=ts_v)
+        ones = torch.ones(b, h, device=dev)
+        g_q, g_k, g_v = (ones if ts is None else ts[:, 0].reshape(b, h) for ts in (ts_q, ts_k, ts_v))
+        return q4, k4, v4t, g_q, g_k, g_v
+
     def run_packed(self):
+        if self.recipe.qk_format is Format.NVFP4:
+            return self.run_packed_nv()
         b, h, dev, u8 = self.b, self.h, self.dev, torch.uint8
         dvp = next_pow2(self.dv, floor=32)
         sk_pad = -(-self.sk // KEY_TILE) * KEY_TILE
@@ -625,7 +668,12 @@ def prepass_packed(q, k, v, recipe: AttentionRecipe, key_alive, mean=None, launc
 
     Returns ``(q4 (B, H, Sq, D/2), q_scale (B, H, Sq, D/32), k4, k_scale, v4t (B, H, Dv_pad,
     Sk_pad/2), v_scale (B, H, Dv_pad, Sk_pad/32))``; V is transposed (blocks run along tokens) and
-    padded with zero codes to a multiple of 128 tokens. Requires an MXFP4 recipe.
+    padded with zero codes to a multiple of 128 tokens.
+
+    NVFP4 recipes (``nvfp4``, ``sage3``, ``sage3-hpnq``): ``(q4 (B, H, Sq, D/2 + D/16), k4 (B, H,
+    Sk, D/2 + D/16), v4t (B, H, Dv_pad, Sk_pad/2 + Sk_pad/16), g_q, g_k, g_v (B, H))``: each row
+    holds its codes, then its E4M3 block-scale bytes (blocks of 16), and ``g`` are the heads'
+    power-of-two tensor scales.
     """
     return _PrePass(q, k, v, recipe, key_alive, mean, launch).run_packed()
 

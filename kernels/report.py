@@ -23,7 +23,7 @@ from fp4video.formats import Format, ScaleRule
 from fp4video.recipe import METHODS, PScale, RowSum
 from fp4video.reference import TWO_LEVEL_P_RANGE
 
-from .dispatch import mx_kernel_on
+from .dispatch import mx_kernel_on, nv_scaled_on
 from .launch import SHARED_MEMORY_LIMIT, stages_that_fit
 from .offline import WAN_480P_INTS, compile_kernel, loop_opcodes, ptxas_report, sass_mma_loop, tool_path
 
@@ -62,13 +62,16 @@ def _loop(method: str, arch: int):
     mx_common = dict(OCP=r.scale_rule is ScaleRule.OCP, QMAX=r.scale_rule.qmax, PNQ=r.row_sum is RowSum.QUANTIZED,
                      HAS_MASK=False, D=128, BLOCK_DV=128, BLOCK_N=128)
     mx = mx_kernel_on(r, target)  # the dispatch's choice, by architecture
-    if mx == "scaled":
+    if mx == "scaled" or nv_scaled_on(r, target):
         from .loop_scaled import LAUNCH, KERNEL as fn
 
+        nv = qk is Format.NVFP4
         stages = stages_that_fit(target, limit, LAUNCH.num_stages, LAUNCH.shared_memory)
-        ptr = dict(Q4="*u8", QS="*u8", K4="*u8", KS="*u8", V4T="*u8", VS="*u8", KeyMask="*i8", Out="*bf16", Lse="*fp32")
-        consts = dict(mx_common, BLOCK_M=LAUNCH.block_m, QB=32)
-        return ("loop_scaled._mx_scaled_attn_fwd", fn, consts, ptr, LAUNCH.block_m * 128 // (LAUNCH.num_warps * 32),
+        ptr = dict(Q4="*u8", QS="*u8", K4="*u8", KS="*u8", V4T="*u8", VS="*u8", GQK="*fp32", GV="*fp32",
+                   KeyMask="*i8", Out="*bf16", Lse="*fp32")
+        consts = dict(mx_common, NV=nv, TWO_LEVEL=r.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
+                      FAST_RCP=True, HW_E4M3=True, BLOCK_M=LAUNCH.block_m, QB=16 if nv else 32)
+        return ("loop_scaled._scaled_attn_fwd", fn, consts, ptr, LAUNCH.block_m * 128 // (LAUNCH.num_warps * 32),
                 dict(num_warps=LAUNCH.num_warps, num_stages=stages, enable_fp_fusion=False), False)
     if mx == "fp8":
         from .key_order import LANE_BLOCK

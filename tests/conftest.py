@@ -36,3 +36,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def e4m3_dot_scaled(monkeypatch):
+    """Triton's CPU interpreter decodes every ``tl.dot_scaled`` scale as E8M0 (an exponent byte);
+    NVFP4's are E4M3 values, which Blackwell's ``kind::mxf4nvf4`` MMAs take as such. Within a test
+    using this fixture the interpreter decodes E4M3 scale tensors as E4M3 (bit for bit: a table of
+    all 256 bytes), so the native NVFP4 loop runs on the CPU as the GPU runs it. Skips where the
+    interpreter has no ``dot_scaled`` of its own (Triton before 3.9)."""
+    interpreter = pytest.importorskip("triton.runtime.interpreter")
+    import numpy as np
+    import triton.language as tl
+
+    decode = getattr(interpreter, "_dot_scaled_scale_to_f32", None)
+    if decode is None:
+        pytest.skip("this Triton's interpreter has no dot_scaled to patch (Triton 3.9+ has)")
+    table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+
+    def scale_to_f32(handle, compute_type):
+        if handle.dtype == tl.float8e4nv:
+            return table[handle.data.view(np.uint8)]
+        return decode(handle, compute_type)
+
+    monkeypatch.setattr(interpreter, "_dot_scaled_scale_to_f32", scale_to_f32)

@@ -24,7 +24,7 @@ def test_nvfp4_kernel_choice_without_hopper(monkeypatch):
     with pytest.raises(ValueError, match="sm_90"):
         choose(x, x, launch_given=False)
     monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "gluon")
-    with pytest.raises(ValueError, match="must be 'sm90' or 'triton'"):
+    with pytest.raises(ValueError, match="must be 'scaled', 'sm90' or 'triton'"):
         choose(x, x, launch_given=False)
 
 
@@ -86,12 +86,63 @@ def test_native_fp4_loop_only_where_it_was_compiled(monkeypatch):
     cuda = torch.device("cuda", 0)
     want = {(8, 0): None, (8, 9): "fp8", (9, 0): "fp8", (10, 0): "scaled", (10, 3): "fp8", (11, 0): "fp8",
             (12, 0): "scaled", (12, 1): "fp8"}
+    monkeypatch.setattr(dispatch, "triton_version", lambda: (3, 9))
     for cap, kernel in want.items():
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
         assert dispatch.mx_kernel(METHODS["mxattn"], cuda) == kernel, cap
         assert dispatch.mx_kernel(METHODS["mxattn-pv8"], cuda) == (None if cap < (8, 9) else "fp8"), cap
+    # Triton 3.6 to 3.8 cannot compile the native loop for sm_100 (offline compiles): the e4m3 loop
+    # there; sm_120's compiles from 3.6
+    for version, on_100, on_120 in (((3, 8), "fp8", "scaled"), ((3, 6), "fp8", "scaled"), ((3, 5), "fp8", "fp8")):
+        monkeypatch.setattr(dispatch, "triton_version", lambda v=version: v)
+        for cap, kernel in (((10, 0), on_100), ((12, 0), on_120)):
+            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
+            assert dispatch.mx_kernel(METHODS["mxattn"], cuda) == kernel, (version, cap)
     monkeypatch.setenv("FP4VIDEO_MX_KERNEL", "scaled")
     assert dispatch.mx_kernel(METHODS["mxattn"], cuda) == "scaled"  # the override tries it anywhere
+
+
+def test_nvfp4_methods_take_the_native_loop_where_it_compiles(monkeypatch):
+    """NVFP4 Q·K and P·V (nvfp4, sage3, sage3-hpnq) run the dot_scaled loop with E4M3 block-16
+    scales where the MXFP4 methods run theirs (sm_100 with Triton 3.9+, sm_120 with 3.6+), the
+    NVFP4 bf16 loops elsewhere (the interpreter included, unless asked); sage3-pv8 (FP8 P·V) never;
+    ``FP4VIDEO_NV_KERNEL=scaled`` asks for it anywhere, ``=triton`` / ``=sm90`` never."""
+    from fp4video.kernels import dispatch
+
+    monkeypatch.delenv("FP4VIDEO_NV_KERNEL", raising=False)
+    monkeypatch.setattr(dispatch, "triton_version", lambda: (3, 9))
+    for arch, want in (("sm_100", True), ("sm_120", True), ("sm_90", False), ("sm_103", False), ("sm_121", False),
+                       ("interpreter", False), (None, False)):
+        for method in ("nvfp4", "sage3", "sage3-hpnq"):
+            assert dispatch.nv_scaled_on(METHODS[method], arch) is want, (method, arch)
+        assert dispatch.nv_scaled_on(METHODS["sage3-pv8"], arch) is False
+        assert dispatch.nv_scaled_on(METHODS["mxattn"], arch) is False
+    monkeypatch.setattr(dispatch, "triton_version", lambda: (3, 6))
+    assert not dispatch.nv_scaled_on(METHODS["sage3"], "sm_100") and dispatch.nv_scaled_on(METHODS["sage3"], "sm_120")
+    monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "scaled")
+    with pytest.raises(ValueError, match=r"Triton 3\.6 cannot compile the NVFP4 dot_scaled loop for sm_90 \(Triton 3\.8\+"):
+        dispatch.nv_scaled_on(METHODS["sage3"], "sm_90")
+    with pytest.raises(ValueError, match=r"for sm_100 \(Triton 3\.9\+"):
+        dispatch.nv_scaled_on(METHODS["sage3"], "sm_100")
+    monkeypatch.setattr(dispatch, "triton_version", lambda: (3, 9))
+    assert dispatch.nv_scaled_on(METHODS["sage3"], "sm_90") and dispatch.nv_scaled_on(METHODS["sage3"], "sm_100")
+    for other in ("triton", "sm90"):
+        monkeypatch.setenv("FP4VIDEO_NV_KERNEL", other)
+        assert not dispatch.nv_scaled_on(METHODS["sage3"], "sm_100")
+
+
+def test_forcing_the_nvfp4_dot_scaled_loop_in_the_interpreter_is_refused(monkeypatch):
+    """Triton's interpreter reads E4M3 scales as E8M0: asked to run the native NVFP4 loop there
+    (without the tests' decoding fixture), the dispatch refuses rather than compute wrong products."""
+    pytest.importorskip("triton")
+    from fp4video.kernels import dispatch
+    from fp4video.kernels.loop_scaled import interpreter_reads_e4m3_scales
+
+    if torch.cuda.is_available() or interpreter_reads_e4m3_scales():
+        pytest.skip("needs the CPU interpreter as Triton ships it")
+    monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "scaled")
+    with pytest.raises(ValueError, match="interpreter reads dot_scaled's E4M3 scales as E8M0"):
+        dispatch.nv_scaled_on(METHODS["nvfp4"], "interpreter")
 
 
 def test_tma_loop_where_the_gpu_has_tma(monkeypatch):

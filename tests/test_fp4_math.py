@@ -14,7 +14,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from fp4video.kernels.fp4_math import (  # noqa: E402
-    const_div_from, const_div_rn, div6_rn, div_const_rn, e2m1_times_scale, fake_quant_rows, fp8_shift,
+    const_div_from, const_div_rn, div6_rn, div_const_rn, e2m1_times_scale, e4m3_bits, fake_quant_rows, fp8_shift,
     fp8_shift_from_raw_max, mx_block_exponent, newton_recip, nvfp4_block_scale, recip_rn_few_bits,
     round_e2m1_at_scale, round_e2m1_f16x2_odd, round_e2m1_signed)
 from fp4video.kernels.loop_nvfp4 import RCP_P_RANGE  # noqa: E402
@@ -103,6 +103,27 @@ def test_recip_of_e4m3_values_is_correctly_rounded():
     out = torch.empty(n, device=dev)
     _newton_kernel[(1,)](pad(s), pad(s), out, RECIP=True, FAST=dev == "cuda", N=n)
     assert torch.equal(out[: len(s)].cpu(), want)
+
+
+@triton.jit
+def _e4m3_bits_kernel(X, Out, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Out + i, e4m3_bits(tl.load(X + i)))
+
+
+def test_e4m3_bits_of_every_nonnegative_e4m3_value():
+    """The NVFP4 scale bytes the pre-pass and the native loop write: for every E4M3 value >= 0
+    (zero, the seven subnormals, every normal up to 448), the byte torch stores for it."""
+    from fp4video.formats import e4m3_values
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    s = e4m3_values().float()
+    s = torch.unique(s[s >= 0])
+    n = 1 << (len(s) - 1).bit_length()
+    x = torch.cat([s, torch.zeros(n - len(s))]).to(dev)
+    out = torch.empty(n, dtype=torch.uint8, device=dev)
+    _e4m3_bits_kernel[(1,)](x, out, N=n)
+    assert torch.equal(out[: len(s)].cpu(), s.to(torch.float8_e4m3fn).view(torch.uint8))
 
 
 def e2m1_rounding_cases(n_random: int, exponents):

@@ -198,11 +198,71 @@ def test_scaled_kernel_matches_reference_interpreter(method, monkeypatch):
         assert (a - b).abs().max() < 1e-5 and (la - lb).abs().max() < 1e-5, method
 
 
+NV_METHODS = [m for m in METHODS if METHODS[m].qk_format is not None and METHODS[m].qk_format.value == "nvfp4"
+              and METHODS[m].pv_format is not None and METHODS[m].pv_format.value == "nvfp4"]
+
+
+def test_interpreter_dot_scaled_takes_e4m3_scales(e4m3_dot_scaled):
+    """The fixture's decoding: ``tl.dot_scaled`` of NVFP4 operands (packed codes, E4M3 block-16
+    scales from :func:`fp4video.formats.quantize`) equals the product of their dequantized values."""
+    import triton
+    import triton.language as tl
+
+    from fp4video.formats import quantize
+
+    @triton.jit
+    def product(A, AS, B, BS, O, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+        m, n, kk, g = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K // 2), tl.arange(0, K // 16)
+        a = tl.load(A + m[:, None] * (K // 2) + kk[None, :])
+        b = tl.load(B + n[:, None] * (K // 2) + kk[None, :])
+        sa = tl.load(AS + m[:, None] * (K // 16) + g[None, :])
+        sb = tl.load(BS + n[:, None] * (K // 16) + g[None, :])
+        tl.store(O + m[:, None] * N + n[None, :], tl.dot_scaled(a, sa, "e2m1", tl.trans(b), sb, "e2m1"))
+
+    qa, qb = quantize(rand(16, 64, seed=90) * 5, "nvfp4"), quantize(rand(16, 64, seed=91) / 7, "nvfp4")
+    out = torch.empty(16, 16)
+    product[(1,)](qa.codes, qa.scales, qb.codes, qb.scales, out, 16, 16, 64)
+    assert torch.allclose(out, qa.dequantize() @ qb.dequantize().T, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", NV_METHODS)
+def test_scaled_nvfp4_kernel_matches_reference_interpreter(method, monkeypatch, e4m3_dot_scaled):
+    """The native NVFP4 loop (``tl.dot_scaled`` with E4M3 block-16 scales: Blackwell's
+    ``kind::mxf4nvf4``), run by the interpreter: equal to the reference and to the bf16 NVFP4 loop
+    (same codes, same scales; fp32 sums in another order) on every row, with and without a
+    key-padding mask, odd lengths, a value head dim that is not a power of two, and sharp logits."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test; the GPU test covers this on CUDA")
+    from fp4video.kernels import dispatch
+    from fp4video.metrics import row_cosine
+
+    q, k, v = rand(1, 2, 70, 64, seed=80), rand(1, 2, 200, 64, seed=81) + 0.4, rand(1, 2, 200, 40, seed=82)
+    mask = rand(1, 1, 1, 200, seed=83) > -0.8
+    for qs, m in ((q, None), (q, mask), (q * 6, mask)):  # * 6: sharp softmax rows
+        monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "scaled")
+        assert dispatch.prepare(qs, k, v, METHODS[method], None)[0] == "scaled"  # the native loop runs
+        a, la = fp4_attention(qs, k, v, method=method, attn_mask=m, return_lse=True, backend="reference")
+        b, lb = fp4_attention(qs, k, v, method=method, attn_mask=m, return_lse=True, backend="triton")
+        monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "triton")
+        c, lc = fp4_attention(qs, k, v, method=method, attn_mask=m, return_lse=True, backend="triton")
+        assert (a - b).abs().max() < 1e-5 and (la - lb).abs().max() < 1e-5, method
+        assert (b - c).abs().max() < 1e-5 and (lb - lc).abs().max() < 1e-5, method
+        assert row_cosine(a, b).min() > 0.99999, method
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["mxattn", "mxfp4-ocp"])
+@pytest.mark.parametrize("method", ["mxattn", "mxfp4-ocp", *NV_METHODS])
 def test_scaled_kernel_matches_reference_gpu(method, monkeypatch):
-    """The dot_scaled kernel on this GPU (native FP4 on Blackwell, emulated by Triton on Hopper)."""
+    """The dot_scaled kernel on this GPU (native FP4 on Blackwell, emulated by Triton on Hopper),
+    MXFP4 and NVFP4 (where this Triton compiles the NVFP4 form for this GPU: 3.8+ emulated, 3.9+ on sm_100)."""
+    from fp4video.kernels import dispatch
+
     monkeypatch.setenv("FP4VIDEO_MX_KERNEL", "scaled")
+    monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "scaled")
+    try:
+        dispatch.nv_scaled(METHODS[method], torch.device("cuda"))
+    except ValueError as e:
+        pytest.skip(str(e))
     q, k, v = (rand(1, 4, 1000, 128, seed=s, device="cuda", dtype=torch.bfloat16) for s in (68, 69, 70))
     mask = rand(1, 1, 1, 1000, seed=71, device="cuda") > -1.0
     a, la = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="reference")

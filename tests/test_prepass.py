@@ -148,6 +148,43 @@ def test_prepass_packed_equals_reference(method, device):
     assert torch.equal(gv[..., :150, :48], rv[..., :150, :48]) and not gv[..., 150:, :].any()
 
 
+def _unpack_nv(rows, n, g):
+    """Independent decode of NVFP4 rows as the native NVFP4 loop reads them: ``n`` values of packed
+    E2M1 codes, then their E4M3 block-16 scale bytes, times the head's tensor scale ``g`` (B, H)."""
+    rows = rows.cpu()
+    codes, scales = rows[..., : n // 2], rows[..., n // 2:]
+    vals = torch.stack([_LUT[(codes & 15).long()], _LUT[(codes >> 4).long()]], -1).flatten(-2)
+    return vals * scales.view(torch.float8_e4m3fn).float().repeat_interleave(16, -1) * g.cpu()[..., None, None]
+
+
+@pytest.mark.parametrize("method", ["nvfp4", "sage3", "sage3-hpnq"])
+def test_prepass_packed_nvfp4_equals_reference(method, device):
+    """NVFP4 packed (codes, then E4M3 block-16 scale bytes, per row; the heads' tensor scales)
+    decodes to the reference's Q̂, K̂ (smoothed for sage3, rotated for sage3-hpnq), V̂ᵀ: bit for bit
+    (the rotation on the GPU: a few elements may sit one grid step over), V padded with zeros."""
+    from fp4video.kernels.prepass import prepass_packed
+    from fp4video.reference import prepare_qkv
+
+    dev = device
+    recipe = METHODS[method]
+    q, k, v = rand(2, 2, 45, 80, seed=70, device=dev) * 3, rand(2, 2, 150, 80, seed=71, device=dev) * 40 + 9, \
+        rand(2, 2, 150, 48, seed=72, device=dev) * 1e-3
+    alive = rand(2, 150, seed=73, device=dev) > -1.0
+    rq, rk, rv = (t.cpu() for t in prepare_qkv(q, k, v, recipe, key_alive=alive[:, None, :]))
+    q4, k4, v4t, g_q, g_k, g_v = prepass_packed(q, k, v, recipe, alive)
+    d, sk_pad = q4.shape[-1] * 16 // 9, v4t.shape[-1] * 16 // 9
+    assert q4.dtype == k4.dtype == v4t.dtype == torch.uint8 and sk_pad % 128 == 0 and d % 16 == 0
+    gq, gk = _unpack_nv(q4, d, g_q), _unpack_nv(k4, d, g_k)
+    gv = _unpack_nv(v4t, sk_pad, g_v).transpose(-1, -2)
+    dp = rq.shape[-1]
+    if recipe.hadamard and dev == "cuda":
+        assert (gq[..., :dp] != rq).float().mean() < 5e-3 and (gk[..., :dp] != rk[..., :150, :]).float().mean() < 5e-3
+    else:
+        assert torch.equal(gq[..., :dp], rq) and torch.equal(gk[..., :dp], rk[..., :150, :])
+    assert torch.equal(gv[..., :150, :48], rv[..., :150, :48]) and not gv[..., 150:, :].any()
+    assert not gq[..., dp:].any() and not gk[..., dp:].any()
+
+
 @pytest.mark.parametrize("method", ["mxattn", "mxattn-sk"])
 @pytest.mark.parametrize("k_tile_order", [False, True])
 def test_prepass_row_launch_forms_change_nothing(method, k_tile_order, device):
