@@ -312,24 +312,26 @@ def test_caches_keep_the_step_and_record_what_they_skip(cache):
         assert {site for (s, site) in per_step if s == step} == sites
 
 
-@pytest.mark.parametrize("family", ["ltx", "skyreels", "vace"])
+@pytest.mark.parametrize("family", ["ltx", "skyreels", "vace", "sana"])
 def test_tiny_pipelines_fp16_is_stock_and_steps_are_tracked(family):
     """The embedded tiny pipelines beyond Wan and HunyuanVideo (`generate --model tiny` with
-    `family: ltx | skyreels | vace`): fp16 through fp4video is the stock video bit for bit, the
-    policy sees each denoising step, and the FP4 step changes the video."""
-    from fp4video.integration.tiny import TINY_LTX_CALL, tiny_pipeline, tiny_sizes
+    `family: ltx | skyreels | vace | sana`), called as `generate` calls them: fp16 through fp4video
+    is the stock video bit for bit, the policy sees each denoising step, and the FP4 step changes
+    the video."""
+    from fp4video.integration.config import RunConfig
+    from fp4video.integration.pipelines import pipeline_kwargs
+    from fp4video.integration.tiny import tiny_pipeline, tiny_sizes
 
     pipe = tiny_pipeline(family)
-    sz = tiny_sizes(family)
-    extra = TINY_LTX_CALL if family == "ltx" else {}
+    cfg = RunConfig(model="tiny", family=family, **{**tiny_sizes(family), "steps": 2}, guidance_scale=3.0)
 
     def run():
-        return pipe(prompt="a cat", negative_prompt="", height=sz["height"], width=sz["width"], num_frames=sz["frames"],
-                    num_inference_steps=2, guidance_scale=3.0, output_type="np",
-                    generator=torch.Generator().manual_seed(0), **extra).frames[0]
+        return pipe(**pipeline_kwargs(cfg, "a cat", torch.device("cpu"))).frames[0]
 
     stock = run()
-    ctx = install(pipe, Policy.model_validate({"method": "fp16", "rules": [{"method": "mxattn", "steps": {"last": 1}}]}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sana-video's linear self-attention stays (test_linear_attention_...)
+        ctx = install(pipe, Policy.model_validate({"method": "fp16", "rules": [{"method": "mxattn", "steps": {"last": 1}}]}))
     try:
         out = run()
     finally:
@@ -339,7 +341,9 @@ def test_tiny_pipelines_fp16_is_stock_and_steps_are_tracked(family):
     if family == "vace":  # the control branch's blocks are routed too
         assert {c["site"].split(".")[0] for c in ctx.calls} == {"blocks", "vace_blocks"}
     assert out.shape == stock.shape and abs(out - stock).max() > 0
-    install(pipe, "fp16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        install(pipe, "fp16")
     try:
         assert abs(run() - stock).max() == 0
     finally:

@@ -71,7 +71,7 @@ def install(pipe, policy: Policy | str | None = None, *, backend: str = "auto", 
                           "attention); the policy covers the others (AttentionContext.unrouted lists them)", stacklevel=2)
     for (expert, model), sites in zip(models, all_sites):
         routed = route(model, sites, ctx)  # (the routing knows each site's block: no annotation)
-        hook = model.register_forward_pre_hook(_step_hook(pipe, ctx, expert))
+        hook = model.register_forward_pre_hook(_step_hook(pipe, ctx, expert), with_kwargs=True)
         model._fp4video_saved = (routed, hook)
     pipe._fp4video_context = ctx
     return ctx
@@ -132,13 +132,18 @@ def _unrouted(model: torch.nn.Module) -> dict[str, str]:
 def _step_hook(pipe, ctx: AttentionContext, expert):
     """Before each transformer call: the denoising step is the position of the pipeline's current
     timestep in its scheduler's schedule (right under classifier-free guidance, which calls the
-    transformer twice per step, and with two experts). Warns once per schedule length about step
-    rules that cover every step or none."""
+    transformer twice per step, and with two experts). The current timestep is the pipeline's
+    ``_current_timestep`` or, for pipelines that keep none (Sana-Video), the ``timestep`` the
+    transformer is called with; one found in neither, or not in the schedule (a rescaled one),
+    leaves the step unknown (None). Warns once per schedule length about step rules that cover
+    every step or none."""
     warned = set()
 
-    def hook(module, args):
+    def hook(module, args, kwargs):
         ctx.expert = expert
         t = getattr(pipe, "_current_timestep", None)
+        if t is None:
+            t = kwargs.get("timestep")
         scheduler = getattr(pipe, "scheduler", None)
         if t is None or scheduler is None or getattr(scheduler, "timesteps", None) is None:
             ctx.step = ctx.num_steps = None
@@ -151,5 +156,6 @@ def _step_hook(pipe, ctx: AttentionContext, expert):
             warned.add(ctx.num_steps)
             for msg in ctx.policy.step_warnings(ctx.num_steps):
                 warnings.warn(f"fp4video policy: {msg}", stacklevel=2)
+        return None
 
     return hook

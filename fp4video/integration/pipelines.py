@@ -51,8 +51,14 @@ def pipeline_kwargs(cfg: RunConfig, prompt: str, device: torch.device) -> dict:
         generator=torch.Generator(device="cpu").manual_seed(cfg.seed),
         output_type="np",
     )
-    if cfg.family in ("wan", "ltx", "skyreels", "vace"):
+    if cfg.family in ("wan", "ltx", "skyreels", "vace", "sana"):
         kw["negative_prompt"] = cfg.negative_prompt
+    if cfg.family == "sana":  # SanaVideoPipeline names the frame count `frames`
+        kw["frames"] = kw.pop("num_frames")
+    if cfg.family == "sana" and cfg.model == "tiny":
+        from .tiny import TINY_SANA_CALL
+
+        kw.update(TINY_SANA_CALL)
     if cfg.family == "ltx" and cfg.model == "tiny":
         from .tiny import TINY_LTX_CALL
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["TINY_SIZES", "tiny_wan_pipeline", "tiny_wan_i2v_pipeline", "tiny_hunyuan_pipeline", "tiny_ltx_pipeline",
-           "tiny_skyreels_pipeline", "tiny_vace_pipeline", "tiny_pipeline", "tiny_sizes", "tiny_tokenizer"]
+           "tiny_skyreels_pipeline", "tiny_vace_pipeline", "tiny_sana_pipeline", "tiny_pipeline", "tiny_sizes",
+           "tiny_tokenizer"]
 
 #: Generation sizes used with the tiny models (the YAML's sizes are for the real model).
 #: 96×160, 17 frames -> latent 5 × 12 × 20 -> 300 video tokens after the (1, 2, 2) patch.
@@ -112,6 +113,27 @@ def tiny_vace_pipeline(*, head_dim: int = 64, seed: int = 0):
     return WanVACEPipeline(**parts, transformer=transformer)
 
 
+def tiny_sana_pipeline(*, head_dim: int = 64, seed: int = 0):
+    """Sana-Video text-to-video: 2 blocks (linear self-attention, which fp4video leaves as it is, and
+    cross-attention to the text), a tiny Gemma2 text encoder, the tiny Wan VAE (one of the VAEs the
+    pipeline takes)."""
+    from diffusers import DPMSolverMultistepScheduler, SanaVideoPipeline, SanaVideoTransformer3DModel
+    from transformers import Gemma2Config, Gemma2Model
+
+    vae = _tiny_wan_parts(seed)["vae"]
+    torch.manual_seed(seed + 1)
+    text_encoder = Gemma2Model(Gemma2Config(
+        vocab_size=len(_VOCAB), hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=512)).eval()
+    transformer = SanaVideoTransformer3DModel(
+        in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=head_dim, num_layers=2,
+        num_cross_attention_heads=2, cross_attention_head_dim=head_dim, cross_attention_dim=2 * head_dim,
+        caption_channels=32, sample_size=16, patch_size=(1, 2, 2)).eval()
+    scheduler = DPMSolverMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    return SanaVideoPipeline(tokenizer=tiny_tokenizer(), text_encoder=text_encoder, vae=vae, transformer=transformer,
+                             scheduler=scheduler)
+
+
 def tiny_hunyuan_transformer(seed: int = 0, head_dim: int = 64):
     from diffusers import HunyuanVideoTransformer3DModel
 
@@ -178,7 +200,8 @@ def tiny_pipeline(family: str, task: str = "t2v"):
             raise ValueError(f"the tiny {family} model is text-to-video (task: t2v); the tiny i2v model is Wan's")
         return tiny_wan_i2v_pipeline()
     builders = {"wan": lambda: tiny_wan_pipeline(two_experts=True), "hunyuan": tiny_hunyuan_pipeline,
-                "ltx": tiny_ltx_pipeline, "skyreels": tiny_skyreels_pipeline, "vace": tiny_vace_pipeline}
+                "ltx": tiny_ltx_pipeline, "skyreels": tiny_skyreels_pipeline, "vace": tiny_vace_pipeline,
+                "sana": tiny_sana_pipeline}
     if family not in builders:
         raise ValueError(f"no tiny model for family {family!r}; tiny models: {', '.join(builders)}")
     return builders[family]()
@@ -191,6 +214,11 @@ def tiny_sizes(family: str) -> dict:
 
 #: The tiny LTX-Video model's text length (its tokenizer spells prompts letter by letter).
 TINY_LTX_CALL = {"max_sequence_length": 32}
+
+#: The tiny Sana-Video model: a short text (letter by letter), no instruction prefix for its Gemma
+#: (the real one's chat-style prefix assumes its tokenizer), no resolution binning (its bins are for
+#: the real model's sample sizes).
+TINY_SANA_CALL = {"max_sequence_length": 32, "complex_human_instruction": None, "use_resolution_binning": False}
 
 #: HunyuanVideo's default prompt template assumes its Llama tokenizer; the tiny model uses none.
 TINY_HUNYUAN_CALL = {"prompt_template": {"template": "{}", "crop_start": 0}, "max_sequence_length": 48}
