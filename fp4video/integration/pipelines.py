@@ -9,15 +9,26 @@ import torch
 
 from .config import RunConfig
 
-__all__ = ["load_pipeline", "pipeline_kwargs"]
+__all__ = ["load_pipeline", "configure_pipeline", "pipeline_kwargs"]
 
 
 def load_pipeline(cfg: RunConfig, device: torch.device):
     if cfg.model == "tiny":
         from .tiny import tiny_pipeline
 
-        return tiny_pipeline(cfg.family, cfg.task).to(device)
-    return _from_pretrained(cfg.model, device)
+        return configure_pipeline(tiny_pipeline(cfg.family, cfg.task), cfg).to(device)
+    return configure_pipeline(_from_pretrained(cfg.model, device), cfg)
+
+
+def configure_pipeline(pipe, cfg: RunConfig):
+    """What the run config sets on the pipeline rather than in its call: HunyuanVideo-1.5 takes its
+    guidance scale from its guider (its call has no ``guidance_scale``)."""
+    if cfg.family == "hunyuan15":
+        guider = getattr(pipe, "guider", None)
+        if guider is None:
+            raise ValueError("family hunyuan15: the pipeline has no guider to take guidance_scale")
+        pipe.guider = guider.new(guidance_scale=cfg.guidance_scale)
+    return pipe
 
 
 def _from_pretrained(model: str, device: torch.device):
@@ -51,7 +62,9 @@ def pipeline_kwargs(cfg: RunConfig, prompt: str, device: torch.device) -> dict:
         generator=torch.Generator(device="cpu").manual_seed(cfg.seed),
         output_type="np",
     )
-    if cfg.family in ("wan", "ltx", "skyreels", "vace", "sana"):
+    if cfg.family == "hunyuan15":  # its guider holds the scale (configure_pipeline)
+        del kw["guidance_scale"]
+    if cfg.family in ("wan", "ltx", "skyreels", "vace", "sana", "hunyuan15"):
         kw["negative_prompt"] = cfg.negative_prompt
     if cfg.family == "sana":  # SanaVideoPipeline names the frame count `frames`
         kw["frames"] = kw.pop("num_frames")

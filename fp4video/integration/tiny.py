@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["TINY_SIZES", "tiny_wan_pipeline", "tiny_wan_i2v_pipeline", "tiny_hunyuan_pipeline", "tiny_ltx_pipeline",
-           "tiny_skyreels_pipeline", "tiny_vace_pipeline", "tiny_sana_pipeline", "tiny_pipeline", "tiny_sizes",
+           "tiny_skyreels_pipeline", "tiny_vace_pipeline", "tiny_sana_pipeline", "tiny_hunyuan15_pipeline", "tiny_pipeline", "tiny_sizes",
            "tiny_tokenizer"]
 
 #: Generation sizes used with the tiny models (the YAML's sizes are for the real model).
@@ -134,6 +134,40 @@ def tiny_sana_pipeline(*, head_dim: int = 64, seed: int = 0):
                              scheduler=scheduler)
 
 
+def tiny_hunyuan15_pipeline(*, head_dim: int = 64, seed: int = 0):
+    """HunyuanVideo-1.5 text-to-video: 2 joint blocks and a token refiner, a tiny Qwen2.5-VL text
+    model (its chat template reduced to the messages' text) and a tiny ByT5 encoder, the tiny
+    HunyuanVideo-1.5 VAE (16× in space, 4× in time). The text lengths and the template's crop are
+    the tiny model's (the real ones are 1,000 + 108 and 256 tokens)."""
+    from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
+                           HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        vocab_size=len(_VOCAB), hidden_size=16, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=2048, bos_token_id=1, eos_token_id=1,
+        rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})).eval()
+    text_encoder_2 = T5EncoderModel(T5Config(vocab_size=384, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2,
+                                             relative_attention_num_buckets=8)).eval()
+    vae = AutoencoderKLHunyuanVideo15(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,) * 5,
+                                      layers_per_block=1, spatial_compression_ratio=16,
+                                      temporal_compression_ratio=4).eval()
+    torch.manual_seed(seed + 1)
+    transformer = HunyuanVideo15Transformer3DModel(
+        in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=head_dim, num_layers=2,
+        num_refiner_layers=1, text_embed_dim=16, text_embed_2_dim=8, image_embed_dim=12,
+        rope_axes_dim=(head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8), task_type="t2v").eval()
+    pipe = HunyuanVideo15Pipeline(
+        text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=text_encoder_2, tokenizer_2=ByT5Tokenizer(),
+        guider=ClassifierFreeGuidance(guidance_scale=3.0))
+    pipe.tokenizer_max_length, pipe.prompt_template_encode_start_idx, pipe.tokenizer_2_max_length = 32, 0, 16
+    return pipe
+
+
 def tiny_hunyuan_transformer(seed: int = 0, head_dim: int = 64):
     from diffusers import HunyuanVideoTransformer3DModel
 
@@ -201,7 +235,7 @@ def tiny_pipeline(family: str, task: str = "t2v"):
         return tiny_wan_i2v_pipeline()
     builders = {"wan": lambda: tiny_wan_pipeline(two_experts=True), "hunyuan": tiny_hunyuan_pipeline,
                 "ltx": tiny_ltx_pipeline, "skyreels": tiny_skyreels_pipeline, "vace": tiny_vace_pipeline,
-                "sana": tiny_sana_pipeline}
+                "sana": tiny_sana_pipeline, "hunyuan15": tiny_hunyuan15_pipeline}
     if family not in builders:
         raise ValueError(f"no tiny model for family {family!r}; tiny models: {', '.join(builders)}")
     return builders[family]()
