@@ -311,12 +311,32 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
                               **launch)
     if path == "nvfp4":
         qh, kh, vh, sk = tensors
-        if recipe.pv_format is not Format.E4M3 and nv_kernel(qh, vh, launch_given=any(launch.values())) == "sm90":
+        if _nv_loop(recipe, qh, vh, any(launch.values())) == "loop_nvfp4_sm90":
             return _gluon_nvfp4().attention_nvfp4_sm90(qh, kh, vh, key_alive, sk=sk, recipe=recipe, scale=scale,
                                                        out_dtype=out_dtype)
         return attention_nvfp4(qh, kh, vh, key_alive, sk=sk, recipe=recipe, scale=scale, out_dtype=out_dtype, **launch)
     qh, kh, vh = tensors
     return attention_bf16(qh, kh, vh, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, **launch)
+
+
+def _nv_loop(recipe: AttentionRecipe, qh, vh, launch_given: bool) -> str:
+    """The NVFP4 16-bit loop for these pre-pass outputs: the Gluon ping-pong or the Triton one."""
+    if recipe.pv_format is not Format.E4M3 and nv_kernel(qh, vh, launch_given=launch_given) == "sm90":
+        return "loop_nvfp4_sm90"
+    return "loop_nvfp4"
+
+
+#: the loop module of each pre-pass path (the NVFP4 path: :func:`_nv_loop`)
+LOOP_OF_PATH = {"scaled": "loop_scaled", "fp8": "loop_e4m3", "work": "loop_bf16"}
+
+
+def loop_module(q, k, v, recipe: AttentionRecipe, key_alive=None) -> str:
+    """Which loop module (``kernels/loop_*.py``) the dispatch runs this call with: runs the
+    pre-pass to know (whether V fits the e4m3 loop's window depends on the data)."""
+    path, tensors = prepare(q, k, v, recipe, key_alive)
+    if path == "nvfp4":
+        return _nv_loop(recipe, tensors[0], tensors[2], False)
+    return LOOP_OF_PATH[path]
 
 
 def uses_fp8(recipe: AttentionRecipe, device: torch.device) -> bool:

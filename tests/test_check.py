@@ -23,10 +23,12 @@ def test_check_command_end_to_end_on_the_interpreter(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["ok"] and [m["method"] for m in report["methods"]] == ["mxattn", "sage3-pv8"]
+    # which loop ran, as the dispatch chose it (the interpreter: the e4m3 loop, the NVFP4 one)
+    assert [m["loop"] for m in report["methods"]] == ["loop_e4m3", "loop_nvfp4"]
     for m in report["methods"]:
         assert set(m["accuracy"]) == {"gaussian", "sharp (t=4)", "outlier channels", "attention sinks",
                                       "V outlier tokens"}
-    assert "| mxattn |" in proc.stdout and "all methods pass" in proc.stdout
+    assert "| mxattn | loop_e4m3 |" in proc.stdout and "all methods pass" in proc.stdout
 
 
 def test_check_without_interpreter_on_cpu_says_what_to_do():

@@ -40,6 +40,7 @@ def row_bounds(method: str, distribution: str) -> tuple[float, float]:
 @dataclass
 class MethodCheck:
     method: str
+    loop: str | None = None  # the kernels' loop module the dispatch ran (loop_scaled: the native FP4 MMAs)
     accuracy: dict = field(default_factory=dict)  # distribution -> {rows_off, worst_row, lse_worst, ok}
     ms: float | None = None
     x_best_bf16: float | None = None
@@ -82,6 +83,11 @@ def run_check(methods, *, device="cuda", heads: int = 4, sq: int = 1000, sk: int
         q, k, v = make_inputs(DISTRIBUTIONS[dist], heads=heads, sq=sq, sk=sk, head_dim=head_dim, device=dev,
                               dtype=torch.bfloat16)
         try:
+            if c.loop is None:
+                from ..kernels.dispatch import loop_module
+                from ..recipe import get_recipe
+
+                c.loop = loop_module(q, k, v, get_recipe(c.method))
             finite, off, worst, lse = _accuracy(c.method, q, k, v, mask)
         except Exception as e:  # a kernel that cannot compile or launch here: the report must say so
             c.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -160,8 +166,8 @@ def format_check(report: dict) -> str:
              f"> {ROW_OFF:.0%} / worst row", ""]
     dists = list(CHECK_DISTRIBUTIONS)
     timing = report.get("timing") or {}
-    lines.append("| method | " + " | ".join(dists) + " | ms | × best bf16 | ok |")
-    lines.append("|" + " --- |" * (len(dists) + 4))
+    lines.append("| method | loop | " + " | ".join(dists) + " | ms | × best bf16 | ok |")
+    lines.append("|" + " --- |" * (len(dists) + 5))
     for m in report["methods"]:
         cells = []
         for dist in dists:
@@ -169,9 +175,10 @@ def format_check(report: dict) -> str:
             cells.append("–" if a is None else f"{a['rows_off']:.1%} / {a['worst_row']:.3f}" + ("" if a["ok"] else " ✗"))
         ms = "" if m["ms"] is None else f"{m['ms']:.2f}"
         x = "" if m["x_best_bf16"] is None else f"{m['x_best_bf16']:.2f}"
-        lines.append(f"| {m['method']} | " + " | ".join(cells) + f" | {ms} | {x} | {'yes' if m['ok'] else 'NO'} |")
+        lines.append(f"| {m['method']} | {m.get('loop') or '–'} | " + " | ".join(cells)
+                     + f" | {ms} | {x} | {'yes' if m['ok'] else 'NO'} |")
         if m["error"]:
-            lines.append(f"|  | error: {m['error']} |" + " |" * (len(dists) + 2))
+            lines.append(f"|  |  | error: {m['error']} |" + " |" * (len(dists) + 2))
     if timing:
         lines += ["", f"timing ({timing['shape']}):"]
         lines += [f"- {n}: {'failed' if t is None else f'{t:.2f} ms'}" for n, t in timing["ms"].items()]
