@@ -312,10 +312,10 @@ def test_caches_keep_the_step_and_record_what_they_skip(cache):
         assert {site for (s, site) in per_step if s == step} == sites
 
 
-@pytest.mark.parametrize("family", ["ltx", "skyreels", "vace", "sana", "hunyuan15"])
+@pytest.mark.parametrize("family", ["ltx", "skyreels", "vace", "sana", "hunyuan15", "kandinsky5"])
 def test_tiny_pipelines_fp16_is_stock_and_steps_are_tracked(family):
     """The embedded tiny pipelines beyond Wan and HunyuanVideo (`generate --model tiny` with
-    `family: ltx | skyreels | vace | sana | hunyuan15`), called as `generate` calls them: fp16 through fp4video
+    `family: ltx | skyreels | vace | sana | hunyuan15 | kandinsky5`), called as `generate` calls them: fp16 through fp4video
     is the stock video bit for bit, the policy sees each denoising step, and the FP4 step changes
     the video."""
     from fp4video.integration.config import RunConfig

@@ -31,7 +31,7 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
     model: str = Field("tiny", description='"tiny" (embedded random model), a local folder or a hub id')
-    family: Literal["wan", "hunyuan", "hunyuan15", "ltx", "skyreels", "vace", "sana"] = Field(
+    family: Literal["wan", "hunyuan", "hunyuan15", "ltx", "skyreels", "vace", "sana", "kandinsky5"] = Field(
         "wan", description="the pipeline's family: the tiny model `--model tiny` embeds, and the call's arguments")
     task: Literal["t2v", "i2v"] = "t2v"
     height: int = Field(480, gt=0, multiple_of=16)

@@ -64,7 +64,7 @@ def pipeline_kwargs(cfg: RunConfig, prompt: str, device: torch.device) -> dict:
     )
     if cfg.family == "hunyuan15":  # its guider holds the scale (configure_pipeline)
         del kw["guidance_scale"]
-    if cfg.family in ("wan", "ltx", "skyreels", "vace", "sana", "hunyuan15"):
+    if cfg.family in ("wan", "ltx", "skyreels", "vace", "sana", "hunyuan15", "kandinsky5"):
         kw["negative_prompt"] = cfg.negative_prompt
     if cfg.family == "sana":  # SanaVideoPipeline names the frame count `frames`
         kw["frames"] = kw.pop("num_frames")
@@ -72,6 +72,10 @@ def pipeline_kwargs(cfg: RunConfig, prompt: str, device: torch.device) -> dict:
         from .tiny import TINY_SANA_CALL
 
         kw.update(TINY_SANA_CALL)
+    if cfg.family == "kandinsky5" and cfg.model == "tiny":
+        from .tiny import TINY_KANDINSKY5_CALL
+
+        kw.update(TINY_KANDINSKY5_CALL)
     if cfg.family == "ltx" and cfg.model == "tiny":
         from .tiny import TINY_LTX_CALL
 

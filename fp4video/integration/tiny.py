@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["TINY_SIZES", "tiny_wan_pipeline", "tiny_wan_i2v_pipeline", "tiny_hunyuan_pipeline", "tiny_ltx_pipeline",
-           "tiny_skyreels_pipeline", "tiny_vace_pipeline", "tiny_sana_pipeline", "tiny_hunyuan15_pipeline", "tiny_pipeline", "tiny_sizes",
+           "tiny_skyreels_pipeline", "tiny_vace_pipeline", "tiny_sana_pipeline", "tiny_hunyuan15_pipeline", "tiny_kandinsky5_pipeline",
+           "tiny_pipeline", "tiny_sizes",
            "tiny_tokenizer"]
 
 #: Generation sizes used with the tiny models (the YAML's sizes are for the real model).
@@ -181,24 +182,76 @@ def tiny_hunyuan_transformer(seed: int = 0, head_dim: int = 64):
 
 def tiny_hunyuan_pipeline(*, head_dim: int = 64, seed: int = 0):
     """HunyuanVideo T2V: 1 dual- and 1 single-stream block, a token refiner, a text padding mask."""
-    from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
-    from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
+    from transformers import LlamaConfig, LlamaModel
 
     torch.manual_seed(seed)
-    vae = AutoencoderKLHunyuanVideo(
+    vae = _tiny_hunyuan_vae()
+    llama = LlamaModel(LlamaConfig(vocab_size=len(_VOCAB), hidden_size=16, intermediate_size=37, num_hidden_layers=3,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256)).eval()
+    return HunyuanVideoPipeline(text_encoder=llama, tokenizer=tiny_tokenizer(), transformer=tiny_hunyuan_transformer(seed + 1, head_dim),
+                                vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=_tiny_clip_text(),
+                                tokenizer_2=tiny_tokenizer())
+
+
+def _fill_zero_parameters(model, seed: int) -> None:
+    """Small random values in the parameters a model initializes to zero (output projections, gate
+    modulations): at zero the attention would not reach the output, and a random tiny model could not
+    show what a method changes."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.any():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def _tiny_hunyuan_vae():
+    """HunyuanVideo's causal video VAE, 8× in space and 4× in time, 4 latent channels."""
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    return AutoencoderKLHunyuanVideo(
         in_channels=3, out_channels=3, latent_channels=4,
         down_block_types=("HunyuanVideoDownBlock3D",) * 4, up_block_types=("HunyuanVideoUpBlock3D",) * 4,
         block_out_channels=(8, 8, 8, 8), layers_per_block=1, act_fn="silu", norm_num_groups=4,
         scaling_factor=0.476986, spatial_compression_ratio=8, temporal_compression_ratio=4, mid_block_add_attention=True,
     ).eval()
-    llama = LlamaModel(LlamaConfig(vocab_size=len(_VOCAB), hidden_size=16, intermediate_size=37, num_hidden_layers=3,
-                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256)).eval()
-    clip = CLIPTextModel(CLIPTextConfig(vocab_size=len(_VOCAB), hidden_size=8, intermediate_size=37, num_hidden_layers=2,
+
+
+def _tiny_clip_text():
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    return CLIPTextModel(CLIPTextConfig(vocab_size=len(_VOCAB), hidden_size=8, intermediate_size=37, num_hidden_layers=2,
                                         num_attention_heads=2, max_position_embeddings=77, projection_dim=8,
                                         pad_token_id=0, bos_token_id=1, eos_token_id=1)).eval()
-    return HunyuanVideoPipeline(text_encoder=llama, tokenizer=tiny_tokenizer(), transformer=tiny_hunyuan_transformer(seed + 1, head_dim),
-                                vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=clip,
-                                tokenizer_2=tiny_tokenizer())
+
+
+def tiny_kandinsky5_pipeline(*, seed: int = 0):
+    """Kandinsky 5 text-to-video: 1 text and 2 visual blocks, a tiny Qwen2.5-VL (its prompt template
+    the tiny model's: a short prefix, nothing cropped), a tiny CLIP text encoder, the tiny
+    HunyuanVideo VAE (the VAE its pipeline takes)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5T2VPipeline, Kandinsky5Transformer3DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vae = _tiny_hunyuan_vae()
+    text = dict(vocab_size=len(_VOCAB), hidden_size=16, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=2048, bos_token_id=1, eos_token_id=1,
+                rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, vocab_size=len(_VOCAB), image_token_id=2, video_token_id=2,
+        vision_start_token_id=2)).eval()
+    torch.manual_seed(seed + 1)
+    transformer = Kandinsky5Transformer3DModel(
+        in_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=32, out_visual_dim=4, model_dim=64, ff_dim=64,
+        num_text_blocks=1, num_visual_blocks=2, axes_dims=(8, 12, 12)).eval()
+    _fill_zero_parameters(transformer, seed + 2)  # its output and modulation layers start at zero
+    pipe = Kandinsky5T2VPipeline(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tiny_tokenizer(),
+                                 text_encoder_2=_tiny_clip_text(), tokenizer_2=tiny_tokenizer(),
+                                 scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))
+    pipe.prompt_template, pipe.prompt_template_encode_start_idx = "video: {}", 0
+    return pipe
 
 
 def tiny_ltx_pipeline(*, head_dim: int = 64, seed: int = 0):
@@ -235,7 +288,7 @@ def tiny_pipeline(family: str, task: str = "t2v"):
         return tiny_wan_i2v_pipeline()
     builders = {"wan": lambda: tiny_wan_pipeline(two_experts=True), "hunyuan": tiny_hunyuan_pipeline,
                 "ltx": tiny_ltx_pipeline, "skyreels": tiny_skyreels_pipeline, "vace": tiny_vace_pipeline,
-                "sana": tiny_sana_pipeline, "hunyuan15": tiny_hunyuan15_pipeline}
+                "sana": tiny_sana_pipeline, "hunyuan15": tiny_hunyuan15_pipeline, "kandinsky5": tiny_kandinsky5_pipeline}
     if family not in builders:
         raise ValueError(f"no tiny model for family {family!r}; tiny models: {', '.join(builders)}")
     return builders[family]()
@@ -253,6 +306,9 @@ TINY_LTX_CALL = {"max_sequence_length": 32}
 #: (the real one's chat-style prefix assumes its tokenizer), no resolution binning (its bins are for
 #: the real model's sample sizes).
 TINY_SANA_CALL = {"max_sequence_length": 32, "complex_human_instruction": None, "use_resolution_binning": False}
+
+#: The tiny Kandinsky 5 model's text length (letter by letter).
+TINY_KANDINSKY5_CALL = {"max_sequence_length": 32}
 
 #: HunyuanVideo's default prompt template assumes its Llama tokenizer; the tiny model uses none.
 TINY_HUNYUAN_CALL = {"prompt_template": {"template": "{}", "crop_start": 0}, "max_sequence_length": 48}
