@@ -249,6 +249,34 @@ def mx_pack_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, QB: tl.constexpr, OC
 
 
 @triton.jit
+def e2m1_pack_hw(lo, hi):
+    """E2M1 codes of ``lo`` and ``hi`` (fp32 >= 0, in units of the block scale) packed in one byte
+    per pair, ``lo`` in the low nibble, by Blackwell's conversion (``cvt.rn.satfinite.e2m1x2.f32``,
+    sm_100+ only; the value of its first source goes to the upper nibble): round to nearest even,
+    saturating at 6 — :func:`round_e2m1_at_scale` at unit 1 and :func:`e2m1_magnitude_codes`, bit
+    for bit, in half an instruction per element."""
+    asm: tl.constexpr = ("{ .reg .b8 c0, c1, c2, c3; "
+                         "cvt.rn.satfinite.e2m1x2.f32 c0, $5, $1; cvt.rn.satfinite.e2m1x2.f32 c1, $6, $2; "
+                         "cvt.rn.satfinite.e2m1x2.f32 c2, $7, $3; cvt.rn.satfinite.e2m1x2.f32 c3, $8, $4; "
+                         "mov.b32 $0, {c0, c1, c2, c3}; }")
+    return tl.inline_asm_elementwise(asm, "=r,r,r,r,r,r,r,r,r", [lo, hi], dtype=tl.uint8, is_pure=True, pack=4)
+
+
+@triton.jit
+def e2m1_pair_sums_hw(packed):
+    """The sum of each byte's two E2M1 values (:func:`e2m1_pack_hw`'s output) as fp16, exact (grid
+    values up to 6), by Blackwell's conversion back (``cvt.rn.f16x2.e2m1x2``, sm_100+)."""
+    asm: tl.constexpr = ("{ .reg .b8 c0, c1, c2, c3; .reg .b32 h0, h1, h2, h3; .reg .f16 a0, b0, a1, b1, a2, b2, a3, b3; "
+                         ".reg .f16 s0, s1, s2, s3; mov.b32 {c0, c1, c2, c3}, $2; "
+                         "cvt.rn.f16x2.e2m1x2 h0, c0; cvt.rn.f16x2.e2m1x2 h1, c1; "
+                         "cvt.rn.f16x2.e2m1x2 h2, c2; cvt.rn.f16x2.e2m1x2 h3, c3; "
+                         "mov.b32 {a0, b0}, h0; mov.b32 {a1, b1}, h1; mov.b32 {a2, b2}, h2; mov.b32 {a3, b3}, h3; "
+                         "add.f16 s0, a0, b0; add.f16 s1, a1, b1; add.f16 s2, a2, b2; add.f16 s3, a3, b3; "
+                         "mov.b32 $0, {s0, s1}; mov.b32 $1, {s2, s3}; }")
+    return tl.inline_asm_elementwise(asm, "=r,=r,r", [packed], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
 def e4m3_bits(s):
     """The E4M3 (e4m3fn) byte of ``s`` >= 0, an E4M3 value (0, subnormals 2^-9·{1..7}, normals up to
     448), from its fp32 bits: exponent + 7 and the top three mantissa bits; subnormals s · 2^9. The

@@ -70,7 +70,7 @@ def _loop(method: str, arch: int):
         ptr = dict(Q4="*u8", QS="*u8", K4="*u8", KS="*u8", V4T="*u8", VS="*u8", GQK="*fp32", GV="*fp32",
                    KeyMask="*i8", Out="*bf16", Lse="*fp32")
         consts = dict(mx_common, NV=nv, TWO_LEVEL=r.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
-                      FAST_RCP=True, HW_E4M3=True, BLOCK_M=LAUNCH.block_m, QB=16 if nv else 32)
+                      FAST_RCP=True, HW_E4M3=True, HW_E2M1=arch >= 100, BLOCK_M=LAUNCH.block_m, QB=16 if nv else 32)
         return ("loop_scaled._scaled_attn_fwd", fn, consts, ptr, LAUNCH.block_m * 128 // (LAUNCH.num_warps * 32),
                 dict(num_warps=LAUNCH.num_warps, num_stages=stages, enable_fp_fusion=False), False)
     if mx == "fp8":

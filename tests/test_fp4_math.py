@@ -18,6 +18,7 @@ from fp4video.kernels.fp4_math import (  # noqa: E402
     fp8_shift_from_raw_max, mx_block_exponent, newton_recip, nvfp4_block_scale, recip_rn_few_bits,
     round_e2m1_at_scale, round_e2m1_f16x2_odd, round_e2m1_signed)
 from fp4video.kernels.loop_nvfp4 import RCP_P_RANGE  # noqa: E402
+from fp4video.kernels.loop_scaled import _packed_p  # noqa: E402
 from fp4video.reference import TWO_LEVEL_P_RANGE as _P_RANGE  # noqa: E402
 
 P_RANGE = tl.constexpr(_P_RANGE)  # a jit function reads only constexpr globals
@@ -159,6 +160,38 @@ def test_round_e2m1_at_scale_matches_reference_rounding(signed):
     _round_at_scale_kernel[(1,)](pad(p).to(dev), pad(unit).to(dev), out, N=n, SIGNED=signed)
     bad = (out[: len(p)].cpu() != want).nonzero()[:5, 0]
     assert len(bad) == 0, [(a[i].item(), e[i].item(), out[i].item() / unit[i].item()) for i in bad]
+
+
+@triton.jit
+def _packed_p_kernel(X, Codes, Pairs, N: tl.constexpr, HW: tl.constexpr):
+    rows = tl.arange(0, 16)
+    cols = tl.arange(0, N)
+    half = tl.arange(0, N // 2)
+    packed, pairs = _packed_p(tl.load(X + rows[:, None] * N + cols[None, :]), HW)
+    tl.store(Codes + rows[:, None] * (N // 2) + half[None, :], packed)
+    tl.store(Pairs + rows[:, None] * (N // 2) + half[None, :], pairs)
+
+
+def test_p_codes_and_pair_sums_are_the_reference_e2m1_rounding():
+    """The native loop's P: values in units of their block scale rounded to E2M1 (ties to even,
+    saturating at 6 — the contract of Blackwell's ``cvt.rn.satfinite.e2m1x2.f32``, which the loop
+    uses on sm_100+; here its fp32 form, compiled on a GPU, interpreted on the CPU), packed two codes
+    per byte with the first of each pair in the low nibble, and the pair sums PNQ adds: for every
+    grid point, tie and saturating value, their float neighbours and random values, against
+    fp4video.formats' rounding, codes and packing."""
+    from fp4video.formats import e2m1_codes, pack_nibbles, round_e2m1
+
+    a, _, _, _ = e2m1_rounding_cases(1024, [0])
+    n_cols = 128
+    x = torch.nn.functional.pad(a, (0, (-len(a)) % (16 * n_cols)), value=0.0).reshape(-1, 16, n_cols)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for chunk in x:
+        codes = torch.empty(16, n_cols // 2, dtype=torch.uint8, device=dev)
+        pairs = torch.empty(16, n_cols // 2, device=dev)
+        _packed_p_kernel[(1,)](chunk.contiguous().to(dev), codes, pairs, N=n_cols, HW=False)
+        q = round_e2m1(chunk)
+        assert torch.equal(codes.cpu(), pack_nibbles(e2m1_codes(q)))
+        assert torch.equal(pairs.cpu(), q.reshape(16, -1, 2).sum(-1))
 
 
 @triton.jit

@@ -26,8 +26,8 @@ from fp4video.kernels.loop_scaled import KERNEL as fn
 ptr = dict(Q4="*u8", QS="*u8", K4="*u8", KS="*u8", V4T="*u8", VS="*u8", GQK="*fp32", GV="*fp32", KeyMask="*i8",
            Out="*bf16", Lse="*fp32")
 consts = dict(HAS_MASK=True, NV={nv}, OCP=False, QMAX=ScaleRule.UOS.qmax, PNQ=not {nv}, TWO_LEVEL={nv},
-              P_RANGE=TWO_LEVEL_P_RANGE, FAST_RCP=True, HW_E4M3=True, D=128, BLOCK_DV=128, BLOCK_M=128,
-              BLOCK_N=128, QB=16 if {nv} else 32)
+              P_RANGE=TWO_LEVEL_P_RANGE, FAST_RCP=True, HW_E4M3=True, HW_E2M1=True, D=128, BLOCK_DV=128,
+              BLOCK_M=128, BLOCK_N=128, QB=16 if {nv} else 32)
 ints = dict(sqs=64, sks=64, svd=2048, svsd=128, SQ=4096, SK_PAD=4096)  # 16-divisible, as real launches are
 if {nv}:  # rows of codes then E4M3 scale bytes
     ints.update(sqs=72, sks=72, svd=2304, svsd=2304)
@@ -65,6 +65,10 @@ def test_scaled_kernel_compiles_to_native_fp4_mma(arch, instruction, nv):
     else:
         assert all("kind::mxf4" in m for m in mmas) and not any(block16), sorted(set(mmas))
     assert not re.search(r"(wgmma|mma)[.\w]*\.bf16", ptx), "an MMA fell back to bf16 (emulation)"
+    # P's E2M1 rounding and packing by the hardware conversion, and (PNQ: the MXFP4 form here)
+    # its values back for the row sum
+    assert "cvt.rn.satfinite.e2m1x2.f32" in ptx
+    assert ("cvt.rn.f16x2.e2m1x2" in ptx) is (not nv)
 
 
 #: compiles the e4m3 loop with FP8 P̂ (the FP8-P·V methods, pointer loads, a mask) for sm_{arch}
