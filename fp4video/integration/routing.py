@@ -12,8 +12,9 @@ method ``fp16`` the call goes on to the backend the processor had before, so the
 stock output.
 
 Kinds of a call: ``joint`` (the queries include the context tokens: HunyuanVideo's dual- and
-single-stream blocks), ``image`` (keys from the module's added K projection: Wan I2V's image
-context), ``cross`` (keys from another sequence), ``self``.
+single-stream blocks), ``image`` (keys from the module's added K projection — Wan I2V's image
+context — or queries from its image Q projection — Cosmos 2.5's), ``cross`` (keys from another
+sequence), ``self``.
 
 Caches (diffusers' ``enable_cache``: FirstBlockCache, PyramidAttentionBroadcast, FasterCache,
 MagCache, TaylorSeer) skip blocks or reuse attention outputs; every site that did not attend in a
@@ -195,7 +196,7 @@ def _pre_hook(route: _Route, site: Site):
             return int(x.shape[1]) if torch.is_tensor(x) and x.dim() >= 2 else None
 
         call = _Call(site, route, tokens(hidden), tokens(context))
-        proc, backend, _, by_name = route.original[id(site.processor)]
+        _, backend, _, by_name = route.original[id(site.processor)]
         if by_name:
             call.stock_backend = backend
         else:  # it dispatches on the process-wide backend: ours while this module runs
