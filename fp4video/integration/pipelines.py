@@ -64,26 +64,13 @@ def pipeline_kwargs(cfg: RunConfig, prompt: str, device: torch.device) -> dict:
     )
     if cfg.family == "hunyuan15":  # its guider holds the scale (configure_pipeline)
         del kw["guidance_scale"]
-    if cfg.family in ("wan", "ltx", "skyreels", "vace", "sana", "hunyuan15", "kandinsky5"):
-        kw["negative_prompt"] = cfg.negative_prompt
+    kw["negative_prompt"] = cfg.negative_prompt  # (HunyuanVideo uses it with true_cfg_scale > 1)
     if cfg.family == "sana":  # SanaVideoPipeline names the frame count `frames`
         kw["frames"] = kw.pop("num_frames")
-    if cfg.family == "sana" and cfg.model == "tiny":
-        from .tiny import TINY_SANA_CALL
+    if cfg.model == "tiny":
+        from .tiny import TINY_CALLS
 
-        kw.update(TINY_SANA_CALL)
-    if cfg.family == "kandinsky5" and cfg.model == "tiny":
-        from .tiny import TINY_KANDINSKY5_CALL
-
-        kw.update(TINY_KANDINSKY5_CALL)
-    if cfg.family == "ltx" and cfg.model == "tiny":
-        from .tiny import TINY_LTX_CALL
-
-        kw.update(TINY_LTX_CALL)
-    elif cfg.family == "hunyuan" and cfg.model == "tiny":  # its default prompt template assumes its Llama tokenizer
-        from .tiny import TINY_HUNYUAN_CALL
-
-        kw.update(TINY_HUNYUAN_CALL)
+        kw.update(TINY_CALLS.get(cfg.family, {}))
     if cfg.task == "i2v":
         if cfg.model == "tiny":
             from .tiny import tiny_image

@@ -280,6 +280,8 @@ def tiny_ltx_pipeline(*, head_dim: int = 64, seed: int = 0):
 
 #: Generation sizes of the tiny LTX-Video model: 64×96, 9 frames -> latent 3 × 16 × 24 = 1,152 tokens.
 TINY_LTX_SIZES = {"height": 64, "width": 96, "frames": 9, "steps": 4, "fps": 8}
+
+
 def tiny_pipeline(family: str, task: str = "t2v"):
     """The embedded tiny pipeline of a family (``RunConfig.family``) and task."""
     if task == "i2v":
@@ -302,16 +304,18 @@ def tiny_sizes(family: str) -> dict:
 #: The tiny LTX-Video model's text length (its tokenizer spells prompts letter by letter).
 TINY_LTX_CALL = {"max_sequence_length": 32}
 
-#: The tiny Sana-Video model: a short text (letter by letter), no instruction prefix for its Gemma
-#: (the real one's chat-style prefix assumes its tokenizer), no resolution binning (its bins are for
-#: the real model's sample sizes).
-TINY_SANA_CALL = {"max_sequence_length": 32, "complex_human_instruction": None, "use_resolution_binning": False}
-
-#: The tiny Kandinsky 5 model's text length (letter by letter).
-TINY_KANDINSKY5_CALL = {"max_sequence_length": 32}
-
 #: HunyuanVideo's default prompt template assumes its Llama tokenizer; the tiny model uses none.
 TINY_HUNYUAN_CALL = {"prompt_template": {"template": "{}", "crop_start": 0}, "max_sequence_length": 48}
+
+#: Call arguments of each family's tiny model beyond a run config's: short texts (letter by
+#: letter); Sana-Video without its Gemma instruction prefix (the real one's chat-style prefix
+#: assumes its tokenizer) and without resolution binning (its bins are the real model's sizes).
+TINY_CALLS = {
+    "ltx": TINY_LTX_CALL,
+    "hunyuan": TINY_HUNYUAN_CALL,
+    "sana": {"max_sequence_length": 32, "complex_human_instruction": None, "use_resolution_binning": False},
+    "kandinsky5": {"max_sequence_length": 32},
+}
 
 
 def tiny_image(height: int, width: int):
