@@ -8,6 +8,7 @@ from __future__ import annotations
 import warnings
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -312,12 +313,12 @@ def test_caches_keep_the_step_and_record_what_they_skip(cache):
         assert {site for (s, site) in per_step if s == step} == sites
 
 
-@pytest.mark.parametrize("family", ["ltx", "skyreels", "vace", "sana", "hunyuan15", "kandinsky5"])
+@pytest.mark.parametrize("family", ["ltx", "ltx2", "skyreels", "vace", "animate", "sana", "hunyuan15", "kandinsky5"])
 def test_tiny_pipelines_fp16_is_stock_and_steps_are_tracked(family):
     """The embedded tiny pipelines beyond Wan and HunyuanVideo (`generate --model tiny` with
-    `family: ltx | skyreels | vace | sana | hunyuan15 | kandinsky5`), called as `generate` calls them: fp16 through fp4video
-    is the stock video bit for bit, the policy sees each denoising step, and the FP4 step changes
-    the video."""
+    `family: ltx | ltx2 | skyreels | vace | animate | sana | hunyuan15 | kandinsky5`), called as `generate`
+    calls them: fp16 through fp4video is the stock video (and LTX-2's soundtrack) bit for bit, the
+    policy sees each denoising step, and the FP4 step changes the video."""
     from fp4video.integration.config import RunConfig
     from fp4video.integration.pipelines import configure_pipeline, pipeline_kwargs
     from fp4video.integration.tiny import tiny_pipeline, tiny_sizes
@@ -326,7 +327,10 @@ def test_tiny_pipelines_fp16_is_stock_and_steps_are_tracked(family):
     pipe = configure_pipeline(tiny_pipeline(family), cfg)
 
     def run():
-        return pipe(**pipeline_kwargs(cfg, "a cat", torch.device("cpu"))).frames[0]
+        out = pipe(**pipeline_kwargs(cfg, "a cat", torch.device("cpu")))
+        if family == "ltx2":  # the video and its soundtrack, side by side
+            return np.concatenate([out.frames[0].ravel(), out.audio[0].float().numpy().ravel()])
+        return out.frames[0]
 
     stock = run()
     with warnings.catch_warnings():
@@ -337,9 +341,20 @@ def test_tiny_pipelines_fp16_is_stock_and_steps_are_tracked(family):
     finally:
         uninstall(pipe)
     assert sorted({c["step"] for c in ctx.calls}) == [0, 1]
-    assert {(c["step"], c["method"]) for c in ctx.calls} == {(0, "fp16"), (1, "mxattn")}
+    attended = [c for c in ctx.calls if c["method"] != "skipped"]
+    assert {(c["step"], c["method"]) for c in attended} == {(0, "fp16"), (1, "mxattn")}
+    skipped = {c["site"].split(".")[-1] for c in ctx.calls if c["method"] == "skipped"}
+    if family == "ltx2":  # its modality-guidance pass runs each stream without the other: recorded
+        assert skipped == {"audio_to_video_attn", "video_to_audio_attn"}
+        assert {c["site"].split(".")[-1] for c in attended} == {"attn1", "attn2", "audio_attn1", "audio_attn2",
+                                                                 "audio_to_video_attn", "video_to_audio_attn"}
+    else:
+        assert not skipped
     if family == "vace":  # the control branch's blocks are routed too
         assert {c["site"].split(".")[0] for c in ctx.calls} == {"blocks", "vace_blocks"}
+    if family == "animate":  # the face adapter's blocks too, and the reference image's context
+        assert {c["site"].split(".")[0] for c in ctx.calls} == {"blocks", "face_adapter"}
+        assert {c["kind"] for c in ctx.calls} == {"self", "cross", "image"}
     assert out.shape == stock.shape and abs(out - stock).max() > 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -216,6 +216,81 @@ def test_generate_loads_a_saved_pipeline(tmp_path):
     assert {c["method"] for c in side["attention_calls"]} == {"sage3"} and side["frames"] == 9
 
 
+def _streams(path: Path) -> str:
+    """ffmpeg's description of a media file's streams (its stderr when given no output)."""
+    import imageio_ffmpeg
+
+    return subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-hide_banner", "-i", str(path)], capture_output=True,
+                          text=True).stderr
+
+
+def test_generate_ltx2_writes_the_soundtrack_into_the_mp4(tmp_path):
+    """LTX-2 returns a waveform beside the frames: it goes into the mp4 as AAC at the vocoder's rate,
+    as long as the video, and the sidecar says so."""
+    cfg = tmp_path / "ltx2.yaml"
+    cfg.write_text("family: ltx2\nfps: 8\npolicy: {method: mxattn, rules: [{method: fp16, blocks: [0]}]}\n")
+    out = tmp_path / "ltx2.mp4"
+    proc = _cli("generate", "--config", str(cfg), "--steps", "2", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    side = json.loads(out.with_suffix(".json").read_text())
+    assert side["audio"]["sample_rate"] == 16000 and side["audio"]["channels"] == 2
+    assert abs(side["audio"]["seconds"] - side["frames"] / 8) < 0.1  # 9 frames at 8 fps
+    streams = _streams(out)
+    assert "Video: h264" in streams and "Audio: aac" in streams and "16000 Hz, stereo" in streams, streams
+    assert {c["method"] for c in side["attention_calls"]} == {"fp16", "mxattn", "skipped"}
+
+
+def test_write_video_without_audio_has_no_audio_stream_and_wav_is_exact(tmp_path):
+    import wave
+
+    import numpy as np
+
+    from fp4video.integration.media import _write_wav, write_video
+
+    frames = np.random.default_rng(0).random((5, 32, 48, 3), dtype=np.float32)
+    write_video(frames, tmp_path / "v.mp4", 8)
+    assert "Video: h264" in _streams(tmp_path / "v.mp4") and "Audio:" not in _streams(tmp_path / "v.mp4")
+    wave_in = torch.tensor([[0.0, 0.5, -0.5, 1.5], [-1.0, 0.25, 2e-5, -3.0]])  # beyond ±1 clipped
+    _write_wav(wave_in, 16000, tmp_path / "a.wav")
+    with wave.open(str(tmp_path / "a.wav")) as w:
+        assert (w.getnchannels(), w.getframerate(), w.getnframes()) == (2, 16000, 4)
+        pcm = np.frombuffer(w.readframes(4), "<i2").reshape(4, 2).T
+    assert pcm.tolist() == [[0, 16384, -16384, 32767], [-32767, 8192, 1, -32767]]
+
+
+def test_generate_wan_animate_from_a_saved_pipeline_and_video_files(tmp_path):
+    """The real-model path of Wan Animate: the pipeline from a local folder, the character image and
+    the pose and face videos read from files named in the config."""
+    from diffusers.utils import export_to_video
+
+    from fp4video.integration.tiny import tiny_animate_pipeline, tiny_animate_videos
+
+    tiny_animate_pipeline().save_pretrained(tmp_path / "animate")
+    inputs = tiny_animate_videos(96, 160, 9)
+    inputs["image"].save(tmp_path / "character.png")
+    for name in ("pose_video", "face_video"):
+        export_to_video(inputs[name], str(tmp_path / f"{name}.mp4"), fps=8)
+    cfg = tmp_path / "animate.yaml"
+    cfg.write_text(f"family: animate\nmodel: {tmp_path / 'animate'}\nheight: 96\nwidth: 160\nframes: 9\nsteps: 2\n"
+                   f"image: {tmp_path / 'character.png'}\npose_video: {tmp_path / 'pose_video.mp4'}\n"
+                   f"face_video: {tmp_path / 'face_video.mp4'}\npolicy: {{method: mxattn, rules: [{{method: fp16, kinds: [image]}}]}}\n")
+    out = tmp_path / "animate.mp4"
+    proc = _cli("generate", "--config", str(cfg), "--output", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    side = json.loads(out.with_suffix(".json").read_text())
+    assert side["frames"] == 9 and side["audio"] is None
+    assert Counter((c["kind"], c["method"]) for c in side["attention_calls"]).keys() == {
+        ("self", "mxattn"), ("cross", "mxattn"), ("image", "fp16")}
+    # the same config without its face video, and with a face video of another length
+    cfg.write_text(cfg.read_text().replace(f"face_video: {tmp_path / 'face_video.mp4'}\n", ""))
+    proc = _cli("generate", "--config", str(cfg), "--output", str(out))
+    assert proc.returncode == 2 and "family animate (animate mode) needs `face_video:`" in proc.stderr, proc.stderr[-2000:]
+    export_to_video(inputs["face_video"][:5], str(tmp_path / "short.mp4"), fps=8)
+    cfg.write_text(cfg.read_text() + f"face_video: {tmp_path / 'short.mp4'}\n")
+    proc = _cli("generate", "--config", str(cfg), "--output", str(out))
+    assert proc.returncode == 2 and "pose_video 9, face_video 5" in proc.stderr, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("args, match", [
     (["--model", "/no/such/folder"], "no such pipeline folder"),
     (["--config", "missing.yaml"], "no such config file"),

@@ -31,7 +31,7 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
     model: str = Field("tiny", description='"tiny" (embedded random model), a local folder or a hub id')
-    family: Literal["wan", "hunyuan", "hunyuan15", "ltx", "skyreels", "vace", "sana", "kandinsky5"] = Field(
+    family: Literal["wan", "hunyuan", "hunyuan15", "ltx", "ltx2", "skyreels", "vace", "animate", "sana", "kandinsky5"] = Field(
         "wan", description="the pipeline's family: the tiny model `--model tiny` embeds, and the call's arguments")
     task: Literal["t2v", "i2v"] = "t2v"
     height: int = Field(480, gt=0, multiple_of=16)
@@ -43,7 +43,13 @@ class RunConfig(BaseModel):
     fps: int = Field(16, gt=0)
     prompts: list[str] = Field(default_factory=lambda: ["A cat walks on the grass, realistic style."], min_length=1)
     negative_prompt: str = ""
-    image: str | None = Field(None, description="conditioning image for i2v (a file path)")
+    image: str | None = Field(None, description="conditioning image for i2v, the character image of Wan Animate (a file path)")
+    pose_video: str | None = Field(None, description="Wan Animate: the pose video to follow (a file path)")
+    face_video: str | None = Field(None, description="Wan Animate: the face video, cropped to the face (a file path)")
+    animate_mode: Literal["animate", "replace"] = Field(
+        "animate", description="Wan Animate: animate the character image, or replace the person in background_video")
+    background_video: str | None = Field(None, description="Wan Animate, replace mode: the video whose person is replaced")
+    mask_video: str | None = Field(None, description="Wan Animate, replace mode: the mask of that person (a file path)")
     policy: Policy = Policy()
     parallel: ParallelSettings | None = Field(None, description="context parallelism under torchrun")
 

@@ -67,11 +67,16 @@ def pipeline_kwargs(cfg: RunConfig, prompt: str, device: torch.device) -> dict:
     kw["negative_prompt"] = cfg.negative_prompt  # (HunyuanVideo uses it with true_cfg_scale > 1)
     if cfg.family == "sana":  # SanaVideoPipeline names the frame count `frames`
         kw["frames"] = kw.pop("num_frames")
+    if cfg.family == "ltx2":  # the frame rate conditions its positions and sets the audio's length
+        kw["frame_rate"] = float(cfg.fps)
+    if cfg.family == "animate":  # as many frames as the pose video has, generated in one segment of `frames`
+        kw["segment_frame_length"] = kw.pop("num_frames")
+        kw.update(_animate_inputs(cfg))
     if cfg.model == "tiny":
         from .tiny import TINY_CALLS
 
         kw.update(TINY_CALLS.get(cfg.family, {}))
-    if cfg.task == "i2v":
+    if cfg.task == "i2v" and cfg.family != "animate":
         if cfg.model == "tiny":
             from .tiny import tiny_image
 
@@ -86,3 +91,35 @@ def pipeline_kwargs(cfg: RunConfig, prompt: str, device: torch.device) -> dict:
                 raise FileNotFoundError(f"{path}: the i2v conditioning image does not exist")
             kw["image"] = Image.open(path).convert("RGB")
     return kw
+
+
+def _animate_inputs(cfg: RunConfig) -> dict:
+    """Wan Animate's conditioning: the character image and the pose and face videos (and, in replace
+    mode, the background and mask videos), as lists of PIL frames; the tiny model's are test patterns."""
+    if cfg.model == "tiny":
+        from .tiny import tiny_animate_videos
+
+        if cfg.animate_mode != "animate":
+            raise ValueError("the tiny Wan Animate model runs animate_mode: animate (replace needs a real "
+                             "background and mask video)")
+        return tiny_animate_videos(cfg.height, cfg.width, cfg.frames)
+    needed = ["image", "pose_video", "face_video"] + (["background_video", "mask_video"] if cfg.animate_mode == "replace" else [])
+    missing = [name for name in needed if getattr(cfg, name) is None]
+    if missing:
+        raise ValueError(f"family animate ({cfg.animate_mode} mode) needs {', '.join(f'`{m}:`' for m in missing)} "
+                         "(file paths) in the config")
+    for name in needed:
+        if not Path(getattr(cfg, name)).exists():
+            raise FileNotFoundError(f"{getattr(cfg, name)}: the Wan Animate {name.replace('_', ' ')} does not exist")
+    from PIL import Image
+
+    from .media import read_video_frames
+
+    kw = {"image": Image.open(cfg.image).convert("RGB"), "mode": cfg.animate_mode}
+    for name in needed[1:]:
+        kw[name] = read_video_frames(Path(getattr(cfg, name)))
+    if len({len(kw[name]) for name in needed[1:]}) > 1:
+        raise ValueError("Wan Animate's conditioning videos must have as many frames as each other, got "
+                         + ", ".join(f"{name} {len(kw[name])}" for name in needed[1:]))
+    return kw
+

@@ -19,15 +19,21 @@ def generate_video(pipe, ctx: AttentionContext, cfg: RunConfig, prompt: str, cal
     """Run the pipeline once with ``call`` (from :func:`pipelines.pipeline_kwargs`), write ``out``
     (mp4) and ``out.json`` (the sidecar, also returned). Under torchrun every rank runs the
     pipeline and only the one with ``write`` writes."""
-    from diffusers.utils import export_to_video
+    from .media import audio_sample_rate, write_video
 
     if write:
         out.parent.mkdir(parents=True, exist_ok=True)
     ctx.calls.clear()
     ctx.fallbacks.clear()
     t0 = time.perf_counter()
-    frames = pipe(**call).frames[0]
+    result = pipe(**call)
     seconds = time.perf_counter() - t0
+    frames = result.frames[0]
+    audio = getattr(result, "audio", None)  # LTX-2's soundtrack: (batch, channels, samples)
+    sound = None
+    if audio is not None:
+        audio, rate = audio[0], audio_sample_rate(pipe)
+        sound = {"sample_rate": rate, "channels": int(audio.shape[0]), "seconds": round(audio.shape[-1] / rate, 3)}
     sidecar = {
         "output": str(out),
         "prompt": prompt,
@@ -37,11 +43,12 @@ def generate_video(pipe, ctx: AttentionContext, cfg: RunConfig, prompt: str, cal
         "backend": backend,
         "timings_s": {"load": round(load_seconds, 3), "generate": round(seconds, 3)},
         "frames": int(len(frames)),
+        "audio": sound,
         "methods_used": dict(Counter(c["method"] for c in ctx.calls)),
         "fallbacks": dict(ctx.fallbacks),
         "attention_calls": list(ctx.calls),
     }
     if write:
-        export_to_video(frames, str(out), fps=cfg.fps)
+        write_video(frames, out, cfg.fps, audio, sound and sound["sample_rate"])
         out.with_suffix(".json").write_text(json.dumps(sidecar, indent=1))
     return sidecar

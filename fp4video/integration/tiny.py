@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 __all__ = ["TINY_SIZES", "tiny_wan_pipeline", "tiny_wan_i2v_pipeline", "tiny_hunyuan_pipeline", "tiny_ltx_pipeline",
-           "tiny_skyreels_pipeline", "tiny_vace_pipeline", "tiny_sana_pipeline", "tiny_hunyuan15_pipeline", "tiny_kandinsky5_pipeline",
-           "tiny_pipeline", "tiny_sizes",
-           "tiny_tokenizer"]
+           "tiny_ltx2_pipeline", "tiny_skyreels_pipeline", "tiny_vace_pipeline", "tiny_animate_pipeline", "tiny_sana_pipeline",
+           "tiny_hunyuan15_pipeline", "tiny_kandinsky5_pipeline", "tiny_pipeline", "tiny_sizes", "tiny_tokenizer",
+           "tiny_animate_videos"]
 
 #: Generation sizes used with the tiny models (the YAML's sizes are for the real model).
 #: 96×160, 17 frames -> latent 5 × 12 × 20 -> 300 video tokens after the (1, 2, 2) patch.
@@ -60,24 +60,31 @@ def _tiny_wan_parts(seed: int):
     return dict(tokenizer=tiny_tokenizer(), text_encoder=text_encoder, vae=vae, scheduler=scheduler)
 
 
-def tiny_wan_i2v_pipeline(*, head_dim: int = 64, seed: int = 0):
-    """Wan2.1-style image-to-video: a tiny CLIP image encoder and ``added_kv_proj_dim`` set, so the
-    cross-attention has the extra image-context attention (the context is [image; 512 text])."""
-    from diffusers import WanImageToVideoPipeline
-    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+def _tiny_clip_vision(with_projection: bool):
+    """A tiny CLIP image encoder (hidden size 16, 32 px images) and its PIL image processor."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel, CLIPVisionModelWithProjection
 
     try:  # transformers 5: the PIL backend by name (no torchvision needed)
         from transformers import CLIPImageProcessorPil as CLIPImageProcessor
     except ImportError:
         from transformers import CLIPImageProcessor
 
-    parts = _tiny_wan_parts(seed)
-    image_encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(
-        hidden_size=16, projection_dim=16, num_hidden_layers=2, num_attention_heads=2, image_size=32,
-        intermediate_size=16, patch_size=8)).eval()
+    cls = CLIPVisionModelWithProjection if with_projection else CLIPVisionModel
+    encoder = cls(CLIPVisionConfig(hidden_size=16, projection_dim=16, num_hidden_layers=2, num_attention_heads=2,
+                                   image_size=32, intermediate_size=16, patch_size=8)).eval()
     processor = CLIPImageProcessor(crop_size=32, do_center_crop=True, do_normalize=True, do_resize=True,
                                    image_mean=[0.48145466, 0.4578275, 0.40821073],
                                    image_std=[0.26862954, 0.26130258, 0.27577711], resample=3, size=32)
+    return encoder, processor
+
+
+def tiny_wan_i2v_pipeline(*, head_dim: int = 64, seed: int = 0):
+    """Wan2.1-style image-to-video: a tiny CLIP image encoder and ``added_kv_proj_dim`` set, so the
+    cross-attention has the extra image-context attention (the context is [image; 512 text])."""
+    from diffusers import WanImageToVideoPipeline
+
+    parts = _tiny_wan_parts(seed)
+    image_encoder, processor = _tiny_clip_vision(with_projection=True)
     transformer = _tiny_wan_transformer(seed + 1, head_dim, in_channels=36, image_dim=16,
                                         added_kv_proj_dim=2 * head_dim)
     return WanImageToVideoPipeline(**parts, image_encoder=image_encoder, image_processor=processor,
@@ -112,6 +119,34 @@ def tiny_vace_pipeline(*, head_dim: int = 64, seed: int = 0):
     transformer = _tiny_wan_transformer(seed + 1, head_dim, WanVACETransformer3DModel, vace_layers=[0, 1],
                                         vace_in_channels=96)
     return WanVACEPipeline(**parts, transformer=transformer)
+
+
+#: Face frames of the tiny Wan Animate model (its motion encoder's input size; the real model's is 512).
+TINY_ANIMATE_FACE_SIZE = 64
+
+
+def tiny_animate_pipeline(*, head_dim: int = 64, seed: int = 0):
+    """Wan Animate (character animation from a reference image, a pose video and a face video): the
+    2 Wan blocks with the image context, the face adapter (2 attention blocks of its own) fed by a
+    tiny motion encoder, the tiny CLIP image encoder."""
+    from diffusers import WanAnimatePipeline, WanAnimateTransformer3DModel
+
+    image_encoder, processor = _tiny_clip_vision(with_projection=False)
+    transformer = _tiny_wan_transformer(
+        seed + 1, head_dim, WanAnimateTransformer3DModel, in_channels=36, latent_channels=16, image_dim=16,
+        added_kv_proj_dim=2 * head_dim, motion_encoder_size=TINY_ANIMATE_FACE_SIZE, motion_style_dim=16, motion_dim=8,
+        motion_encoder_dim=16, face_encoder_hidden_dim=32, face_encoder_num_heads=2, inject_face_latents_blocks=1)
+    return WanAnimatePipeline(**_tiny_wan_parts(seed), image_processor=processor, image_encoder=image_encoder,
+                              transformer=transformer)
+
+
+def tiny_animate_videos(height: int, width: int, frames: int) -> dict:
+    """Deterministic conditioning for the tiny Wan Animate model: the reference image, a pose video
+    (the test pattern turning) and a face video at the motion encoder's size (turning the other way)."""
+    face = TINY_ANIMATE_FACE_SIZE
+    return {"image": tiny_image(height, width),
+            "pose_video": [tiny_image(height, width).rotate(4 * i) for i in range(frames)],
+            "face_video": [tiny_image(face, face).rotate(-4 * i) for i in range(frames)]}
 
 
 def tiny_sana_pipeline(*, head_dim: int = 64, seed: int = 0):
@@ -278,6 +313,53 @@ def tiny_ltx_pipeline(*, head_dim: int = 64, seed: int = 0):
                        tokenizer=tiny_tokenizer(), transformer=transformer)
 
 
+def tiny_ltx2_pipeline(*, head_dim: int = 64, seed: int = 0):
+    """LTX-2 text-to-video with sound: the 2-block audio-video transformer (video and audio
+    self-attention, text cross-attention of each stream, audio-to-video and video-to-audio
+    cross-attention), a tiny Gemma 3 text encoder and its text connectors, the tiny LTX-2 video
+    VAE (4× in space and time), the audio VAE (8 mel bins) and a vocoder writing 16 kHz stereo."""
+    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler, LTX2Pipeline,
+                           LTX2VideoTransformer3DModel)
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = dict(vocab_size=len(_VOCAB), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=8, max_position_embeddings=256, sliding_window=64)
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    text_encoder = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=2, boi_token_index=2,
+        eoi_token_index=2)).eval()
+    connectors = LTX2TextConnectors(  # the text encoder's 3 hidden states (embeddings + 2 layers) stacked
+        caption_channels=16, text_proj_in_factor=3, video_connector_num_attention_heads=2,
+        video_connector_attention_head_dim=8, video_connector_num_layers=1, video_connector_num_learnable_registers=None,
+        audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=None, connector_rope_base_seq_len=32).eval()
+    vae = AutoencoderKLLTX2Video(
+        in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
+        layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1), spatio_temporal_scaling=(True, True),
+        decoder_spatio_temporal_scaling=(True, True), decoder_inject_noise=(False,) * 3,
+        downsample_type=("spatiotemporal",) * 2, upsample_residual=(False,) * 2, upsample_factor=(1,) * 2,
+        timestep_conditioning=False, patch_size=1, patch_size_t=1, encoder_causal=True, decoder_causal=False).eval()
+    audio_vae = AutoencoderKLLTX2Audio(base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, in_channels=2,
+                                       resolution=32, latent_channels=2, mel_bins=8, sample_rate=16000,
+                                       mel_hop_length=160).eval()
+    # 160 waveform samples per mel frame (the hop): 16 kHz out
+    vocoder = LTX2Vocoder(in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[16, 10, 8],
+                          upsample_factors=[8, 5, 4], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
+                          output_sampling_rate=16000).eval()
+    torch.manual_seed(seed + 1)
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=head_dim,
+        cross_attention_dim=2 * head_dim, audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2,
+        audio_attention_head_dim=32, audio_cross_attention_dim=64, num_layers=2, caption_channels=16).eval()
+    return LTX2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, audio_vae=audio_vae,
+                        text_encoder=text_encoder, tokenizer=tiny_tokenizer(), connectors=connectors,
+                        transformer=transformer, vocoder=vocoder)
+
+
 #: Generation sizes of the tiny LTX-Video model: 64×96, 9 frames -> latent 3 × 16 × 24 = 1,152 tokens.
 TINY_LTX_SIZES = {"height": 64, "width": 96, "frames": 9, "steps": 4, "fps": 8}
 
@@ -289,7 +371,8 @@ def tiny_pipeline(family: str, task: str = "t2v"):
             raise ValueError(f"the tiny {family} model is text-to-video (task: t2v); the tiny i2v model is Wan's")
         return tiny_wan_i2v_pipeline()
     builders = {"wan": lambda: tiny_wan_pipeline(two_experts=True), "hunyuan": tiny_hunyuan_pipeline,
-                "ltx": tiny_ltx_pipeline, "skyreels": tiny_skyreels_pipeline, "vace": tiny_vace_pipeline,
+                "ltx": tiny_ltx_pipeline, "ltx2": tiny_ltx2_pipeline, "skyreels": tiny_skyreels_pipeline,
+                "vace": tiny_vace_pipeline, "animate": tiny_animate_pipeline,
                 "sana": tiny_sana_pipeline, "hunyuan15": tiny_hunyuan15_pipeline, "kandinsky5": tiny_kandinsky5_pipeline}
     if family not in builders:
         raise ValueError(f"no tiny model for family {family!r}; tiny models: {', '.join(builders)}")
@@ -298,7 +381,7 @@ def tiny_pipeline(family: str, task: str = "t2v"):
 
 def tiny_sizes(family: str) -> dict:
     """Height, width, frames, steps and fps of a family's tiny model (a YAML's are the real model's)."""
-    return dict(TINY_LTX_SIZES if family == "ltx" else TINY_SIZES)
+    return dict(TINY_LTX_SIZES if family in ("ltx", "ltx2") else TINY_SIZES)
 
 
 #: The tiny LTX-Video model's text length (its tokenizer spells prompts letter by letter).
@@ -315,6 +398,8 @@ TINY_CALLS = {
     "hunyuan": TINY_HUNYUAN_CALL,
     "sana": {"max_sequence_length": 32, "complex_human_instruction": None, "use_resolution_binning": False},
     "kandinsky5": {"max_sequence_length": 32},
+    # spatio-temporal guidance off: the real models name the block it perturbs (the default, 28)
+    "ltx2": {"max_sequence_length": 32, "stg_scale": 0.0, "audio_stg_scale": 0.0, "spatio_temporal_guidance_blocks": None},
 }
 
 
