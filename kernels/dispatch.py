@@ -34,7 +34,7 @@ from fp4video.reference import poison_heads
 from .checks import k_smoothing_mean, nonfinite_heads, smoothing_lse_shift
 from .launch import arch_capability, device_arch, tma_unsupported_reason
 from .loop_bf16 import attention_bf16
-from .loop_e4m3 import E4M3_V_SPAN_LIMIT, attention_e4m3
+from .loop_e4m3 import E4M3_V_SPAN_LIMIT, attention_e4m3, pointer_loop_unsupported_reason
 from .loop_nvfp4 import attention_nvfp4
 from .prepass import prepass, prepass_fp8_window, prepass_packed, prepass_tiles
 from .tiles import work_dtype
@@ -244,6 +244,9 @@ def _prepare_checked(q, k, v, recipe: AttentionRecipe, key_alive, mean, bad):
     path = mx_kernel(recipe, q.device)
     if path == "fp8":  # (…, Sk, whether K̂'s rows are in tile key order: where the loop uses TMA)
         tiled = tma_loop(q.device)
+        if not tiled and (reason := pointer_loop_unsupported_reason(q.device, recipe)):
+            why = "FP4VIDEO_MX_TMA=0" if _env("FP4VIDEO_MX_TMA") == "0" else tma_unsupported_reason(q.device)
+            raise ValueError(f"{recipe.name} cannot run here ({why}): {reason}")
         tensors, v_span = prepass_fp8_window(q, k, v, recipe, key_alive, k_tile_order=tiled, mean=mean)
         if recipe.pv_format is Format.E4M3:  # V is E4M3 by definition: no window to check
             return ("fp8", (*tensors, k.shape[-2], tiled)), read_back()[0]

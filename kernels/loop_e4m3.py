@@ -63,6 +63,24 @@ TMA_LAUNCH = LoopLaunch(
 TMA_REGISTER_BUDGET = 168
 
 
+def pointer_loop_unsupported_reason(device, recipe: AttentionRecipe) -> str | None:
+    """Why the pointer-load loop must not run this recipe on this device, or None. On Hopper
+    (sm_90) the loop's P̂·V̂ is an asynchronous warpgroup MMA reading P̂ from registers, which
+    Triton does not keep reserved until the MMA completes; with P̂ in E4M3 (the FP8-P·V methods)
+    the registers are reused under it: H200, Triton 3.6, 2026-12-01, ``mxattn-pv8`` by pointer
+    loads had 54–98 % of its 2,048 rows wrong at S = 1,024 (zeros or off, different rows run to
+    run; ``fp8`` likewise), the TMA loop none (``tests/test_loops.py``). Elsewhere the loop's MMAs
+    do not read P̂ asynchronously from registers (Ada's ``mma.sync``; Blackwell's from memory)."""
+    if recipe.pv_format is not Format.E4M3 or getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    if torch.cuda.get_device_capability(device)[0] == 9:
+        return ("on Hopper the pointer-load e4m3 loop computes wrong rows for the FP8-P·V methods (an asynchronous "
+                "MMA's register operand is not kept reserved); they run the TMA loop there")
+    return None
+
+
 @triton.jit
 def _blocks5(x):
     """A per-block (row, t) tensor broadcast to the 5-d view (row, a, b, t, e) of an S tile."""
@@ -267,6 +285,8 @@ def attention_e4m3(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive
                          "(prepass_fp8(..., k_tile_order=True))")
     if tma and q8.is_cuda and (reason := tma_unsupported_reason(q8.device)):
         raise ValueError(f"tma=True, but the e4m3 loop cannot copy tiles by TMA here: {reason}")
+    if not tma and (reason := pointer_loop_unsupported_reason(q8.device, recipe)):
+        raise ValueError(f"{recipe.name} by pointer loads (tma=False): {reason}")
     if v8t.shape[-1] % KEY_TILE or (k_tile_order and sk_pad % KEY_TILE):
         raise ValueError(f"V̂ᵀ (and K̂ in tile order) must be padded to whole key tiles of {KEY_TILE} (prepass_fp8 "
                          f"does), got {v8t.shape[-1]} (and {sk_pad})")

@@ -135,6 +135,34 @@ def test_e4m3_loop_by_tma_equals_pointer_loads_gpu(sk, d):
     _check_tma_equals_pointer_loads("cuda", torch.bfloat16, 2, 4, 1000, sk, d, True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["mxattn-pv8", "fp8"])
+def test_fp8_pv_methods_on_hopper_run_the_tma_loop_row_for_row_gpu(method, monkeypatch):
+    """The FP8-P·V methods on Hopper: the TMA loop equals the reference row by row (every row's
+    cosine, not only the tensor's) and gives the same bits on every run (a race on P̂'s registers
+    shows as rows that change run to run); the pointer-load loop, whose asynchronous MMA had its
+    P̂ registers reused (wrong rows on the H200), is refused — directly and by FP4VIDEO_MX_TMA=0."""
+    from fp4video.kernels.dispatch import prepare
+    from fp4video.kernels.loop_e4m3 import attention_e4m3
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("a Hopper (sm_90) test")
+    q, k, v = (rand(1, 4, 2000, 128, seed=60 + i).to("cuda", torch.bfloat16) for i in range(3))
+    mask = (rand(1, 1, 1, 2000, seed=63) > -1.0).cuda()
+    want = fp4_attention(q.float(), k.float(), v.float(), method=method, attn_mask=mask, backend="reference")
+    runs = [fp4_attention(q, k, v, method=method, attn_mask=mask, backend="triton") for _ in range(3)]
+    assert all(torch.equal(r, runs[0]) for r in runs[1:])
+    rows = torch.nn.functional.cosine_similarity(runs[0].double().flatten(0, 2), want.double().flatten(0, 2), dim=-1)
+    assert rows.min() > 0.99 and (rows < 0.999).float().mean() < 0.01, (rows.min(), (rows < 0.999).float().mean())
+    recipe = METHODS[method]
+    path, tensors = prepare(q, k, v, recipe, None)
+    with pytest.raises(ValueError, match="pointer-load e4m3 loop computes wrong rows"):
+        attention_e4m3(*tensors, None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype, dv=128, tma=False)
+    monkeypatch.setenv("FP4VIDEO_MX_TMA", "0")
+    with pytest.raises(ValueError, match=rf"{method} cannot run here \(FP4VIDEO_MX_TMA=0\)"):
+        fp4_attention(q, k, v, method=method, backend="triton")
+
+
 def _check_tma_equals_pointer_loads(dev, dt, b, h, sq, sk, d, masked):
     from fp4video.kernels.dispatch import key_padding
     from fp4video.kernels.key_order import k8_in_key_order
