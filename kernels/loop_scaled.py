@@ -141,17 +141,23 @@ def _scaled_tile(q4, q_sc, m_i, r_i, l_i, acc, K_base, KS_base, V_base, VS_base,
                  HAS_MASK: tl.constexpr, TAIL: tl.constexpr, NV: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
                  PNQ: tl.constexpr, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, FAST_RCP: tl.constexpr,
                  HW_E4M3: tl.constexpr, D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, QB: tl.constexpr, HW_E2M1: tl.constexpr):
+                 BLOCK_N: tl.constexpr, QB: tl.constexpr, HW_E2M1: tl.constexpr, TMA: tl.constexpr, k_row, v_row):
     """One key tile: returns the updated (m, r, l, acc); m in log2 units, acc in units of r (the
     two-level row factor; 1 otherwise). NV: the scale bytes follow the codes in each row of K̂
-    (``KS_base`` = ``K_base`` + D/2) and V̂ᵀ, E4M3 to be read as such."""
+    (``KS_base`` = ``K_base`` + D/2) and V̂ᵀ, E4M3 to be read as such. TMA (MXFP4): ``K_base`` and
+    ``V_base`` are tensor descriptors of K̂'s code rows (this head's first at ``k_row``; rows past SK
+    are another head's or zeros, masked like any key past SK) and V̂ᵀ's (this head's first channel at
+    ``v_row``); the scales stay pointer loads (4 bytes a row: below TMA's 16-byte box)."""
     NB: tl.constexpr = BLOCK_N // QB
     keys = start + tl.arange(0, BLOCK_N)
     half_d = tl.arange(0, D // 2)
     nb_d = tl.arange(0, D // QB)
     dv = tl.arange(0, BLOCK_DV)
     key_ok = keys < SK
-    k4 = tl.load(K_base + keys[:, None] * sks + half_d[None, :], mask=key_ok[:, None], other=0)
+    if TMA:
+        k4 = K_base.load([k_row + start, 0])
+    else:
+        k4 = tl.load(K_base + keys[:, None] * sks + half_d[None, :], mask=key_ok[:, None], other=0)
     if NV:
         k_sc = tl.load(KS_base + keys[:, None] * sks + nb_d[None, :], mask=key_ok[:, None], other=0)
         qk = tl.dot_scaled(q4, q_sc, "e2m1", tl.trans(k4), k_sc.to(tl.float8e4nv, bitcast=True), "e2m1")
@@ -171,7 +177,10 @@ def _scaled_tile(q4, q_sc, m_i, r_i, l_i, acc, K_base, KS_base, V_base, VS_base,
         p4, p_sc, m_new, l_i, acc_scale = _mx_p(qk, m_i, l_i, OCP, QMAX, PNQ, QB, HW_E2M1)
     half_n = start // 2 + tl.arange(0, BLOCK_N // 2)
     nb_n = start // QB + tl.arange(0, NB)
-    v4t = tl.load(V_base + dv[:, None] * svd + half_n[None, :])  # padded to whole tiles: no mask
+    if TMA:
+        v4t = V_base.load([v_row, start // 2])
+    else:
+        v4t = tl.load(V_base + dv[:, None] * svd + half_n[None, :])  # padded to whole tiles: no mask
     v_sc = tl.load(VS_base + dv[:, None] * svsd + nb_n[None, :])
     if NV:
         v_sc = v_sc.to(tl.float8e4nv, bitcast=True)
@@ -194,20 +203,30 @@ def _scaled_attn_fwd(
     HAS_MASK: tl.constexpr, NV: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
     TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr,
     D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
-    HW_E2M1: tl.constexpr = False,
+    HW_E2M1: tl.constexpr = False, TMA: tl.constexpr = False, WS: tl.constexpr = False,
 ):
     """Online-softmax FP4 attention on ``tl.dot_scaled``; operands from :func:`.prepass.prepass_packed`.
     MXFP4: scales in their own tensors (QS, KS, VS). NV (NVFP4): each row of Q4 / K4 / V4T holds its
     codes then its E4M3 scale bytes (QS, KS, VS are those tensors again, read past the codes);
-    GQK (B·H) the product of Q's and K's tensor scales, GV (B·H) V's."""
+    GQK (B·H) the product of Q's and K's tensor scales, GV (B·H) V's. TMA: K4 and V4T are tensor
+    descriptors of the code rows (B·H·SK and B·H·BLOCK_DV rows). WS: the key loop is Triton's
+    warp-specialized loop (on sm_100: a TMA-load partition, an MMA partition issuing the
+    asynchronous ``tcgen05`` MMAs, and the softmax in the default partition, S double-buffered in
+    tensor memory)."""
     b, h, offs_m, row_ok = program_rows(H, SQ, BLOCK_M)
     bh = tl.program_id(1)
     half_d = tl.arange(0, D // 2)
     nb_d = tl.arange(0, D // QB)
     q_rows = Q4 + b * sqb + h * sqh + offs_m[:, None] * sqs
     q4 = tl.load(q_rows + half_d[None, :], mask=row_ok[:, None], other=0)
-    K_base = K4 + b * skb + h * skh
-    V_base = V4T + b * svb + h * svh
+    if TMA:
+        K_base = K4
+        V_base = V4T
+    else:
+        K_base = K4 + b * skb + h * skh
+        V_base = V4T + b * svb + h * svh
+    k_row = bh * SK
+    v_row = bh * BLOCK_DV
     out_factor = 1.0
     if NV:
         q_sc = tl.load(q_rows + D // 2 + nb_d[None, :], mask=row_ok[:, None], other=0).to(tl.float8e4nv, bitcast=True)
@@ -226,16 +245,23 @@ def _scaled_attn_fwd(
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     M_base = KeyMask + b * smb
     n_full = (SK // BLOCK_N) * BLOCK_N
-    for start in range(0, n_full, BLOCK_N):
-        m_i, r_i, l_i, acc = _scaled_tile(
-            q4, q_sc, m_i, r_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks, svd, svsd,
-            sms, scale_log2, HAS_MASK, False, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D, BLOCK_DV,
-            BLOCK_M, BLOCK_N, QB, HW_E2M1)
+    if WS:  # (the keyword exists from Triton 3.4: only named where asked for)
+        for start in tl.range(0, n_full, BLOCK_N, warp_specialize=True):
+            m_i, r_i, l_i, acc = _scaled_tile(
+                q4, q_sc, m_i, r_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks, svd, svsd,
+                sms, scale_log2, HAS_MASK, False, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D,
+                BLOCK_DV, BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row)
+    else:
+        for start in range(0, n_full, BLOCK_N):
+            m_i, r_i, l_i, acc = _scaled_tile(
+                q4, q_sc, m_i, r_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks, svd, svsd,
+                sms, scale_log2, HAS_MASK, False, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D,
+                BLOCK_DV, BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row)
     if n_full < SK:
         m_i, r_i, l_i, acc = _scaled_tile(
             q4, q_sc, m_i, r_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, n_full, SK, sks, svd, svsd,
             sms, scale_log2, HAS_MASK, True, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D, BLOCK_DV,
-            BLOCK_M, BLOCK_N, QB, HW_E2M1)
+            BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row)
 
     store_out_lse(Out, Lse, acc, r_i[:, None] * out_factor, l_i, m_i, 0.0, b, h, offs_m, row_ok,
                   tl.arange(0, BLOCK_DV), DV, sob, soh, sos, sod, slb, slh, sls)
@@ -268,11 +294,28 @@ def interpreter_reads_e4m3_scales() -> bool:
 #: Shared memory (bytes), compiled offline (Triton 3.9, head dim 128, masked, 8 warps): the same at 1-3 stages
 SHARED_MEMORY = {"sm_100": {1: 32768, 2: 32768, 3: 32768}, "sm_120": {1: 32768, 2: 32768, 3: 32768}}
 LAUNCH = LoopLaunch(128, 8, 2, shared_memory=SHARED_MEMORY, reason="not tuned: no Blackwell GPU has run it")
+#: The MXFP4 loop with K̂ / V̂ᵀ codes by TMA: shared memory compiled offline as above (sm_100: the
+#: warp-specialized loop, its K̂/V̂ᵀ buffers per stage and the partitions' exchange buffers)
+TMA_SHARED_MEMORY = {"sm_100": {1: 93528, 2: 109912, 3: 126344}, "sm_120": {1: 32768, 2: 32792, 3: 49184}}
+TMA_LAUNCH = LoopLaunch(128, 4, 2, shared_memory=TMA_SHARED_MEMORY,
+                        reason="not tuned: no Blackwell GPU has run it (2 stages, as the pointer-load loop); 4 warps "
+                               "of softmax, so that the partitions' warps (20 in all) leave it registers")
+
+
+def warp_specialized(device) -> bool:
+    """Whether the TMA loop runs warp-specialized on this device: on datacenter Blackwell (sm_10x,
+    sm_11x: ``tcgen05`` MMAs, which Triton 3.9's warp specialization splits into load, MMA and
+    softmax partitions, checked offline); consumer Blackwell's ``mma.sync`` loop gets no MMA
+    partition, so it runs the TMA loop alone."""
+    return getattr(device, "type", None) == "cuda" and torch.cuda.get_device_capability(device)[0] in (10, 11)
 
 
 def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float, out_dtype, dv: int, block_m=None,
-                     num_warps=None, num_stages=None):
+                     num_warps=None, num_stages=None, tma: bool = False, ws: bool | None = None):
     """The loop on :func:`.prepass.prepass_packed`'s output (its six tensors, MXFP4 or NVFP4).
+    ``tma`` (MXFP4): K̂ / V̂ᵀ codes by TMA (the CPU interpreter runs it when asked, which is how CI
+    tests it); ``ws``: the warp-specialized loop (None: where :func:`warp_specialized`; TMA only).
+    NVFP4's rows (codes and scale bytes, 72 bytes for head dim 128) are no TMA box: pointer loads.
     Returns (out, lse)."""
     nv = recipe.qk_format is Format.NVFP4
     if nv != (recipe.pv_format is Format.NVFP4) or (not nv and recipe.qk_format is not Format.MXFP4):
@@ -295,10 +338,21 @@ def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float,
     dev = q4.device
     out, lse = outputs((b, h, sq, d), dv, dev, out_dtype)
     km = key_mask(key_alive, dev)
-    block_m, num_warps, num_stages = LAUNCH.resolve(dev, block_m, num_warps, num_stages)
+    if tma and nv:
+        raise ValueError(f"{recipe.name}: the NVFP4 rows (codes, then scale bytes) cannot be copied by TMA; tma=False")
+    ws = tma and warp_specialized(dev) if ws is None else ws
+    if ws and not tma:
+        raise ValueError("ws=True: the warp-specialized loop reads K̂ / V̂ᵀ by TMA (tma=True)")
+    block_m, num_warps, num_stages = (TMA_LAUNCH if tma else LAUNCH).resolve(dev, block_m, num_warps, num_stages)
     cap = torch.cuda.get_device_capability(dev) if q4.is_cuda else (0, 0)
+    kt, vt = k4, v4t
+    if tma:  # the code rows as (B·H·SK, D/2) and (B·H·Dv, SK_pad/2) tables: one box per key tile
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        kt = TensorDescriptor.from_tensor(k4.reshape(b * h * sk, d // 2), [KEY_TILE, d // 2])
+        vt = TensorDescriptor.from_tensor(v4t.reshape(b * h * dvp, sk_pad // 2), [dvp, KEY_TILE // 2])
     _scaled_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
-        q4, q4 if nv else qs, k4, k4 if nv else ks, v4t, v4t if nv else vs, gqk, gv, km, out, lse,
+        q4, q4 if nv else qs, kt, k4 if nv else ks, vt, v4t if nv else vs, gqk, gv, km, out, lse,
         h, sq, sk, sk_pad, dv,
         *q4.stride()[:3], *k4.stride()[:3], *v4t.stride()[:3], v4t.stride(2) if nv else vs.stride(2),
         km.stride(0), km.stride(1),
@@ -308,6 +362,7 @@ def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float,
         PNQ=recipe.row_sum is RowSum.QUANTIZED, TWO_LEVEL=recipe.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
         FAST_RCP=cap >= (8, 0), HW_E4M3=cap >= (8, 9), D=d, BLOCK_DV=dvp, BLOCK_M=block_m, BLOCK_N=KEY_TILE, QB=qb,
         HW_E2M1=cap >= (10, 0),  # Blackwell's E2M1 conversions
+        TMA=tma, WS=ws,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only, as the reference
     )
     return out, lse

@@ -60,11 +60,14 @@ def compile_kernel(fn, consts: dict, ptr: dict, ints: dict, *, arch: int = 90, f
                           options=options)
 
 
-def loop_opcodes(lines, label_re, branch_re, op_re, is_mma, conditional_re=r"\s*(?:/\*[0-9a-f]+\*/\s+)?@"):
+def loop_opcodes(lines, label_re, branch_re, op_re, is_mma, conditional_re=r"\s*(?:/\*[0-9a-f]+\*/\s+)?@",
+                 most: bool = False):
     """Opcode counts and lines of the innermost loop (label ... backward branch to it, the shortest
     such span) that issues MMAs: the main loop (the tail tile is not a loop); in the Gluon kernel,
-    one warpgroup's (the partitions' loops are alike)."""
-    labels, best, body = {}, None, []
+    one warpgroup's (the partitions' loops are alike). ``most``: instead the loop with the most
+    opcodes ``is_mma`` accepts (a warp-specialized kernel's softmax loop, by its exp2s: its
+    correction partition also has a few)."""
+    labels, best, body, best_hits = {}, None, [], 0
     for i, line in enumerate(lines):
         m = re.match(label_re, line.strip())
         if m:
@@ -79,24 +82,28 @@ def loop_opcodes(lines, label_re, branch_re, op_re, is_mma, conditional_re=r"\s*
                 if mm:
                     ops[mm.group(1)] += 1
             span = i + 1 - labels[m.group(1)]
-            if any(is_mma(op) for op in ops) and (best is None or span < len(body)):
-                best, body = ops, lines[labels[m.group(1)]:i + 1]
+            hits = sum(n for op, n in ops.items() if is_mma(op))
+            if hits and (best is None or (hits > best_hits or (hits == best_hits and span < len(body)) if most
+                                          else span < len(body))):
+                best, body, best_hits = ops, lines[labels[m.group(1)]:i + 1], hits
     if best is None:
-        raise SystemExit("error: no loop with MMAs found")
+        raise SystemExit("error: no loop with the opcodes asked for (MMAs) found")
     return best, body
 
 
-def sass_mma_loop(kernel, nvdisasm: str, tmp: str):
+def sass_mma_loop(kernel, nvdisasm: str, tmp: str, is_loop_op=lambda op: "MMA" in op, most: bool = False):
     """:func:`loop_opcodes` of a compiled kernel's SASS (disassembled by ``nvdisasm``): the
-    innermost loop issuing MMAs (Hopper's warpgroup MMAs, Blackwell's tcgen05 / mma.sync ones)."""
+    innermost loop issuing MMAs (Hopper's warpgroup MMAs, Blackwell's tcgen05 / mma.sync ones), or
+    the innermost one with an opcode ``is_loop_op`` accepts (a warp-specialized kernel's softmax
+    loop: ``MUFU``)."""
     path = os.path.join(tmp, "loop.cubin")
     with open(path, "wb") as f:
         f.write(kernel.asm["cubin"])
     sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
     # a latch: a predicated branch (@P0 BRA), or Blackwell's uniform one (BRA.U UP0, target)
     return loop_opcodes(sass.splitlines(), r"^(\.L_x_\d+):", r"BRA(?:\.U)?\s+(?:!?UP\w+,\s*)?`?\(?(\.L_x_\d+)",
-                        r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", lambda op: "MMA" in op,
-                        conditional_re=r"\s*(?:/\*[0-9a-f]+\*/\s+)?(?:@|BRA\.U\s+!?UP)")
+                        r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", is_loop_op,
+                        conditional_re=r"\s*(?:/\*[0-9a-f]+\*/\s+)?(?:@|BRA\.U\s+!?UP)", most=most)
 
 
 def ptxas_report(ptx: str, bin_dir: str, tmp: str, arch: int = 90):

@@ -5,7 +5,8 @@
 The loop the dispatch picks on that architecture is compiled as it is launched there (its launch
 table, head dim 128, no mask, a Wan-480p launch's sizes) and read back from Triton's IR, the PTX and
 the SASS: the MMA kinds of Q·K and P·V (the first and the last MMA of the main loop in PTX),
-SASS instructions per element of S in the main loop (PTX where no SASS can be had, saying so),
+SASS instructions per element of S in the main loop (PTX where no SASS can be had, saying so; in
+a warp-specialized loop the softmax partition's loop, the MMAs and loads having partitions of their own),
 ptxas's registers and spills, shared and tensor memory, warp specialization and TMA.
 """
 
@@ -65,14 +66,22 @@ def _loop(method: str, arch: int):
     if mx == "scaled" or nv_scaled_on(r, target):
         from .loop_scaled import LAUNCH, KERNEL as fn
 
+        from .loop_scaled import TMA_LAUNCH
+
         nv = qk is Format.NVFP4
-        stages = stages_that_fit(target, limit, LAUNCH.num_stages, LAUNCH.shared_memory)
-        ptr = dict(Q4="*u8", QS="*u8", K4="*u8", KS="*u8", V4T="*u8", VS="*u8", GQK="*fp32", GV="*fp32",
+        # MXFP4 codes by TMA where the loop is warp-specialized (loop_scaled.warp_specialized: sm_10x / sm_11x);
+        # NVFP4's rows are no TMA box
+        tma = not nv and arch // 10 in (10, 11)
+        launch = TMA_LAUNCH if tma else LAUNCH
+        stages = stages_that_fit(target, limit, launch.num_stages, launch.shared_memory)
+        codes = "tensordesc<u8[128, 64]>" if tma else "*u8"
+        ptr = dict(Q4="*u8", QS="*u8", K4=codes, KS="*u8", V4T=codes, VS="*u8", GQK="*fp32", GV="*fp32",
                    KeyMask="*i8", Out="*bf16", Lse="*fp32")
         consts = dict(mx_common, NV=nv, TWO_LEVEL=r.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
-                      FAST_RCP=True, HW_E4M3=True, HW_E2M1=arch >= 100, BLOCK_M=LAUNCH.block_m, QB=16 if nv else 32)
-        return ("loop_scaled._scaled_attn_fwd", fn, consts, ptr, LAUNCH.block_m * 128 // (LAUNCH.num_warps * 32),
-                dict(num_warps=LAUNCH.num_warps, num_stages=stages, enable_fp_fusion=False), False)
+                      FAST_RCP=True, HW_E4M3=True, HW_E2M1=arch >= 100, BLOCK_M=launch.block_m, QB=16 if nv else 32,
+                      TMA=tma, WS=tma)
+        return ("loop_scaled._scaled_attn_fwd", fn, consts, ptr, launch.block_m * 128 // (launch.num_warps * 32),
+                dict(num_warps=launch.num_warps, num_stages=stages, enable_fp_fusion=False), False)
     if mx == "fp8":
         from .key_order import LANE_BLOCK
         from .loop_e4m3 import TILE_EXP_FLOOR, TMA_LAUNCH, KERNEL as fn
@@ -141,13 +150,20 @@ def loop_report(method: str, target: str) -> LoopReport:
                                      lambda op: op.startswith(_MMA_PTX))
     mmas = [m.group(1) for line in ptx_body if (m := re.match(r"^\s*(?:@%?!?\w+\s+)?([a-z][\w.:]*)", line))
             and m.group(1).startswith(_MMA_PTX)]
+    ws = bool(consts.get("WS"))
+    if ws:  # the MMAs have a partition of their own: the softmax partition's loop (exp2) is the work
+        ptx_ops, _ = loop_opcodes(kernel.asm["ptx"].splitlines(), r"^(\$L__BB\d+_\d+):",
+                                  r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+)", r"^\s*(?:@%?!?\w+\s+)?([a-z][\w.:]*)",
+                                  lambda op: op.startswith("ex2"), most=True)
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            sass_ops, _ = sass_mma_loop(kernel, tool_path("nvdisasm"), tmp)
-            count, source = sum(sass_ops.values()), "SASS"
+            sass_ops, _ = sass_mma_loop(kernel, tool_path("nvdisasm"), tmp,
+                                        (lambda op: op.startswith("MUFU.EX2")) if ws else (lambda op: "MMA" in op),
+                                        most=ws)
+            count, source = sum(sass_ops.values()), "SASS" + (", the softmax partition's loop" if ws else "")
         except (SystemExit, OSError, subprocess.CalledProcessError) as e:  # report PTX instead, saying why
             why = str(e) if isinstance(e, SystemExit) else f"nvdisasm failed ({type(e).__name__})"
-            count, source = sum(ptx_ops.values()), f"PTX (no SASS: {why})"
+            count, source = sum(ptx_ops.values()), f"PTX{', the softmax partition' if ws else ''} (no SASS: {why})"
         regs = ptxas_report(kernel.asm["ptx"], tool_path(""), tmp, arch=arch)
     ttgir = kernel.asm.get("ttgir", "")
     return LoopReport(

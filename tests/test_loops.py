@@ -226,6 +226,57 @@ def test_scaled_kernel_matches_reference_interpreter(method, monkeypatch):
         assert (a - b).abs().max() < 1e-5 and (la - lb).abs().max() < 1e-5, method
 
 
+def _check_scaled_tma_equals_pointer_loads(dev, dt, method, h, sq, sk, d, dv):
+    """The MXFP4 dot_scaled loop with K̂ / V̂ᵀ codes by TMA descriptors (and, asked for, the
+    warp-specialized loop) equals its pointer-load form bit for bit: the same tiles, the same
+    products in the same order. Keys past SK in a TMA box (the next head's rows, or zeros past the
+    last head) are masked like any key past SK."""
+    from fp4video.kernels import dispatch
+    from fp4video.kernels.loop_scaled import attention_packed
+
+    q, k, v = (rand(2, h, n, c, seed=72 + i, device=dev, dtype=dt) for i, (n, c) in enumerate(((sq, d), (sk, d), (sk, dv))))
+    mask = rand(2, 1, 1, sk, seed=75, device=dev) > -0.8
+    recipe = METHODS[method]
+    for m in (None, mask):
+        alive = dispatch.key_padding(m, 2, sk)
+        path, tensors = dispatch.prepare(q, k, v, recipe, alive)
+        assert path == "scaled"
+
+        def run(**opts):
+            return attention_packed(*tensors, key_alive=alive, recipe=recipe, scale=d**-0.5, out_dtype=q.dtype, dv=dv,
+                                    **opts)
+
+        want = run(tma=False)
+        from fp4video.kernels.loop_scaled import warp_specialized
+
+        ws = dev == "cpu" or warp_specialized(torch.device(dev))  # (interpreted: the same loop in order)
+        for opts in ({"tma": True, "ws": False}, {"tma": True, "ws": True})[:2 if ws else 1]:
+            got = run(**opts)
+            assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (method, opts, m is not None)
+    with pytest.raises(ValueError, match="reads K̂ / V̂ᵀ by TMA"):
+        run(tma=False, ws=True)
+
+
+@pytest.mark.parametrize("method", ["mxattn", "mxfp4-ocp"])
+def test_scaled_loop_by_tma_equals_pointer_loads(method, monkeypatch):
+    """Interpreter: two heads of 200 keys (a partial last tile whose TMA box reaches into the next
+    head), 70 queries, value head dim 40 (padded to 64), with and without a key-padding mask."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test; the GPU twin covers CUDA")
+    monkeypatch.setenv("FP4VIDEO_MX_KERNEL", "scaled")
+    _check_scaled_tma_equals_pointer_loads("cpu", torch.float32, method, 2, 70, 200, 64, 40)
+
+
+@pytest.mark.gpu
+def test_scaled_loop_by_tma_equals_pointer_loads_gpu(monkeypatch):
+    """The same on this GPU: on Hopper the dot_scaled loop is Triton's emulation (the TMA copies
+    are real); on datacenter Blackwell the warp-specialized loop runs natively."""
+    monkeypatch.setenv("FP4VIDEO_MX_KERNEL", "scaled")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs sm_90+")
+    _check_scaled_tma_equals_pointer_loads("cuda", torch.bfloat16, "mxattn", 4, 1000, 1531, 128, 128)
+
+
 NV_METHODS = [m for m in METHODS if METHODS[m].qk_format is not None and METHODS[m].qk_format.value == "nvfp4"
               and METHODS[m].pv_format is not None and METHODS[m].pv_format.value == "nvfp4"]
 

@@ -23,16 +23,18 @@ from offline_compile import compile_kernel
 from fp4video.formats import ScaleRule
 from fp4video.reference import TWO_LEVEL_P_RANGE
 from fp4video.kernels.loop_scaled import KERNEL as fn
-ptr = dict(Q4="*u8", QS="*u8", K4="*u8", KS="*u8", V4T="*u8", VS="*u8", GQK="*fp32", GV="*fp32", KeyMask="*i8",
+tma = {arch} == 100 and not {nv}  # as the dispatch runs it: MXFP4 on sm_100 warp-specialized, codes by TMA
+codes = "tensordesc<u8[128, 64]>" if tma else "*u8"
+ptr = dict(Q4="*u8", QS="*u8", K4=codes, KS="*u8", V4T=codes, VS="*u8", GQK="*fp32", GV="*fp32", KeyMask="*i8",
            Out="*bf16", Lse="*fp32")
 consts = dict(HAS_MASK=True, NV={nv}, OCP=False, QMAX=ScaleRule.UOS.qmax, PNQ=not {nv}, TWO_LEVEL={nv},
               P_RANGE=TWO_LEVEL_P_RANGE, FAST_RCP=True, HW_E4M3=True, HW_E2M1=True, D=128, BLOCK_DV=128,
-              BLOCK_M=128, BLOCK_N=128, QB=16 if {nv} else 32)
+              BLOCK_M=128, BLOCK_N=128, QB=16 if {nv} else 32, TMA=tma, WS=tma)
 ints = dict(sqs=64, sks=64, svd=2048, svsd=128, SQ=4096, SK_PAD=4096)  # 16-divisible, as real launches are
 if {nv}:  # rows of codes then E4M3 scale bytes
     ints.update(sqs=72, sks=72, svd=2304, svsd=2304)
-print(compile_kernel(fn, consts, ptr, ints, arch={arch}, floats=("scale_log2",), num_warps=8, num_stages=2,
-                     enable_fp_fusion=False).asm["ptx"])
+print(compile_kernel(fn, consts, ptr, ints, arch={arch}, floats=("scale_log2",), num_warps=4 if tma else 8,
+                     num_stages=2, enable_fp_fusion=False).asm["ptx"])
 """
 
 
@@ -116,7 +118,16 @@ _S, _SP = 32760, 32768
 ints = dict(H=40, SQ=_S, SK=_S, SK_PAD=_SP, DV=128, sqb=40 * _S * 128, sqh=_S * 128, sqs=128, skb=40 * _SP * 128,
             skh=_SP * 128, sks=128, svb=40 * 128 * _SP, svh=128 * _SP, svs=128, svd=_SP, smb=_S, sms=1,
             sob=40 * _S * 128, soh=_S * 128, sos=128, sod=1, slb=40 * _S, slh=_S, sls=1)  # Wan 480p, as launched
-if {kernel!r} == "nvfp4":
+if {kernel!r} == "scaled-tma":  # the warp-specialized MXFP4 loop of sm_100, codes by TMA
+    from fp4video.kernels.loop_scaled import TMA_LAUNCH as LAUNCH, KERNEL as fn
+    ptr = dict(Q4="*u8", QS="*u8", K4="tensordesc<u8[128, 64]>", KS="*u8", V4T="tensordesc<u8[128, 64]>", VS="*u8",
+               GQK="*fp32", GV="*fp32", KeyMask="*i8", Out="*bf16", Lse="*fp32")
+    consts = dict(HAS_MASK=True, NV=False, OCP=False, QMAX=ScaleRule.UOS.qmax, PNQ=True, TWO_LEVEL=False,
+                  P_RANGE=TWO_LEVEL_P_RANGE, FAST_RCP=True, HW_E4M3=True, HW_E2M1=True, D=128, BLOCK_DV=128,
+                  BLOCK_M=128, BLOCK_N=128, QB=32, TMA=True, WS=True)
+    ints.update(sqs=64, sks=64, svd=_SP // 2, svsd=_SP // 32)
+    options = dict(enable_fp_fusion=False)
+elif {kernel!r} == "nvfp4":
     from fp4video.kernels.loop_nvfp4 import LAUNCH, _nv_attn_fwd as fn
     ptr = dict(Q="*bf16", K="*bf16", V="*bf16", KeyMask="*i8", Out="*bf16", Lse="*fp32")
     consts = dict(HAS_MASK=True, TWO_LEVEL=True, P_RANGE=TWO_LEVEL_P_RANGE, PNQ=False, IEEE=False, FAST_RCP=True,
@@ -137,7 +148,8 @@ print(stages, kernel.metadata.shared, SHARED_MEMORY_LIMIT[arch], LAUNCH.shared_m
 """
 
 
-@pytest.mark.parametrize("kernel, arch, stages", [("nvfp4", 100, 2), ("nvfp4", 120, 2), ("e4m3", 120, 3)])
+@pytest.mark.parametrize("kernel, arch, stages", [("nvfp4", 100, 2), ("nvfp4", 120, 2), ("e4m3", 120, 3),
+                                                  ("scaled-tma", 100, 2)])
 def test_launch_fits_each_blackwell_architecture(kernel, arch, stages):
     """Each architecture's launch, compiled for it offline: the stage count its table picks, the
     shared memory the compiler allots within what a block may have there, and the table's figure
@@ -151,12 +163,14 @@ def test_launch_fits_each_blackwell_architecture(kernel, arch, stages):
     assert picked == stages and shared <= limit and shared == table, run.stdout
 
 
-@pytest.mark.parametrize("method, target, qk, pv, specialized", [
-    ("mxattn", "sm_100", "mxf4", "mxf4", False), ("mxattn", "sm_120", "mxf4nvf4", "mxf4nvf4", False),
-    ("mxattn-pv8", "sm_100", "f8f6f4", "f8f6f4", False), ("sage3", "sm_90", "bf16", "bf16", True)])
-def test_kernel_report_reads_the_compiled_loop(method, target, qk, pv, specialized):
+@pytest.mark.parametrize("method, target, qk, pv, specialized, tma", [
+    ("mxattn", "sm_100", "mxf4", "mxf4", True, True), ("mxattn", "sm_120", "mxf4nvf4", "mxf4nvf4", False, False),
+    ("mxattn-pv8", "sm_100", "f8f6f4", "f8f6f4", False, True), ("sage3", "sm_90", "bf16", "bf16", True, True)])
+def test_kernel_report_reads_the_compiled_loop(method, target, qk, pv, specialized, tma):
     """`python -m fp4video.kernels.report`: the loop the dispatch picks on the target, compiled for
-    it, its MMA kinds read from the PTX, a SASS instruction count of its main loop, its memory."""
+    it, its MMA kinds read from the PTX, a SASS instruction count of its main loop (of a
+    warp-specialized loop by Triton, its softmax partition's: the MMAs and the TMA copies in
+    partitions of their own), its memory."""
     import json
 
     from fp4video.kernels.launch import SHARED_MEMORY_LIMIT
@@ -169,6 +183,8 @@ def test_kernel_report_reads_the_compiled_loop(method, target, qk, pv, specializ
     assert run.returncode == 0, run.stderr[-2000:]
     rep = json.loads(run.stdout.strip().splitlines()[0])
     assert (rep["qk_mma_kind"], rep["pv_mma_kind"], rep["warp_specialized"]) == (qk, pv, specialized), rep
-    assert rep["instructions_source"] == "SASS" and 4 < rep["instructions_per_element"] < 60, rep
+    triton_ws = specialized and target != "sm_90"  # (sm_90's is the Gluon kernel: one warpgroup's loop)
+    assert rep["instructions_source"] == ("SASS, the softmax partition's loop" if triton_ws else "SASS"), rep
+    assert 4 < rep["instructions_per_element"] < 60 and rep["tma"] == tma, rep
     assert 0 < rep["shared_memory_bytes"] <= SHARED_MEMORY_LIMIT[target], rep
     assert (rep["tensor_memory_columns"] > 0) == (target == "sm_100"), rep
