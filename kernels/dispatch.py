@@ -7,7 +7,7 @@ variable                values                              effect
 ``FP4VIDEO_MX_KERNEL``  ``scaled`` | ``fp8`` | ``bf16``     the MXFP4 loop (default: ``scaled`` on sm_100
                                                             and sm_120, ``fp8`` on other sm_89+ GPUs and
                                                             in the interpreter, else ``bf16``)
-``FP4VIDEO_MX_TMA``     ``0`` | ``1``                       the e4m3 loop's tiles (and on sm_100 the MXFP4
+``FP4VIDEO_MX_TMA``     ``0`` | ``1``                       the e4m3 loop's tiles (and on sm_100 the
                                                             dot_scaled loop's codes, which then also runs
                                                             without warp specialization) by pointer loads (0), or
                                                             TMA required (1; an error where it cannot run)
@@ -301,13 +301,11 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
                        block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                        tma: bool | None = None):
     """The attention loop alone, on :func:`prepare`'s output; ``dv``: the value head dim. Launch
-    values override the loop's own (``tma``: the e4m3 loop, :func:`.loop_e4m3.attention_e4m3`, and the MXFP4
+    values override the loop's own (``tma``: the e4m3 loop, :func:`.loop_e4m3.attention_e4m3`, and the
     dot_scaled loop, :func:`.loop_scaled.attention_packed`)."""
     path, tensors = prepared
-    nv = recipe.qk_format is Format.NVFP4
-    if tma is not None and not (path == "fp8" or (path == "scaled" and not nv)):
-        raise ValueError(f"tma: an option of the e4m3 loop and of the MXFP4 dot_scaled loop, not of the {path!r} path"
-                         + (" for NVFP4" if path == "scaled" else ""))
+    if tma is not None and path not in ("fp8", "scaled"):
+        raise ValueError(f"tma: an option of the e4m3 loop and of the dot_scaled loop, not of the {path!r} path")
     launch = dict(block_m=block_m, num_warps=num_warps, num_stages=num_stages)
     if path == "scaled":
         from .loop_scaled import attention_packed
@@ -316,7 +314,7 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
 
         if tma is None:  # the warp-specialized TMA loop where it has an MMA partition (FP4VIDEO_MX_TMA=0: not)
             dev = tensors[0].device
-            tma = not nv and warp_specialized(dev) and tma_loop(dev)
+            tma = warp_specialized(dev) and tma_loop(dev)
         return attention_packed(*tensors, key_alive=key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv,
                                 tma=tma, **launch)
     if path == "fp8":

@@ -144,10 +144,11 @@ def _scaled_tile(q4, q_sc, m_i, r_i, l_i, acc, K_base, KS_base, V_base, VS_base,
                  BLOCK_N: tl.constexpr, QB: tl.constexpr, HW_E2M1: tl.constexpr, TMA: tl.constexpr, k_row, v_row):
     """One key tile: returns the updated (m, r, l, acc); m in log2 units, acc in units of r (the
     two-level row factor; 1 otherwise). NV: the scale bytes follow the codes in each row of K̂
-    (``KS_base`` = ``K_base`` + D/2) and V̂ᵀ, E4M3 to be read as such. TMA (MXFP4): ``K_base`` and
-    ``V_base`` are tensor descriptors of K̂'s code rows (this head's first at ``k_row``; rows past SK
-    are another head's or zeros, masked like any key past SK) and V̂ᵀ's (this head's first channel at
-    ``v_row``); the scales stay pointer loads (4 bytes a row: below TMA's 16-byte box)."""
+    (``KS_base`` = ``K_base`` + D/2) and V̂ᵀ, E4M3 to be read as such. TMA: ``K_base`` and
+    ``V_base`` are tensor descriptors of K̂'s rows (this head's first at ``k_row``; rows past SK are
+    another head's or zeros, masked like any key past SK) and V̂ᵀ's (this head's first channel at
+    ``v_row``), a box holding a key tile's codes; the scales stay pointer loads (4 or 8 bytes a row:
+    below TMA's 16-byte box)."""
     NB: tl.constexpr = BLOCK_N // QB
     keys = start + tl.arange(0, BLOCK_N)
     half_d = tl.arange(0, D // 2)
@@ -209,7 +210,7 @@ def _scaled_attn_fwd(
     MXFP4: scales in their own tensors (QS, KS, VS). NV (NVFP4): each row of Q4 / K4 / V4T holds its
     codes then its E4M3 scale bytes (QS, KS, VS are those tensors again, read past the codes);
     GQK (B·H) the product of Q's and K's tensor scales, GV (B·H) V's. TMA: K4 and V4T are tensor
-    descriptors of the code rows (B·H·SK and B·H·BLOCK_DV rows). WS: the key loop is Triton's
+    descriptors of the rows (B·H·SK and B·H·BLOCK_DV rows; their boxes the codes of a key tile). WS: the key loop is Triton's
     warp-specialized loop (on sm_100: a TMA-load partition, an MMA partition issuing the
     asynchronous ``tcgen05`` MMAs, and the softmax in the default partition, S double-buffered in
     tensor memory)."""
@@ -231,8 +232,8 @@ def _scaled_attn_fwd(
     if NV:
         q_sc = tl.load(q_rows + D // 2 + nb_d[None, :], mask=row_ok[:, None], other=0).to(tl.float8e4nv, bitcast=True)
         scale_log2 = scale_log2 * tl.load(GQK + bh)  # a power of two: the logits' product is exact
-        KS_base = K_base + D // 2
-        VS_base = V_base + SK_PAD // 2
+        KS_base = KS + b * skb + h * skh + D // 2  # (KS, VS: K4's and V4T's rows again, as pointers)
+        VS_base = VS + b * svb + h * svh + SK_PAD // 2
         out_factor = tl.load(GV + bh)
     else:
         q_sc = tl.load(QS + (bh * SQ + offs_m)[:, None] * (D // QB) + nb_d[None, :], mask=row_ok[:, None], other=127)
@@ -294,12 +295,21 @@ def interpreter_reads_e4m3_scales() -> bool:
 #: Shared memory (bytes), compiled offline (Triton 3.9, head dim 128, masked, 8 warps): the same at 1-3 stages
 SHARED_MEMORY = {"sm_100": {1: 32768, 2: 32768, 3: 32768}, "sm_120": {1: 32768, 2: 32768, 3: 32768}}
 LAUNCH = LoopLaunch(128, 8, 2, shared_memory=SHARED_MEMORY, reason="not tuned: no Blackwell GPU has run it")
-#: The MXFP4 loop with K̂ / V̂ᵀ codes by TMA: shared memory compiled offline as above (sm_100: the
-#: warp-specialized loop, its K̂/V̂ᵀ buffers per stage and the partitions' exchange buffers)
-TMA_SHARED_MEMORY = {"sm_100": {1: 93528, 2: 109912, 3: 126344}, "sm_120": {1: 32768, 2: 32792, 3: 49184}}
-TMA_LAUNCH = LoopLaunch(128, 4, 2, shared_memory=TMA_SHARED_MEMORY,
-                        reason="not tuned: no Blackwell GPU has run it (2 stages, as the pointer-load loop); 4 warps "
-                               "of softmax, so that the partitions' warps (20 in all) leave it registers")
+#: The warp-specialized loop of sm_100 (K̂ / V̂ᵀ codes by TMA), compiled offline (Triton 3.9, head dim
+#: 128, masked): the most shared memory any method of the format takes (MXFP4: ``mxfp4-ocp``, NVFP4:
+#: ``sage3-hpnq``; the partitions' exchange buffers grow with what the softmax hands on)
+TMA_SHARED_MEMORY = {"mx": {"sm_100": {1: 159176, 2: 175992, 3: 193464}},
+                     "nv": {"sm_100": {1: 171512, 2: 188936, 3: 207416}}}
+#: Per format: MXFP4 with 4 softmax warps (at 8, the partitions' 32 warps leave the softmax 184
+#: registers a thread and it spills in the loop: 17.2 against 8.0 SASS instructions per element of
+#: S for mxattn), NVFP4 with 8 (at 4 its two-level P state spills: 7.9 with 250 local loads and
+#: stores per tile against 6.4 with 3); offline, Triton 3.9
+TMA_LAUNCH = {
+    "mx": LoopLaunch(128, 4, 2, shared_memory=TMA_SHARED_MEMORY["mx"],
+                     reason="not tuned on a GPU (none here is Blackwell): 4 softmax warps, 2 stages"),
+    "nv": LoopLaunch(128, 8, 2, shared_memory=TMA_SHARED_MEMORY["nv"],
+                     reason="not tuned on a GPU (none here is Blackwell): 8 softmax warps, 2 stages"),
+}
 
 
 def warp_specialized(device) -> bool:
@@ -313,10 +323,9 @@ def warp_specialized(device) -> bool:
 def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float, out_dtype, dv: int, block_m=None,
                      num_warps=None, num_stages=None, tma: bool = False, ws: bool | None = None):
     """The loop on :func:`.prepass.prepass_packed`'s output (its six tensors, MXFP4 or NVFP4).
-    ``tma`` (MXFP4): K̂ / V̂ᵀ codes by TMA (the CPU interpreter runs it when asked, which is how CI
-    tests it); ``ws``: the warp-specialized loop (None: where :func:`warp_specialized`; TMA only).
-    NVFP4's rows (codes and scale bytes, 72 bytes for head dim 128) are no TMA box: pointer loads.
-    Returns (out, lse)."""
+    ``tma``: K̂ / V̂ᵀ codes by TMA (the CPU interpreter runs it when asked, which is how CI tests it);
+    ``ws``: the warp-specialized loop (None: where :func:`warp_specialized`; TMA only). Returns
+    (out, lse)."""
     nv = recipe.qk_format is Format.NVFP4
     if nv != (recipe.pv_format is Format.NVFP4) or (not nv and recipe.qk_format is not Format.MXFP4):
         raise ValueError(f"{recipe.name}: the dot_scaled loop runs MXFP4 or NVFP4 Q·K and P·V, not "
@@ -325,7 +334,7 @@ def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float,
         q4, k4, v4t, g_q, g_k, g_v = tensors
         qb = Format.NVFP4.block
         d = q4.shape[-1] * qb // (qb // 2 + 1)  # rows of D/2 code bytes and D/16 scale bytes
-        sk_pad = v4t.shape[-1] * qb // (qb // 2 + 1)
+        sk_pad = -(-k4.shape[-2] // KEY_TILE) * KEY_TILE  # (K̂'s and V̂ᵀ's rows are padded to 16 bytes)
         qs = ks = vs = None
         gqk, gv = (g_q * g_k).reshape(-1).contiguous(), g_v.reshape(-1).contiguous()
     else:
@@ -338,19 +347,18 @@ def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float,
     dev = q4.device
     out, lse = outputs((b, h, sq, d), dv, dev, out_dtype)
     km = key_mask(key_alive, dev)
-    if tma and nv:
-        raise ValueError(f"{recipe.name}: the NVFP4 rows (codes, then scale bytes) cannot be copied by TMA; tma=False")
     ws = tma and warp_specialized(dev) if ws is None else ws
     if ws and not tma:
         raise ValueError("ws=True: the warp-specialized loop reads K̂ / V̂ᵀ by TMA (tma=True)")
-    block_m, num_warps, num_stages = (TMA_LAUNCH if tma else LAUNCH).resolve(dev, block_m, num_warps, num_stages)
+    launch = TMA_LAUNCH["nv" if nv else "mx"] if tma else LAUNCH
+    block_m, num_warps, num_stages = launch.resolve(dev, block_m, num_warps, num_stages)
     cap = torch.cuda.get_device_capability(dev) if q4.is_cuda else (0, 0)
     kt, vt = k4, v4t
     if tma:  # the code rows as (B·H·SK, D/2) and (B·H·Dv, SK_pad/2) tables: one box per key tile
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        kt = TensorDescriptor.from_tensor(k4.reshape(b * h * sk, d // 2), [KEY_TILE, d // 2])
-        vt = TensorDescriptor.from_tensor(v4t.reshape(b * h * dvp, sk_pad // 2), [dvp, KEY_TILE // 2])
+        kt = TensorDescriptor.from_tensor(k4.reshape(b * h * sk, k4.shape[-1]), [KEY_TILE, d // 2])
+        vt = TensorDescriptor.from_tensor(v4t.reshape(b * h * dvp, v4t.shape[-1]), [dvp, KEY_TILE // 2])
     _scaled_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
         q4, q4 if nv else qs, kt, k4 if nv else ks, vt, v4t if nv else vs, gqk, gv, km, out, lse,
         h, sq, sk, sk_pad, dv,

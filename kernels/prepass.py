@@ -592,15 +592,17 @@ class _PrePass:
 
     def run_packed_nv(self):
         """NVFP4 Q̂, K̂, V̂ᵀ packed: each row its E2M1 codes, then its E4M3 block-scale bytes (one
-        buffer per tensor), and the heads' tensor scales (B, H) fp32 of Q, K and V (ones without
-        ``tensor_scale``): the dequantized value is code · scale · g."""
+        buffer per tensor; K̂'s and V̂ᵀ's rows padded to :func:`nv_row_bytes`), and the heads' tensor
+        scales (B, H) fp32 of Q, K and V (ones without ``tensor_scale``): the dequantized value is
+        code · scale · g."""
         b, h, dev, u8 = self.b, self.h, self.dev, torch.uint8
         dvp = next_pow2(self.dv, floor=32)
         sk_pad = -(-self.sk // KEY_TILE) * KEY_TILE
         d, qb = self.d, Format.NVFP4.block
         q4 = torch.empty(b, h, self.sq, d // 2 + d // qb, device=dev, dtype=u8)
-        k4 = torch.empty(b, h, self.sk, d // 2 + d // qb, device=dev, dtype=u8)
-        v4t = torch.empty(b, h, dvp, sk_pad // 2 + sk_pad // qb, device=dev, dtype=u8)
+        # K̂'s and V̂ᵀ's rows padded to whole 16 bytes (bytes past the scales unused): TMA copies need it
+        k4 = torch.empty(b, h, self.sk, nv_row_bytes(d), device=dev, dtype=u8)
+        v4t = torch.empty(b, h, dvp, nv_row_bytes(sk_pad), device=dev, dtype=u8)
         ts_q, ts_k, ts_v = self.tensor_scales()
         self.rows(self.q, self.sq, False, E2M1_PACKED, q4, tscale=ts_q)
         self.rows(self.k, self.sk, True, E2M1_PACKED, k4, tscale=ts_k)
@@ -660,6 +662,12 @@ def prepass_tiles(q, k, v, recipe: AttentionRecipe, key_alive, work_dtype, mean=
     """:func:`prepass` with K̂ and V̂ in tile key order, padded with zero rows to whole key tiles
     of 128 (B, H, Sk_pad, ·): the NVFP4 loops' input (:mod:`.loop_nvfp4`)."""
     return _PrePass(q, k, v, recipe, key_alive, mean, launch).run_tiles(work_dtype)
+
+
+def nv_row_bytes(n: int) -> int:
+    """Bytes of a packed NVFP4 row of K̂ or V̂ᵀ holding ``n`` values: their ``n / 2`` code bytes and
+    ``n / 16`` E4M3 scale bytes, padded to a multiple of 16 (a TMA copy's row stride must be)."""
+    return -(-(n // 2 + n // Format.NVFP4.block) // 16) * 16
 
 
 def prepass_packed(q, k, v, recipe: AttentionRecipe, key_alive, mean=None, launch=PREPASS_LAUNCH):

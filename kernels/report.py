@@ -69,10 +69,9 @@ def _loop(method: str, arch: int):
         from .loop_scaled import TMA_LAUNCH
 
         nv = qk is Format.NVFP4
-        # MXFP4 codes by TMA where the loop is warp-specialized (loop_scaled.warp_specialized: sm_10x / sm_11x);
-        # NVFP4's rows are no TMA box
-        tma = not nv and arch // 10 in (10, 11)
-        launch = TMA_LAUNCH if tma else LAUNCH
+        # K̂ / V̂ᵀ codes by TMA where the loop is warp-specialized (loop_scaled.warp_specialized: sm_10x / sm_11x)
+        tma = arch // 10 in (10, 11)
+        launch = TMA_LAUNCH["nv" if nv else "mx"] if tma else LAUNCH
         stages = stages_that_fit(target, limit, launch.num_stages, launch.shared_memory)
         codes = "tensordesc<u8[128, 64]>" if tma else "*u8"
         ptr = dict(Q4="*u8", QS="*u8", K4=codes, KS="*u8", V4T=codes, VS="*u8", GQK="*fp32", GV="*fp32",

@@ -257,13 +257,16 @@ def _check_scaled_tma_equals_pointer_loads(dev, dt, method, h, sq, sk, d, dv):
         run(tma=False, ws=True)
 
 
-@pytest.mark.parametrize("method", ["mxattn", "mxfp4-ocp"])
-def test_scaled_loop_by_tma_equals_pointer_loads(method, monkeypatch):
+@pytest.mark.parametrize("method", ["mxattn", "mxfp4-ocp", "nvfp4", "sage3", "sage3-hpnq"])
+def test_scaled_loop_by_tma_equals_pointer_loads(method, monkeypatch, e4m3_dot_scaled):
     """Interpreter: two heads of 200 keys (a partial last tile whose TMA box reaches into the next
-    head), 70 queries, value head dim 40 (padded to 64), with and without a key-padding mask."""
+    head), 70 queries, value head dim 40 (padded to 64), with and without a key-padding mask;
+    MXFP4 (codes and scales in their own tensors) and NVFP4 (rows of codes then scale bytes, padded
+    to 16 bytes: the box takes the codes)."""
     if torch.cuda.is_available():
         pytest.skip("interpreter test; the GPU twin covers CUDA")
     monkeypatch.setenv("FP4VIDEO_MX_KERNEL", "scaled")
+    monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "scaled")
     _check_scaled_tma_equals_pointer_loads("cpu", torch.float32, method, 2, 70, 200, 64, 40)
 
 

@@ -23,7 +23,8 @@ from offline_compile import compile_kernel
 from fp4video.formats import ScaleRule
 from fp4video.reference import TWO_LEVEL_P_RANGE
 from fp4video.kernels.loop_scaled import KERNEL as fn
-tma = {arch} == 100 and not {nv}  # as the dispatch runs it: MXFP4 on sm_100 warp-specialized, codes by TMA
+from fp4video.kernels.loop_scaled import TMA_LAUNCH
+tma = {arch} == 100  # as the dispatch runs it: on sm_100 warp-specialized, codes by TMA
 codes = "tensordesc<u8[128, 64]>" if tma else "*u8"
 ptr = dict(Q4="*u8", QS="*u8", K4=codes, KS="*u8", V4T=codes, VS="*u8", GQK="*fp32", GV="*fp32", KeyMask="*i8",
            Out="*bf16", Lse="*fp32")
@@ -31,9 +32,10 @@ consts = dict(HAS_MASK=True, NV={nv}, OCP=False, QMAX=ScaleRule.UOS.qmax, PNQ=no
               P_RANGE=TWO_LEVEL_P_RANGE, FAST_RCP=True, HW_E4M3=True, HW_E2M1=True, D=128, BLOCK_DV=128,
               BLOCK_M=128, BLOCK_N=128, QB=16 if {nv} else 32, TMA=tma, WS=tma)
 ints = dict(sqs=64, sks=64, svd=2048, svsd=128, SQ=4096, SK_PAD=4096)  # 16-divisible, as real launches are
-if {nv}:  # rows of codes then E4M3 scale bytes
-    ints.update(sqs=72, sks=72, svd=2304, svsd=2304)
-print(compile_kernel(fn, consts, ptr, ints, arch={arch}, floats=("scale_log2",), num_warps=4 if tma else 8,
+if {nv}:  # rows of codes then E4M3 scale bytes (K̂'s and V̂ᵀ's padded to 16 bytes)
+    ints.update(sqs=72, sks=80, svd=2304, svsd=2304)
+print(compile_kernel(fn, consts, ptr, ints, arch={arch}, floats=("scale_log2",),
+                     num_warps=TMA_LAUNCH["nv" if {nv} else "mx"].num_warps if tma else 8,
                      num_stages=2, enable_fp_fusion=False).asm["ptx"])
 """
 
@@ -118,14 +120,15 @@ _S, _SP = 32760, 32768
 ints = dict(H=40, SQ=_S, SK=_S, SK_PAD=_SP, DV=128, sqb=40 * _S * 128, sqh=_S * 128, sqs=128, skb=40 * _SP * 128,
             skh=_SP * 128, sks=128, svb=40 * 128 * _SP, svh=128 * _SP, svs=128, svd=_SP, smb=_S, sms=1,
             sob=40 * _S * 128, soh=_S * 128, sos=128, sod=1, slb=40 * _S, slh=_S, sls=1)  # Wan 480p, as launched
-if {kernel!r} == "scaled-tma":  # the warp-specialized MXFP4 loop of sm_100, codes by TMA
-    from fp4video.kernels.loop_scaled import TMA_LAUNCH as LAUNCH, KERNEL as fn
-    ptr = dict(Q4="*u8", QS="*u8", K4="tensordesc<u8[128, 64]>", KS="*u8", V4T="tensordesc<u8[128, 64]>", VS="*u8",
-               GQK="*fp32", GV="*fp32", KeyMask="*i8", Out="*bf16", Lse="*fp32")
-    consts = dict(HAS_MASK=True, NV=False, OCP=False, QMAX=ScaleRule.UOS.qmax, PNQ=True, TWO_LEVEL=False,
-                  P_RANGE=TWO_LEVEL_P_RANGE, FAST_RCP=True, HW_E4M3=True, HW_E2M1=True, D=128, BLOCK_DV=128,
-                  BLOCK_M=128, BLOCK_N=128, QB=32, TMA=True, WS=True)
-    ints.update(sqs=64, sks=64, svd=_SP // 2, svsd=_SP // 32)
+if {kernel!r}.startswith("scaled-tma-"):  # the warp-specialized loop of sm_100: the format's hungriest method
+    from fp4video.kernels.loop_scaled import TMA_LAUNCH
+    from fp4video.kernels.report import _loop
+    fmt = {kernel!r}[-2:]
+    _, fn, consts, ptr, _, options, _ = _loop("mxfp4-ocp" if fmt == "mx" else "sage3-hpnq", {arch})
+    LAUNCH = TMA_LAUNCH[fmt]
+    consts = dict(consts, HAS_MASK=True)
+    from fp4video.kernels.offline import WAN_480P_INTS
+    ints = dict(WAN_480P_INTS, smb=1)  # (as its table was compiled: the report's sizes)
     options = dict(enable_fp_fusion=False)
 elif {kernel!r} == "nvfp4":
     from fp4video.kernels.loop_nvfp4 import LAUNCH, _nv_attn_fwd as fn
@@ -149,7 +152,7 @@ print(stages, kernel.metadata.shared, SHARED_MEMORY_LIMIT[arch], LAUNCH.shared_m
 
 
 @pytest.mark.parametrize("kernel, arch, stages", [("nvfp4", 100, 2), ("nvfp4", 120, 2), ("e4m3", 120, 3),
-                                                  ("scaled-tma", 100, 2)])
+                                                  ("scaled-tma-mx", 100, 2), ("scaled-tma-nv", 100, 2)])
 def test_launch_fits_each_blackwell_architecture(kernel, arch, stages):
     """Each architecture's launch, compiled for it offline: the stage count its table picks, the
     shared memory the compiler allots within what a block may have there, and the table's figure

@@ -172,8 +172,11 @@ def test_prepass_packed_nvfp4_equals_reference(method, device):
     alive = rand(2, 150, seed=73, device=dev) > -1.0
     rq, rk, rv = (t.cpu() for t in prepare_qkv(q, k, v, recipe, key_alive=alive[:, None, :]))
     q4, k4, v4t, g_q, g_k, g_v = prepass_packed(q, k, v, recipe, alive)
-    d, sk_pad = q4.shape[-1] * 16 // 9, v4t.shape[-1] * 16 // 9
-    assert q4.dtype == k4.dtype == v4t.dtype == torch.uint8 and sk_pad % 128 == 0 and d % 16 == 0
+    d, sk_pad = q4.shape[-1] * 16 // 9, 256  # (80 and 150, padded: 128 values a row, 2 key tiles)
+    assert q4.dtype == k4.dtype == v4t.dtype == torch.uint8 and d == 128
+    # K̂'s and V̂ᵀ's rows padded to whole 16 bytes for TMA copies: 64 + 8 -> 80 and 128 + 16 -> 144
+    assert (k4.shape[-1], v4t.shape[-1]) == (80, 144) and k4.stride(-2) % 16 == 0 == v4t.stride(-2) % 16
+    k4, v4t = k4[..., : d // 2 + d // 16], v4t[..., : sk_pad // 2 + sk_pad // 16]
     gq, gk = _unpack_nv(q4, d, g_q), _unpack_nv(k4, d, g_k)
     gv = _unpack_nv(v4t, sk_pad, g_v).transpose(-1, -2)
     dp = rq.shape[-1]
