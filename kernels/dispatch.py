@@ -347,6 +347,12 @@ def loop_module(q, k, v, recipe: AttentionRecipe, key_alive=None) -> str:
     path, tensors = prepare(q, k, v, recipe, key_alive)
     if path == "nvfp4":
         return _nv_loop(recipe, tensors[0], tensors[2], False)
+    if path == "scaled":
+        from .loop_scaled import warp_specialized
+
+        dev = tensors[0].device
+        if warp_specialized(dev) and tma_loop(dev):  # as attention_prepared decides
+            return "loop_scaled (warp-specialized, TMA)"
     return LOOP_OF_PATH[path]
 
 
