@@ -308,9 +308,7 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
         raise ValueError(f"tma: an option of the e4m3 loop and of the dot_scaled loop, not of the {path!r} path")
     launch = dict(block_m=block_m, num_warps=num_warps, num_stages=num_stages)
     if path == "scaled":
-        from .loop_scaled import attention_packed
-
-        from .loop_scaled import warp_specialized
+        from .loop_scaled import attention_packed, warp_specialized
 
         if tma is None:  # the warp-specialized TMA loop where it has an MMA partition (FP4VIDEO_MX_TMA=0: not)
             dev = tensors[0].device

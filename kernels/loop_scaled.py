@@ -210,10 +210,10 @@ def _scaled_attn_fwd(
     MXFP4: scales in their own tensors (QS, KS, VS). NV (NVFP4): each row of Q4 / K4 / V4T holds its
     codes then its E4M3 scale bytes (QS, KS, VS are those tensors again, read past the codes);
     GQK (B·H) the product of Q's and K's tensor scales, GV (B·H) V's. TMA: K4 and V4T are tensor
-    descriptors of the rows (B·H·SK and B·H·BLOCK_DV rows; their boxes the codes of a key tile). WS: the key loop is Triton's
-    warp-specialized loop (on sm_100: a TMA-load partition, an MMA partition issuing the
-    asynchronous ``tcgen05`` MMAs, and the softmax in the default partition, S double-buffered in
-    tensor memory)."""
+    descriptors of the rows (B·H·SK and B·H·BLOCK_DV rows; a box holds a key tile's codes). WS: the
+    key loop is Triton's warp-specialized loop (on sm_100: a TMA-load partition, an MMA partition
+    issuing the asynchronous ``tcgen05`` MMAs, correction partitions, and the softmax in the default
+    partition; S double-buffered in tensor memory)."""
     b, h, offs_m, row_ok = program_rows(H, SQ, BLOCK_M)
     bh = tl.program_id(1)
     half_d = tl.arange(0, D // 2)
@@ -313,10 +313,11 @@ TMA_LAUNCH = {
 
 
 def warp_specialized(device) -> bool:
-    """Whether the TMA loop runs warp-specialized on this device: on datacenter Blackwell (sm_10x,
-    sm_11x: ``tcgen05`` MMAs, which Triton 3.9's warp specialization splits into load, MMA and
-    softmax partitions, checked offline); consumer Blackwell's ``mma.sync`` loop gets no MMA
-    partition, so it runs the TMA loop alone."""
+    """Whether the dispatch runs this loop warp-specialized (and by TMA) on this device: on
+    datacenter Blackwell (sm_10x, sm_11x: ``tcgen05`` MMAs, which Triton 3.9's warp specialization
+    splits into load, MMA, correction and softmax partitions, checked offline). Consumer
+    Blackwell's ``mma.sync`` loop gets no MMA partition and TMA alone did not shorten it (offline),
+    so it keeps pointer loads."""
     return getattr(device, "type", None) == "cuda" and torch.cuda.get_device_capability(device)[0] in (10, 11)
 
 

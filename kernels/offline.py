@@ -87,7 +87,7 @@ def loop_opcodes(lines, label_re, branch_re, op_re, is_mma, conditional_re=r"\s*
                                           else span < len(body))):
                 best, body, best_hits = ops, lines[labels[m.group(1)]:i + 1], hits
     if best is None:
-        raise SystemExit("error: no loop with the opcodes asked for (MMAs) found")
+        raise SystemExit("error: no loop with the opcodes asked for (by default MMAs) found")
     return best, body
 
 

@@ -5,8 +5,8 @@
 The loop the dispatch picks on that architecture is compiled as it is launched there (its launch
 table, head dim 128, no mask, a Wan-480p launch's sizes) and read back from Triton's IR, the PTX and
 the SASS: the MMA kinds of Q·K and P·V (the first and the last MMA of the main loop in PTX),
-SASS instructions per element of S in the main loop (PTX where no SASS can be had, saying so; in
-a warp-specialized loop the softmax partition's loop, the MMAs and loads having partitions of their own),
+SASS instructions per element of S in the main loop (PTX where no SASS can be had, saying so; of a
+warp-specialized loop, the softmax partition's, the MMAs and loads having partitions of their own),
 ptxas's registers and spills, shared and tensor memory, warp specialization and TMA.
 """
 
@@ -64,9 +64,7 @@ def _loop(method: str, arch: int):
                      HAS_MASK=False, D=128, BLOCK_DV=128, BLOCK_N=128)
     mx = mx_kernel_on(r, target)  # the dispatch's choice, by architecture
     if mx == "scaled" or nv_scaled_on(r, target):
-        from .loop_scaled import LAUNCH, KERNEL as fn
-
-        from .loop_scaled import TMA_LAUNCH
+        from .loop_scaled import LAUNCH, TMA_LAUNCH, KERNEL as fn
 
         nv = qk is Format.NVFP4
         # K̂ / V̂ᵀ codes by TMA where the loop is warp-specialized (loop_scaled.warp_specialized: sm_10x / sm_11x)
