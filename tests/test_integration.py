@@ -128,6 +128,16 @@ def test_every_shipped_config_validates(path):
     assert f"fp4video generate --config configs/{path.name}" in path.read_text()
 
 
+def test_wan_animate_inputs_on_another_family_are_refused(tmp_path):
+    """A pose video (or replace mode) in a config of another family would be silently unused."""
+    path = tmp_path / "c.yaml"
+    path.write_text("family: wan\npose_video: pose.mp4\nanimate_mode: replace\n")
+    with pytest.raises(ConfigError, match=r"pose_video, animate_mode: Wan Animate's inputs, but family is 'wan'"):
+        load_config(path)
+    path.write_text("family: animate\npose_video: pose.mp4\n")
+    assert load_config(path).pose_video == "pose.mp4"
+
+
 def test_wan22_mxattn_config_is_the_papers_policy():
     p = load_config(ROOT / "configs" / "wan22_mxattn.yaml").policy
     m = lambda block, step: p.method_for(block=block, step=step, num_steps=40, kind="self", expert="high_noise")  # noqa: E731

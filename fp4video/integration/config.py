@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .policy import Policy, format_validation_error
 
@@ -52,6 +52,16 @@ class RunConfig(BaseModel):
     mask_video: str | None = Field(None, description="Wan Animate, replace mode: the mask of that person (a file path)")
     policy: Policy = Policy()
     parallel: ParallelSettings | None = Field(None, description="context parallelism under torchrun")
+
+    @model_validator(mode="after")
+    def _animate_fields_need_animate(self):
+        """Wan Animate's inputs on another family would be silently unused: refused."""
+        set_ = [n for n in ("pose_video", "face_video", "background_video", "mask_video") if getattr(self, n) is not None]
+        if self.animate_mode != "animate":
+            set_.append("animate_mode")
+        if set_ and self.family != "animate":
+            raise ValueError(f"{', '.join(set_)}: Wan Animate's inputs, but family is {self.family!r} (family: animate)")
+        return self
 
 
 CONFIG_MODELS = (RunConfig, ParallelSettings)
