@@ -126,6 +126,29 @@ FAMILIES["wan-animate"] = (  # the 2 blocks, then the face adapter's 2 attention
                  face_pixel_values=_rand(1, 3, 2, 64, 64, seed=4)),
     {"self", "cross", "image"}, 4)
 
+# Wan-architecture derivatives, and Motif Video (HunyuanVideo-style dual / single-stream blocks)
+FAMILIES["chronoedit"] = (
+    lambda: diffusers.ChronoEditTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, rope_max_seq_len=32),
+    lambda: dict(hidden_states=_rand(1, 16, 2, 8, 8), timestep=torch.tensor([500]),
+                 encoder_hidden_states=_rand(1, 12, 32, seed=1)),
+    {"self", "cross"}, 2)
+FAMILIES["helios"] = (
+    lambda: diffusers.HeliosTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, rope_dim=(8, 12, 12)),
+    lambda: dict(hidden_states=_rand(1, 16, 2, 8, 8), timestep=torch.tensor([500]),
+                 encoder_hidden_states=_rand(1, 12, 32, seed=1)),
+    {"self", "cross"}, 2)
+FAMILIES["motif-video"] = (  # the text padding mask in its joint attention
+    lambda: diffusers.MotifVideoTransformer3DModel(
+        in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=32, num_layers=1,
+        num_single_layers=1, text_embed_dim=16, rope_axes_dim=(8, 12, 12)),
+    lambda: dict(hidden_states=_rand(1, 16, 2, 8, 8), timestep=torch.tensor([500]),
+                 encoder_hidden_states=_rand(1, 10, 16, seed=1), encoder_attention_mask=torch.tensor([[1] * 7 + [0] * 3])),
+    {"joint"}, 2)
+
 REFUSED = {
     "cogvideox": lambda: diffusers.CogVideoXTransformer3DModel(
         num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=8,
@@ -211,10 +234,10 @@ def test_models_whose_processors_bypass_the_dispatcher_are_refused(name):
     assert not any(hasattr(m, "_fp4video_block") or m._forward_pre_hooks for m in model.modules())
 
 
-@pytest.mark.parametrize("name", ["ltx-video", "hunyuan-video-1.5"])
+@pytest.mark.parametrize("name", ["ltx-video", "hunyuan-video-1.5", "motif-video"])
 def test_text_mask_is_honoured_on_the_fp4_path(name):
     """LTX-Video passes its text padding as an additive mask to the cross-attention,
-    HunyuanVideo-1.5 as a boolean mask over [video; text] to its joint attention: padded text tokens
+    HunyuanVideo-1.5 and Motif Video as a boolean mask over [video; text] to their joint attention: padded text tokens
     must not change the output under an FP4 method (they would, were the mask dropped)."""
     build, inputs, *_ = FAMILIES[name]
     model = _randomized(build())
