@@ -141,6 +141,22 @@ FAMILIES["helios"] = (
     lambda: dict(hidden_states=_rand(1, 16, 2, 8, 8), timestep=torch.tensor([500]),
                  encoder_hidden_states=_rand(1, 12, 32, seed=1)),
     {"self", "cross"}, 2)
+FAMILIES["anyflow"] = (  # its latents come (B, T, C, H, W), with a timestep and an r-timestep per frame
+    lambda: diffusers.AnyFlowTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, rope_max_seq_len=32),
+    lambda: dict(hidden_states=_rand(1, 2, 16, 8, 8), timestep=torch.tensor([[500, 500]]),
+                 r_timestep=torch.tensor([[250, 250]]), encoder_hidden_states=_rand(1, 12, 32, seed=1)),
+    {"self", "cross"}, 2)
+FAMILIES["kandinsky6"] = (  # video and audio: the text blocks of each, then visual blocks with audio-video cross-attention
+    lambda: diffusers.Kandinsky6Transformer3DModel(
+        in_visual_dim=4, out_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=32, model_dim=64, ff_dim=64,
+        num_text_blocks=1, num_visual_blocks=2, axes_dims=(8, 12, 12), visual_cond=False),
+    lambda: dict(hidden_states=_rand(1, 2, 8, 8, 4), encoder_hidden_states=_rand(1, 10, 16, seed=1),
+                 pooled_projections=_rand(1, 8, seed=2), timestep=torch.tensor([500.0]),
+                 visual_rope_pos=(torch.arange(2), torch.arange(4), torch.arange(4)),
+                 audio_hidden_states=_rand(1, 6, 20, seed=3)),
+    {"self", "cross"}, 4)
 FAMILIES["motif-video"] = (  # the text padding mask in its joint attention
     lambda: diffusers.MotifVideoTransformer3DModel(
         in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=32, num_layers=1,
