@@ -157,6 +157,18 @@ FAMILIES["kandinsky6"] = (  # video and audio: the text blocks of each, then vis
                  visual_rope_pos=(torch.arange(2), torch.arange(4), torch.arange(4)),
                  audio_hidden_states=_rand(1, 6, 20, seed=3)),
     {"self", "cross"}, 4)
+FAMILIES["hunyuan-framepack"] = (  # HunyuanVideo's blocks over [history (clean, 2x, 4x); new latents]
+    lambda: diffusers.HunyuanVideoFramepackTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=32, num_layers=1, num_single_layers=1,
+        num_refiner_layers=1, text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(8, 12, 12),
+        image_condition_type=None, has_image_proj=True, image_proj_dim=12, has_clean_x_embedder=True),
+    lambda: dict(hidden_states=_rand(1, 4, 2, 8, 8), timestep=torch.tensor([500]), encoder_hidden_states=_rand(1, 10, 16, seed=1),
+                 encoder_attention_mask=torch.tensor([[1] * 7 + [0] * 3]), pooled_projections=_rand(1, 8, seed=2),
+                 image_embeds=_rand(1, 5, 12, seed=3), indices_latents=torch.arange(2), guidance=torch.tensor([3500.0]),
+                 latents_clean=_rand(1, 4, 1, 8, 8, seed=4), indices_latents_clean=torch.tensor([2]),
+                 latents_history_2x=_rand(1, 4, 2, 8, 8, seed=5), indices_latents_history_2x=torch.tensor([3, 4]),
+                 latents_history_4x=_rand(1, 4, 4, 8, 8, seed=6), indices_latents_history_4x=torch.tensor([5, 6, 7, 8])),
+    {"joint"}, 2)
 FAMILIES["motif-video"] = (  # the text padding mask in its joint attention
     lambda: diffusers.MotifVideoTransformer3DModel(
         in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=32, num_layers=1,
@@ -250,10 +262,10 @@ def test_models_whose_processors_bypass_the_dispatcher_are_refused(name):
     assert not any(hasattr(m, "_fp4video_block") or m._forward_pre_hooks for m in model.modules())
 
 
-@pytest.mark.parametrize("name", ["ltx-video", "hunyuan-video-1.5", "motif-video"])
+@pytest.mark.parametrize("name", ["ltx-video", "hunyuan-video-1.5", "motif-video", "hunyuan-framepack"])
 def test_text_mask_is_honoured_on_the_fp4_path(name):
     """LTX-Video passes its text padding as an additive mask to the cross-attention,
-    HunyuanVideo-1.5 and Motif Video as a boolean mask over [video; text] to their joint attention: padded text tokens
+    HunyuanVideo-1.5, Motif Video and FramePack as a boolean mask over [video; text] to their joint attention: padded text tokens
     must not change the output under an FP4 method (they would, were the mask dropped)."""
     build, inputs, *_ = FAMILIES[name]
     model = _randomized(build())
