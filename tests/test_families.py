@@ -177,10 +177,21 @@ FAMILIES["motif-video"] = (  # the text padding mask in its joint attention
                  encoder_hidden_states=_rand(1, 10, 16, seed=1), encoder_attention_mask=torch.tensor([[1] * 7 + [0] * 3])),
     {"joint"}, 2)
 
+#: name -> (tiny transformer, what the refusal names: the processor and why it cannot be routed)
 REFUSED = {
-    "cogvideox": lambda: diffusers.CogVideoXTransformer3DModel(
+    "cogvideox": (lambda: diffusers.CogVideoXTransformer3DModel(
         num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=8,
         text_embed_dim=16, num_layers=1, sample_width=8, sample_height=8, sample_frames=5, max_text_seq_length=10),
+        r"CogVideoXAttnProcessor2_0 calls PyTorch's scaled_dot_product_attention itself"),
+    "easyanimate": (lambda: diffusers.EasyAnimateTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, patch_size=2, sample_width=8,
+        sample_height=8, num_layers=1, mmdit_layers=1, time_embed_dim=8, text_embed_dim=16),
+        r"EasyAnimateAttnProcessor2_0 calls PyTorch's scaled_dot_product_attention itself"),
+    # block-sparse flex attention, whatever backend the model is set to
+    "kandinsky6-sr": (lambda: diffusers.Kandinsky6SRTransformer3DModel(
+        in_visual_dim=4, out_visual_dim=4, time_dim=32, model_dim=64, ff_dim=64, num_visual_blocks=2,
+        axes_dims=(8, 12, 12)),
+        r"Kandinsky6SRAttnProcessor hands diffusers' dispatcher a fixed backend \(FLEX\)"),
 }
 
 
@@ -254,9 +265,10 @@ def test_linear_attention_is_named_not_dropped():
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_models_whose_processors_bypass_the_dispatcher_are_refused(name):
-    model = REFUSED[name]()
+    build, why = REFUSED[name]
+    model = build()
     before = {s.name: s.processor for s in attention_sites(model)}
-    with pytest.raises(NotRoutable, match=r"call PyTorch's scaled_dot_product_attention themselves"):
+    with pytest.raises(NotRoutable, match=why):
         install(model, "mxattn")
     assert {s.name: s.processor for s in attention_sites(model)} == before
     assert not any(hasattr(m, "_fp4video_block") or m._forward_pre_hooks for m in model.modules())

@@ -18,7 +18,7 @@ import torch
 from .policy import Policy
 from .processor import AttentionContext, FP4Processor
 from .routing import route, unroute
-from .sites import NotRoutable, Site, attention_sites, routable
+from .sites import NotRoutable, Site, attention_sites, routable, unroutable_reason
 
 __all__ = ["install", "uninstall", "annotate", "block_sites"]
 
@@ -104,11 +104,11 @@ def _checked_sites(model: torch.nn.Module, policy: Policy) -> list[Site]:
                          "routes the model's own processors; restore them first (set_attn_processor(original))")
     stuck = [s for s in blocks if not routable(s.processor)]
     if len(stuck) == len(blocks):
-        kinds = sorted({type(s.processor).__name__ for s in stuck})
+        kinds = {type(s.processor).__name__: unroutable_reason(s.processor) for s in stuck}
         raise NotRoutable(
-            f"{name}: the attention processors of its blocks ({', '.join(kinds)}) call PyTorch's "
-            "scaled_dot_product_attention themselves instead of diffusers' dispatch_attention_fn, so fp4video "
-            "cannot route them (e.g. CogVideoX, Mochi and Allegro in diffusers 0.42); transformers whose "
+            f"{name}: the attention processors of its blocks ({'; '.join(f'{k} {why}' for k, why in sorted(kinds.items()))}) "
+            "instead of handing diffusers' dispatch_attention_fn the model's backend, so fp4video cannot route them "
+            "(e.g. CogVideoX, Mochi and Allegro in diffusers 0.42 call SDPA themselves); transformers whose "
             "processors use the dispatcher are supported (Wan, HunyuanVideo, LTX-Video, Sana-Video, ...)")
     policy.check_blocks(max(s.block for s in blocks) + 1, name)
     blocks = [s for s in blocks if routable(s.processor)]

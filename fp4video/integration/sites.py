@@ -9,8 +9,9 @@ dual-stream blocks are 0–19, its single-stream blocks 20 onwards). Sites outsi
 
 A site is *routable* when its processor calls diffusers' ``dispatch_attention_fn`` (processors that
 do carry an ``_attention_backend`` attribute, which diffusers' dispatcher reads); processors that
-call PyTorch's SDPA themselves (CogVideoX, Mochi, Allegro, the generic ``AttnProcessor2_0``) are
-not, and fp4video says so instead of skipping them.
+call PyTorch's SDPA themselves (CogVideoX, Mochi, Allegro, the generic ``AttnProcessor2_0``), or
+hand the dispatcher a fixed backend (Kandinsky 6's super-resolution model: flex attention with a
+block-sparse mask), are not, and fp4video says so instead of skipping them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["Site", "attention_sites", "is_attention", "routable", "names_its_backend", "dispatches_without_backend",
-           "NotRoutable"]
+           "fixed_backend", "unroutable_reason", "NotRoutable"]
 
 
 class NotRoutable(ValueError):
@@ -61,22 +62,46 @@ def names_its_backend(processor) -> bool:
     return hasattr(type(processor), "_attention_backend") or hasattr(processor, "_attention_backend")
 
 
+def _call_source(processor) -> str:
+    """The source of ``processor``'s ``__call__`` ("" where it cannot be read)."""
+    import inspect
+
+    try:
+        return inspect.getsource(type(processor).__call__)
+    except (OSError, TypeError):
+        return ""
+
+
 def dispatches_without_backend(processor) -> bool:
     """Whether ``processor`` calls diffusers' dispatcher without naming a backend (Cosmos 1.0 and
     2.5), so that the process-wide active backend runs its attention: read from the source of its
     ``__call__`` (False where the source cannot be read)."""
-    import inspect
+    source = _call_source(processor)
+    return "dispatch_attention_fn(" in source and "backend=" not in source
 
-    try:
-        source = inspect.getsource(type(processor).__call__)
-    except (OSError, TypeError):
-        return False
-    return "dispatch_attention_fn(" in source
+
+def fixed_backend(processor) -> str | None:
+    """The backend ``processor`` hands diffusers' dispatcher by name, whatever the model's setting
+    (Kandinsky 6's super-resolution model: ``AttentionBackendName.FLEX`` with a block-sparse mask),
+    or None: such a call cannot be routed."""
+    import re
+
+    m = re.search(r"backend\s*=\s*AttentionBackendName\.(\w+)", _call_source(processor))
+    return m.group(1) if m else None
 
 
 def routable(processor) -> bool:
-    """Whether ``processor`` hands its attention to diffusers' dispatcher (which fp4video routes)."""
-    return names_its_backend(processor) or dispatches_without_backend(processor)
+    """Whether ``processor`` hands its attention to diffusers' dispatcher under the backend the model
+    sets (which fp4video routes)."""
+    return (names_its_backend(processor) or dispatches_without_backend(processor)) and fixed_backend(processor) is None
+
+
+def unroutable_reason(processor) -> str:
+    """Why fp4video cannot route ``processor``, in a few words."""
+    backend = fixed_backend(processor)
+    if backend is not None:
+        return f"hands diffusers' dispatcher a fixed backend ({backend})"
+    return "calls PyTorch's scaled_dot_product_attention itself"
 
 
 def attention_sites(model: torch.nn.Module) -> list[Site]:
