@@ -71,7 +71,7 @@ def supports(recipe: AttentionRecipe, q: torch.Tensor, mask: torch.Tensor | None
     if mask is not None and (mask.shape[1] != 1 or mask.shape[2] != 1):
         return False, "the Triton kernel takes key-padding masks (B, 1, 1, Sk) only; this mask varies over heads/queries"
     e4m3 = Format.E4M3 in (recipe.qk_format, recipe.pv_format)
-    if e4m3 and recipe.qk_format is not Format.NVFP4 and mx_kernel(recipe, q.device) != "fp8":
+    if e4m3 and recipe.qk_format is not Format.NVFP4 and mx_kernel(recipe, q.device) not in ("fp8", "scaled"):
         return False, (f"{recipe.name}: its E4M3 (FP8) operands run on e4m3 tensor cores (sm_89+), "
                        f"not on {_device_name(q.device)}")
     return True, ""
@@ -133,7 +133,11 @@ def mx_kernel_on(recipe: AttentionRecipe, arch: str | None) -> str | None:
     and MXFP4 or E4M3 Q and K run the e4m3 loop on every sm_89+ GPU (``"scaled"`` has no FP8 P·V)."""
     fp8_tensor_cores = arch == "interpreter" or (arch is not None and arch_capability(arch) >= (8, 9))
     qk, pv = recipe.qk_format, recipe.pv_format
-    if pv is Format.E4M3 and qk in (Format.MXFP4, Format.E4M3):
+    if pv is Format.E4M3 and qk is Format.MXFP4:  # mxattn-pv8: Q·K on the native FP4 MMA where it runs
+        if _env("FP4VIDEO_MX_KERNEL") == "scaled" or native_fp4(arch):
+            return "scaled"
+        return "fp8" if fp8_tensor_cores else None
+    if pv is Format.E4M3 and qk is Format.E4M3:
         return "fp8" if fp8_tensor_cores else None
     if qk is not Format.MXFP4 or pv is not Format.MXFP4:
         return None
@@ -146,11 +150,11 @@ def mx_kernel_on(recipe: AttentionRecipe, arch: str | None) -> str | None:
 
 
 def nv_scaled_on(recipe: AttentionRecipe, arch: str | None) -> bool:
-    """Whether the NVFP4 recipe (NVFP4 Q·K and P·V: ``nvfp4``, ``sage3``, ``sage3-hpnq``) runs the
-    ``dot_scaled`` loop (native ``kind::mxf4nvf4`` MMAs) on ``arch``: where :func:`native_fp4`,
+    """Whether the NVFP4 recipe (NVFP4 Q·K and P·V: ``nvfp4``, ``sage3``, ``sage3-hpnq``; NVFP4 Q·K and
+    FP8 P·V: ``sage3-pv8``) runs the ``dot_scaled`` loop (native ``kind::mxf4nvf4`` MMAs for Q·K) on ``arch``: where :func:`native_fp4`,
     or anywhere Triton runs when ``FP4VIDEO_NV_KERNEL=scaled`` asks (emulated off Blackwell); never
     in the interpreter unless asked (its ``dot_scaled`` reads every scale as E8M0)."""
-    if recipe.qk_format is not Format.NVFP4 or recipe.pv_format is not Format.NVFP4:
+    if recipe.qk_format is not Format.NVFP4 or recipe.pv_format not in (Format.NVFP4, Format.E4M3):
         return False
     forced = _env("FP4VIDEO_NV_KERNEL")
     if forced:
@@ -310,9 +314,9 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
     if path == "scaled":
         from .loop_scaled import attention_packed, warp_specialized
 
-        if tma is None:  # the warp-specialized TMA loop where it has an MMA partition (FP4VIDEO_MX_TMA=0: not)
-            dev = tensors[0].device
-            tma = warp_specialized(dev) and tma_loop(dev)
+        if tma is None:  # the warp-specialized TMA loop where it has an MMA partition (FP4VIDEO_MX_TMA=0: not);
+            dev = tensors[0].device  # the FP8-P·V form by pointer loads
+            tma = recipe.pv_format is not Format.E4M3 and warp_specialized(dev) and tma_loop(dev)
         return attention_packed(*tensors, key_alive=key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv,
                                 tma=tma, **launch)
     if path == "fp8":
@@ -349,7 +353,7 @@ def loop_module(q, k, v, recipe: AttentionRecipe, key_alive=None) -> str:
         from .loop_scaled import warp_specialized
 
         dev = tensors[0].device
-        if warp_specialized(dev) and tma_loop(dev):  # as attention_prepared decides
+        if recipe.pv_format is not Format.E4M3 and warp_specialized(dev) and tma_loop(dev):  # as attention_prepared
             return "loop_scaled (warp-specialized, TMA)"
     return LOOP_OF_PATH[path]
 

@@ -63,21 +63,24 @@ TMA_LAUNCH = LoopLaunch(
 TMA_REGISTER_BUDGET = 168
 
 
-def pointer_loop_unsupported_reason(device, recipe: AttentionRecipe) -> str | None:
+def pointer_loop_unsupported_reason(device, recipe: AttentionRecipe,
+                                    loop: str = "the pointer-load e4m3 loop") -> str | None:
     """Why the pointer-load loop must not run this recipe on this device, or None. On Hopper
     (sm_90) the loop's P̂·V̂ is an asynchronous warpgroup MMA reading P̂ from registers, which
     Triton does not keep reserved until the MMA completes; with P̂ in E4M3 (the FP8-P·V methods)
     the registers are reused under it: H200, Triton 3.6, 2026-12-01, ``mxattn-pv8`` by pointer
     loads had 54–98 % of its 2,048 rows wrong at S = 1,024 (zeros or off, different rows run to
-    run; ``fp8`` likewise), the TMA loop none (``tests/test_loops.py``). Elsewhere the loop's MMAs
-    do not read P̂ asynchronously from registers (Ada's ``mma.sync``; Blackwell's from memory)."""
+    run; ``fp8`` likewise), the TMA loop none (``tests/test_loops.py``); the dot_scaled loop's FP8-P·V
+    form (``FP4VIDEO_MX_KERNEL=scaled`` on Hopper: the same pattern) had 1,835–1,988 of 4,000 wrong.
+    Elsewhere the loops' MMAs do not read P̂ asynchronously from registers (Ada's and consumer
+    Blackwell's ``mma.sync`` is synchronous; datacenter Blackwell's ``tcgen05`` reads memory)."""
     if recipe.pv_format is not Format.E4M3 or getattr(device, "type", None) != "cuda":
         return None
     import torch
 
     if torch.cuda.get_device_capability(device)[0] == 9:
-        return ("on Hopper the pointer-load e4m3 loop computes wrong rows for the FP8-P·V methods (an asynchronous "
-                "MMA's register operand is not kept reserved); they run the TMA loop there")
+        return (f"on Hopper {loop} computes wrong rows for the FP8-P·V methods (an asynchronous "
+                "MMA's register operand is not kept reserved); they run the e4m3 loop by TMA there")
     return None
 
 

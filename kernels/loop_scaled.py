@@ -40,8 +40,9 @@ from fp4video.recipe import AttentionRecipe, PScale, RowSum
 from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
 
 from .fp4_math import (e2m1_magnitude_codes, e2m1_pack_hw, e2m1_pair_sums_hw, e4m3_bits, mx_block_exponent, pack_nibbles,
-                       pow2, round_e2m1_at_scale)
+                       pow2, round_e2m1_at_scale, round_e4m3_signed)
 from .launch import LoopLaunch
+from .loop_e4m3 import TILE_EXP_FLOOR, pointer_loop_unsupported_reason
 from .loop_nvfp4 import block_scale_and_reciprocal, two_level_factors
 from .tiles import LOG2E, key_mask, outputs, program_rows, store_out_lse
 
@@ -135,15 +136,44 @@ def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.co
     return packed, e4m3_bits(scale), m_new, r_new, l_new, alpha * acc_ratio
 
 
+#: the e4m3 loop's floor of a tile's shift exponent, as a constant the jit functions may read
+_EXP_FLOOR = tl.constexpr(TILE_EXP_FLOOR)
+
+
 @triton.jit
-def _scaled_tile(q4, q_sc, m_i, r_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks,
+def _e4m3_p(s, m_i, k_i, l_i, PNQ: tl.constexpr, HW_E4M3: tl.constexpr):
+    """FP8 P of one tile of logits ``s`` (log2 units, masked keys -inf) for the FP8-P·V methods, the
+    e4m3 loop's rule (:func:`.loop_e4m3.quantize_p` with ``P_E4M3``): one power-of-two scale per
+    row and tile, k = 7 - ⌊log2 (the tile's largest P̃)⌋, P̂ = P̃ · 2^k rounded to E4M3 once.
+    Returns (P̂ e4m3, m_new, k_new, l_new, alpha); ``acc`` and ``l`` are kept in units of 2^k."""
+    tile_max = tl.max(s, axis=1)
+    m_new = tl.maximum(m_i, tile_max)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    top = tl.exp2(tile_max - m_safe)
+    e_top = tl.maximum(tl.where(top > 0, ((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, _EXP_FLOOR),
+                       _EXP_FLOOR)
+    k_new = 7 - e_top
+    p = tl.exp2(s + (k_new.to(tl.float32) - m_safe)[:, None])  # P̃ · 2^k_new < 256
+    p8 = round_e4m3_signed(p, HW_E4M3)
+    if PNQ:  # the sum of the rounded values
+        part = tl.sum(p8.to(tl.float32), axis=1)
+    else:
+        part = tl.sum(p, axis=1)
+    alpha = tl.exp2(m_i - m_safe + (k_new - k_i).to(tl.float32))
+    return p8, m_new, k_new, tl.fma(alpha, l_i, part), alpha
+
+
+@triton.jit
+def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks,
                  svd, svsd, sms, scale_log2,
                  HAS_MASK: tl.constexpr, TAIL: tl.constexpr, NV: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
                  PNQ: tl.constexpr, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, FAST_RCP: tl.constexpr,
                  HW_E4M3: tl.constexpr, D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, QB: tl.constexpr, HW_E2M1: tl.constexpr, TMA: tl.constexpr, k_row, v_row):
-    """One key tile: returns the updated (m, r, l, acc); m in log2 units, acc in units of r (the
-    two-level row factor; 1 otherwise). NV: the scale bytes follow the codes in each row of K̂
+                 BLOCK_N: tl.constexpr, QB: tl.constexpr, HW_E2M1: tl.constexpr, TMA: tl.constexpr, k_row, v_row,
+                 P_E4M3: tl.constexpr):
+    """One key tile: returns the updated (m, r, k, l, acc); m in log2 units, acc in units of r (the
+    two-level row factor; 1 otherwise) and, P_E4M3, of 2^k (P̂ and V̂ᵀ in E4M3: ``V_base`` V̂ᵀ's
+    e4m3 rows, keys in order, padded to whole tiles). NV: the scale bytes follow the codes in each row of K̂
     (``KS_base`` = ``K_base`` + D/2) and V̂ᵀ, E4M3 to be read as such. TMA: ``K_base`` and
     ``V_base`` are tensor descriptors of K̂'s rows (this head's first at ``k_row``; rows past SK are
     another head's or zeros, masked like any key past SK) and V̂ᵀ's (this head's first channel at
@@ -170,24 +200,29 @@ def _scaled_tile(q4, q_sc, m_i, r_i, l_i, acc, K_base, KS_base, V_base, VS_base,
         qk = tl.where((km != 0)[None, :], qk, float("-inf"))
     elif TAIL:
         qk = tl.where(key_ok[None, :], qk, float("-inf"))
-    if NV:
-        p4, p_sc, m_new, r_i, l_i, acc_scale = _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ,
-                                                     FAST_RCP, HW_E4M3, QB, HW_E2M1)
-        p_sc = p_sc.to(tl.float8e4nv, bitcast=True)
+    if P_E4M3:  # FP8 P·V: P̂ and V̂ᵀ in E4M3 on the FP8 MMA
+        p8, m_new, k_i, l_i, alpha = _e4m3_p(qk * scale_log2 if NV else qk, m_i, k_i, l_i, PNQ, HW_E4M3)
+        v8t = tl.load(V_base + dv[:, None] * svd + keys[None, :])  # padded to whole tiles: no mask
+        acc = tl.fma(acc, alpha[:, None], tl.dot(p8, tl.trans(v8t)))
     else:
-        p4, p_sc, m_new, l_i, acc_scale = _mx_p(qk, m_i, l_i, OCP, QMAX, PNQ, QB, HW_E2M1)
-    half_n = start // 2 + tl.arange(0, BLOCK_N // 2)
-    nb_n = start // QB + tl.arange(0, NB)
-    if TMA:
-        v4t = V_base.load([v_row, start // 2])
-    else:
-        v4t = tl.load(V_base + dv[:, None] * svd + half_n[None, :])  # padded to whole tiles: no mask
-    v_sc = tl.load(VS_base + dv[:, None] * svsd + nb_n[None, :])
-    if NV:
-        v_sc = v_sc.to(tl.float8e4nv, bitcast=True)
-    pv = tl.dot_scaled(p4, p_sc, "e2m1", tl.trans(v4t), v_sc, "e2m1")
-    acc = acc * acc_scale[:, None] + pv
-    return m_new, r_i, l_i, acc
+        if NV:
+            p4, p_sc, m_new, r_i, l_i, acc_scale = _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ,
+                                                         FAST_RCP, HW_E4M3, QB, HW_E2M1)
+            p_sc = p_sc.to(tl.float8e4nv, bitcast=True)
+        else:
+            p4, p_sc, m_new, l_i, acc_scale = _mx_p(qk, m_i, l_i, OCP, QMAX, PNQ, QB, HW_E2M1)
+        half_n = start // 2 + tl.arange(0, BLOCK_N // 2)
+        nb_n = start // QB + tl.arange(0, NB)
+        if TMA:
+            v4t = V_base.load([v_row, start // 2])
+        else:
+            v4t = tl.load(V_base + dv[:, None] * svd + half_n[None, :])  # padded to whole tiles: no mask
+        v_sc = tl.load(VS_base + dv[:, None] * svsd + nb_n[None, :])
+        if NV:
+            v_sc = v_sc.to(tl.float8e4nv, bitcast=True)
+        pv = tl.dot_scaled(p4, p_sc, "e2m1", tl.trans(v4t), v_sc, "e2m1")
+        acc = acc * acc_scale[:, None] + pv
+    return m_new, r_i, k_i, l_i, acc
 
 
 @triton.jit
@@ -205,6 +240,7 @@ def _scaled_attn_fwd(
     TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr,
     D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     HW_E2M1: tl.constexpr = False, TMA: tl.constexpr = False, WS: tl.constexpr = False,
+    P_E4M3: tl.constexpr = False,
 ):
     """Online-softmax FP4 attention on ``tl.dot_scaled``; operands from :func:`.prepass.prepass_packed`.
     MXFP4: scales in their own tensors (QS, KS, VS). NV (NVFP4): each row of Q4 / K4 / V4T holds its
@@ -234,7 +270,8 @@ def _scaled_attn_fwd(
         scale_log2 = scale_log2 * tl.load(GQK + bh)  # a power of two: the logits' product is exact
         KS_base = KS + b * skb + h * skh + D // 2  # (KS, VS: K4's and V4T's rows again, as pointers)
         VS_base = VS + b * svb + h * svh + SK_PAD // 2
-        out_factor = tl.load(GV + bh)
+        if not P_E4M3:
+            out_factor = tl.load(GV + bh)
     else:
         q_sc = tl.load(QS + (bh * SQ + offs_m)[:, None] * (D // QB) + nb_d[None, :], mask=row_ok[:, None], other=127)
         KS_base = KS + bh * SK * (D // QB)
@@ -242,30 +279,36 @@ def _scaled_attn_fwd(
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     r_i = tl.full((BLOCK_M,), 1.0, tl.float32)  # units of acc (the two-level row factor)
+    k_i = tl.zeros((BLOCK_M,), tl.int32)  # P_E4M3: units of acc and l, 2^k_i
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     M_base = KeyMask + b * smb
     n_full = (SK // BLOCK_N) * BLOCK_N
     if WS:  # (the keyword exists from Triton 3.4: only named where asked for)
         for start in tl.range(0, n_full, BLOCK_N, warp_specialize=True):
-            m_i, r_i, l_i, acc = _scaled_tile(
-                q4, q_sc, m_i, r_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks, svd, svsd,
+            m_i, r_i, k_i, l_i, acc = _scaled_tile(
+                q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks, svd, svsd,
                 sms, scale_log2, HAS_MASK, False, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D,
-                BLOCK_DV, BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row)
+                BLOCK_DV, BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3)
     else:
         for start in range(0, n_full, BLOCK_N):
-            m_i, r_i, l_i, acc = _scaled_tile(
-                q4, q_sc, m_i, r_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks, svd, svsd,
+            m_i, r_i, k_i, l_i, acc = _scaled_tile(
+                q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks, svd, svsd,
                 sms, scale_log2, HAS_MASK, False, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D,
-                BLOCK_DV, BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row)
+                BLOCK_DV, BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3)
     if n_full < SK:
-        m_i, r_i, l_i, acc = _scaled_tile(
-            q4, q_sc, m_i, r_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, n_full, SK, sks, svd, svsd,
+        m_i, r_i, k_i, l_i, acc = _scaled_tile(
+            q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, n_full, SK, sks, svd, svsd,
             sms, scale_log2, HAS_MASK, True, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D, BLOCK_DV,
-            BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row)
+            BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3)
 
-    store_out_lse(Out, Lse, acc, r_i[:, None] * out_factor, l_i, m_i, 0.0, b, h, offs_m, row_ok,
-                  tl.arange(0, BLOCK_DV), DV, sob, soh, sos, sod, slb, slh, sls)
+    if P_E4M3:  # acc in units of V̂'s channel factors and of 2^k
+        v_fac = tl.load(VS + bh * BLOCK_DV + tl.arange(0, BLOCK_DV))
+        store_out_lse(Out, Lse, acc, v_fac[None, :], l_i, m_i, k_i.to(tl.float32), b, h, offs_m, row_ok,
+                      tl.arange(0, BLOCK_DV), DV, sob, soh, sos, sod, slb, slh, sls)
+    else:
+        store_out_lse(Out, Lse, acc, r_i[:, None] * out_factor, l_i, m_i, 0.0, b, h, offs_m, row_ok,
+                      tl.arange(0, BLOCK_DV), DV, sob, soh, sos, sod, slb, slh, sls)
 
 
 @triton.jit
@@ -328,10 +371,23 @@ def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float,
     ``ws``: the warp-specialized loop (None: where :func:`warp_specialized`; TMA only). Returns
     (out, lse)."""
     nv = recipe.qk_format is Format.NVFP4
-    if nv != (recipe.pv_format is Format.NVFP4) or (not nv and recipe.qk_format is not Format.MXFP4):
-        raise ValueError(f"{recipe.name}: the dot_scaled loop runs MXFP4 or NVFP4 Q·K and P·V, not "
-                         f"{recipe.qk_format} / {recipe.pv_format}")
-    if nv:
+    pv8 = recipe.pv_format is Format.E4M3
+    if recipe.qk_format not in (Format.MXFP4, Format.NVFP4) or recipe.pv_format not in (recipe.qk_format, Format.E4M3):
+        raise ValueError(f"{recipe.name}: the dot_scaled loop runs MXFP4 or NVFP4 Q·K with P·V in the same format or "
+                         f"in E4M3, not {recipe.qk_format} / {recipe.pv_format}")
+    if pv8:  # FP8 P·V: V̂ᵀ e4m3 in key order with its channel factors
+        q4, qs, k4, ks, v4t, vs, g_q, g_k = tensors
+        qb = Format.NVFP4.block if nv else 32
+        d = q4.shape[-1] * qb // (qb // 2 + 1) if nv else q4.shape[-1] * 2
+        sk_pad = v4t.shape[-1]
+        gqk, gv = (g_q * g_k).reshape(-1).contiguous(), q4.new_ones(1, dtype=torch.float32)
+        if nv:
+            qs, ks = q4, k4
+        if tma:
+            raise ValueError(f"{recipe.name}: the FP8-P·V form of the dot_scaled loop reads by pointer loads (tma=False)")
+        if reason := pointer_loop_unsupported_reason(q4.device, recipe, "the dot_scaled loop's FP8-P·V form"):
+            raise ValueError(f"{recipe.name}: {reason}")
+    elif nv:
         q4, k4, v4t, g_q, g_k, g_v = tensors
         qb = Format.NVFP4.block
         d = q4.shape[-1] * qb // (qb // 2 + 1)  # rows of D/2 code bytes and D/16 scale bytes
@@ -361,9 +417,9 @@ def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float,
         kt = TensorDescriptor.from_tensor(k4.reshape(b * h * sk, k4.shape[-1]), [KEY_TILE, d // 2])
         vt = TensorDescriptor.from_tensor(v4t.reshape(b * h * dvp, v4t.shape[-1]), [dvp, KEY_TILE // 2])
     _scaled_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
-        q4, q4 if nv else qs, kt, k4 if nv else ks, vt, v4t if nv else vs, gqk, gv, km, out, lse,
+        q4, q4 if nv else qs, kt, k4 if nv else ks, vt, vs if pv8 else v4t if nv else vs, gqk, gv, km, out, lse,
         h, sq, sk, sk_pad, dv,
-        *q4.stride()[:3], *k4.stride()[:3], *v4t.stride()[:3], v4t.stride(2) if nv else vs.stride(2),
+        *q4.stride()[:3], *k4.stride()[:3], *v4t.stride()[:3], 0 if pv8 else v4t.stride(2) if nv else vs.stride(2),
         km.stride(0), km.stride(1),
         *out.stride(), *lse.stride(),
         scale * LOG2E,
@@ -371,7 +427,7 @@ def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float,
         PNQ=recipe.row_sum is RowSum.QUANTIZED, TWO_LEVEL=recipe.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
         FAST_RCP=cap >= (8, 0), HW_E4M3=cap >= (8, 9), D=d, BLOCK_DV=dvp, BLOCK_M=block_m, BLOCK_N=KEY_TILE, QB=qb,
         HW_E2M1=cap >= (10, 0),  # Blackwell's E2M1 conversions
-        TMA=tma, WS=ws,
+        TMA=tma, WS=ws, P_E4M3=pv8,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only, as the reference
     )
     return out, lse

@@ -611,7 +611,47 @@ class _PrePass:
         g_q, g_k, g_v = (ones if ts is None else ts[:, 0].reshape(b, h) for ts in (ts_q, ts_k, ts_v))
         return q4, k4, v4t, g_q, g_k, g_v
 
+    def run_packed_pv8(self):
+        """The FP8-P·V methods on the dot_scaled loop: Q̂ and K̂ packed as :meth:`run_packed` /
+        :meth:`run_packed_nv` pack them (MXFP4 codes and E8M0 scales; NVFP4 rows of codes and scale
+        bytes, with the heads' tensor scales), V̂ᵀ in E4M3 with its channels' power-of-two factors as
+        :meth:`run_fp8` makes it, its tokens put back in order (the dot_scaled loop's P is in key
+        order). Returns (q4, q_scale, k4, k_scale, v8t, v_fac, g_q, g_k): the scales None and the
+        tensor scales ones where NVFP4 / MXFP4 has none."""
+        from .key_order import v8t_in_key_order
+
+        b, h, dev, u8 = self.b, self.h, self.dev, torch.uint8
+        d, dvp = self.d, next_pow2(self.dv, floor=32)
+        sk_pad = -(-self.sk // KEY_TILE) * KEY_TILE
+        ones = torch.ones(b, h, device=dev)
+        if self.recipe.qk_format is Format.NVFP4:
+            qb = Format.NVFP4.block
+            q4 = torch.empty(b, h, self.sq, d // 2 + d // qb, device=dev, dtype=u8)
+            k4 = torch.empty(b, h, self.sk, nv_row_bytes(d), device=dev, dtype=u8)
+            ts_q, ts_k, _ = self.tensor_scales()
+            self.rows(self.q, self.sq, False, E2M1_PACKED, q4, tscale=ts_q)
+            self.rows(self.k, self.sk, True, E2M1_PACKED, k4, tscale=ts_k)
+            q_scale = k_scale = None
+            g_q, g_k = (ones if ts is None else ts[:, 0].reshape(b, h) for ts in (ts_q, ts_k))
+        else:
+            q4 = torch.empty(b, h, self.sq, d // 2, device=dev, dtype=u8)
+            k4 = torch.empty(b, h, self.sk, d // 2, device=dev, dtype=u8)
+            q_scale = torch.empty(b, h, self.sq, d // 32, device=dev, dtype=u8)
+            k_scale = torch.empty(b, h, self.sk, d // 32, device=dev, dtype=u8)
+            self.rows(self.q, self.sq, False, E2M1_PACKED, q4, fac=q_scale)
+            self.rows(self.k, self.sk, True, E2M1_PACKED, k4, fac=k_scale)
+            g_q = g_k = ones
+        v8 = torch.empty(b, h, dvp, sk_pad, device=dev, dtype=torch.float8_e4m3fn)
+        v_fac = torch.empty(b, h, dvp, device=dev)
+        v_amax = torch.zeros(b, h, dvp, device=dev, dtype=torch.int32)
+        v_bmin = torch.full((b, h, dvp), 0x7F800000, device=dev, dtype=torch.int32)
+        self.values(FP8_AMAX, v8, amax=v_amax, fac=v_bmin)
+        self.values(FP8_HEAD, v8, amax=v_amax, fac=v_fac)
+        return q4, q_scale, k4, k_scale, v8t_in_key_order(v8).contiguous(), v_fac, g_q, g_k
+
     def run_packed(self):
+        if self.recipe.pv_format is Format.E4M3:
+            return self.run_packed_pv8()
         if self.recipe.qk_format is Format.NVFP4:
             return self.run_packed_nv()
         b, h, dev, u8 = self.b, self.h, self.dev, torch.uint8
@@ -682,6 +722,8 @@ def prepass_packed(q, k, v, recipe: AttentionRecipe, key_alive, mean=None, launc
     Sk, D/2 + D/16), v4t (B, H, Dv_pad, Sk_pad/2 + Sk_pad/16), g_q, g_k, g_v (B, H))``: each row
     holds its codes, then its E4M3 block-scale bytes (blocks of 16), and ``g`` are the heads'
     power-of-two tensor scales.
+
+    FP8-P·V recipes (``mxattn-pv8``, ``sage3-pv8``): :meth:`_PrePass.run_packed_pv8`'s eight tensors.
     """
     return _PrePass(q, k, v, recipe, key_alive, mean, launch).run_packed()
 

@@ -67,16 +67,17 @@ def _loop(method: str, arch: int):
         from .loop_scaled import LAUNCH, TMA_LAUNCH, KERNEL as fn
 
         nv = qk is Format.NVFP4
+        pv8 = pv is Format.E4M3  # FP8 P·V: V̂ᵀ e4m3 with its channel factors, pointer loads
         # K̂ / V̂ᵀ codes by TMA where the loop is warp-specialized (loop_scaled.warp_specialized: sm_10x / sm_11x)
-        tma = arch // 10 in (10, 11)
+        tma = arch // 10 in (10, 11) and not pv8
         launch = TMA_LAUNCH["nv" if nv else "mx"] if tma else LAUNCH
         stages = stages_that_fit(target, limit, launch.num_stages, launch.shared_memory)
         codes = "tensordesc<u8[128, 64]>" if tma else "*u8"
-        ptr = dict(Q4="*u8", QS="*u8", K4=codes, KS="*u8", V4T=codes, VS="*u8", GQK="*fp32", GV="*fp32",
-                   KeyMask="*i8", Out="*bf16", Lse="*fp32")
+        ptr = dict(Q4="*u8", QS="*u8", K4=codes, KS="*u8", V4T="*fp8e4nv" if pv8 else codes,
+                   VS="*fp32" if pv8 else "*u8", GQK="*fp32", GV="*fp32", KeyMask="*i8", Out="*bf16", Lse="*fp32")
         consts = dict(mx_common, NV=nv, TWO_LEVEL=r.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
                       FAST_RCP=True, HW_E4M3=True, HW_E2M1=arch >= 100, BLOCK_M=launch.block_m, QB=16 if nv else 32,
-                      TMA=tma, WS=tma)
+                      TMA=tma, WS=tma, P_E4M3=pv8)
         return ("loop_scaled._scaled_attn_fwd", fn, consts, ptr, launch.block_m * 128 // (launch.num_warps * 32),
                 dict(num_warps=launch.num_warps, num_stages=stages, enable_fp_fusion=False), False)
     if mx == "fp8":
@@ -132,6 +133,19 @@ def _mma_kind(instruction: str) -> str:
     return types[-1] if types else instruction
 
 
+def _qk_pv_kinds(mmas: list[str], kernel_mmas: list[str], recipe) -> dict:
+    """The MMA kinds of Q·K and P·V: the main loop's first and last MMA instructions', unless the
+    kernel holds two kinds, one FP4 and the method's Q·K FP4 (the FP8-P·V methods on Blackwell,
+    whose P·V the compiler may move ahead of Q·K or out of the loop's line into a branch target):
+    then the FP4 kind is Q·K's and the other P·V's."""
+    kinds = list(dict.fromkeys(_mma_kind(m) for m in kernel_mmas))
+    qk, pv = _mma_kind(mmas[0]), _mma_kind(mmas[-1])
+    fp4 = [k for k in kinds if k.startswith("mxf4")]
+    if len(kinds) == 2 and len(fp4) == 1 and recipe.qk_format in (Format.MXFP4, Format.NVFP4):
+        qk, pv = fp4[0], next(k for k in kinds if k != fp4[0])
+    return dict(qk_mma_kind=qk, pv_mma_kind=pv)
+
+
 def loop_report(method: str, target: str) -> LoopReport:
     """Compile ``method``'s loop for ``target`` (``sm_90`` / ``sm_100`` / ``sm_120``) and read it."""
     if target not in TARGETS:
@@ -164,7 +178,9 @@ def loop_report(method: str, target: str) -> LoopReport:
         regs = ptxas_report(kernel.asm["ptx"], tool_path(""), tmp, arch=arch)
     ttgir = kernel.asm.get("ttgir", "")
     return LoopReport(
-        method=method, target=target, loop=name, qk_mma_kind=_mma_kind(mmas[0]), pv_mma_kind=_mma_kind(mmas[-1]),
+        method=method, target=target, loop=name,
+        **_qk_pv_kinds(mmas, re.findall(r"(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)[\w.:]*", kernel.asm["ptx"]),
+                       METHODS[method]),
         instructions_per_element=round(count / per_thread, 2), instructions_source=source,
         registers=None if regs is None else regs[0], spill_bytes=None if regs is None else regs[1],
         shared_memory_bytes=int(kernel.metadata.shared),

@@ -79,7 +79,8 @@ def test_launches_fit_the_shared_memory_of_the_gpu(monkeypatch):
 def test_native_fp4_loop_only_where_it_was_compiled(monkeypatch):
     """The MXFP4 methods take the native-FP4 loop on sm_100 and sm_120 (compiled and read offline),
     the e4m3 loop on every other sm_89+ GPU — the Blackwell-generation ones not named too (sm_103,
-    sm_110, sm_121) — and the bf16 loop before sm_89; FP8-P·V methods the e4m3 loop everywhere."""
+    sm_110, sm_121) — and the bf16 loop before sm_89; ``mxattn-pv8`` (MXFP4 Q·K, FP8 P·V) follows
+    them (the dot_scaled loop with FP8 P·V), ``fp8`` (E4M3 Q·K) the e4m3 loop everywhere."""
     from fp4video.kernels import dispatch
 
     monkeypatch.delenv("FP4VIDEO_MX_KERNEL", raising=False)
@@ -90,7 +91,10 @@ def test_native_fp4_loop_only_where_it_was_compiled(monkeypatch):
     for cap, kernel in want.items():
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
         assert dispatch.mx_kernel(METHODS["mxattn"], cuda) == kernel, cap
-        assert dispatch.mx_kernel(METHODS["mxattn-pv8"], cuda) == (None if cap < (8, 9) else "fp8"), cap
+        # mxattn-pv8: its Q·K on the native FP4 MMA where mxattn's runs, else the e4m3 loop
+        assert dispatch.mx_kernel(METHODS["mxattn-pv8"], cuda) == (None if cap < (8, 9) else
+                                                                  "scaled" if kernel == "scaled" else "fp8"), cap
+        assert dispatch.mx_kernel(METHODS["fp8"], cuda) == (None if cap < (8, 9) else "fp8"), cap
     # Triton 3.6 to 3.8 cannot compile the native loop for sm_100 (offline compiles): the e4m3 loop
     # there; sm_120's compiles from 3.6
     for version, on_100, on_120 in (((3, 8), "fp8", "scaled"), ((3, 6), "fp8", "scaled"), ((3, 5), "fp8", "fp8")):
@@ -105,7 +109,7 @@ def test_native_fp4_loop_only_where_it_was_compiled(monkeypatch):
 def test_nvfp4_methods_take_the_native_loop_where_it_compiles(monkeypatch):
     """NVFP4 Q·K and P·V (nvfp4, sage3, sage3-hpnq) run the dot_scaled loop with E4M3 block-16
     scales where the MXFP4 methods run theirs (sm_100 with Triton 3.9+, sm_120 with 3.6+), the
-    NVFP4 bf16 loops elsewhere (the interpreter included, unless asked); sage3-pv8 (FP8 P·V) never;
+    NVFP4 bf16 loops elsewhere (the interpreter included, unless asked); sage3-pv8 (FP8 P·V) too;
     ``FP4VIDEO_NV_KERNEL=scaled`` asks for it anywhere, ``=triton`` / ``=sm90`` never."""
     from fp4video.kernels import dispatch
 
@@ -115,7 +119,7 @@ def test_nvfp4_methods_take_the_native_loop_where_it_compiles(monkeypatch):
                        ("interpreter", False), (None, False)):
         for method in ("nvfp4", "sage3", "sage3-hpnq"):
             assert dispatch.nv_scaled_on(METHODS[method], arch) is want, (method, arch)
-        assert dispatch.nv_scaled_on(METHODS["sage3-pv8"], arch) is False
+        assert dispatch.nv_scaled_on(METHODS["sage3-pv8"], arch) is want  # its Q·K native, P·V on FP8 MMAs
         assert dispatch.nv_scaled_on(METHODS["mxattn"], arch) is False
     monkeypatch.setattr(dispatch, "triton_version", lambda: (3, 6))
     assert not dispatch.nv_scaled_on(METHODS["sage3"], "sm_100") and dispatch.nv_scaled_on(METHODS["sage3"], "sm_120")

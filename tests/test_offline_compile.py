@@ -168,7 +168,9 @@ def test_launch_fits_each_blackwell_architecture(kernel, arch, stages):
 
 @pytest.mark.parametrize("method, target, qk, pv, specialized, tma", [
     ("mxattn", "sm_100", "mxf4", "mxf4", True, True), ("mxattn", "sm_120", "mxf4nvf4", "mxf4nvf4", False, False),
-    ("mxattn-pv8", "sm_100", "f8f6f4", "f8f6f4", False, True), ("sage3", "sm_90", "bf16", "bf16", True, True)])
+    ("mxattn-pv8", "sm_100", "mxf4", "f8f6f4", False, False), ("sage3-pv8", "sm_100", "mxf4nvf4", "f8f6f4", False, False),
+    ("mxattn-pv8", "sm_120", "mxf4nvf4", "e4m3", False, False), ("fp8", "sm_100", "f8f6f4", "f8f6f4", False, True),
+    ("sage3", "sm_90", "bf16", "bf16", True, True)])
 def test_kernel_report_reads_the_compiled_loop(method, target, qk, pv, specialized, tma):
     """`python -m fp4video.kernels.report`: the loop the dispatch picks on the target, compiled for
     it, its MMA kinds read from the PTX, a SASS instruction count of its main loop (of a
