@@ -193,6 +193,15 @@ def round_e4m3_signed(x, HW: tl.constexpr):
 
 
 @triton.jit
+def e4m3_p_shift(top, EXP_FLOOR: tl.constexpr):
+    """The FP8-P·V methods' shift of P̃ for one row and tile: k = 7 - ⌊log2 top⌋ (``top``: the
+    tile's largest P̃ of the row), so that P̃ · 2^k's largest value lies in [128, 256); the exponent
+    read from the bits, at least EXP_FLOOR (a tile whose top is 0 or below 2^EXP_FLOOR)."""
+    e_top = tl.where(top > 0, ((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EXP_FLOOR)
+    return 7 - tl.maximum(e_top, EXP_FLOOR)
+
+
+@triton.jit
 def mx_block_exponent(amax, OCP: tl.constexpr, QMAX: tl.constexpr):
     """E8M0 exponent of a block with maximum ``amax > 0``: the OCP rule floor(log2 amax) - 2, or
     the smallest e with amax <= QMAX · 2^e (UOS: QMAX = 7.25), exactly, from the bits.

@@ -25,7 +25,7 @@ from fp4video.formats import Format, ScaleRule
 from fp4video.recipe import AttentionRecipe, RowSum
 from fp4video.reference import KEY_TILE
 
-from .fp4_math import mx_block_exponent, pow2, round_e2m1_f16x2_odd, round_e4m3_signed
+from .fp4_math import e4m3_p_shift, mx_block_exponent, pow2, round_e2m1_f16x2_odd, round_e4m3_signed
 from .key_order import LANE_BLOCK, as_mma_operand
 from .launch import LoopLaunch, tma_unsupported_reason
 from .tiles import LOG2E, key_mask, outputs, program_rows, store_out_lse, tile_logits
@@ -148,9 +148,7 @@ def quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr
     top = tl.exp2(tile_max - m_safe)
     if P_E4M3:
         # the tile's largest P̃ (per row) from its largest logit, the same arithmetic as its element's
-        e_top = tl.maximum(tl.where(top > 0, ((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EXP_FLOOR),
-                           EXP_FLOOR)
-        k_new = 7 - e_top
+        k_new = e4m3_p_shift(top, EXP_FLOOR)
         p = tl.exp2(tl.fma(s5, _rows5(q_scale), _rows5(k_new.to(tl.float32) - m_safe)))  # P̃ · 2^k_new < 256
         p8 = round_e4m3_signed(p, ASM)
         if PNQ:  # the sums of the rounded values

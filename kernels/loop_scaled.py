@@ -39,8 +39,8 @@ from fp4video.formats import Format, ScaleRule
 from fp4video.recipe import AttentionRecipe, PScale, RowSum
 from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
 
-from .fp4_math import (e2m1_magnitude_codes, e2m1_pack_hw, e2m1_pair_sums_hw, e4m3_bits, mx_block_exponent, pack_nibbles,
-                       pow2, round_e2m1_at_scale, round_e4m3_signed)
+from .fp4_math import (e2m1_magnitude_codes, e2m1_pack_hw, e2m1_pair_sums_hw, e4m3_bits, e4m3_p_shift, mx_block_exponent,
+                       pack_nibbles, pow2, round_e2m1_at_scale, round_e4m3_signed)
 from .launch import LoopLaunch
 from .loop_e4m3 import TILE_EXP_FLOOR, pointer_loop_unsupported_reason
 from .loop_nvfp4 import block_scale_and_reciprocal, two_level_factors
@@ -150,9 +150,7 @@ def _e4m3_p(s, m_i, k_i, l_i, PNQ: tl.constexpr, HW_E4M3: tl.constexpr):
     m_new = tl.maximum(m_i, tile_max)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     top = tl.exp2(tile_max - m_safe)
-    e_top = tl.maximum(tl.where(top > 0, ((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, _EXP_FLOOR),
-                       _EXP_FLOOR)
-    k_new = 7 - e_top
+    k_new = e4m3_p_shift(top, _EXP_FLOOR)
     p = tl.exp2(s + (k_new.to(tl.float32) - m_safe)[:, None])  # P̃ · 2^k_new < 256
     p8 = round_e4m3_signed(p, HW_E4M3)
     if PNQ:  # the sum of the rounded values
