@@ -198,6 +198,15 @@ def tma_loop(device: torch.device) -> bool:
     return forced != "0" and reason is None
 
 
+def scaled_tma(recipe: AttentionRecipe, device: torch.device) -> bool:
+    """Whether the dot_scaled loop runs its warp-specialized TMA form here: where it has an MMA
+    partition (:func:`.loop_scaled.warp_specialized`) and TMA is not turned off
+    (``FP4VIDEO_MX_TMA=0``); the FP8-P·V form reads by pointer loads."""
+    from .loop_scaled import warp_specialized
+
+    return recipe.pv_format is not Format.E4M3 and warp_specialized(device) and tma_loop(device)
+
+
 def nv_kernel(qh: torch.Tensor, vh: torch.Tensor, launch_given: bool) -> str:
     """Which NVFP4 loop runs these pre-pass outputs: ``"sm90"`` (the Gluon ping-pong, measured
     faster on the H200) where it can run, for its ``DEFAULT_SHAPES``, when no launch options
@@ -312,11 +321,10 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
         raise ValueError(f"tma: an option of the e4m3 loop and of the dot_scaled loop, not of the {path!r} path")
     launch = dict(block_m=block_m, num_warps=num_warps, num_stages=num_stages)
     if path == "scaled":
-        from .loop_scaled import attention_packed, warp_specialized
+        from .loop_scaled import attention_packed
 
-        if tma is None:  # the warp-specialized TMA loop where it has an MMA partition (FP4VIDEO_MX_TMA=0: not);
-            dev = tensors[0].device  # the FP8-P·V form by pointer loads
-            tma = recipe.pv_format is not Format.E4M3 and warp_specialized(dev) and tma_loop(dev)
+        if tma is None:
+            tma = scaled_tma(recipe, tensors[0].device)
         return attention_packed(*tensors, key_alive=key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv,
                                 tma=tma, **launch)
     if path == "fp8":
@@ -349,12 +357,8 @@ def loop_module(q, k, v, recipe: AttentionRecipe, key_alive=None) -> str:
     path, tensors = prepare(q, k, v, recipe, key_alive)
     if path == "nvfp4":
         return _nv_loop(recipe, tensors[0], tensors[2], False)
-    if path == "scaled":
-        from .loop_scaled import warp_specialized
-
-        dev = tensors[0].device
-        if recipe.pv_format is not Format.E4M3 and warp_specialized(dev) and tma_loop(dev):  # as attention_prepared
-            return "loop_scaled (warp-specialized, TMA)"
+    if path == "scaled" and scaled_tma(recipe, tensors[0].device):
+        return "loop_scaled (warp-specialized, TMA)"
     return LOOP_OF_PATH[path]
 
 

@@ -94,9 +94,16 @@ def k8_in_key_order(k8: torch.Tensor, sk: int) -> torch.Tensor:
     return k8[..., tile_key_order(k8.shape[-2]).argsort().to(k8.device), :][..., :sk, :]
 
 
+@functools.lru_cache(maxsize=64)
+def _v8t_key_order_on(n: int, device: torch.device) -> torch.Tensor:
+    """:func:`v8t_key_order` on ``device``, made once per length (the FP8-P·V pre-pass of the
+    dot_scaled loop reorders V̂ᵀ with it on every attention call)."""
+    return v8t_key_order(n).to(device)
+
+
 def v8t_in_key_order(v8t: torch.Tensor) -> torch.Tensor:
     """The e4m3 pre-pass's V̂ᵀ (…, Dv, Sk_pad) with its tokens back in order (a copy)."""
-    order = v8t_key_order(v8t.shape[-1]).to(v8t.device)
+    order = _v8t_key_order_on(v8t.shape[-1], v8t.device)
     out = torch.empty_like(v8t)
     out[..., order] = v8t
     return out

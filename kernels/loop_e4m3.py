@@ -28,7 +28,7 @@ from fp4video.reference import KEY_TILE
 from .fp4_math import e4m3_p_shift, mx_block_exponent, pow2, round_e2m1_f16x2_odd, round_e4m3_signed
 from .key_order import LANE_BLOCK, as_mma_operand
 from .launch import LoopLaunch, tma_unsupported_reason
-from .tiles import LOG2E, key_mask, outputs, program_rows, store_out_lse, tile_logits
+from .tiles import LOG2E, key_mask, kv_bases, outputs, program_rows, store_out_lse, tile_logits
 
 #: lowest block exponent a key tile's shift follows (tiles entirely below 2^-60 of the row
 #: maximum keep a fixed shift; their weights are below 1e-18)
@@ -238,12 +238,8 @@ def _e4m3_attn_fwd(
     k_i = tl.zeros((BLOCK_M,), tl.int32)  # units of acc and l: 2^k_i
     l_i = tl.zeros((BLOCK_M, BLOCK_N // QB), tl.float32)  # per row and P block (lane): summed at the end
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    if TMA:  # tensor descriptors of K̂ (B·H·SK_PAD rows, tile key order) and V̂ᵀ (B·H·BLOCK_DV rows)
-        K_base = K8
-        V_base = V8T
-    else:
-        K_base = K8 + b * skb + h * skh
-        V_base = V8T + b * svb + h * svh
+    # TMA: tensor descriptors of K̂ (B·H·SK_PAD rows, tile key order) and V̂ᵀ (B·H·BLOCK_DV rows)
+    K_base, V_base = kv_bases(K8, V8T, b, h, skb, skh, svb, svh, TMA)
     k_row = bh * SK_PAD
     v_row = bh * BLOCK_DV
     M_base = KeyMask + b * smb

@@ -44,7 +44,7 @@ from .fp4_math import (e2m1_magnitude_codes, e2m1_pack_hw, e2m1_pair_sums_hw, e4
 from .launch import LoopLaunch
 from .loop_e4m3 import TILE_EXP_FLOOR, pointer_loop_unsupported_reason
 from .loop_nvfp4 import block_scale_and_reciprocal, two_level_factors
-from .tiles import LOG2E, key_mask, outputs, program_rows, store_out_lse
+from .tiles import LOG2E, key_mask, kv_bases, outputs, program_rows, store_out_lse
 
 
 @triton.jit
@@ -254,12 +254,7 @@ def _scaled_attn_fwd(
     nb_d = tl.arange(0, D // QB)
     q_rows = Q4 + b * sqb + h * sqh + offs_m[:, None] * sqs
     q4 = tl.load(q_rows + half_d[None, :], mask=row_ok[:, None], other=0)
-    if TMA:
-        K_base = K4
-        V_base = V4T
-    else:
-        K_base = K4 + b * skb + h * skh
-        V_base = V4T + b * svb + h * svh
+    K_base, V_base = kv_bases(K4, V4T, b, h, skb, skh, svb, svh, TMA)
     k_row = bh * SK
     v_row = bh * BLOCK_DV
     out_factor = 1.0
@@ -353,13 +348,17 @@ TMA_LAUNCH = {
 }
 
 
+#: compute-capability majors whose loop runs warp-specialized (datacenter Blackwell's tcgen05 MMAs)
+WS_MAJORS = (10, 11)
+
+
 def warp_specialized(device) -> bool:
     """Whether the dispatch runs this loop warp-specialized (and by TMA) on this device: on
     datacenter Blackwell (sm_10x, sm_11x: ``tcgen05`` MMAs, which Triton 3.9's warp specialization
     splits into load, MMA, correction and softmax partitions, checked offline). Consumer
     Blackwell's ``mma.sync`` loop gets no MMA partition and TMA alone did not shorten it (offline),
     so it keeps pointer loads."""
-    return getattr(device, "type", None) == "cuda" and torch.cuda.get_device_capability(device)[0] in (10, 11)
+    return getattr(device, "type", None) == "cuda" and torch.cuda.get_device_capability(device)[0] in WS_MAJORS
 
 
 def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float, out_dtype, dv: int, block_m=None,

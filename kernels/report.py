@@ -64,12 +64,12 @@ def _loop(method: str, arch: int):
                      HAS_MASK=False, D=128, BLOCK_DV=128, BLOCK_N=128)
     mx = mx_kernel_on(r, target)  # the dispatch's choice, by architecture
     if mx == "scaled" or nv_scaled_on(r, target):
-        from .loop_scaled import LAUNCH, TMA_LAUNCH, KERNEL as fn
+        from .loop_scaled import LAUNCH, TMA_LAUNCH, WS_MAJORS, KERNEL as fn
 
         nv = qk is Format.NVFP4
         pv8 = pv is Format.E4M3  # FP8 P·V: V̂ᵀ e4m3 with its channel factors, pointer loads
         # K̂ / V̂ᵀ codes by TMA where the loop is warp-specialized (loop_scaled.warp_specialized: sm_10x / sm_11x)
-        tma = arch // 10 in (10, 11) and not pv8
+        tma = arch // 10 in WS_MAJORS and not pv8
         launch = TMA_LAUNCH["nv" if nv else "mx"] if tma else LAUNCH
         stages = stages_that_fit(target, limit, launch.num_stages, launch.shared_memory)
         codes = "tensordesc<u8[128, 64]>" if tma else "*u8"

@@ -51,6 +51,19 @@ def program_rows(H, SQ, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def kv_bases(K, V, b, h, skb, skh, svb, svh, TMA: tl.constexpr):
+    """The loops' K̂ and V̂ᵀ bases for head (b, h): the tensor descriptors themselves (TMA: a row
+    offset picks the head) or the head's pointers."""
+    if TMA:
+        k_base = K
+        v_base = V
+    else:
+        k_base = K + b * skb + h * skh
+        v_base = V + b * svb + h * svh
+    return k_base, v_base
+
+
+@triton.jit
 def tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK: tl.constexpr, TAIL: tl.constexpr,
                 D: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr, IEEE: tl.constexpr = False,
                 TILE_ORDERED: tl.constexpr = False, TMA: tl.constexpr = False, k_row=0):

@@ -134,6 +134,9 @@ def test_wan_animate_inputs_on_another_family_are_refused(tmp_path):
     path.write_text("family: wan\npose_video: pose.mp4\nanimate_mode: replace\n")
     with pytest.raises(ConfigError, match=r"pose_video, animate_mode: Wan Animate's inputs, but family is 'wan'"):
         load_config(path)
+    path.write_text("family: animate\ntask: i2v\n")
+    with pytest.raises(ConfigError, match="task: i2v does not apply to family animate"):
+        load_config(path)
     path.write_text("family: animate\npose_video: pose.mp4\n")
     assert load_config(path).pose_video == "pose.mp4"
 

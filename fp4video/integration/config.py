@@ -61,6 +61,9 @@ class RunConfig(BaseModel):
             set_.append("animate_mode")
         if set_ and self.family != "animate":
             raise ValueError(f"{', '.join(set_)}: Wan Animate's inputs, but family is {self.family!r} (family: animate)")
+        if self.family == "animate" and self.task == "i2v":
+            raise ValueError("task: i2v does not apply to family animate (its character image is `image:`; leave task "
+                             "out)")
         return self
 
 
