@@ -85,12 +85,14 @@ def key_alive_from_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 def smoothing_mean(k: torch.Tensor, key_alive: torch.Tensor | None = None) -> torch.Tensor:
     """K's per-channel mean over the keys some query sees, (..., 1, D) fp32 (K smoothing: exact,
-    since softmax ignores the per-row shift q·mean). ``k`` must already be zero at dead keys."""
-    kf = k.float()
+    since softmax ignores the per-row shift q·mean). ``k`` must already be zero at dead keys; any
+    float dtype, summed in fp32 as read (no fp32 copy of K: for a bf16 K at Wan 720p that copy cost
+    more than the mean)."""
     if key_alive is None:
-        return kf.mean(dim=-2, keepdim=True)
-    w = key_alive.to(torch.bool).unsqueeze(-1).to(kf.dtype).expand_as(kf)
-    return kf.sum(-2, keepdim=True) / w.sum(-2, keepdim=True).clamp(min=1)
+        return k.mean(dim=-2, keepdim=True, dtype=torch.float32)
+    alive = key_alive.to(torch.bool).unsqueeze(-1)
+    count = alive.sum(-2, keepdim=True, dtype=torch.float32).clamp(min=1)
+    return k.sum(-2, keepdim=True, dtype=torch.float32) / count
 
 
 def nonfinite_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -15,11 +15,10 @@ from .tiles import key_mask, next_pow2
 
 def k_smoothing_mean(k: torch.Tensor, key_alive) -> torch.Tensor:
     """K's smoothing mean (B, H, D) fp32 over the live keys (``key_alive``: (B, Sk) bool or None):
-    :func:`fp4video.reference.smoothing_mean` of K with its dead keys zeroed."""
-    kf = k.float()
+    :func:`fp4video.reference.smoothing_mean` of K with its dead keys zeroed (K read in its own dtype)."""
     if key_alive is not None:
-        kf = torch.where(key_alive[:, None, :, None], kf, 0.0)
-    return smoothing_mean(kf, key_alive[:, None, :] if key_alive is not None else None)[..., 0, :].contiguous()
+        k = torch.where(key_alive[:, None, :, None], k, 0.0)
+    return smoothing_mean(k, key_alive[:, None, :] if key_alive is not None else None)[..., 0, :].contiguous()
 
 
 @triton.jit

@@ -96,13 +96,13 @@ def k8_in_key_order(k8: torch.Tensor, sk: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _v8t_key_order_on(n: int, device: torch.device) -> torch.Tensor:
-    """:func:`v8t_key_order` on ``device``, made once per length (the FP8-P·V pre-pass of the
-    dot_scaled loop reorders V̂ᵀ with it on every attention call)."""
+    """:func:`v8t_key_order` on ``device``, made once per length."""
     return v8t_key_order(n).to(device)
 
 
 def v8t_in_key_order(v8t: torch.Tensor) -> torch.Tensor:
-    """The e4m3 pre-pass's V̂ᵀ (…, Dv, Sk_pad) with its tokens back in order (a copy)."""
+    """The e4m3 pre-pass's V̂ᵀ (…, Dv, Sk_pad) with its tokens back in order (a copy: for tests and
+    tools reading it back; the dot_scaled loop's pre-pass writes its V̂ᵀ in order)."""
     order = _v8t_key_order_on(v8t.shape[-1], v8t.device)
     out = torch.empty_like(v8t)
     out[..., order] = v8t
@@ -115,10 +115,12 @@ def k_fac_per_key(k_fac: torch.Tensor, sk: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=8)
-def key_order_matrix(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def key_order_matrix(device: torch.device, dtype: torch.dtype, in_order: bool = False) -> torch.Tensor:
     """Π (128 × 128, 0/1): column c has its one in row ``mma_key_order(c)``, so that Vᵀ·Π holds
     token mma_key_order(c) of a key tile in column c (the pre-pass's tensor-core transposition of
-    V). Built once per device and dtype; shared: read it, never write it."""
+    V); ``in_order``: the identity (tokens in order, for the dot_scaled loop's V̂ᵀ). Built once per
+    device, dtype and order; shared: read it, never write it."""
+    rows = torch.arange(KEY_TILE) if in_order else tile_key_order(KEY_TILE)
     pi = torch.zeros(KEY_TILE, KEY_TILE, dtype=dtype)
-    pi[tile_key_order(KEY_TILE), torch.arange(KEY_TILE)] = 1
+    pi[rows, torch.arange(KEY_TILE)] = 1
     return pi.to(device)

@@ -252,6 +252,7 @@ def _prepass_v(
     DV_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr,
     MMA_T: tl.constexpr = False, IEEE: tl.constexpr = False,
     TILES: tl.constexpr = 1, TSCALE: tl.constexpr = False, HW_E4M3: tl.constexpr = False,
+    KEY_ORDER: tl.constexpr = True,
 ):
     """V: quantized along tokens (blocks of QB consecutive keys per channel); each program takes
     BLOCK_S tokens of BLOCK_DV of the DV_PAD channels (grid axis 2) — the tensor-core transposed
@@ -264,7 +265,9 @@ def _prepass_v(
     FP8_HEAD writes e4m3 values shifted per channel (factors into Fac[b, h, :]); the fp8 output
     is (B, H, Dv, S_pad) — transposed, as Hopper's fp8 MMA wants its B operand K-major, padded with
     zeros to whole tiles of BLOCK_S (= the loop's key tile) and ordered within each tile as the
-    loop's P̂ operand holds the keys (:func:`.key_order.v8t_key_order`).
+    loop's P̂ operand holds the keys (:func:`.key_order.v8t_key_order`) — or, KEY_ORDER False (E4M3
+    V, for the dot_scaled loop, whose P is in key order), with the tokens in order (``Pi`` then
+    the identity).
     """
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -283,7 +286,7 @@ def _prepass_v(
             tile = pid * TILES + i
             x = _v_tile(V, Alive, b, h, tile, cols, S, DV, svb, svh, svs, svd, sab, sas, HAS_ALIVE, BLOCK_S)
             _v_e4m3_mma_transposed(x, pi, c, Out, Fac, b, h, bh, tile, cols, S, sob, soh, sod,
-                                   DV_PAD, BLOCK_DV, BLOCK_S, QB, OCP, QMAX, IEEE, FMT, HW_E4M3)
+                                   DV_PAD, BLOCK_DV, BLOCK_S, QB, OCP, QMAX, IEEE, FMT, HW_E4M3, KEY_ORDER)
     elif OUT == 2:  # FP8_AMAX: a plain read of TILES tiles, no quantization; one atomic per channel
         # for the channel maxima, and one for the smallest nonzero block maximum (Fac: the e4m3
         # window check of prepass_fp8_window)
@@ -337,7 +340,7 @@ def _prepass_v(
                 tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=out_ok)
             elif FMT == 3:  # FP8_HEAD of E4M3 V
                 _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD, BLOCK_S, QB,
-                           round_e4m3_signed(x * pow2(c)[None, :], HW_E4M3), c)
+                           round_e4m3_signed(x * pow2(c)[None, :], HW_E4M3), c, KEY_ORDER)
             else:  # FP8_HEAD
                 _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD, BLOCK_S, QB,
                            (x * pow2(c)[None, :]).to(tl.float8e4nv), c)
@@ -357,13 +360,15 @@ def _v_tile(V, Alive, b, h, tile, cols, S, DV, svb, svh, svs, svd, sab, sas, HAS
 
 @triton.jit
 def _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
-               QB: tl.constexpr, y, c):
+               QB: tl.constexpr, y, c, KEY_ORDER: tl.constexpr = True):
     """FP8_HEAD's stores: y (BLOCK_S tokens × channels ``cols``, e4m3) transposed, its tokens in the
     order the attention loop's P̂ operand holds them (:func:`.key_order.v8t_key_order`: with
-    QB = 32 and 128-token tiles, token 32t + 8i + 4a + 2b + e goes to 32i + 16a + 4t + 2b + e); padded channels and
-    tokens (up to whole tiles) are written as zeros. The channel factors 2^-c by the first tile."""
-    y = tl.reshape(tl.permute(tl.reshape(y, (BLOCK_S // QB, QB // 8, 2, 2, 2, cols.shape[0])), (1, 2, 0, 3, 4, 5)),
-                   (BLOCK_S, cols.shape[0]))
+    QB = 32 and 128-token tiles, token 32t + 8i + 4a + 2b + e goes to 32i + 16a + 4t + 2b + e; KEY_ORDER
+    False: in order); padded channels and tokens (up to whole tiles) are written as zeros. The
+    channel factors 2^-c by the first tile."""
+    if KEY_ORDER:
+        y = tl.reshape(tl.permute(tl.reshape(y, (BLOCK_S // QB, QB // 8, 2, 2, 2, cols.shape[0])), (1, 2, 0, 3, 4, 5)),
+                       (BLOCK_S, cols.shape[0]))
     rows = pid * BLOCK_S + tl.arange(0, BLOCK_S)
     tl.store(Out + b * sob + h * soh + rows[:, None] + cols[None, :] * sod, y)
     if pid == 0:
@@ -374,14 +379,15 @@ def _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD: tl.constexp
 def _v_e4m3_mma_transposed(x, pi, c, Out, Fac, b, h, bh, pid, cols, S, sob, soh, sod, DV_PAD: tl.constexpr,
                            BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr,
                            QMAX: tl.constexpr, IEEE: tl.constexpr, FMT: tl.constexpr = 1,
-                           HW_E4M3: tl.constexpr = False):
+                           HW_E4M3: tl.constexpr = False, KEY_ORDER: tl.constexpr = True):
     """FP8_HEAD with the transposition done by an MMA: Vᵀ · Π, Π (:func:`.key_order.key_order_matrix`)
     the 0/1 matrix that puts token ``mma_key_order(c)`` in column c — one product x · 1 per output,
     the rest zeros: exact (fp32 accumulation of bf16/fp16 inputs; IEEE fp32 in the interpreter).
     In the MMA's accumulator a lane holds the columns 8j + 2t + e of its rows (channels), i.e.
     the 32 tokens of block t: block maxima are in-thread reductions, no byte-wise transposition
     through shared memory; the stored order (:func:`.key_order.v8t_key_order`) is then the
-    relabelling :func:`.key_order.as_mma_operand` applies to P̂.
+    relabelling :func:`.key_order.as_mma_operand` applies to P̂. KEY_ORDER False (E4M3 V only): Π is
+    the identity and the tokens are stored in order.
     ``pi``: Π; ``c``: the channel shifts; tile ``pid`` is written only if it holds one of the S
     tokens (a program's tiles past the last one are not)."""
     tl.static_assert(BLOCK_S == 128 and QB == 32, "the loop's key tiles of 128 and P blocks of 32")
@@ -398,7 +404,10 @@ def _v_e4m3_mma_transposed(x, pi, c, Out, Fac, b, h, bh, pid, cols, S, sob, soh,
         e = tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126)
         q = round_e2m1_signed(xb, pow2(e)[:, None, :, None])
         y = (tl.reshape(q, (BLOCK_DV, BLOCK_S)) * pow2(c)[:, None]).to(tl.float8e4nv)
-    y = as_mma_operand(y, BLOCK_DV, BLOCK_S)
+    if KEY_ORDER:
+        y = as_mma_operand(y, BLOCK_DV, BLOCK_S)
+    else:
+        tl.static_assert(FMT == 3, "tokens in order: E4M3 V only (MXFP4 V's blocks follow Π's column order)")
     first = pid * BLOCK_S + k * 0  # (the tile's first token, as a tensor: a mask for every column)
     tl.store(Out + b * sob + h * soh + cols[:, None] * sod + (pid * BLOCK_S + k)[None, :], y,
              mask=(first < S)[None, :] & (cols[:, None] >= 0))
@@ -495,7 +504,8 @@ class _PrePass:
             num_stages=fitting_stages(self.dev, stages, ROW_SHARED_MEMORY),  # (1 on ~100 KB GPUs)
         )
 
-    def values(self, out_mode, out, amax=None, fac=None, tscale=None):
+    def values(self, out_mode, out, amax=None, fac=None, tscale=None, key_order=True):
+        """V's launch; ``key_order`` (FP8_HEAD): V̂ᵀ's tokens in the e4m3 loop's P̂ operand order, else in order."""
         rule, fmt, dv = self.recipe.scale_rule, self.recipe.pv_format, self.v.shape[-1]
         if tscale is not None:
             fac = tscale
@@ -507,7 +517,8 @@ class _PrePass:
         mma_t = out_mode == FP8_HEAD and (
             not gpu or self.v.dtype in (torch.bfloat16, torch.float16))
         chunk = min(self.launch.v_channels_mma if mma_t else self.launch.v_channels, dv_pad) if transposed else dv_pad
-        pi = key_order_matrix(self.dev, self.v.dtype if gpu else torch.float32) if mma_t else self.none
+        pi = key_order_matrix(self.dev, self.v.dtype if gpu else torch.float32, in_order=not key_order) if mma_t \
+            else self.none
         tiles = self.launch.v_tiles_mma if mma_t else self.launch.v_tiles_amax if out_mode == FP8_AMAX else 1
         _prepass_v[(triton.cdiv(triton.cdiv(self.sk, block_s), tiles), self.b * self.h, dv_pad // chunk)](
             self.v, self.alive, out, amax if amax is not None else self.none, fac if fac is not None else self.none,
@@ -521,7 +532,7 @@ class _PrePass:
             BLOCK_S=block_s, OUT=out_mode, num_warps=self.launch.v_warps,
             # (exact for V's own precision only: bf16 or fp16, at most 11 significant bits)
             MMA_T=mma_t, IEEE=not gpu, TILES=tiles, num_stages=fitting_stages(self.dev, self.launch.v_stages, V_SHARED_MEMORY),
-            TSCALE=tscale is not None, HW_E4M3=gpu,
+            TSCALE=tscale is not None, HW_E4M3=gpu, KEY_ORDER=key_order,
         )
 
     def tensor_scales(self):
@@ -616,10 +627,8 @@ class _PrePass:
         :meth:`run_packed_nv` pack them (MXFP4 codes and E8M0 scales; NVFP4 rows of codes and scale
         bytes, with the heads' tensor scales), V̂ᵀ in E4M3 with its channels' power-of-two factors as
         :meth:`run_fp8` makes it, its tokens put back in order (the dot_scaled loop's P is in key
-        order). Returns (q4, q_scale, k4, k_scale, v8t, v_fac, g_q, g_k): the scales None and the
-        tensor scales ones where NVFP4 / MXFP4 has none."""
-        from .key_order import v8t_in_key_order
-
+        order, as the kernel writes it). Returns (q4, q_scale, k4, k_scale, v8t, v_fac, g_q, g_k): the
+        scales None and the tensor scales ones where NVFP4 / MXFP4 has none."""
         b, h, dev, u8 = self.b, self.h, self.dev, torch.uint8
         d, dvp = self.d, next_pow2(self.dv, floor=32)
         sk_pad = -(-self.sk // KEY_TILE) * KEY_TILE
@@ -646,8 +655,8 @@ class _PrePass:
         v_amax = torch.zeros(b, h, dvp, device=dev, dtype=torch.int32)
         v_bmin = torch.full((b, h, dvp), 0x7F800000, device=dev, dtype=torch.int32)
         self.values(FP8_AMAX, v8, amax=v_amax, fac=v_bmin)
-        self.values(FP8_HEAD, v8, amax=v_amax, fac=v_fac)
-        return q4, q_scale, k4, k_scale, v8t_in_key_order(v8).contiguous(), v_fac, g_q, g_k
+        self.values(FP8_HEAD, v8, amax=v_amax, fac=v_fac, key_order=False)
+        return q4, q_scale, k4, k_scale, v8, v_fac, g_q, g_k
 
     def run_packed(self):
         if self.recipe.pv_format is Format.E4M3:

@@ -269,7 +269,8 @@ def test_prepass_rotation_in_bf16_parts_is_exact_gpu(method):
 def test_e4m3_prepass_equals_reference(method, device):
     """The FP8 methods' pre-pass writes the reference's E4M3 values with their power-of-two scales:
     Q per row and K per key tile (``fp8``), V per channel, bit for bit (MXFP4 Q/K of
-    ``mxattn-pv8`` as ``mxattn``'s, NVFP4 Q/K of ``sage3-pv8`` through the NVFP4 loops' tiles);
+    ``mxattn-pv8`` as ``mxattn``'s, NVFP4 Q/K of ``sage3-pv8`` through the NVFP4 loops' tiles), and
+    the dot_scaled loop's pre-pass of ``mxattn-pv8`` / ``sage3-pv8`` V̂ᵀ with its tokens in order;
     the work-dtype pre-pass refuses them."""
     from fp4video.kernels.key_order import k_fac_per_key, tile_key_order, v8t_in_key_order
     from fp4video.kernels.prepass import prepass, prepass_fp8, prepass_tiles
@@ -295,5 +296,12 @@ def test_e4m3_prepass_equals_reference(method, device):
         if recipe.qk_format.value == "e4m3":
             assert torch.equal(q8.float()[..., :64] * q_fac[..., None], rq[..., :45, :64])
             assert torch.equal(k8.float()[..., :300, :64] * k_fac_per_key(k_fac, 300)[..., None], rk[..., :300, :64])
+    if recipe.qk_format.value != "e4m3":  # the dot_scaled loop's pre-pass writes V̂ᵀ with its tokens in order
+        from fp4video.kernels.prepass import prepass_packed
+
+        *_, v8p, v_facp, _, _ = prepass_packed(q, k, v, recipe, alive)
+        assert v8p.dtype == torch.float8_e4m3fn and v8p.shape[-1] == 384
+        assert torch.equal(v8p.float().transpose(-1, -2)[..., :300, :48] * v_facp[..., None, :48], rv[..., :300, :48])
+        assert not v8p[..., 300:].float().any() and not v8p[..., 48:, :].float().any()
     with pytest.raises(ValueError, match="E4M3"):
         prepass(q, k, v, recipe, alive, torch.float32)
