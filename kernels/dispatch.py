@@ -201,10 +201,10 @@ def tma_loop(device: torch.device) -> bool:
 def scaled_tma(recipe: AttentionRecipe, device: torch.device) -> bool:
     """Whether the dot_scaled loop runs its warp-specialized TMA form here: where it has an MMA
     partition (:func:`.loop_scaled.warp_specialized`) and TMA is not turned off
-    (``FP4VIDEO_MX_TMA=0``); the FP8-P·V form reads by pointer loads."""
+    (``FP4VIDEO_MX_TMA=0``), the FP4-P and the FP8-P·V forms alike."""
     from .loop_scaled import warp_specialized
 
-    return recipe.pv_format is not Format.E4M3 and warp_specialized(device) and tma_loop(device)
+    return warp_specialized(device) and tma_loop(device)
 
 
 def nv_kernel(qh: torch.Tensor, vh: torch.Tensor, launch_given: bool) -> str:

@@ -171,7 +171,7 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
                  P_E4M3: tl.constexpr):
     """One key tile: returns the updated (m, r, k, l, acc); m in log2 units, acc in units of r (the
     two-level row factor; 1 otherwise) and, P_E4M3, of 2^k (P̂ and V̂ᵀ in E4M3: ``V_base`` V̂ᵀ's
-    e4m3 rows, keys in order, padded to whole tiles). NV: the scale bytes follow the codes in each row of K̂
+    e4m3 rows, keys in order, padded to whole tiles; TMA: a tensor descriptor of them). NV: the scale bytes follow the codes in each row of K̂
     (``KS_base`` = ``K_base`` + D/2) and V̂ᵀ, E4M3 to be read as such. TMA: ``K_base`` and
     ``V_base`` are tensor descriptors of K̂'s rows (this head's first at ``k_row``; rows past SK are
     another head's or zeros, masked like any key past SK) and V̂ᵀ's (this head's first channel at
@@ -200,7 +200,10 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
         qk = tl.where(key_ok[None, :], qk, float("-inf"))
     if P_E4M3:  # FP8 P·V: P̂ and V̂ᵀ in E4M3 on the FP8 MMA
         p8, m_new, k_i, l_i, alpha = _e4m3_p(qk * scale_log2 if NV else qk, m_i, k_i, l_i, PNQ, HW_E4M3)
-        v8t = tl.load(V_base + dv[:, None] * svd + keys[None, :])  # padded to whole tiles: no mask
+        if TMA:
+            v8t = V_base.load([v_row, start])
+        else:
+            v8t = tl.load(V_base + dv[:, None] * svd + keys[None, :])  # padded to whole tiles: no mask
         acc = tl.fma(acc, alpha[:, None], tl.dot(p8, tl.trans(v8t)))
     else:
         if NV:
@@ -278,7 +281,7 @@ def _scaled_attn_fwd(
     M_base = KeyMask + b * smb
     n_full = (SK // BLOCK_N) * BLOCK_N
     if WS:  # (the keyword exists from Triton 3.4: only named where asked for)
-        for start in tl.range(0, n_full, BLOCK_N, warp_specialize=True):
+        for start in tl.range(0, n_full, BLOCK_N, warp_specialize=True, disallow_acc_multi_buffer=P_E4M3):
             m_i, r_i, k_i, l_i, acc = _scaled_tile(
                 q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks, svd, svsd,
                 sms, scale_log2, HAS_MASK, False, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D,
@@ -335,17 +338,31 @@ LAUNCH = LoopLaunch(128, 8, 2, shared_memory=SHARED_MEMORY, reason="not tuned: n
 #: 128, masked): the most shared memory any method of the format takes (MXFP4: ``mxfp4-ocp``, NVFP4:
 #: ``sage3-hpnq``; the partitions' exchange buffers grow with what the softmax hands on)
 TMA_SHARED_MEMORY = {"mx": {"sm_100": {1: 159176, 2: 175992, 3: 193464}},
-                     "nv": {"sm_100": {1: 171512, 2: 188936, 3: 207416}}}
+                     "nv": {"sm_100": {1: 171512, 2: 188936, 3: 207416}},
+                     "pv8": {"sm_100": {1: 103768, 2: 128360, 3: 154008}}}  # FP8 P·V: the larger of the two methods
 #: Per format: MXFP4 with 4 softmax warps (at 8, the partitions' 32 warps leave the softmax 184
 #: registers a thread and it spills in the loop: 17.2 against 8.0 SASS instructions per element of
 #: S for mxattn), NVFP4 with 8 (at 4 its two-level P state spills: 7.9 with 250 local loads and
-#: stores per tile against 6.4 with 3); offline, Triton 3.9
+#: stores per tile against 6.4 with 3); offline, Triton 3.9. The FP8-P·V methods (``mxattn-pv8``,
+#: ``sage3-pv8``) with 8 (7.0 instructions per element, no local access in the softmax loop; at 4:
+#: 9.5 / 9.3 with 2.2 KB of spills), their accumulator single-buffered in tensor memory (double, with
+#: S's two buffers and P̂ for the MMA, it needs 576 of the 512 columns and Triton compiles the kernel
+#: to a trap)
 TMA_LAUNCH = {
     "mx": LoopLaunch(128, 4, 2, shared_memory=TMA_SHARED_MEMORY["mx"],
                      reason="not tuned on a GPU (none here is Blackwell): 4 softmax warps, 2 stages"),
     "nv": LoopLaunch(128, 8, 2, shared_memory=TMA_SHARED_MEMORY["nv"],
                      reason="not tuned on a GPU (none here is Blackwell): 8 softmax warps, 2 stages"),
+    "mx-pv8": LoopLaunch(128, 8, 2, shared_memory=TMA_SHARED_MEMORY["pv8"],
+                         reason="not tuned on a GPU (none here is Blackwell): 8 softmax warps, 2 stages"),
+    "nv-pv8": LoopLaunch(128, 8, 2, shared_memory=TMA_SHARED_MEMORY["pv8"],
+                         reason="not tuned on a GPU (none here is Blackwell): 8 softmax warps, 2 stages"),
 }
+
+
+def tma_launch_key(nv: bool, pv8: bool) -> str:
+    """The :data:`TMA_LAUNCH` entry of a method: its Q·K format, and FP8 P·V apart."""
+    return ("nv" if nv else "mx") + ("-pv8" if pv8 else "")
 
 
 #: compute-capability majors whose loop runs warp-specialized (datacenter Blackwell's tcgen05 MMAs)
@@ -380,8 +397,6 @@ def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float,
         gqk, gv = (g_q * g_k).reshape(-1).contiguous(), q4.new_ones(1, dtype=torch.float32)
         if nv:
             qs, ks = q4, k4
-        if tma:
-            raise ValueError(f"{recipe.name}: the FP8-P·V form of the dot_scaled loop reads by pointer loads (tma=False)")
         if reason := pointer_loop_unsupported_reason(q4.device, recipe, "the dot_scaled loop's FP8-P·V form"):
             raise ValueError(f"{recipe.name}: {reason}")
     elif nv:
@@ -404,15 +419,17 @@ def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float,
     ws = tma and warp_specialized(dev) if ws is None else ws
     if ws and not tma:
         raise ValueError("ws=True: the warp-specialized loop reads K̂ / V̂ᵀ by TMA (tma=True)")
-    launch = TMA_LAUNCH["nv" if nv else "mx"] if tma else LAUNCH
+    launch = TMA_LAUNCH[tma_launch_key(nv, pv8)] if tma else LAUNCH
     block_m, num_warps, num_stages = launch.resolve(dev, block_m, num_warps, num_stages)
     cap = torch.cuda.get_device_capability(dev) if q4.is_cuda else (0, 0)
     kt, vt = k4, v4t
-    if tma:  # the code rows as (B·H·SK, D/2) and (B·H·Dv, SK_pad/2) tables: one box per key tile
+    if tma:  # the code rows as (B·H·SK, D/2) and (B·H·Dv, SK_pad/2) tables (FP8 P·V: V̂ᵀ's e4m3 rows
+        # (B·H·Dv, SK_pad)): one box per key tile
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         kt = TensorDescriptor.from_tensor(k4.reshape(b * h * sk, k4.shape[-1]), [KEY_TILE, d // 2])
-        vt = TensorDescriptor.from_tensor(v4t.reshape(b * h * dvp, v4t.shape[-1]), [dvp, KEY_TILE // 2])
+        vt = TensorDescriptor.from_tensor(v4t.reshape(b * h * dvp, v4t.shape[-1]),
+                                          [dvp, KEY_TILE if pv8 else KEY_TILE // 2])
     _scaled_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
         q4, q4 if nv else qs, kt, k4 if nv else ks, vt, vs if pv8 else v4t if nv else vs, gqk, gv, km, out, lse,
         h, sq, sk, sk_pad, dv,

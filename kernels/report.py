@@ -64,16 +64,17 @@ def _loop(method: str, arch: int):
                      HAS_MASK=False, D=128, BLOCK_DV=128, BLOCK_N=128)
     mx = mx_kernel_on(r, target)  # the dispatch's choice, by architecture
     if mx == "scaled" or nv_scaled_on(r, target):
-        from .loop_scaled import LAUNCH, TMA_LAUNCH, WS_MAJORS, KERNEL as fn
+        from .loop_scaled import LAUNCH, TMA_LAUNCH, WS_MAJORS, tma_launch_key, KERNEL as fn
 
         nv = qk is Format.NVFP4
-        pv8 = pv is Format.E4M3  # FP8 P·V: V̂ᵀ e4m3 with its channel factors, pointer loads
+        pv8 = pv is Format.E4M3  # FP8 P·V: V̂ᵀ e4m3 with its channel factors
         # K̂ / V̂ᵀ codes by TMA where the loop is warp-specialized (loop_scaled.warp_specialized: sm_10x / sm_11x)
-        tma = arch // 10 in WS_MAJORS and not pv8
-        launch = TMA_LAUNCH["nv" if nv else "mx"] if tma else LAUNCH
+        tma = arch // 10 in WS_MAJORS
+        launch = TMA_LAUNCH[tma_launch_key(nv, pv8)] if tma else LAUNCH
         stages = stages_that_fit(target, limit, launch.num_stages, launch.shared_memory)
         codes = "tensordesc<u8[128, 64]>" if tma else "*u8"
-        ptr = dict(Q4="*u8", QS="*u8", K4=codes, KS="*u8", V4T="*fp8e4nv" if pv8 else codes,
+        v8 = "tensordesc<fp8e4nv[128, 128]>" if tma else "*fp8e4nv"
+        ptr = dict(Q4="*u8", QS="*u8", K4=codes, KS="*u8", V4T=v8 if pv8 else codes,
                    VS="*fp32" if pv8 else "*u8", GQK="*fp32", GV="*fp32", KeyMask="*i8", Out="*bf16", Lse="*fp32")
         consts = dict(mx_common, NV=nv, TWO_LEVEL=r.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
                       FAST_RCP=True, HW_E4M3=True, HW_E2M1=arch >= 100, BLOCK_M=launch.block_m, QB=16 if nv else 32,
@@ -156,6 +157,10 @@ def loop_report(method: str, target: str) -> LoopReport:
     name, fn, consts, ptr, per_thread, options, gluon = _loop(method, arch)
     ints = dict(WAN_480P_INTS, smb=1)
     kernel = compile_kernel(fn, consts, ptr, ints, arch=arch, floats=("scale_log2", "scale"), gluon=gluon, **options)
+    if not re.search(r"(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)", kernel.asm["ptx"]):
+        # Triton compiles a kernel it cannot place (e.g. more than 512 tensor-memory columns) to a trap
+        raise RuntimeError(f"{method} on {target}: the compiled loop holds no MMA (Triton made it a trap; tensor "
+                           f"memory {getattr(kernel.metadata, 'tmem_size', 0)} of 512 columns)")
     ptx_ops, ptx_body = loop_opcodes(kernel.asm["ptx"].splitlines(), r"^(\$L__BB\d+_\d+):",
                                      r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+)", r"^\s*(?:@%?!?\w+\s+)?([a-z][\w.:]*)",
                                      lambda op: op.startswith(_MMA_PTX))

@@ -227,7 +227,7 @@ def test_scaled_kernel_matches_reference_interpreter(method, monkeypatch):
 
 
 def _check_scaled_tma_equals_pointer_loads(dev, dt, method, h, sq, sk, d, dv):
-    """The MXFP4 dot_scaled loop with K̂ / V̂ᵀ codes by TMA descriptors (and, asked for, the
+    """The dot_scaled loop with K̂ / V̂ᵀ codes by TMA descriptors (and, asked for, the
     warp-specialized loop) equals its pointer-load form bit for bit: the same tiles, the same
     products in the same order. Keys past SK in a TMA box (the next head's rows, or zeros past the
     last head) are masked like any key past SK."""
@@ -257,12 +257,13 @@ def _check_scaled_tma_equals_pointer_loads(dev, dt, method, h, sq, sk, d, dv):
         run(tma=False, ws=True)
 
 
-@pytest.mark.parametrize("method", ["mxattn", "mxfp4-ocp", "nvfp4", "sage3", "sage3-hpnq"])
+@pytest.mark.parametrize("method", ["mxattn", "mxfp4-ocp", "nvfp4", "sage3", "sage3-hpnq", "mxattn-pv8", "sage3-pv8"])
 def test_scaled_loop_by_tma_equals_pointer_loads(method, monkeypatch, e4m3_dot_scaled):
     """Interpreter: two heads of 200 keys (a partial last tile whose TMA box reaches into the next
     head), 70 queries, value head dim 40 (padded to 64), with and without a key-padding mask;
     MXFP4 (codes and scales in their own tensors) and NVFP4 (rows of codes then scale bytes, padded
-    to 16 bytes: the box takes the codes)."""
+    to 16 bytes: the box takes the codes), with P·V in FP4 or (``-pv8``) in FP8 (V̂ᵀ's e4m3 rows by
+    a box of a key tile's bytes)."""
     if torch.cuda.is_available():
         pytest.skip("interpreter test; the GPU twin covers CUDA")
     monkeypatch.setenv("FP4VIDEO_MX_KERNEL", "scaled")

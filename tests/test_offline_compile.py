@@ -123,9 +123,9 @@ ints = dict(H=40, SQ=_S, SK=_S, SK_PAD=_SP, DV=128, sqb=40 * _S * 128, sqh=_S * 
 if {kernel!r}.startswith("scaled-tma-"):  # the warp-specialized loop of sm_100: the format's hungriest method
     from fp4video.kernels.loop_scaled import TMA_LAUNCH
     from fp4video.kernels.report import _loop
-    fmt = {kernel!r}[-2:]
-    _, fn, consts, ptr, _, options, _ = _loop("mxfp4-ocp" if fmt == "mx" else "sage3-hpnq", {arch})
-    LAUNCH = TMA_LAUNCH[fmt]
+    key = {kernel!r}[len("scaled-tma-"):]
+    _, fn, consts, ptr, _, options, _ = _loop({{"mx": "mxfp4-ocp", "nv": "sage3-hpnq", "nv-pv8": "sage3-pv8"}}[key], {arch})
+    LAUNCH = TMA_LAUNCH[key]
     consts = dict(consts, HAS_MASK=True)
     from fp4video.kernels.offline import WAN_480P_INTS
     ints = dict(WAN_480P_INTS, smb=1)  # (as its table was compiled: the report's sizes)
@@ -152,7 +152,8 @@ print(stages, kernel.metadata.shared, SHARED_MEMORY_LIMIT[arch], LAUNCH.shared_m
 
 
 @pytest.mark.parametrize("kernel, arch, stages", [("nvfp4", 100, 2), ("nvfp4", 120, 2), ("e4m3", 120, 3),
-                                                  ("scaled-tma-mx", 100, 2), ("scaled-tma-nv", 100, 2)])
+                                                  ("scaled-tma-mx", 100, 2), ("scaled-tma-nv", 100, 2),
+                                                  ("scaled-tma-nv-pv8", 100, 2)])
 def test_launch_fits_each_blackwell_architecture(kernel, arch, stages):
     """Each architecture's launch, compiled for it offline: the stage count its table picks, the
     shared memory the compiler allots within what a block may have there, and the table's figure
@@ -168,7 +169,7 @@ def test_launch_fits_each_blackwell_architecture(kernel, arch, stages):
 
 @pytest.mark.parametrize("method, target, qk, pv, specialized, tma", [
     ("mxattn", "sm_100", "mxf4", "mxf4", True, True), ("mxattn", "sm_120", "mxf4nvf4", "mxf4nvf4", False, False),
-    ("mxattn-pv8", "sm_100", "mxf4", "f8f6f4", False, False), ("sage3-pv8", "sm_100", "mxf4nvf4", "f8f6f4", False, False),
+    ("mxattn-pv8", "sm_100", "mxf4", "f8f6f4", True, True), ("sage3-pv8", "sm_100", "mxf4nvf4", "f8f6f4", True, True),
     ("mxattn-pv8", "sm_120", "mxf4nvf4", "e4m3", False, False), ("fp8", "sm_100", "f8f6f4", "f8f6f4", False, True),
     ("sage3", "sm_90", "bf16", "bf16", True, True)])
 def test_kernel_report_reads_the_compiled_loop(method, target, qk, pv, specialized, tma):
