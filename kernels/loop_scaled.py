@@ -75,27 +75,32 @@ def _block_sums(pairs, NB: tl.constexpr):
 
 
 @triton.jit
-def _mx_p(s, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr, QB: tl.constexpr,
+def _mx_p(qk, scale_log2, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr, QB: tl.constexpr,
           HW_E2M1: tl.constexpr):
-    """MXFP4 P of one tile of logits ``s`` (log2 units, masked keys -inf): (packed codes, E8M0 scale
-    bytes, m_new, l_new, alpha)."""
-    BLOCK_M: tl.constexpr = s.shape[0]
-    BLOCK_N: tl.constexpr = s.shape[1]
+    """MXFP4 P of one tile of raw logits ``qk`` (masked keys -inf; the logit in log2 units is
+    qk · scale_log2, scale_log2 > 0): (packed codes, E8M0 scale bytes, m_new, l_new, alpha). The
+    block maxima are the rounded products (the maxima of the rounded logits: rounding is monotonic),
+    so the block holding the row maximum gets exactly exp2(0) = 1. Each element is computed in
+    units of its block scale, exp2(qk · scale_log2 - (m + e)), its exponent one FMA (a fused product
+    and subtraction, rounded once): P̃ / 2^e to the rounding of exp2's argument, as P̃ itself is
+    (offline, sm_120: one multiply per element fewer than P̃ · 2^-e)."""
+    BLOCK_M: tl.constexpr = qk.shape[0]
+    BLOCK_N: tl.constexpr = qk.shape[1]
     NB: tl.constexpr = BLOCK_N // QB
-    block_max = tl.max(tl.reshape(s, (BLOCK_M, NB, QB)), axis=2)
+    block_max = tl.max(tl.reshape(qk, (BLOCK_M, NB, QB)), axis=2) * scale_log2
     m_new = tl.maximum(m_i, tl.max(block_max, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     amax = tl.exp2(block_max - m_safe[:, None])  # the block maximum of P̃ (exp2 is monotonic)
     e_blk = tl.where(amax > 0, tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126), 0)
-    p = tl.exp2(s - m_safe[:, None])
-    # in units of the block scale: a power of two, so exact (no P̃ exceeds 8 units, none underflows)
-    x = tl.reshape(tl.reshape(p, (BLOCK_M, NB, QB)) * pow2(-e_blk)[:, :, None], (BLOCK_M, BLOCK_N))
-    packed, pairs = _packed_p(x, HW_E2M1)
+    # in units of the block scale (no P̃ exceeds 8 units: the block's maximum is at most QMAX of them)
+    shift = m_safe[:, None] + e_blk.to(tl.float32)
+    x3 = tl.exp2(tl.fma(tl.reshape(qk, (BLOCK_M, NB, QB)), scale_log2, -shift[:, :, None]))
+    packed, pairs = _packed_p(tl.reshape(x3, (BLOCK_M, BLOCK_N)), HW_E2M1)
     alpha = tl.exp2(m_i - m_safe)
     if PNQ:
         l_new = tl.fma(alpha, l_i, tl.sum(_block_sums(pairs, NB) * pow2(e_blk), axis=1))
     else:
-        l_new = tl.fma(alpha, l_i, tl.sum(p, axis=1))
+        l_new = tl.fma(alpha, l_i, tl.sum(tl.sum(x3, axis=2) * pow2(e_blk), axis=1))
     return packed, (e_blk + 127).to(tl.uint8), m_new, l_new, alpha
 
 
@@ -141,17 +146,18 @@ _EXP_FLOOR = tl.constexpr(TILE_EXP_FLOOR)
 
 
 @triton.jit
-def _e4m3_p(s, m_i, k_i, l_i, PNQ: tl.constexpr, HW_E4M3: tl.constexpr):
-    """FP8 P of one tile of logits ``s`` (log2 units, masked keys -inf) for the FP8-P·V methods, the
-    e4m3 loop's rule (:func:`.loop_e4m3.quantize_p` with ``P_E4M3``): one power-of-two scale per
-    row and tile, k = 7 - ⌊log2 (the tile's largest P̃)⌋, P̂ = P̃ · 2^k rounded to E4M3 once.
+def _e4m3_p(qk, scale_log2, m_i, k_i, l_i, PNQ: tl.constexpr, HW_E4M3: tl.constexpr):
+    """FP8 P of one tile of raw logits ``qk`` (masked keys -inf; in log2 units qk · scale_log2) for
+    the FP8-P·V methods, the e4m3 loop's rule (:func:`.loop_e4m3.quantize_p` with ``P_E4M3``): one
+    power-of-two scale per row and tile, k = 7 - ⌊log2 (the tile's largest P̃)⌋, P̂ = P̃ · 2^k rounded
+    to E4M3 once; the exponent of each element one FMA, as there.
     Returns (P̂ e4m3, m_new, k_new, l_new, alpha); ``acc`` and ``l`` are kept in units of 2^k."""
-    tile_max = tl.max(s, axis=1)
+    tile_max = tl.max(qk, axis=1) * scale_log2
     m_new = tl.maximum(m_i, tile_max)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     top = tl.exp2(tile_max - m_safe)
     k_new = e4m3_p_shift(top, _EXP_FLOOR)
-    p = tl.exp2(s + (k_new.to(tl.float32) - m_safe)[:, None])  # P̃ · 2^k_new < 256
+    p = tl.exp2(tl.fma(qk, scale_log2, (k_new.to(tl.float32) - m_safe)[:, None]))  # P̃ · 2^k_new < 256
     p8 = round_e4m3_signed(p, HW_E4M3)
     if PNQ:  # the sum of the rounded values
         part = tl.sum(p8.to(tl.float32), axis=1)
@@ -192,14 +198,14 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
         qk = tl.dot_scaled(q4, q_sc, "e2m1", tl.trans(k4), k_sc.to(tl.float8e4nv, bitcast=True), "e2m1")
     else:
         k_sc = tl.load(KS_base + keys[:, None] * (D // QB) + nb_d[None, :], mask=key_ok[:, None], other=127)
-        qk = tl.dot_scaled(q4, q_sc, "e2m1", tl.trans(k4), k_sc, "e2m1") * scale_log2
+        qk = tl.dot_scaled(q4, q_sc, "e2m1", tl.trans(k4), k_sc, "e2m1")
     if HAS_MASK:
         km = tl.load(M_base + keys * sms, mask=key_ok, other=0)
         qk = tl.where((km != 0)[None, :], qk, float("-inf"))
     elif TAIL:
         qk = tl.where(key_ok[None, :], qk, float("-inf"))
     if P_E4M3:  # FP8 P·V: P̂ and V̂ᵀ in E4M3 on the FP8 MMA
-        p8, m_new, k_i, l_i, alpha = _e4m3_p(qk * scale_log2 if NV else qk, m_i, k_i, l_i, PNQ, HW_E4M3)
+        p8, m_new, k_i, l_i, alpha = _e4m3_p(qk, scale_log2, m_i, k_i, l_i, PNQ, HW_E4M3)
         if TMA:
             v8t = V_base.load([v_row, start])
         else:
@@ -211,7 +217,7 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
                                                          FAST_RCP, HW_E4M3, QB, HW_E2M1)
             p_sc = p_sc.to(tl.float8e4nv, bitcast=True)
         else:
-            p4, p_sc, m_new, l_i, acc_scale = _mx_p(qk, m_i, l_i, OCP, QMAX, PNQ, QB, HW_E2M1)
+            p4, p_sc, m_new, l_i, acc_scale = _mx_p(qk, scale_log2, m_i, l_i, OCP, QMAX, PNQ, QB, HW_E2M1)
         half_n = start // 2 + tl.arange(0, BLOCK_N // 2)
         nb_n = start // QB + tl.arange(0, NB)
         if TMA:
@@ -335,22 +341,21 @@ def interpreter_reads_e4m3_scales() -> bool:
 SHARED_MEMORY = {"sm_100": {1: 32768, 2: 32768, 3: 32768}, "sm_120": {1: 32768, 2: 32768, 3: 32768}}
 LAUNCH = LoopLaunch(128, 8, 2, shared_memory=SHARED_MEMORY, reason="not tuned: no Blackwell GPU has run it")
 #: The warp-specialized loop of sm_100 (K̂ / V̂ᵀ codes by TMA), compiled offline (Triton 3.9, head dim
-#: 128, masked): the most shared memory any method of the format takes (MXFP4: ``mxfp4-ocp``, NVFP4:
-#: ``sage3-hpnq``; the partitions' exchange buffers grow with what the softmax hands on)
-TMA_SHARED_MEMORY = {"mx": {"sm_100": {1: 159176, 2: 175992, 3: 193464}},
+#: 128, masked): the most shared memory any method of the format takes (MXFP4: every method alike,
+#: NVFP4: ``sage3-hpnq``; the partitions' exchange buffers grow with what the softmax hands on)
+TMA_SHARED_MEMORY = {"mx": {"sm_100": {1: 97144, 2: 113528, 3: 129960}},
                      "nv": {"sm_100": {1: 171512, 2: 188936, 3: 207416}},
                      "pv8": {"sm_100": {1: 103768, 2: 128360, 3: 154008}}}  # FP8 P·V: the larger of the two methods
-#: Per format: MXFP4 with 4 softmax warps (at 8, the partitions' 32 warps leave the softmax 184
-#: registers a thread and it spills in the loop: 17.2 against 8.0 SASS instructions per element of
-#: S for mxattn), NVFP4 with 8 (at 4 its two-level P state spills: 7.9 with 250 local loads and
-#: stores per tile against 6.4 with 3); offline, Triton 3.9. The FP8-P·V methods (``mxattn-pv8``,
-#: ``sage3-pv8``) with 8 (7.0 instructions per element, no local access in the softmax loop; at 4:
-#: 9.5 / 9.3 with 2.2 KB of spills), their accumulator single-buffered in tensor memory (double, with
-#: S's two buffers and P̂ for the MMA, it needs 576 of the 512 columns and Triton compiles the kernel
-#: to a trap)
+#: Per format, offline (Triton 3.9), SASS instructions per element of S in the softmax partition's
+#: loop and its local (spill) accesses per tile: MXFP4 with 8 softmax warps (``mxattn`` 6.25 and none,
+#: ``mxfp4-ocp`` 4.58 and 3; at 4 warps 5.67 and none, but 5.23 and 120 for ``mxfp4-ocp``), NVFP4
+#: with 8 (at 4 its two-level P state spills: 7.9 with 250 local accesses against 6.4 with 3), the
+#: FP8-P·V methods (``mxattn-pv8``, ``sage3-pv8``) with 8 (6.55, none; at 4 about 9.4 with 2.2 KB of
+#: spills) and their accumulator single-buffered in tensor memory (double, with S's two buffers and
+#: P̂ for the MMA, it needs 576 of the 512 columns and Triton compiles the kernel to a trap)
 TMA_LAUNCH = {
-    "mx": LoopLaunch(128, 4, 2, shared_memory=TMA_SHARED_MEMORY["mx"],
-                     reason="not tuned on a GPU (none here is Blackwell): 4 softmax warps, 2 stages"),
+    "mx": LoopLaunch(128, 8, 2, shared_memory=TMA_SHARED_MEMORY["mx"],
+                     reason="not tuned on a GPU (none here is Blackwell): 8 softmax warps, 2 stages"),
     "nv": LoopLaunch(128, 8, 2, shared_memory=TMA_SHARED_MEMORY["nv"],
                      reason="not tuned on a GPU (none here is Blackwell): 8 softmax warps, 2 stages"),
     "mx-pv8": LoopLaunch(128, 8, 2, shared_memory=TMA_SHARED_MEMORY["pv8"],
