@@ -135,8 +135,9 @@ def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.co
     alpha = tl.exp2(m_i - m_safe)
     if PNQ:  # the row sum of P̂ = q · scale · r_new
         part = tl.sum(_block_sums(pairs, NB) * scale, axis=1) * r_new
-    else:
-        part = tl.sum(tl.sum(p, axis=2), axis=1)
+    else:  # the row at once (offline, sm_120: across the lanes once a row, not once a block: 0.9 instructions
+        # per element fewer)
+        part = tl.sum(tl.reshape(p, (BLOCK_M, BLOCK_N)), axis=1)
     l_new = tl.fma(alpha, l_i, part)
     return packed, e4m3_bits(scale), m_new, r_new, l_new, alpha * acc_ratio
 
