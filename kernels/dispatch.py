@@ -207,6 +207,22 @@ def scaled_tma(recipe: AttentionRecipe, device: torch.device) -> bool:
     return warp_specialized(device) and tma_loop(device)
 
 
+def scaled_quad_order_on(recipe: AttentionRecipe, arch: str | None) -> bool:
+    """Whether the dot_scaled loop reads K̂ in the quad key order on ``arch`` (``"sm_120"``, …;
+    :func:`.key_order.quad_key_order`): its pointer-load loop with FP4 P·V on consumer Blackwell
+    (sm_12x: ``mma.sync``, whose P̂ operand it then places without a shared-memory exchange; offline,
+    Triton 3.9: ``mxattn`` 15.2 → 13.6, ``nvfp4`` 17.0 → 13.6, ``sage3`` 17.9 → 14.4 SASS
+    instructions per element of S). Elsewhere K̂ stays in key order: the warp-specialized loop of
+    sm_10x passes P through tensor memory, and the FP8-P·V form's P̂ operand has another layout."""
+    return (recipe.pv_format is not Format.E4M3 and arch not in (None, "interpreter")
+            and arch_capability(arch)[0] == 12)
+
+
+def scaled_quad_order(recipe: AttentionRecipe, device: torch.device) -> bool:
+    """:func:`scaled_quad_order_on` for ``device`` (never in the interpreter, where tests ask for it)."""
+    return device.type == "cuda" and scaled_quad_order_on(recipe, device_arch(device))
+
+
 def nv_kernel(qh: torch.Tensor, vh: torch.Tensor, launch_given: bool) -> str:
     """Which NVFP4 loop runs these pre-pass outputs: ``"sm90"`` (the Gluon ping-pong, measured
     faster on the H200) where it can run, for its ``DEFAULT_SHAPES``, when no launch options
@@ -272,7 +288,8 @@ def _prepare_checked(q, k, v, recipe: AttentionRecipe, key_alive, mean, bad):
             return ("fp8", (*tensors, k.shape[-2], tiled)), has_bad
         return ("work", prepass(q, k, v, recipe, key_alive, work_dtype(q), mean)), has_bad
     if path == "scaled" or nv_scaled(recipe, q.device):
-        prepared = ("scaled", prepass_packed(q, k, v, recipe, key_alive, mean))
+        prepared = ("scaled", prepass_packed(q, k, v, recipe, key_alive, mean,
+                                             quad_order=scaled_quad_order(recipe, q.device)))
     elif recipe.pv_format is Format.NVFP4 or (recipe.qk_format, recipe.pv_format) == (Format.NVFP4, Format.E4M3):
         # the NVFP4 loops read K̂, V̂ in tile key order, whole tiles
         prepared = ("nvfp4", (*prepass_tiles(q, k, v, recipe, key_alive, work_dtype(q), mean), k.shape[-2]))
@@ -326,7 +343,7 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
         if tma is None:
             tma = scaled_tma(recipe, tensors[0].device)
         return attention_packed(*tensors, key_alive=key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv,
-                                tma=tma, **launch)
+                                tma=tma, quad_order=scaled_quad_order(recipe, tensors[0].device), **launch)
     if path == "fp8":
         return attention_e4m3(*tensors, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv, tma=tma,
                               **launch)

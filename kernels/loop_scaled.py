@@ -41,6 +41,7 @@ from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
 
 from .fp4_math import (e2m1_magnitude_codes, e2m1_pack_hw, e2m1_pair_sums_hw, e4m3_bits, e4m3_p_shift, mx_block_exponent,
                        pack_nibbles, pow2, round_e2m1_at_scale, round_e4m3_signed)
+from .key_order import quad_key_order
 from .launch import LoopLaunch
 from .loop_e4m3 import TILE_EXP_FLOOR, pointer_loop_unsupported_reason
 from .loop_nvfp4 import block_scale_and_reciprocal, two_level_factors
@@ -66,6 +67,16 @@ def _packed_p(x, HW_E2M1: tl.constexpr):
         q_lo, q_hi = tl.split(tl.reshape(q, (BLOCK_M, BLOCK_N // 2, 2)))
         pairs = q_lo + q_hi  # exact
     return packed, pairs
+
+
+@triton.jit
+def _codes_in_key_order(p4):
+    """Packed P codes of an S tile whose K̂ rows were in :func:`.key_order.quad_key_order` (byte
+    4j + t of each 32 keys holds keys 8t + 2j, 8t + 2j + 1), relabelled into key order (byte 4t + j):
+    the digits j (a register) and t (a lane) swap places in the index, no data moves, and each lane
+    holds the 4 consecutive bytes the FP4 MMA's A operand takes from it."""
+    x = tl.reshape(p4, (p4.shape[0], p4.shape[1] // 16, 4, 4))  # byte digits (group, j, t)
+    return tl.reshape(tl.permute(x, (0, 1, 3, 2)), (p4.shape[0], p4.shape[1]))
 
 
 @triton.jit
@@ -106,21 +117,33 @@ def _mx_p(qk, scale_log2, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: 
 
 @triton.jit
 def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr,
-          FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr, QB: tl.constexpr, HW_E2M1: tl.constexpr):
+          FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr, QB: tl.constexpr, HW_E2M1: tl.constexpr,
+          QUAD: tl.constexpr = False):
     """NVFP4 P of one tile of raw logits ``qk`` (masked keys -inf; the logit in log2 units is
     qk · scale_log2), blocks of QB consecutive keys: (packed codes, E4M3 scale bytes, m_new, r_new, l_new,
     acc_scale), with :func:`.loop_nvfp4.nv_quantize_p`'s arithmetic step for step (its lane layout
-    aside): P̂ is in units of r_new, the accumulator is rescaled by acc_scale."""
+    aside): P̂ is in units of r_new, the accumulator is rescaled by acc_scale. QUAD (QB = 16): the
+    columns in :func:`.key_order.quad_key_order` (column 8j + 2t + e of each 32 holds key 8t + 2j + e,
+    so a block of 16 keys is the columns of one t // 2, and a lane holds half a block); the codes
+    come out in that order too."""
     BLOCK_M: tl.constexpr = qk.shape[0]
     BLOCK_N: tl.constexpr = qk.shape[1]
     NB: tl.constexpr = BLOCK_N // QB
-    s3 = tl.reshape(qk, (BLOCK_M, NB, QB))
-    bmax = tl.max(s3, axis=2)
+    if QUAD:  # (row, group, j, t // 2, t % 2, e)
+        tl.static_assert(QB == 16, "the quad key order's blocks of 16")
+        s3 = tl.reshape(qk, (BLOCK_M, BLOCK_N // 32, 4, 2, 2, 2))
+        bmax = tl.reshape(tl.max(tl.max(tl.max(s3, axis=5), axis=4), axis=2), (BLOCK_M, NB))
+    else:
+        s3 = tl.reshape(qk, (BLOCK_M, NB, QB))
+        bmax = tl.max(s3, axis=2)
     tile_max = tl.max(bmax, axis=1)
     m_new = tl.maximum(m_i, tile_max * scale_log2)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     amax = tl.exp2(tl.fma(bmax, scale_log2, -m_safe[:, None]))
-    p = tl.exp2(tl.fma(s3, scale_log2, -m_safe[:, None, None]))
+    if QUAD:
+        p = tl.exp2(tl.fma(s3, scale_log2, -m_safe[:, None, None, None, None, None]))
+    else:
+        p = tl.exp2(tl.fma(s3, scale_log2, -m_safe[:, None, None]))
     if TWO_LEVEL:
         inv_s1, r_new, acc_ratio = two_level_factors(tl.exp2(tl.fma(tile_max, scale_log2, -m_safe)), r_i, P_RANGE,
                                                      FAST_RCP)
@@ -131,9 +154,16 @@ def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.co
     scale, inv = block_scale_and_reciprocal(amax, FAST_RCP, HW_E4M3)
     if TWO_LEVEL:
         inv = inv * inv_s1[:, None]
-    packed, pairs = _packed_p(tl.reshape(p * inv[:, :, None], (BLOCK_M, BLOCK_N)), HW_E2M1)
+    if QUAD:
+        x = p * tl.reshape(inv, (BLOCK_M, BLOCK_N // 32, 2))[:, :, None, :, None, None]
+    else:
+        x = p * inv[:, :, None]
+    packed, pairs = _packed_p(tl.reshape(x, (BLOCK_M, BLOCK_N)), HW_E2M1)
     alpha = tl.exp2(m_i - m_safe)
-    if PNQ:  # the row sum of P̂ = q · scale · r_new
+    if PNQ and QUAD:  # pair 4j + t of each 32 keys: the block of t // 2
+        sums = tl.sum(tl.sum(tl.reshape(pairs, (BLOCK_M, BLOCK_N // 32, 4, 2, 2)), axis=4), axis=2)
+        part = tl.sum(tl.reshape(sums, (BLOCK_M, NB)) * scale, axis=1) * r_new
+    elif PNQ:  # the row sum of P̂ = q · scale · r_new
         part = tl.sum(_block_sums(pairs, NB) * scale, axis=1) * r_new
     else:  # the row at once (offline, sm_120: across the lanes once a row, not once a block: 0.9 instructions
         # per element fewer)
@@ -175,7 +205,7 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
                  PNQ: tl.constexpr, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, FAST_RCP: tl.constexpr,
                  HW_E4M3: tl.constexpr, D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, QB: tl.constexpr, HW_E2M1: tl.constexpr, TMA: tl.constexpr, k_row, v_row,
-                 P_E4M3: tl.constexpr):
+                 P_E4M3: tl.constexpr, QUAD: tl.constexpr):
     """One key tile: returns the updated (m, r, k, l, acc); m in log2 units, acc in units of r (the
     two-level row factor; 1 otherwise) and, P_E4M3, of 2^k (P̂ and V̂ᵀ in E4M3: ``V_base`` V̂ᵀ's
     e4m3 rows, keys in order, padded to whole tiles; TMA: a tensor descriptor of them). NV: the scale bytes follow the codes in each row of K̂
@@ -183,13 +213,17 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
     ``V_base`` are tensor descriptors of K̂'s rows (this head's first at ``k_row``; rows past SK are
     another head's or zeros, masked like any key past SK) and V̂ᵀ's (this head's first channel at
     ``v_row``), a box holding a key tile's codes; the scales stay pointer loads (4 or 8 bytes a row:
-    below TMA's 16-byte box)."""
+    below TMA's 16-byte box). QUAD (pointer loads): K̂'s rows (MXFP4: and scales) in
+    :func:`.key_order.quad_key_order` within each 32 keys, so column c of S holds key
+    quad_key_order(c) (MXFP4's P blocks of 32 are the same keys, NVFP4's of 16 are picked out by
+    :func:`_nv_p`), and P's codes are put in key order for P̂·V̂ (:func:`_codes_in_key_order`)."""
     NB: tl.constexpr = BLOCK_N // QB
     keys = start + tl.arange(0, BLOCK_N)
     half_d = tl.arange(0, D // 2)
     nb_d = tl.arange(0, D // QB)
     dv = tl.arange(0, BLOCK_DV)
-    key_ok = keys < SK
+    held = start + quad_key_order(tl.arange(0, BLOCK_N)) if QUAD else keys  # the key of each row / column
+    key_ok = held < SK
     if TMA:
         k4 = K_base.load([k_row + start, 0])
     else:
@@ -201,7 +235,7 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
         k_sc = tl.load(KS_base + keys[:, None] * (D // QB) + nb_d[None, :], mask=key_ok[:, None], other=127)
         qk = tl.dot_scaled(q4, q_sc, "e2m1", tl.trans(k4), k_sc, "e2m1")
     if HAS_MASK:
-        km = tl.load(M_base + keys * sms, mask=key_ok, other=0)
+        km = tl.load(M_base + held * sms, mask=key_ok, other=0)
         qk = tl.where((km != 0)[None, :], qk, float("-inf"))
     elif TAIL:
         qk = tl.where(key_ok[None, :], qk, float("-inf"))
@@ -215,10 +249,12 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
     else:
         if NV:
             p4, p_sc, m_new, r_i, l_i, acc_scale = _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ,
-                                                         FAST_RCP, HW_E4M3, QB, HW_E2M1)
+                                                         FAST_RCP, HW_E4M3, QB, HW_E2M1, QUAD)
             p_sc = p_sc.to(tl.float8e4nv, bitcast=True)
         else:
             p4, p_sc, m_new, l_i, acc_scale = _mx_p(qk, scale_log2, m_i, l_i, OCP, QMAX, PNQ, QB, HW_E2M1)
+        if QUAD:
+            p4 = _codes_in_key_order(p4)
         half_n = start // 2 + tl.arange(0, BLOCK_N // 2)
         nb_n = start // QB + tl.arange(0, NB)
         if TMA:
@@ -248,7 +284,7 @@ def _scaled_attn_fwd(
     TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr,
     D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     HW_E2M1: tl.constexpr = False, TMA: tl.constexpr = False, WS: tl.constexpr = False,
-    P_E4M3: tl.constexpr = False,
+    P_E4M3: tl.constexpr = False, QUAD: tl.constexpr = False,
 ):
     """Online-softmax FP4 attention on ``tl.dot_scaled``; operands from :func:`.prepass.prepass_packed`.
     MXFP4: scales in their own tensors (QS, KS, VS). NV (NVFP4): each row of Q4 / K4 / V4T holds its
@@ -277,7 +313,7 @@ def _scaled_attn_fwd(
             out_factor = tl.load(GV + bh)
     else:
         q_sc = tl.load(QS + (bh * SQ + offs_m)[:, None] * (D // QB) + nb_d[None, :], mask=row_ok[:, None], other=127)
-        KS_base = KS + bh * SK * (D // QB)
+        KS_base = KS + bh * (tl.cdiv(SK, 32) * 32 if QUAD else SK) * (D // QB)  # (QUAD: 32-key groups whole)
         VS_base = VS + bh * BLOCK_DV * svsd
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -292,18 +328,18 @@ def _scaled_attn_fwd(
             m_i, r_i, k_i, l_i, acc = _scaled_tile(
                 q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks, svd, svsd,
                 sms, scale_log2, HAS_MASK, False, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D,
-                BLOCK_DV, BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3)
+                BLOCK_DV, BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3, QUAD)
     else:
         for start in range(0, n_full, BLOCK_N):
             m_i, r_i, k_i, l_i, acc = _scaled_tile(
                 q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks, svd, svsd,
                 sms, scale_log2, HAS_MASK, False, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D,
-                BLOCK_DV, BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3)
+                BLOCK_DV, BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3, QUAD)
     if n_full < SK:
         m_i, r_i, k_i, l_i, acc = _scaled_tile(
             q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, n_full, SK, sks, svd, svsd,
             sms, scale_log2, HAS_MASK, True, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D, BLOCK_DV,
-            BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3)
+            BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3, QUAD)
 
     if P_E4M3:  # acc in units of V̂'s channel factors and of 2^k
         v_fac = tl.load(VS + bh * BLOCK_DV + tl.arange(0, BLOCK_DV))
@@ -385,11 +421,13 @@ def warp_specialized(device) -> bool:
 
 
 def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float, out_dtype, dv: int, block_m=None,
-                     num_warps=None, num_stages=None, tma: bool = False, ws: bool | None = None):
+                     num_warps=None, num_stages=None, tma: bool = False, ws: bool | None = None,
+                     quad_order: bool = False):
     """The loop on :func:`.prepass.prepass_packed`'s output (its six tensors, MXFP4 or NVFP4).
     ``tma``: K̂ / V̂ᵀ codes by TMA (the CPU interpreter runs it when asked, which is how CI tests it);
-    ``ws``: the warp-specialized loop (None: where :func:`warp_specialized`; TMA only). Returns
-    (out, lse)."""
+    ``ws``: the warp-specialized loop (None: where :func:`warp_specialized`; TMA only);
+    ``quad_order``: K̂ was written in the quad key order (``prepass_packed(..., quad_order=True)``:
+    the pointer-load loop of consumer Blackwell, FP4 P·V). Returns (out, lse)."""
     nv = recipe.qk_format is Format.NVFP4
     pv8 = recipe.pv_format is Format.E4M3
     if recipe.qk_format not in (Format.MXFP4, Format.NVFP4) or recipe.pv_format not in (recipe.qk_format, Format.E4M3):
@@ -423,6 +461,9 @@ def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float,
     out, lse = outputs((b, h, sq, d), dv, dev, out_dtype)
     km = key_mask(key_alive, dev)
     ws = tma and warp_specialized(dev) if ws is None else ws
+    if quad_order and (tma or pv8):
+        raise ValueError("quad_order: K̂'s rows in the quad key order are read by pointer loads (tma=False), "
+                         "for FP4 P·V")
     if ws and not tma:
         raise ValueError("ws=True: the warp-specialized loop reads K̂ / V̂ᵀ by TMA (tma=True)")
     launch = TMA_LAUNCH[tma_launch_key(nv, pv8)] if tma else LAUNCH
@@ -447,7 +488,7 @@ def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float,
         PNQ=recipe.row_sum is RowSum.QUANTIZED, TWO_LEVEL=recipe.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
         FAST_RCP=cap >= (8, 0), HW_E4M3=cap >= (8, 9), D=d, BLOCK_DV=dvp, BLOCK_M=block_m, BLOCK_N=KEY_TILE, QB=qb,
         HW_E2M1=cap >= (10, 0),  # Blackwell's E2M1 conversions
-        TMA=tma, WS=ws, P_E4M3=pv8,
+        TMA=tma, WS=ws, P_E4M3=pv8, QUAD=quad_order,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only, as the reference
     )
     return out, lse

@@ -25,7 +25,7 @@ from .checks import k_smoothing_mean
 from .fp4_math import (e4m3_pow2_shift, fake_quant_rows, fp8_shift_from_raw_max, mx_block_exponent, mx_pack_rows,
                        nv_pack_rows, pow2,
                        round_e2m1_signed, round_e4m3_signed)
-from .key_order import as_mma_operand, key_order_matrix, tile_key_position
+from .key_order import as_mma_operand, key_order_matrix, quad_key_order, tile_key_position
 from .launch import fitting_stages
 from .tiles import next_pow2
 
@@ -95,6 +95,7 @@ def _prepass_rows(
     FMT: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
     D: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
     PERSISTENT: tl.constexpr, TSCALE: tl.constexpr = False, HW_E4M3: tl.constexpr = False,
+    QUAD: tl.constexpr = False,
 ):
     """Q or K: rows of D channels, quantized along D, in blocks of BLOCK_S rows (``n_blocks`` per
     head, ``n_heads`` = B·H heads). Each program reads the Hadamard matrix once, then takes
@@ -108,6 +109,9 @@ def _prepass_rows(
     HEAD_AMAX no values, the largest |x| (as quantized: smoothed, rotated) of each head into
     Fac[b·H + h] (fp32, atomic). TSCALE (NVFP4, OUT 0 or TILE_ROWS): Fac holds each head's tensor
     scale g and 1/g (powers of two, Fac[2·(b·H + h)] and the next): blocks are quantized on x / g.
+    QUAD (E2M1_PACKED K̂ of consumer Blackwell's dot_scaled loop): key r is stored in row
+    :func:`.key_order.quad_key_order` (r) (Out must have the rows of whole 32-key groups, and MXFP4's
+    scale rows in Fac as many per head).
     """
     cols = tl.arange(0, D)
     hm = Hm
@@ -119,14 +123,14 @@ def _prepass_rows(
             _rows_block(X, Alive, Mean, hm, Out, Fac, bh // H, bh % H, bh, item % n_blocks,
                         S, D_IN, h_norm, sxb, sxh, sxs, sxd, sab, sas, smb, smh, sob, soh, sos,
                         HAS_ALIVE, SMOOTH, ROTATE, ROT_PRECISION, ROT_PARTS, FMT, QB, OCP, QMAX, D, BLOCK_S, OUT,
-                        TSCALE, HW_E4M3)
+                        TSCALE, HW_E4M3, QUAD)
     else:
         bh = tl.program_id(1)
         for i in range(BLOCKS_PER_PROGRAM):
             _rows_block(X, Alive, Mean, hm, Out, Fac, bh // H, bh % H, bh, tl.program_id(0) * BLOCKS_PER_PROGRAM + i,
                         S, D_IN, h_norm, sxb, sxh, sxs, sxd, sab, sas, smb, smh, sob, soh, sos,
                         HAS_ALIVE, SMOOTH, ROTATE, ROT_PRECISION, ROT_PARTS, FMT, QB, OCP, QMAX, D, BLOCK_S, OUT,
-                        TSCALE, HW_E4M3)
+                        TSCALE, HW_E4M3, QUAD)
 
 
 @triton.jit
@@ -135,7 +139,7 @@ def _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, blk,
                 HAS_ALIVE: tl.constexpr, SMOOTH: tl.constexpr, ROTATE: tl.constexpr, ROT_PRECISION: tl.constexpr,
                 ROT_PARTS: tl.constexpr, FMT: tl.constexpr, QB: tl.constexpr, OCP: tl.constexpr,
                 QMAX: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, OUT: tl.constexpr,
-                TSCALE: tl.constexpr = False, HW_E4M3: tl.constexpr = False):
+                TSCALE: tl.constexpr = False, HW_E4M3: tl.constexpr = False, QUAD: tl.constexpr = False):
     """Block ``blk`` of BLOCK_S rows of :func:`_prepass_rows`."""
     rows = blk * BLOCK_S + tl.arange(0, BLOCK_S)
     cols = tl.arange(0, D)
@@ -218,15 +222,17 @@ def _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, blk,
         codes, scales = nv_pack_rows(x, BLOCK_S, D, QB)
         half = tl.arange(0, D // 2)
         nb = tl.arange(0, D // QB)
-        row_base = Out + b * sob + h * soh + rows[:, None] * sos
+        row_base = Out + b * sob + h * soh + (quad_key_order(rows) if QUAD else rows)[:, None] * sos
         tl.store(row_base + half[None, :], codes, mask=(rows < S)[:, None])
         tl.store(row_base + D // 2 + nb[None, :], scales, mask=(rows < S)[:, None])
     elif OUT == 4:  # E2M1_PACKED: codes along D into Out, E8M0 scales into Fac (B, H, S, D // QB)
         codes, scales = mx_pack_rows(x * norm, BLOCK_S, D, QB, OCP, QMAX)
         half = tl.arange(0, D // 2)
-        tl.store(Out + b * sob + h * soh + rows[:, None] * sos + half[None, :], codes, mask=(rows < S)[:, None])
+        at = quad_key_order(rows) if QUAD else rows
+        tl.store(Out + b * sob + h * soh + at[:, None] * sos + half[None, :], codes, mask=(rows < S)[:, None])
         nb = tl.arange(0, D // QB)
-        tl.store(Fac + (bh * S + rows)[:, None] * (D // QB) + nb[None, :], scales, mask=(rows < S)[:, None])
+        sf_rows = tl.cdiv(S, 32) * 32 if QUAD else S  # (scale rows per head)
+        tl.store(Fac + (bh * sf_rows + at)[:, None] * (D // QB) + nb[None, :], scales, mask=(rows < S)[:, None])
     else:
         x = x * norm
         if FMT != 0 and TSCALE:  # (x / g exact: g is a power of two)
@@ -466,8 +472,9 @@ class _PrePass:
             return 3
         return {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 3)
 
-    def rows(self, x, s, is_k, out_mode, out, fac=None, tscale=None):
-        """``tscale``: the heads' NVFP4 tensor scales (:meth:`tensor_scales`), for OUT 0 / TILE_ROWS."""
+    def rows(self, x, s, is_k, out_mode, out, fac=None, tscale=None, quad=False):
+        """``tscale``: the heads' NVFP4 tensor scales (:meth:`tensor_scales`), for OUT 0 / TILE_ROWS;
+        ``quad``: K̂'s rows in the quad key order (E2M1_PACKED)."""
         rule, fmt = self.recipe.scale_rule, self.recipe.qk_format
         if tscale is not None:
             fac = tscale
@@ -500,7 +507,7 @@ class _PrePass:
             ROT_PARTS=self.rotation_parts(x, smooth=mean.dim() == 3),
             FMT=FMT_CODE[fmt], QB=fmt.block if fmt and fmt.fp4 else 32, OCP=rule is ScaleRule.OCP, QMAX=rule.qmax,
             D=self.d, BLOCK_S=block_s, OUT=out_mode, BLOCKS_PER_PROGRAM=per_program, PERSISTENT=bool(per_sm),
-            TSCALE=tscale is not None, HW_E4M3=self.dev.type == "cuda", num_warps=warps,
+            TSCALE=tscale is not None, HW_E4M3=self.dev.type == "cuda", QUAD=quad, num_warps=warps,
             num_stages=fitting_stages(self.dev, stages, ROW_SHARED_MEMORY),  # (1 on ~100 KB GPUs)
         )
 
@@ -601,22 +608,28 @@ class _PrePass:
         self.values(FP8_AMAX, torch.empty(1, 1, width, 1, device=self.dev), amax=amax, fac=bmin)
         return amax
 
-    def run_packed_nv(self):
+    def k_rows(self, width: int, quad: bool, dtype=torch.uint8) -> torch.Tensor:
+        """An empty (B, H, Sk, width) tensor for K̂'s packed rows; ``quad`` (the quad key order): a
+        view of whole 32-key groups' rows, the rows past Sk of the last group reachable by its strides."""
+        rows = -(-self.sk // 32) * 32 if quad else self.sk
+        return torch.empty(self.b, self.h, rows, width, device=self.dev, dtype=dtype)[:, :, :self.sk]
+
+    def run_packed_nv(self, quad=False):
         """NVFP4 Q̂, K̂, V̂ᵀ packed: each row its E2M1 codes, then its E4M3 block-scale bytes (one
         buffer per tensor; K̂'s and V̂ᵀ's rows padded to :func:`nv_row_bytes`), and the heads' tensor
         scales (B, H) fp32 of Q, K and V (ones without ``tensor_scale``): the dequantized value is
-        code · scale · g."""
+        code · scale · g. ``quad``: K̂'s rows in the quad key order (:meth:`k_rows`)."""
         b, h, dev, u8 = self.b, self.h, self.dev, torch.uint8
         dvp = next_pow2(self.dv, floor=32)
         sk_pad = -(-self.sk // KEY_TILE) * KEY_TILE
         d, qb = self.d, Format.NVFP4.block
         q4 = torch.empty(b, h, self.sq, d // 2 + d // qb, device=dev, dtype=u8)
         # K̂'s and V̂ᵀ's rows padded to whole 16 bytes (bytes past the scales unused): TMA copies need it
-        k4 = torch.empty(b, h, self.sk, nv_row_bytes(d), device=dev, dtype=u8)
+        k4 = self.k_rows(nv_row_bytes(d), quad)
         v4t = torch.empty(b, h, dvp, nv_row_bytes(sk_pad), device=dev, dtype=u8)
         ts_q, ts_k, ts_v = self.tensor_scales()
         self.rows(self.q, self.sq, False, E2M1_PACKED, q4, tscale=ts_q)
-        self.rows(self.k, self.sk, True, E2M1_PACKED, k4, tscale=ts_k)
+        self.rows(self.k, self.sk, True, E2M1_PACKED, k4, tscale=ts_k, quad=quad)
         self.values(E2M1_PACKED, v4t, tscale=ts_v)
         ones = torch.ones(b, h, device=dev)
         g_q, g_k, g_v = (ones if ts is None else ts[:, 0].reshape(b, h) for ts in (ts_q, ts_k, ts_v))
@@ -658,22 +671,25 @@ class _PrePass:
         self.values(FP8_HEAD, v8, amax=v_amax, fac=v_fac, key_order=False)
         return q4, q_scale, k4, k_scale, v8, v_fac, g_q, g_k
 
-    def run_packed(self):
+    def run_packed(self, quad=False):
+        """``quad``: K̂'s rows (and MXFP4 scales) in the quad key order (FP4 P·V only)."""
         if self.recipe.pv_format is Format.E4M3:
+            if quad:
+                raise ValueError(f"{self.recipe.name}: the quad key order is for FP4 P·V (its P̂ operand's order)")
             return self.run_packed_pv8()
         if self.recipe.qk_format is Format.NVFP4:
-            return self.run_packed_nv()
+            return self.run_packed_nv(quad)
         b, h, dev, u8 = self.b, self.h, self.dev, torch.uint8
         dvp = next_pow2(self.dv, floor=32)
         sk_pad = -(-self.sk // KEY_TILE) * KEY_TILE
         q4 = torch.empty(b, h, self.sq, self.d // 2, device=dev, dtype=u8)
-        k4 = torch.empty(b, h, self.sk, self.d // 2, device=dev, dtype=u8)
+        k4 = self.k_rows(self.d // 2, quad)
         v4t = torch.empty(b, h, dvp, sk_pad // 2, device=dev, dtype=u8)
         q_scale = torch.empty(b, h, self.sq, self.d // 32, device=dev, dtype=u8)
-        k_scale = torch.empty(b, h, self.sk, self.d // 32, device=dev, dtype=u8)
+        k_scale = self.k_rows(self.d // 32, quad)
         v_scale = torch.empty(b, h, dvp, sk_pad // 32, device=dev, dtype=u8)
         self.rows(self.q, self.sq, False, E2M1_PACKED, q4, fac=q_scale)
-        self.rows(self.k, self.sk, True, E2M1_PACKED, k4, fac=k_scale)
+        self.rows(self.k, self.sk, True, E2M1_PACKED, k4, fac=k_scale, quad=quad)
         self.values(E2M1_PACKED, v4t, fac=v_scale)
         return q4, q_scale, k4, k_scale, v4t, v_scale
 
@@ -719,7 +735,7 @@ def nv_row_bytes(n: int) -> int:
     return -(-(n // 2 + n // Format.NVFP4.block) // 16) * 16
 
 
-def prepass_packed(q, k, v, recipe: AttentionRecipe, key_alive, mean=None, launch=PREPASS_LAUNCH):
+def prepass_packed(q, k, v, recipe: AttentionRecipe, key_alive, mean=None, launch=PREPASS_LAUNCH, quad_order=False):
     """MXFP4 Q̂, K̂, V̂ as packed E2M1 codes (two per byte, the first in the low nibble) and E8M0
     scales (uint8, exponent + 127), the storage ``tl.dot_scaled`` and Blackwell's FP4 MMAs take.
 
@@ -733,8 +749,11 @@ def prepass_packed(q, k, v, recipe: AttentionRecipe, key_alive, mean=None, launc
     power-of-two tensor scales.
 
     FP8-P·V recipes (``mxattn-pv8``, ``sage3-pv8``): :meth:`_PrePass.run_packed_pv8`'s eight tensors.
+
+    ``quad_order`` (consumer Blackwell's loop, FP4 P·V): K̂'s rows, and MXFP4's K scales, in
+    :func:`.key_order.quad_key_order` within each 32 keys (views of whole groups' rows).
     """
-    return _PrePass(q, k, v, recipe, key_alive, mean, launch).run_packed()
+    return _PrePass(q, k, v, recipe, key_alive, mean, launch).run_packed(quad_order)
 
 
 def prepass_fp8(q, k, v, recipe: AttentionRecipe, key_alive, k_tile_order: bool = False, mean=None,

@@ -24,7 +24,7 @@ from fp4video.formats import Format, ScaleRule
 from fp4video.recipe import METHODS, PScale, RowSum
 from fp4video.reference import TWO_LEVEL_P_RANGE
 
-from .dispatch import mx_kernel_on, nv_scaled_on
+from .dispatch import mx_kernel_on, nv_scaled_on, scaled_quad_order_on
 from .launch import SHARED_MEMORY_LIMIT, stages_that_fit
 from .offline import WAN_480P_INTS, compile_kernel, loop_opcodes, ptxas_report, sass_mma_loop, tool_path
 
@@ -78,7 +78,7 @@ def _loop(method: str, arch: int):
                    VS="*fp32" if pv8 else "*u8", GQK="*fp32", GV="*fp32", KeyMask="*i8", Out="*bf16", Lse="*fp32")
         consts = dict(mx_common, NV=nv, TWO_LEVEL=r.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
                       FAST_RCP=True, HW_E4M3=True, HW_E2M1=arch >= 100, BLOCK_M=launch.block_m, QB=16 if nv else 32,
-                      TMA=tma, WS=tma, P_E4M3=pv8)
+                      TMA=tma, WS=tma, P_E4M3=pv8, QUAD=scaled_quad_order_on(r, target))
         return ("loop_scaled._scaled_attn_fwd", fn, consts, ptr, launch.block_m * 128 // (launch.num_warps * 32),
                 dict(num_warps=launch.num_warps, num_stages=stages, enable_fp_fusion=False), False)
     if mx == "fp8":

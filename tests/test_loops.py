@@ -281,6 +281,78 @@ def test_scaled_loop_by_tma_equals_pointer_loads_gpu(monkeypatch):
     _check_scaled_tma_equals_pointer_loads("cuda", torch.bfloat16, "mxattn", 4, 1000, 1531, 128, 128)
 
 
+@pytest.mark.parametrize("method", ["mxattn", "mxfp4-ocp", "nvfp4", "sage3", "sage3-hpnq"])
+def test_scaled_loop_quad_key_order_interpreter(method, monkeypatch, e4m3_dot_scaled):
+    """Consumer Blackwell's form of the dot_scaled loop (``quad_order``): the pre-pass stores key r of
+    K̂ (and its MXFP4 scales) in row quad_key_order(r) of whole 32-key groups, the loop relabels S
+    and P's codes back — the same attention as the key-order loop (to the order of the row sums'
+    additions) and as the reference, row by row: two heads of 200 keys (a partial last group and
+    tile), 70 queries, value head dim 40, with and without a key-padding mask, sharp logits."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test")
+    from fp4video.kernels import dispatch
+    from fp4video.kernels.checks import k_smoothing_mean, smoothing_lse_shift
+    from fp4video.kernels.key_order import quad_key_order
+    from fp4video.kernels.loop_scaled import attention_packed
+    from fp4video.kernels.prepass import prepass_packed
+    from fp4video.metrics import row_cosine
+
+    monkeypatch.setenv("FP4VIDEO_MX_KERNEL", "scaled")
+    monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "scaled")
+    recipe = METHODS[method]
+    q, k, v = rand(2, 2, 70, 64, seed=76), rand(2, 2, 200, 64, seed=77) + 0.3, rand(2, 2, 200, 40, seed=78)
+    mask = rand(2, 1, 1, 200, seed=79) > -0.8
+    assert not dispatch.scaled_quad_order(recipe, q.device)  # (the interpreter's default: key order)
+    assert dispatch.scaled_quad_order_on(recipe, "sm_120") and dispatch.scaled_quad_order_on(recipe, "sm_121")
+    assert not dispatch.scaled_quad_order_on(recipe, "sm_100") and not dispatch.scaled_quad_order_on(recipe, "sm_90")
+    for qs, m in ((q, None), (q, mask), (q * 6, mask)):
+        alive = dispatch.key_padding(m, 2, 200)
+        plain = prepass_packed(qs, k, v, recipe, alive)
+        quad = prepass_packed(qs, k, v, recipe, alive, quad_order=True)
+        k_plain, k_quad = plain[1 if recipe.qk_format.value == "nvfp4" else 2], quad[1 if recipe.qk_format.value == "nvfp4" else 2]
+        whole = k_quad.as_strided((2, 2, 224, k_quad.shape[-1]), k_quad.stride())  # 7 whole groups of 32
+        used = plain[0].shape[-1]  # (NVFP4 rows: codes and scale bytes, then padding to 16 bytes)
+        assert torch.equal(whole[:, :, quad_key_order.fn(torch.arange(200)), :used], k_plain[..., :used])
+        run = dict(key_alive=alive, recipe=recipe, scale=64**-0.5, out_dtype=q.dtype, dv=40)
+        a, la = attention_packed(*plain, **run)
+        b, lb = attention_packed(*quad, quad_order=True, **run)
+        torch.testing.assert_close(b, a, rtol=2e-6, atol=1e-6)  # (the unquantized row sum: added in another order)
+        torch.testing.assert_close(lb, la, rtol=2e-7, atol=1e-6)
+        r, lr = fp4_attention(qs, k, v, method=method, attn_mask=m, return_lse=True, backend="reference")
+        if recipe.smooth_k:  # (the loop's LSE is of the smoothed logits)
+            lb = lb + smoothing_lse_shift(qs, k_smoothing_mean(k, alive), 64**-0.5)
+        assert (r - b).abs().max() < 1e-5 and (lr - lb).abs().max() < 1e-5 and row_cosine(r, b).min() > 0.99999
+    with pytest.raises(ValueError, match="quad key order"):
+        attention_packed(*quad, quad_order=True, tma=True, **run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["mxattn", "mxfp4-ocp"])
+def test_scaled_loop_quad_key_order_gpu(method, monkeypatch):
+    """The quad key order compiled for this GPU (on Hopper the dot_scaled loop is Triton's emulation:
+    the relabelling and the stored order, not sm_120's MMA): equal to the key-order loop and the
+    reference, row by row, masked and not, a partial last group of 32 keys."""
+    from fp4video.kernels import dispatch
+    from fp4video.kernels.loop_scaled import attention_packed
+    from fp4video.kernels.prepass import prepass_packed
+    from fp4video.metrics import row_cosine
+
+    monkeypatch.setenv("FP4VIDEO_MX_KERNEL", "scaled")
+    recipe = METHODS[method]
+    q, k, v = (rand(1, 4, n, 128, seed=s, device="cuda", dtype=torch.bfloat16) for s, n in ((96, 1000), (97, 1531), (98, 1531)))
+    mask = rand(1, 1, 1, 1531, seed=99, device="cuda") > -1.0
+    for m in (None, mask):
+        alive = dispatch.key_padding(m, 1, 1531)
+        run = dict(key_alive=alive, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype, dv=128)
+        a, la = attention_packed(*prepass_packed(q, k, v, recipe, alive), **run)
+        torch.full((64 << 20,), float("nan"), device="cuda")  # poison the memory the outputs reuse
+        b, lb = attention_packed(*prepass_packed(q, k, v, recipe, alive, quad_order=True), quad_order=True, **run)
+        assert torch.isfinite(b).all() and torch.isfinite(lb).all()
+        assert row_cosine(a.float(), b.float()).min() > 0.99999 and (la - lb).abs().max() < 1e-4, (method, m is not None)
+        r = fp4_attention(q, k, v, method=method, attn_mask=m, backend="reference")
+        assert row_cosine(r.float(), b.float()).min() > 0.999, (method, m is not None)
+
+
 NV_METHODS = [m for m in METHODS if METHODS[m].qk_format is not None and METHODS[m].qk_format.value == "nvfp4"
               and METHODS[m].pv_format is not None and METHODS[m].pv_format.value == "nvfp4"]
 

@@ -30,7 +30,8 @@ ptr = dict(Q4="*u8", QS="*u8", K4=codes, KS="*u8", V4T=codes, VS="*u8", GQK="*fp
            Out="*bf16", Lse="*fp32")
 consts = dict(HAS_MASK=True, NV={nv}, OCP=False, QMAX=ScaleRule.UOS.qmax, PNQ=not {nv}, TWO_LEVEL={nv},
               P_RANGE=TWO_LEVEL_P_RANGE, FAST_RCP=True, HW_E4M3=True, HW_E2M1=True, D=128, BLOCK_DV=128,
-              BLOCK_M=128, BLOCK_N=128, QB=16 if {nv} else 32, TMA=tma, WS=tma, P_E4M3=False)
+              BLOCK_M=128, BLOCK_N=128, QB=16 if {nv} else 32, TMA=tma, WS=tma, P_E4M3=False,
+              QUAD={arch} == 120)  # (as the dispatch runs it: on sm_120 K̂ in the quad key order)
 ints = dict(sqs=64, sks=64, svd=2048, svsd=128, SQ=4096, SK_PAD=4096)  # 16-divisible, as real launches are
 if {nv}:  # rows of codes then E4M3 scale bytes (K̂'s and V̂ᵀ's padded to 16 bytes)
     ints.update(sqs=72, sks=80, svd=2304, svsd=2304)
