@@ -374,8 +374,9 @@ def interpreter_reads_e4m3_scales() -> bool:
     return bool((out == 64.0).all())
 
 
-#: Shared memory (bytes), compiled offline (Triton 3.9, head dim 128, masked, 8 warps): the same at 1-3 stages
-SHARED_MEMORY = {"sm_100": {1: 32768, 2: 32768, 3: 32768}, "sm_120": {1: 32768, 2: 32768, 3: 32768}}
+#: Shared memory (bytes), compiled offline (Triton 3.9, head dim 128, masked, 8 warps): the same at 1-3
+#: stages, the FP8-P·V form's (the most: ``sage3-pv8``; the FP4-P forms 32768)
+SHARED_MEMORY = {"sm_100": {1: 37888, 2: 37888, 3: 37888}, "sm_120": {1: 33792, 2: 33792, 3: 33792}}
 LAUNCH = LoopLaunch(128, 8, 2, shared_memory=SHARED_MEMORY, reason="not tuned: no Blackwell GPU has run it")
 #: The warp-specialized loop of sm_100 (K̂ / V̂ᵀ codes by TMA), compiled offline (Triton 3.9, head dim
 #: 128, masked): the most shared memory any method of the format takes (MXFP4: every method alike,
