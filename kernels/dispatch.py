@@ -376,6 +376,8 @@ def loop_module(q, k, v, recipe: AttentionRecipe, key_alive=None) -> str:
         return _nv_loop(recipe, tensors[0], tensors[2], False)
     if path == "scaled" and scaled_tma(recipe, tensors[0].device):
         return "loop_scaled (warp-specialized, TMA)"
+    if path == "scaled" and scaled_quad_order(recipe, tensors[0].device):
+        return "loop_scaled (quad key order)"
     return LOOP_OF_PATH[path]
 
 
