@@ -32,7 +32,7 @@ def compile_rows(out_mode: int, block_s: int, warps: int, stages: int, per_progr
 
     consts = dict(HAS_ALIVE=False, SMOOTH=False, ROTATE=True, ROT_PRECISION="bf16", ROT_PARTS=1, FMT=1, QB=32,
                   OCP=False, QMAX=ScaleRule.UOS.qmax, D=128, BLOCK_S=block_s, OUT=out_mode,
-                  BLOCKS_PER_PROGRAM=per_program, PERSISTENT=persistent, TSCALE=False, HW_E4M3=True)
+                  BLOCKS_PER_PROGRAM=per_program, PERSISTENT=persistent, TSCALE=False, HW_E4M3=True, QUAD=False)
     ptr = {"X": "*bf16", "Alive": "*i8", "Mean": "*fp32", "Hm": "*bf16", "Out": "*fp8e4nv", "Fac": "*fp32"}
     s, s_pad = 32760, 32768  # Wan 480p, H = 40; K̂ padded to whole key tiles; the unused Alive and Mean: 1 × 1
     ints = dict(H=40, S=s, D_IN=128, n_blocks=-(-s // block_s), n_heads=40, sxb=40 * s * 128, sxh=s * 128, sxs=128,
