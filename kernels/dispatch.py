@@ -130,7 +130,8 @@ def mx_kernel_on(recipe: AttentionRecipe, arch: str | None) -> str | None:
     :data:`NATIVE_FP4_ARCHS` with a Triton that compiles it there, :func:`native_fp4`), ``"fp8"`` (e4m3 tensor cores: sm_89+, and the CPU interpreter) or
     None (the bf16 loop: not an MXFP4 recipe, or an older GPU). ``FP4VIDEO_MX_KERNEL`` overrides the
     choice (e.g. to run the Blackwell loop, emulated, on a Hopper GPU). Recipes with E4M3 (FP8) P and V
-    and MXFP4 or E4M3 Q and K run the e4m3 loop on every sm_89+ GPU (``"scaled"`` has no FP8 P·V)."""
+    run the e4m3 loop on every sm_89+ GPU, except that MXFP4-Q·K ones (``mxattn-pv8``) run ``"scaled"``
+    (FP4 Q·K, FP8 P·V) where the native FP4 loop does."""
     fp8_tensor_cores = arch == "interpreter" or (arch is not None and arch_capability(arch) >= (8, 9))
     qk, pv = recipe.qk_format, recipe.pv_format
     if pv is Format.E4M3 and qk is Format.MXFP4:  # mxattn-pv8: Q·K on the native FP4 MMA where it runs
@@ -198,7 +199,7 @@ def tma_loop(device: torch.device) -> bool:
     return forced != "0" and reason is None
 
 
-def scaled_tma(recipe: AttentionRecipe, device: torch.device) -> bool:
+def scaled_tma(device: torch.device) -> bool:
     """Whether the dot_scaled loop runs its warp-specialized TMA form here: where it has an MMA
     partition (:func:`.loop_scaled.warp_specialized`) and TMA is not turned off
     (``FP4VIDEO_MX_TMA=0``), the FP4-P and the FP8-P·V forms alike."""
@@ -341,7 +342,7 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
         from .loop_scaled import attention_packed
 
         if tma is None:
-            tma = scaled_tma(recipe, tensors[0].device)
+            tma = scaled_tma(tensors[0].device)
         return attention_packed(*tensors, key_alive=key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv,
                                 tma=tma, quad_order=scaled_quad_order(recipe, tensors[0].device), **launch)
     if path == "fp8":
@@ -374,7 +375,7 @@ def loop_module(q, k, v, recipe: AttentionRecipe, key_alive=None) -> str:
     path, tensors = prepare(q, k, v, recipe, key_alive)
     if path == "nvfp4":
         return _nv_loop(recipe, tensors[0], tensors[2], False)
-    if path == "scaled" and scaled_tma(recipe, tensors[0].device):
+    if path == "scaled" and scaled_tma(tensors[0].device):
         return "loop_scaled (warp-specialized, TMA)"
     if path == "scaled" and scaled_quad_order(recipe, tensors[0].device):
         return "loop_scaled (quad key order)"

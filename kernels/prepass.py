@@ -608,62 +608,60 @@ class _PrePass:
         self.values(FP8_AMAX, torch.empty(1, 1, width, 1, device=self.dev), amax=amax, fac=bmin)
         return amax
 
-    def k_rows(self, width: int, quad: bool, dtype=torch.uint8) -> torch.Tensor:
-        """An empty (B, H, Sk, width) tensor for K̂'s packed rows; ``quad`` (the quad key order): a
-        view of whole 32-key groups' rows, the rows past Sk of the last group reachable by its strides."""
+    def k_rows(self, width: int, quad: bool) -> torch.Tensor:
+        """An empty (B, H, Sk, width) uint8 tensor for K̂'s packed rows; ``quad`` (the quad key order):
+        a view of whole 32-key groups' rows, the rows past Sk of the last group reachable by its strides."""
         rows = -(-self.sk // 32) * 32 if quad else self.sk
-        return torch.empty(self.b, self.h, rows, width, device=self.dev, dtype=dtype)[:, :, :self.sk]
+        return torch.empty(self.b, self.h, rows, width, device=self.dev, dtype=torch.uint8)[:, :, :self.sk]
+
+    def packed_qk(self, quad=False):
+        """Q̂ and K̂ packed for the dot_scaled loop: ``(q4, q_scale, k4, k_scale, g, ts_v)``. MXFP4:
+        codes (B, H, S, D/2) and E8M0 scales (B, H, S, D/32); NVFP4: rows of codes then E4M3 scale
+        bytes (K̂'s padded to :func:`nv_row_bytes`), the scales None. ``g``: the heads' tensor scales
+        (g_q, g_k, g_v) (B, H) (ones where the recipe has none); ``ts_v``: V's as
+        :meth:`tensor_scales` gives it. ``quad``: K̂'s rows (and scales) in the quad key order (:meth:`k_rows`)."""
+        b, h, d, dev, u8 = self.b, self.h, self.d, self.dev, torch.uint8
+        ones = torch.ones(b, h, device=dev)
+        if self.recipe.qk_format is Format.NVFP4:
+            q4 = torch.empty(b, h, self.sq, d // 2 + d // Format.NVFP4.block, device=dev, dtype=u8)
+            # K̂'s rows padded to whole 16 bytes (bytes past the scales unused): TMA copies need it
+            k4 = self.k_rows(nv_row_bytes(d), quad)
+            ts_q, ts_k, ts_v = self.tensor_scales()
+            self.rows(self.q, self.sq, False, E2M1_PACKED, q4, tscale=ts_q)
+            self.rows(self.k, self.sk, True, E2M1_PACKED, k4, tscale=ts_k, quad=quad)
+            g = tuple(ones if ts is None else ts[:, 0].reshape(b, h) for ts in (ts_q, ts_k, ts_v))
+            return q4, None, k4, None, g, ts_v
+        q4 = torch.empty(b, h, self.sq, d // 2, device=dev, dtype=u8)
+        q_scale = torch.empty(b, h, self.sq, d // 32, device=dev, dtype=u8)
+        k4, k_scale = self.k_rows(d // 2, quad), self.k_rows(d // 32, quad)
+        self.rows(self.q, self.sq, False, E2M1_PACKED, q4, fac=q_scale)
+        self.rows(self.k, self.sk, True, E2M1_PACKED, k4, fac=k_scale, quad=quad)
+        return q4, q_scale, k4, k_scale, (ones, ones, ones), None
 
     def run_packed_nv(self, quad=False):
         """NVFP4 Q̂, K̂, V̂ᵀ packed: each row its E2M1 codes, then its E4M3 block-scale bytes (one
         buffer per tensor; K̂'s and V̂ᵀ's rows padded to :func:`nv_row_bytes`), and the heads' tensor
         scales (B, H) fp32 of Q, K and V (ones without ``tensor_scale``): the dequantized value is
         code · scale · g. ``quad``: K̂'s rows in the quad key order (:meth:`k_rows`)."""
-        b, h, dev, u8 = self.b, self.h, self.dev, torch.uint8
-        dvp = next_pow2(self.dv, floor=32)
+        q4, _, k4, _, (g_q, g_k, g_v), ts_v = self.packed_qk(quad)
         sk_pad = -(-self.sk // KEY_TILE) * KEY_TILE
-        d, qb = self.d, Format.NVFP4.block
-        q4 = torch.empty(b, h, self.sq, d // 2 + d // qb, device=dev, dtype=u8)
-        # K̂'s and V̂ᵀ's rows padded to whole 16 bytes (bytes past the scales unused): TMA copies need it
-        k4 = self.k_rows(nv_row_bytes(d), quad)
-        v4t = torch.empty(b, h, dvp, nv_row_bytes(sk_pad), device=dev, dtype=u8)
-        ts_q, ts_k, ts_v = self.tensor_scales()
-        self.rows(self.q, self.sq, False, E2M1_PACKED, q4, tscale=ts_q)
-        self.rows(self.k, self.sk, True, E2M1_PACKED, k4, tscale=ts_k, quad=quad)
+        # V̂ᵀ's rows padded to whole 16 bytes, as K̂'s
+        v4t = torch.empty(self.b, self.h, next_pow2(self.dv, floor=32), nv_row_bytes(sk_pad), device=self.dev,
+                          dtype=torch.uint8)
         self.values(E2M1_PACKED, v4t, tscale=ts_v)
-        ones = torch.ones(b, h, device=dev)
-        g_q, g_k, g_v = (ones if ts is None else ts[:, 0].reshape(b, h) for ts in (ts_q, ts_k, ts_v))
         return q4, k4, v4t, g_q, g_k, g_v
 
     def run_packed_pv8(self):
-        """The FP8-P·V methods on the dot_scaled loop: Q̂ and K̂ packed as :meth:`run_packed` /
-        :meth:`run_packed_nv` pack them (MXFP4 codes and E8M0 scales; NVFP4 rows of codes and scale
-        bytes, with the heads' tensor scales), V̂ᵀ in E4M3 with its channels' power-of-two factors as
-        :meth:`run_fp8` makes it, its tokens put back in order (the dot_scaled loop's P is in key
-        order, as the kernel writes it). Returns (q4, q_scale, k4, k_scale, v8t, v_fac, g_q, g_k): the
-        scales None and the tensor scales ones where NVFP4 / MXFP4 has none."""
-        b, h, dev, u8 = self.b, self.h, self.dev, torch.uint8
-        d, dvp = self.d, next_pow2(self.dv, floor=32)
-        sk_pad = -(-self.sk // KEY_TILE) * KEY_TILE
-        ones = torch.ones(b, h, device=dev)
-        if self.recipe.qk_format is Format.NVFP4:
-            qb = Format.NVFP4.block
-            q4 = torch.empty(b, h, self.sq, d // 2 + d // qb, device=dev, dtype=u8)
-            k4 = torch.empty(b, h, self.sk, nv_row_bytes(d), device=dev, dtype=u8)
-            ts_q, ts_k, _ = self.tensor_scales()
-            self.rows(self.q, self.sq, False, E2M1_PACKED, q4, tscale=ts_q)
-            self.rows(self.k, self.sk, True, E2M1_PACKED, k4, tscale=ts_k)
-            q_scale = k_scale = None
-            g_q, g_k = (ones if ts is None else ts[:, 0].reshape(b, h) for ts in (ts_q, ts_k))
-        else:
-            q4 = torch.empty(b, h, self.sq, d // 2, device=dev, dtype=u8)
-            k4 = torch.empty(b, h, self.sk, d // 2, device=dev, dtype=u8)
-            q_scale = torch.empty(b, h, self.sq, d // 32, device=dev, dtype=u8)
-            k_scale = torch.empty(b, h, self.sk, d // 32, device=dev, dtype=u8)
-            self.rows(self.q, self.sq, False, E2M1_PACKED, q4, fac=q_scale)
-            self.rows(self.k, self.sk, True, E2M1_PACKED, k4, fac=k_scale)
-            g_q = g_k = ones
-        v8 = torch.empty(b, h, dvp, sk_pad, device=dev, dtype=torch.float8_e4m3fn)
+        """The FP8-P·V methods on the dot_scaled loop: Q̂ and K̂ packed by :meth:`packed_qk` (MXFP4
+        codes and E8M0 scales; NVFP4 rows of codes and scale bytes, with the heads' tensor scales),
+        V̂ᵀ in E4M3 with its channels' power-of-two factors as :meth:`run_fp8` makes it, its tokens in
+        key order as the kernel writes them (the dot_scaled loop's P is in key order). Returns (q4,
+        q_scale, k4, k_scale, v8t, v_fac, g_q, g_k): the scales None and the tensor scales ones where
+        NVFP4 / MXFP4 has none."""
+        q4, q_scale, k4, k_scale, (g_q, g_k, _), _ = self.packed_qk()
+        b, h, dev = self.b, self.h, self.dev
+        dvp = next_pow2(self.dv, floor=32)
+        v8 = torch.empty(b, h, dvp, -(-self.sk // KEY_TILE) * KEY_TILE, device=dev, dtype=torch.float8_e4m3fn)
         v_fac = torch.empty(b, h, dvp, device=dev)
         v_amax = torch.zeros(b, h, dvp, device=dev, dtype=torch.int32)
         v_bmin = torch.full((b, h, dvp), 0x7F800000, device=dev, dtype=torch.int32)
@@ -679,17 +677,11 @@ class _PrePass:
             return self.run_packed_pv8()
         if self.recipe.qk_format is Format.NVFP4:
             return self.run_packed_nv(quad)
-        b, h, dev, u8 = self.b, self.h, self.dev, torch.uint8
+        q4, q_scale, k4, k_scale, _, _ = self.packed_qk(quad)
         dvp = next_pow2(self.dv, floor=32)
         sk_pad = -(-self.sk // KEY_TILE) * KEY_TILE
-        q4 = torch.empty(b, h, self.sq, self.d // 2, device=dev, dtype=u8)
-        k4 = self.k_rows(self.d // 2, quad)
-        v4t = torch.empty(b, h, dvp, sk_pad // 2, device=dev, dtype=u8)
-        q_scale = torch.empty(b, h, self.sq, self.d // 32, device=dev, dtype=u8)
-        k_scale = self.k_rows(self.d // 32, quad)
-        v_scale = torch.empty(b, h, dvp, sk_pad // 32, device=dev, dtype=u8)
-        self.rows(self.q, self.sq, False, E2M1_PACKED, q4, fac=q_scale)
-        self.rows(self.k, self.sk, True, E2M1_PACKED, k4, fac=k_scale, quad=quad)
+        v4t = torch.empty(self.b, self.h, dvp, sk_pad // 2, device=self.dev, dtype=torch.uint8)
+        v_scale = torch.empty(self.b, self.h, dvp, sk_pad // 32, device=self.dev, dtype=torch.uint8)
         self.values(E2M1_PACKED, v4t, fac=v_scale)
         return q4, q_scale, k4, k_scale, v4t, v_scale
 

@@ -32,6 +32,7 @@ __all__ = ["LoopReport", "loop_report", "TARGETS"]
 
 TARGETS = ("sm_90", "sm_100", "sm_120")
 _MMA_PTX = ("wgmma.mma_async", "tcgen05.mma", "mma.sync")
+_MMA_PTX_RE = r"(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)[\w.:]*"  # (the same, as a pattern)
 
 
 @dataclass
@@ -157,8 +158,8 @@ def loop_report(method: str, target: str) -> LoopReport:
     name, fn, consts, ptr, per_thread, options, gluon = _loop(method, arch)
     ints = dict(WAN_480P_INTS, smb=1)
     kernel = compile_kernel(fn, consts, ptr, ints, arch=arch, floats=("scale_log2", "scale"), gluon=gluon, **options)
-    if not re.search(r"(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)", kernel.asm["ptx"]):
-        # Triton compiles a kernel it cannot place (e.g. more than 512 tensor-memory columns) to a trap
+    kernel_mmas = re.findall(_MMA_PTX_RE, kernel.asm["ptx"])
+    if not kernel_mmas:  # Triton compiles a kernel it cannot place (e.g. over 512 tensor-memory columns) to a trap
         raise RuntimeError(f"{method} on {target}: the compiled loop holds no MMA (Triton made it a trap; tensor "
                            f"memory {getattr(kernel.metadata, 'tmem_size', 0)} of 512 columns)")
     ptx_ops, ptx_body = loop_opcodes(kernel.asm["ptx"].splitlines(), r"^(\$L__BB\d+_\d+):",
@@ -184,8 +185,7 @@ def loop_report(method: str, target: str) -> LoopReport:
     ttgir = kernel.asm.get("ttgir", "")
     return LoopReport(
         method=method, target=target, loop=name,
-        **_qk_pv_kinds(mmas, re.findall(r"(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)[\w.:]*", kernel.asm["ptx"]),
-                       METHODS[method]),
+        **_qk_pv_kinds(mmas, kernel_mmas, METHODS[method]),
         instructions_per_element=round(count / per_thread, 2), instructions_source=source,
         registers=None if regs is None else regs[0], spill_bytes=None if regs is None else regs[1],
         shared_memory_bytes=int(kernel.metadata.shared),
