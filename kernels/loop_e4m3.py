@@ -117,8 +117,7 @@ def _view5(qk, QB: tl.constexpr):
 
 @triton.jit
 def quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
-               QB: tl.constexpr, EXP_FLOOR: tl.constexpr, ASM: tl.constexpr, P_E4M3: tl.constexpr = False,
-               MMA_SUM: tl.constexpr = False):
+               QB: tl.constexpr, EXP_FLOOR: tl.constexpr, ASM: tl.constexpr, P_E4M3: tl.constexpr = False):
     """Online softmax and MXFP4 quantization of one key tile of logits ``qk`` (keys in
     mma_key_order, masked keys at -inf; the logit in log2 units is qk · q_scale, q_scale > 0 per
     row). Returns (P̂ as the e4m3 A operand of P̂·V̂, m_new, k_new, l_new, alpha): the caller
@@ -152,9 +151,7 @@ def quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr
         k_new = e4m3_p_shift(top, EXP_FLOOR)
         p = tl.exp2(tl.fma(s5, _rows5(q_scale), _rows5(k_new.to(tl.float32) - m_safe)))  # P̃ · 2^k_new < 256
         p8 = round_e4m3_signed(p, ASM)
-        if MMA_SUM:  # the caller sums P̂ on the tensor cores
-            part = tl.zeros_like(l_i)
-        elif PNQ:  # the sums of the rounded values
+        if PNQ:  # the sums of the rounded values
             part = _block_reduce(p8.to(tl.float32), False)
         else:
             part = _block_reduce(p, False)
@@ -172,18 +169,13 @@ def quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr
         unit = pow2(tl.maximum(e_blk + k_new[:, None], -126))
         p_hat = round_e2m1_f16x2_odd(p, _blocks5(unit.to(tl.float16)), _blocks5((unit * 6.0).to(tl.float16)), ASM)
         # l per row and block (lane): summed over the lanes once, after the loop
-        if MMA_SUM:
-            part = tl.zeros_like(l_i)
-        elif PNQ:  # block sums on f16 pairs (exact: multiples of unit / 2, at most 192 units)
+        if PNQ:  # block sums on f16 pairs (exact: multiples of unit / 2, at most 192 units)
             part = tl.sum(tl.sum(tl.sum(p_hat, axis=2), axis=1).to(tl.float32), axis=2)
         else:
             part = _block_reduce(p, False)
         p8 = tl.reshape(p_hat, (BLOCK_M, BLOCK_N)).to(tl.float8e4nv)
     alpha = tl.exp2(m_i - m_safe + (k_new - k_i).to(tl.float32))
-    if MMA_SUM:
-        l_new = l_i
-    else:
-        l_new = tl.fma(alpha[:, None], l_i, part)
+    l_new = tl.fma(alpha[:, None], l_i, part)
     return as_mma_operand(p8, BLOCK_M, BLOCK_N), m_new, k_new, l_new, alpha
 
 
@@ -191,7 +183,7 @@ def quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr
 def _tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd,
           OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_N: tl.constexpr, QB: tl.constexpr, EXP_FLOOR: tl.constexpr, TMA: tl.constexpr, v_row,
-          ASM: tl.constexpr, FRESH_PV: tl.constexpr, P_E4M3: tl.constexpr, MMA_SUM: tl.constexpr = False):
+          ASM: tl.constexpr, FRESH_PV: tl.constexpr, P_E4M3: tl.constexpr):
     """:func:`quantize_p` and P̂·V̂ of one key tile, given its logits from :func:`.tiles.tile_logits`:
     returns the updated (m, k, l, acc). TMA: ``V_base`` is a tensor descriptor of V̂ᵀ's rows
     (channels), this head's first at ``v_row``.
@@ -202,8 +194,7 @@ def _tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd,
     at three programs per SM, made every MMA wait for the previous one (warning C7512): Wan 720p
     loop 158.2 ms against 171.6 (H200). The pointer-load loop, not register-bound, is faster
     overlapping P̂·V̂ with the next tile (163.49 against 169.04 ms)."""
-    p8, m_new, k_new, l_i, alpha = quantize_p(qk, q_scale, m_i, k_i, l_i, OCP, QMAX, PNQ, QB, EXP_FLOOR, ASM, P_E4M3,
-                                              MMA_SUM)
+    p8, m_new, k_new, l_i, alpha = quantize_p(qk, q_scale, m_i, k_i, l_i, OCP, QMAX, PNQ, QB, EXP_FLOOR, ASM, P_E4M3)
     # V̂ᵀ is stored in P̂'s operand order, padded with zeros to whole tiles: plain loads
     if TMA:
         vt = V_base.load([v_row, start])
@@ -213,9 +204,6 @@ def _tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd,
         acc = tl.fma(acc, alpha[:, None], tl.dot(p8, tl.trans(vt)))
     else:
         acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
-    if MMA_SUM:  # l (BLOCK_M, 16): every column the row sum of P̂, by the tensor cores
-        ones = tl.full((BLOCK_N, 16), 0x38, tl.int8).to(tl.float8e4nv, bitcast=True)  # 1.0 in e4m3
-        l_i = tl.fma(l_i, alpha[:, None], tl.dot(p8, ones))
     return m_new, k_new, l_i, acc
 
 
@@ -233,7 +221,7 @@ def _e4m3_attn_fwd(
     HAS_MASK: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
     D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QB: tl.constexpr, EXP_FLOOR: tl.constexpr, TMA: tl.constexpr, K_TILE_ORDER: tl.constexpr,
-    ASM: tl.constexpr, FRESH_PV: tl.constexpr, P_E4M3: tl.constexpr = False, MMA_SUM: tl.constexpr = False,
+    ASM: tl.constexpr, FRESH_PV: tl.constexpr, P_E4M3: tl.constexpr = False,
 ):
     """MXFP4 attention on e4m3 tensor cores. TMA (with K_TILE_ORDER: K̂ stored in tile key order,
     whole tiles): ``K8`` and ``V8T`` are tensor descriptors of K̂'s rows (B·H·SK_PAD) and V̂ᵀ's
@@ -248,10 +236,7 @@ def _e4m3_attn_fwd(
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     k_i = tl.zeros((BLOCK_M,), tl.int32)  # units of acc and l: 2^k_i
-    if MMA_SUM:
-        l_i = tl.zeros((BLOCK_M, 16), tl.float32)  # every column the row sum
-    else:
-        l_i = tl.zeros((BLOCK_M, BLOCK_N // QB), tl.float32)  # per row and P block (lane): summed at the end
+    l_i = tl.zeros((BLOCK_M, BLOCK_N // QB), tl.float32)  # per row and P block (lane): summed at the end
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     # TMA: tensor descriptors of K̂ (B·H·SK_PAD rows, tile key order) and V̂ᵀ (B·H·BLOCK_DV rows)
     K_base, V_base = kv_bases(K8, V8T, b, h, skb, skh, svb, svh, TMA)
@@ -267,26 +252,22 @@ def _e4m3_attn_fwd(
         qk = tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB, False,
                          K_TILE_ORDER, TMA, k_row)
         m_i, k_i, l_i, acc = _tile(qk, qk_scale, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV,
-                                   BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, v_row, ASM, FRESH_PV, P_E4M3, MMA_SUM)
+                                   BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, v_row, ASM, FRESH_PV, P_E4M3)
     if n_full < SK:
         qk_scale = q_scale * tl.load(KF_base + n_full // BLOCK_N)
         qk = tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, QB, False,
                          K_TILE_ORDER, TMA, k_row)
         m_i, k_i, l_i, acc = _tile(qk, qk_scale, m_i, k_i, l_i, acc, V_base, n_full, svd, OCP, QMAX, PNQ, BLOCK_DV,
-                                   BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, v_row, ASM, FRESH_PV, P_E4M3, MMA_SUM)
+                                   BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, v_row, ASM, FRESH_PV, P_E4M3)
 
     v_fac = tl.load(VFac + bh * BLOCK_DV + tl.arange(0, BLOCK_DV))  # acc is in units of V̂'s channel factors
-    if MMA_SUM:
-        l_row = tl.max(l_i, axis=1)
-    else:
-        l_row = tl.sum(l_i, axis=1)
-    store_out_lse(Out, Lse, acc, v_fac[None, :], l_row, m_i, k_i.to(tl.float32), b, h, offs_m, row_ok,
+    store_out_lse(Out, Lse, acc, v_fac[None, :], tl.sum(l_i, axis=1), m_i, k_i.to(tl.float32), b, h, offs_m, row_ok,
                   tl.arange(0, BLOCK_DV), DV, sob, soh, sos, sod, slb, slh, sls)
 
 
 def attention_e4m3(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive, *, recipe: AttentionRecipe,
                    scale: float, out_dtype, dv: int, tma: bool | None = None, fresh_pv: bool | None = None,
-                   block_m=None, num_warps=None, num_stages=None, mma_sum: bool = False, max_registers=None):
+                   block_m=None, num_warps=None, num_stages=None):
     """The loop on :func:`.prepass.prepass_fp8`'s outputs for ``sk`` keys (``k_tile_order``: K̂'s
     rows are in tile key order, padded to whole tiles). ``tma``: K̂/V̂ᵀ tiles by TMA (None: where
     K̂ is in tile order, as the dispatch chose for the device; the CPU interpreter runs the TMA
@@ -328,9 +309,9 @@ def attention_e4m3(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive
         HAS_MASK=key_alive is not None, OCP=recipe.scale_rule is ScaleRule.OCP, QMAX=recipe.scale_rule.qmax,
         PNQ=recipe.row_sum is RowSum.QUANTIZED, D=d, BLOCK_DV=dvp, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
         QB=LANE_BLOCK, EXP_FLOOR=TILE_EXP_FLOOR, TMA=tma, K_TILE_ORDER=k_tile_order, P_E4M3=recipe.pv_format is Format.E4M3,
-        ASM=q8.is_cuda, FRESH_PV=tma if fresh_pv is None else fresh_pv, MMA_SUM=mma_sum,
+        ASM=q8.is_cuda, FRESH_PV=tma if fresh_pv is None else fresh_pv,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
-        **({"maxnreg": max_registers or TMA_REGISTER_BUDGET} if capped or max_registers else {}),  # registers per thread (ptxas spills the rest)
+        **({"maxnreg": TMA_REGISTER_BUDGET} if capped else {}),  # registers per thread (ptxas spills the rest)
     )
     return out, lse
 
