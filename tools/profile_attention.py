@@ -7,7 +7,7 @@ issue-slot use, tensor-pipe activity and the warp stall reasons per issued instr
 ``source`` (with ``--section SourceCounters`` in the profile) reads ncu's per-instruction page and
 tells where in each kernel's main loop the warps' stall samples fall.
 
-    ncu --clock-control none -k 'regex:_nv_attn_fwd|_mx_fp8_attn_fwd|cudnn' \\
+    ncu --clock-control none -k 'regex:_nv_attn_fwd|_e4m3_attn_fwd|cudnn' \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
         --section SchedulerStats --section InstructionStats -o prof \\
         python3 tools/profile_attention.py run --seq 16384 --heads 16 sage3 nvfp4 sage3-triton mxattn cudnn
