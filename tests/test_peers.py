@@ -1,6 +1,7 @@
 """The peers `bench kernel` times beside fp4video (FlashAttention-3, SageAttention2): found when
-importable, named with the reason when not, called with the conventions of their APIs. CPU stand-ins
-here; the real ones run in the GPU benchmark."""
+importable, named with the reason when not, called with the conventions of their APIs; standing in
+for SDPA in a whole diffusers forward (`bench pipeline --peers`). CPU stand-ins here; the real ones
+run in the GPU benchmark."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import types
 import pytest
 import torch
 
-from fp4video.eval.peers import E4M3_MAX, FA3_MODULES, find_peers, fp8_per_tensor
+from fp4video.eval.peers import E4M3_MAX, FA3_MODULES, Peer, find_peers, fp8_per_tensor, sdpa_replaced_by
 from fp4video.metrics import cossim
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -39,6 +40,7 @@ def test_missing_peers_are_named_with_the_reason(nothing_installed):
     assert [p.name for p in peers] == ["FlashAttention-3 bf16", "FlashAttention-3 FP8 (cast included)",
                                        "FlashAttention-3 FP8 (kernel only)", "SageAttention2 sageattn (INT8 QK, FP8 PV)"]
     assert all(p.fn is None for p in peers)
+    assert [p.whole_call for p in peers] == [True, True, False, True]
     assert all(p.missing.startswith("not installed (import ") for p in peers)
     assert "flash_attn_interface" in peers[0].missing and "fa3_fwd_interface" in peers[0].missing
 
@@ -92,3 +94,97 @@ def test_fp8_per_tensor_scale_round_trip():
     # e4m3 keeps 3 mantissa bits: relative error ≤ 2^-4 for normal values
     normal = x.abs() > 2 ** -6 * scale[:, :, None, None]
     assert ((back - x).abs() <= x.abs() * 2 ** -4 + 1e-12)[normal].all()
+
+
+def _counting_peer(calls):
+    """A stand-in peer: exact attention in fp32 (by the SDPA saved at import), its inputs recorded."""
+    def fn(q, k, v):
+        calls.append((tuple(q.shape), tuple(k.shape)))
+        return SDPA(q.float(), k.float(), v.float()).to(q.dtype)
+
+    return Peer("stand-in", "bf16", fn)
+
+
+def test_sdpa_replaced_by_a_peer_takes_what_it_can_and_leaves_the_rest():
+    calls = []
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 24, 16, generator=g) for _ in range(3))
+    kv = torch.randn(1, 2, 7, 16, generator=g)
+    mask = torch.ones(1, 1, 24, 24, dtype=torch.bool)
+    mask[..., -3:] = False
+    F = torch.nn.functional
+    with sdpa_replaced_by(_counting_peer(calls), dtypes=(torch.float32,), devices=("cpu",)) as route:
+        assert F.scaled_dot_product_attention is not SDPA
+        out = F.scaled_dot_product_attention(q, k, v)
+        cross = F.scaled_dot_product_attention(q, kv, kv)  # other key length: the peer's too
+        masked = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        scaled = F.scaled_dot_product_attention(q, k, v, scale=0.5)
+        same_scale = F.scaled_dot_product_attention(q, k, v, scale=16 ** -0.5)
+        half = F.scaled_dot_product_attention(q.half(), k.half(), v.half())  # not in `dtypes`
+        F.scaled_dot_product_attention(q, k, v[..., :8])  # another value head dim
+        F.scaled_dot_product_attention(q[0], k[0], v[0])  # 3-d
+    assert F.scaled_dot_product_attention is SDPA  # restored
+    assert route.routed == 3 and calls == [((1, 2, 24, 16), (1, 2, 24, 16)), ((1, 2, 24, 16), (1, 2, 7, 16)),
+                                           ((1, 2, 24, 16), (1, 2, 24, 16))]
+    assert dict(route.left) == {"with a mask": 1, "causal": 1, "another scale": 1, "in torch.float16": 1,
+                                "other shapes": 2}
+    assert route.reasons() == "2 other shapes, 1 with a mask, 1 causal, 1 another scale, 1 in torch.float16"
+    assert route.summary() == ("stand-in: 3 of 9 attention calls; the rest on SDPA (2 other shapes, 1 with a mask, "
+                               "1 causal, 1 another scale, 1 in torch.float16)")
+    for got, want in ((out, SDPA(q, k, v)), (cross, SDPA(q, kv, kv)), (masked, SDPA(q, k, v, attn_mask=mask)),
+                      (causal, SDPA(q, k, v, is_causal=True)), (scaled, SDPA(q, k, v, scale=0.5)),
+                      (same_scale, SDPA(q, k, v))):
+        assert torch.allclose(got, want, atol=1e-6)
+    assert half.dtype == torch.float16
+
+
+def test_sdpa_is_restored_after_an_error_and_unrunnable_peers_are_refused():
+    def broken(q, k, v):
+        raise RuntimeError("this build cannot run these shapes")
+
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(RuntimeError, match="cannot run"):
+        with sdpa_replaced_by(Peer("broken", "bf16", broken), dtypes=(torch.float32,), devices=("cpu",)):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert torch.nn.functional.scaled_dot_product_attention is SDPA
+    with pytest.raises(ValueError, match="not installed"):
+        with sdpa_replaced_by(Peer("absent", "bf16", None, "not installed (import x)")):
+            pass
+    with pytest.raises(ValueError, match="prepared inputs"):
+        with sdpa_replaced_by(Peer("kernel only", "fp8", lambda a: a, prepare=lambda q, k, v: q, whole_call=False)):
+            pass
+    # on the defaults (bf16 / fp16 on a GPU) a CPU fp32 call stays on SDPA
+    with sdpa_replaced_by(Peer("gpu only", "bf16", broken)) as route:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert route.routed == 0 and dict(route.left) == {"in torch.float32": 1}
+
+
+@pytest.mark.parametrize("model", ["wan22", "hunyuan"])
+def test_bench_pipeline_runs_a_peer_in_place_of_sdpa(model, monkeypatch, nothing_installed):
+    """`bench pipeline --tiny --peers` on the CPU: a stand-in peer takes the tiny Wan transformer's
+    attention calls; HunyuanVideo's all carry a mask, so it gets no row, only a note saying so; the
+    missing peers are named under the table."""
+    import argparse
+
+    import fp4video.eval.peers as peers_mod
+    from fp4video.cli.bench import bench_pipeline
+
+    calls = []
+    real = peers_mod.find_peers
+    monkeypatch.setattr(peers_mod, "find_peers", lambda **kw: [_counting_peer(calls), *real(**kw)])
+    args = argparse.Namespace(model=model, layers=None, resolutions=["480p"], methods=[], configs=[], reps=1,
+                              peers=True, tiny=True)
+    table = bench_pipeline(args)
+    assert "| stock diffusers attention (SDPA) |" in table
+    assert "FlashAttention-3 bf16: not timed, not installed" in table
+    assert "SageAttention2 sageattn (INT8 QK, FP8 PV): not timed, not installed" in table
+    assert "kernel only" not in table  # a kernel-only timing is not a forward's attention
+    note = next(line for line in table.splitlines() if line.startswith("- 480p stand-in:"))
+    if model == "hunyuan":  # every call of its joint attention carries the text padding mask
+        assert not calls and "| stand-in in place of SDPA |" not in table
+        assert note.startswith("- 480p stand-in: not timed, it can take none of the forward's attention calls (")
+        assert note.endswith(" with a mask) per forward")
+    else:
+        assert calls and "| stand-in in place of SDPA |" in table
+        assert note == "- 480p stand-in: 4 of 4 attention calls per forward"

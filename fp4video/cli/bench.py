@@ -4,7 +4,7 @@
   pre-pass and the attention loop also timed on their own.
 - ``bench pipeline``: one denoising forward of a full-size Wan2.2-A14B- or HunyuanVideo-shaped
   transformer (random bf16 weights: speed does not depend on them) with diffusers' stock attention
-  vs each policy.
+  vs each policy, and (``--peers``) with each installed peer in place of diffusers' SDPA.
 - ``bench parallel`` (under torchrun): the same forward on one GPU and split over N GPUs with
   context parallelism, in one job; speed-up and the cosine between the two outputs.
 """
@@ -22,6 +22,7 @@ EXAMPLES = """examples:
   fp4video bench kernel --heads 24 --seqs 119056 --masked-keys 56     # HunyuanVideo 720p with its text padding
   fp4video bench pipeline --resolutions 480p 720p --methods fp16 mxattn sage3
   fp4video bench pipeline --model hunyuan --layers 2 --resolutions 720p
+  fp4video bench pipeline --resolutions 720p --methods --configs configs/wan22_mxattn_pv8.yaml --peers
   torchrun --nproc-per-node 2 -m fp4video.cli.main bench parallel --layers 4 --resolution 720p
 """
 
@@ -60,9 +61,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     k.add_argument("--out", default=None, help="append the markdown table to this file")
     k.add_argument("--plot", default=None, metavar="PNG",
                    help="also draw the table (× best baseline per method and length) as this PNG")
-    pl = which.add_parser("pipeline", help="Wan2.2-A14B-shaped transformer forward: stock vs policies",
+    pl = which.add_parser("pipeline", help="Wan2.2-A14B-shaped transformer forward: stock vs policies and peers",
                           description="One denoising forward of a full-size transformer (random bf16 weights) "
-                                      "with diffusers' stock attention and with each policy, in one run.",
+                                      "with diffusers' stock attention, with each policy and (--peers) with each "
+                                      "installed peer in place of diffusers' SDPA, in one run.",
                           formatter_class=fmt)
     pl.add_argument("--resolutions", nargs="+", default=["480p", "720p"], choices=list(LATENTS),
                     help="81 frames (Wan) / 129 frames (HunyuanVideo) at these sizes")
@@ -77,6 +79,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     help="transformer blocks (default: the real model's; HunyuanVideo: dual blocks, "
                          "with twice as many single blocks)")
     pl.add_argument("--reps", type=int, default=2, help="timed forwards after one warm-up (the median is kept)")
+    pl.add_argument("--peers", action="store_true",
+                    help="also each installed peer (FlashAttention-3 bf16, FlashAttention-3 FP8 with its cast, "
+                         "SageAttention2) in place of diffusers' SDPA; calls it cannot take (masks) stay on SDPA, "
+                         "counted under the table")
+    pl.add_argument("--tiny", action="store_true", help="the tiny test transformers (CPU smoke run)")
     pl.add_argument("--out", default=None, help="append the markdown table to this file")
     pp = which.add_parser("parallel", help="under torchrun: one forward on 1 GPU vs split over N (context parallel)",
                           description=bench_parallel.__doc__, formatter_class=fmt)
@@ -120,7 +127,8 @@ def _header(what: str) -> str:
     import torch
     import triton
 
-    return (f"### {what}: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    return (f"### {what}: {device}, torch {torch.__version__}, triton {triton.__version__}, "
             f"{datetime.date.today().isoformat()}")
 
 
@@ -417,25 +425,23 @@ def bench_parallel(args) -> str | None:
 
 
 def bench_pipeline(args) -> str:
+    """Stock diffusers attention, each policy and (``--peers``) each installed peer in place of
+    diffusers' SDPA, on one transformer forward each, in one process."""
     import torch
 
+    from ..eval.peers import find_peers, sdpa_replaced_by
     from ..integration import Policy, install, uninstall
     from ..integration.config import load_config
 
-    model, inputs, desc = _build(args)
+    tiny = getattr(args, "tiny", False)
+    device = torch.device("cpu" if tiny else "cuda")
+    model, inputs, desc = _build(args, device)
+    seconds = _timer(device)
 
     def forward_seconds(kw):
         with torch.no_grad():
             model(**kw)  # warm-up (and Triton compilation)
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(args.reps):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                model(**kw)
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) / 1000)
+            times = [seconds(lambda: model(**kw)) for _ in range(args.reps)]
         return sorted(times)[len(times) // 2]
 
     policies = []  # (row label, policy)
@@ -449,6 +455,17 @@ def bench_pipeline(args) -> str:
         if config.family != {"wan22": "wan", "hunyuan": "hunyuan"}[args.model]:
             raise SystemExit(f"error: {path} is a {config.family} config; this bench runs --model {args.model}")
         policies.append((f"fp4video {Path(path).name}", config.policy))
+    peers, notes = [], []
+    if getattr(args, "peers", False):
+        for p in find_peers():
+            if not p.whole_call:  # a kernel-only timing: not something a forward can run
+                continue
+            if p.fn is None:
+                notes.append(f"{p.name}: not timed, {p.missing}")
+            else:
+                peers.append(p)
+    # a tiny CPU run lets a stand-in take its fp32 calls (the smoke test of this code path)
+    peer_options = dict(dtypes=(torch.float32,), devices=("cpu",)) if tiny else {}
     rows = []
     for res in args.resolutions:
         kw, tokens = inputs(res)
@@ -463,11 +480,29 @@ def bench_pipeline(args) -> str:
                 uninstall(model)
             rows.append((res, tokens, label, secs))
             print(f"  {res} {label}: {secs:.2f} s", file=sys.stderr, flush=True)
+        for p in peers:
+            try:
+                with sdpa_replaced_by(p, **peer_options) as route:
+                    secs = forward_seconds(kw)
+            except Exception as e:  # a peer's build that cannot run these shapes: say so, keep going
+                notes.append(f"{res} {p.name}: failed ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:80] if str(e) else ''})")
+                continue
+            if not route.routed:  # a row would be stock SDPA under the peer's name
+                notes.append(f"{res} {p.name}: not timed, it can take none of the forward's attention calls "
+                             f"({route.reasons(per=args.reps + 1)}) per forward")
+                continue
+            rows.append((res, tokens, f"{p.name} in place of SDPA", secs))
+            notes.append(f"{res} {route.summary(per=args.reps + 1)} per forward")
+            print(f"  {res} {p.name}: {secs:.2f} s", file=sys.stderr, flush=True)
         del kw
-        torch.cuda.empty_cache()
-    lines = [_header(f"bench pipeline, {desc}, one forward, batch 1, bf16"), "",
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    lines = [_header(f"bench pipeline, {desc}, one forward, batch 1, {'fp32' if tiny else 'bf16'}"), "",
              "| resolution | video tokens | attention | s / forward | × stock |", "| --- | --- | --- | --- | --- |"]
     base = {r[0]: r[3] for r in rows if r[2].startswith("stock")}
     for res, tokens, what, secs in rows:
         lines.append(f"| {res} | {tokens} | {what} | {secs:.2f} | {base[res] / secs:.2f} |")
+    if notes:
+        lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"

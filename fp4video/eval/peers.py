@@ -8,6 +8,10 @@ fp4video never ships or builds them; it imports them when they are there (as dif
   included and as the kernel alone;
 - SageAttention2 (``sageattention.sageattn``: INT8 Q·K, FP8 P·V, its own quantization inside the call).
 
+:func:`sdpa_replaced_by` puts a peer in place of ``torch.nn.functional.scaled_dot_product_attention``
+for a block of code (``fp4video bench pipeline --peers``: a whole diffusers forward with the peer as
+its attention), counting the calls it took and those it left to SDPA, with the reason.
+
 Every peer's ``fn`` takes what its ``prepare`` returns (``q, k, v`` when it has none) and returns
 (B, H, S, D); inputs are (B, H, S, D) tensors (views of other layouts are fine). A peer that is not
 installed, or cannot run a call (a key mask), is returned with the reason, never dropped.
@@ -15,13 +19,16 @@ installed, or cannot run a call (a key mask), is returned with the reason, never
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import math
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Peer", "find_peers", "E4M3_MAX", "fp8_per_tensor"]
+__all__ = ["Peer", "find_peers", "E4M3_MAX", "fp8_per_tensor", "SdpaRoute", "sdpa_replaced_by"]
 
 #: The largest finite float8_e4m3fn value (the per-tensor scale is amax / E4M3_MAX).
 E4M3_MAX = 448.0
@@ -41,6 +48,9 @@ class Peer:
     #: ``prepare(q, k, v)`` -> the arguments of ``fn``: work done before the timed kernel (the FP8
     #: cast of the kernel-only row), or None (``fn(q, k, v)``).
     prepare: Callable | None = None
+    #: whether it is a whole attention call (False: a kernel timed on prepared inputs), i.e. whether
+    #: it can stand in for SDPA (:func:`sdpa_replaced_by`)
+    whole_call: bool = True
 
     def args(self, q, k, v) -> tuple:
         return (q, k, v) if self.prepare is None else (self.prepare(q, k, v),)
@@ -73,7 +83,8 @@ def _first(out):
 def _fa3_peers(module, missing: str | None) -> list[Peer]:
     names = ("FlashAttention-3 bf16", "FlashAttention-3 FP8 (cast included)", "FlashAttention-3 FP8 (kernel only)")
     if module is None:
-        return [Peer(n, p, None, f"not installed ({missing})") for n, p in zip(names, ("bf16", "fp8", "fp8"))]
+        return [Peer(n, p, None, f"not installed ({missing})", whole_call=w)
+                for n, p, w in zip(names, ("bf16", "fp8", "fp8"), (True, True, False))]
     func = module.flash_attn_func
 
     def bf16(q, k, v):  # FlashAttention-3 takes (B, S, H, D)
@@ -93,7 +104,7 @@ def _fa3_peers(module, missing: str | None) -> list[Peer]:
         return fp8_kernel(cast(q, k, v))
 
     return [Peer(names[0], "bf16", bf16), Peer(names[1], "fp8", fp8),
-            Peer(names[2], "fp8", fp8_kernel, prepare=cast)]
+            Peer(names[2], "fp8", fp8_kernel, prepare=cast, whole_call=False)]
 
 
 def _sage_peer(module, missing: str | None) -> Peer:
@@ -112,5 +123,83 @@ def find_peers(*, key_mask: bool = False) -> list[Peer]:
     sage, sage_missing = _import(("sageattention",))
     peers = [*_fa3_peers(fa3, fa3_missing), _sage_peer(sage, sage_missing)]
     if key_mask:
-        peers = [p if p.fn is None else Peer(p.name, p.precision, None, "takes no key-padding mask") for p in peers]
+        peers = [p if p.fn is None else Peer(p.name, p.precision, None, "takes no key-padding mask",
+                                             whole_call=p.whole_call) for p in peers]
     return peers
+
+
+@dataclass
+class SdpaRoute:
+    """What :func:`sdpa_replaced_by` did: the calls the peer ran, and those left to SDPA by reason."""
+
+    peer: str
+    routed: int = 0
+    left: Counter = field(default_factory=Counter)
+
+    @property
+    def calls(self) -> int:
+        return self.routed + sum(self.left.values())
+
+    def reasons(self, per: int = 1) -> str:
+        """The calls left to SDPA (divided by ``per``, e.g. per forward) by reason: "3 with a mask, ..."."""
+        return ", ".join(f"{n / per:g} {why}" for why, n in self.left.most_common())
+
+    def summary(self, per: int = 1) -> str:
+        """One line: the calls (divided by ``per``, e.g. per forward) the peer ran, and why the rest did not."""
+        rest = self.reasons(per)
+        return (f"{self.peer}: {self.routed / per:g} of {self.calls / per:g} attention calls"
+                + (f"; the rest on SDPA ({rest})" if rest else ""))
+
+
+def _why_not(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtypes, devices) -> str | None:
+    """Why a peer (which computes softmax(q·kᵀ/√D)·v on (B, H, S, D) and nothing else) cannot take
+    this SDPA call, or None."""
+    if attn_mask is not None:
+        return "with a mask"
+    if is_causal:
+        return "causal"
+    if dropout_p:
+        return "with dropout"
+    if enable_gqa:
+        return "grouped-query"
+    if not (q.dim() == k.dim() == v.dim() == 4) or not (q.shape[:2] == k.shape[:2] == v.shape[:2]) or not (
+            q.shape[-1] == k.shape[-1] == v.shape[-1]) or k.shape[2] != v.shape[2]:
+        return "other shapes"
+    if scale is not None and not math.isclose(scale, q.shape[-1] ** -0.5, rel_tol=1e-6):
+        return "another scale"
+    if q.dtype not in dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"in {q.dtype}"
+    if q.device.type not in devices:
+        return f"on {q.device.type}"
+    return None
+
+
+@contextlib.contextmanager
+def sdpa_replaced_by(peer: Peer, *, dtypes=(torch.bfloat16, torch.float16), devices=("cuda",)):
+    """Within the block, ``torch.nn.functional.scaled_dot_product_attention`` runs ``peer`` for
+    every call it can take (no mask, not causal, no dropout, the default scale, q, k, v of one head
+    dim and one of ``dtypes`` on one of ``devices``) and the original SDPA for the rest; yields an
+    :class:`SdpaRoute` that counts both. The original is restored on exit, also after an error.
+    Only whole calls (``Peer.whole_call``: no ``prepare`` step) can stand in for SDPA."""
+    if peer.fn is None:
+        raise ValueError(f"{peer.name} cannot run here: {peer.missing}")
+    if not peer.whole_call or peer.prepare is not None:
+        raise ValueError(f"{peer.name} times its kernel on prepared inputs; it cannot stand in for SDPA")
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+    route = SdpaRoute(peer.name)
+
+    def replacement(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        why = _why_not(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtypes, devices)
+        if why is not None:
+            route.left[why] += 1
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        route.routed += 1
+        return peer.fn(query, key, value).to(query.dtype)
+
+    functional.scaled_dot_product_attention = replacement
+    try:
+        yield route
+    finally:
+        functional.scaled_dot_product_attention = original
