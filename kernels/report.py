@@ -32,7 +32,7 @@ __all__ = ["LoopReport", "loop_report", "TARGETS"]
 
 TARGETS = ("sm_90", "sm_100", "sm_120")
 _MMA_PTX = ("wgmma.mma_async", "tcgen05.mma", "mma.sync")
-_MMA_PTX_RE = r"(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)[\w.:]*"  # (the same, as a pattern)
+_MMA_PTX_RE = "(?:" + "|".join(map(re.escape, _MMA_PTX)) + r")[\w.:]*"  # an MMA instruction with its modifiers
 
 
 @dataclass

@@ -438,6 +438,8 @@ def bench_pipeline(args) -> str:
     model, inputs, desc = _build(args, device)
     seconds = _timer(device)
 
+    forwards = 1 + args.reps  # what forward_seconds runs: a warm-up and the timed ones
+
     def forward_seconds(kw):
         with torch.no_grad():
             model(**kw)  # warm-up (and Triton compilation)
@@ -490,10 +492,10 @@ def bench_pipeline(args) -> str:
                 continue
             if not route.routed:  # a row would be stock SDPA under the peer's name
                 notes.append(f"{res} {p.name}: not timed, it can take none of the forward's attention calls "
-                             f"({route.reasons(per=args.reps + 1)}) per forward")
+                             f"({route.reasons(per=forwards)}) per forward")
                 continue
             rows.append((res, tokens, f"{p.name} in place of SDPA", secs))
-            notes.append(f"{res} {route.summary(per=args.reps + 1)} per forward")
+            notes.append(f"{res} {route.summary(per=forwards)} per forward")
             print(f"  {res} {p.name}: {secs:.2f} s", file=sys.stderr, flush=True)
         del kw
         if device.type == "cuda":
