@@ -85,6 +85,33 @@ def _block_sums(pairs, NB: tl.constexpr):
     return tl.sum(tl.reshape(pairs.to(tl.float32), (pairs.shape[0], NB, pairs.shape[1] // NB)), axis=2)
 
 
+#: the most elements an exp2 of Triton's warp-specialized loop may have and still stay in the partition
+#: that computes it: the partitioner (Triton 3.9, sm_100) moves every larger exp2 and inline-asm op,
+#: with everything it depends on, into the default partition
+_WS_SMALL = tl.constexpr(256)
+
+
+@triton.jit
+def _exp2_in_pieces(x):
+    """``tl.exp2`` of a per-block tensor (BLOCK_M, NB), NB ≤ 8, computed in pieces of at most
+    :data:`_WS_SMALL` elements (pairs of columns at BLOCK_M = 128; the same values). Each block
+    maximum's exp2 then stays with the softmax in Triton's warp-specialized loop: as one op of
+    BLOCK_M · NB > 256 elements it drew the tile's logits into the default partition, which,
+    given 24 registers, spilled them and handed them to the softmax through shared memory
+    (offline, sm_100, ``mxattn``: 13.9 SASS instructions per element over the partitions and 141
+    spill accesses a key tile, against 10.6 and 1)."""
+    if x.shape[0] * x.shape[1] <= _WS_SMALL or x.shape[1] == 1:
+        return tl.exp2(x)
+    a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))  # the even and the odd columns
+    if x.shape[0] * x.shape[1] // 2 <= _WS_SMALL or x.shape[1] == 2:
+        return tl.reshape(tl.join(tl.exp2(a), tl.exp2(b)), x.shape)
+    a0, a1 = tl.split(tl.reshape(a, (a.shape[0], a.shape[1] // 2, 2)))
+    b0, b1 = tl.split(tl.reshape(b, (b.shape[0], b.shape[1] // 2, 2)))
+    a = tl.reshape(tl.join(tl.exp2(a0), tl.exp2(a1)), a.shape)
+    b = tl.reshape(tl.join(tl.exp2(b0), tl.exp2(b1)), b.shape)
+    return tl.reshape(tl.join(a, b), x.shape)
+
+
 @triton.jit
 def _mx_p(qk, scale_log2, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr, QB: tl.constexpr,
           HW_E2M1: tl.constexpr):
@@ -101,7 +128,7 @@ def _mx_p(qk, scale_log2, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: 
     block_max = tl.max(tl.reshape(qk, (BLOCK_M, NB, QB)), axis=2) * scale_log2
     m_new = tl.maximum(m_i, tl.max(block_max, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    amax = tl.exp2(block_max - m_safe[:, None])  # the block maximum of P̃ (exp2 is monotonic)
+    amax = _exp2_in_pieces(block_max - m_safe[:, None])  # the block maximum of P̃ (exp2 is monotonic)
     e_blk = tl.where(amax > 0, tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126), 0)
     # in units of the block scale (no P̃ exceeds 8 units: the block's maximum is at most QMAX of them)
     shift = m_safe[:, None] + e_blk.to(tl.float32)
@@ -385,16 +412,19 @@ LAUNCH = LoopLaunch(128, 8, 2, shared_memory=SHARED_MEMORY, reason="not tuned: n
 #: The warp-specialized loop of sm_100 (K̂ / V̂ᵀ codes by TMA), compiled offline (Triton 3.9, head dim
 #: 128, masked): the most shared memory any method of the format takes (MXFP4: every method alike,
 #: NVFP4: ``sage3-hpnq``; the partitions' exchange buffers grow with what the softmax hands on)
-TMA_SHARED_MEMORY = {"mx": {"sm_100": {1: 97144, 2: 113528, 3: 129960}},
+TMA_SHARED_MEMORY = {"mx": {"sm_100": {1: 31576, 2: 47960, 3: 64392}},
                      "nv": {"sm_100": {1: 171512, 2: 188936, 3: 207416}},
                      "pv8": {"sm_100": {1: 103768, 2: 128360, 3: 154008}}}  # FP8 P·V: the larger of the two methods
-#: Per format, offline (Triton 3.9), SASS instructions per element of S in the softmax partition's
-#: loop and its local (spill) accesses per tile: MXFP4 with 8 softmax warps (``mxattn`` 6.25 and none,
-#: ``mxfp4-ocp`` 4.58 and 3; at 4 warps 5.67 and none, but 5.23 and 120 for ``mxfp4-ocp``), NVFP4
-#: with 8 (at 4 its two-level P state spills: 7.9 with 250 local accesses against 6.4 with 3), the
-#: FP8-P·V methods (``mxattn-pv8``, ``sage3-pv8``) with 8 (6.55, none; at 4 about 9.4 with 2.2 KB of
-#: spills) and their accumulator single-buffered in tensor memory (double, with S's two buffers and
-#: P̂ for the MMA, it needs 576 of the 512 columns and Triton compiles the kernel to a trap)
+#: Per format, offline (Triton 3.9): 8 softmax warps. SASS instructions per element of S over all the
+#: partitions' loops (``python -m fp4video.kernels.report``), the softmax partition's apart, and the
+#: loops' spill accesses a key tile: MXFP4 ``mxattn`` 10.6 (7.2) and 1, ``mxfp4-ocp`` 9.0 (5.6) and 10,
+#: the block maxima's exp2 in pieces (:func:`_exp2_in_pieces`; as one op: 13.9 (6.25) and 141, the
+#: logits handed from a 24-register default partition to the softmax through shared memory); NVFP4
+#: still so: ``sage3`` 15.4 (6.5) and 163 (at 4 softmax warps its two-level P state spills in the
+#: softmax loop as well); the FP8-P·V methods 9.5–9.7 (6.55) and 19 (at 4 about 9.4 in the softmax
+#: loop alone, with 2.2 KB of spills), their accumulator single-buffered in tensor memory (double,
+#: with S's two buffers and P̂ for the MMA, it needs 576 of the 512 columns and Triton compiles the
+#: kernel to a trap)
 TMA_LAUNCH = {
     "mx": LoopLaunch(128, 8, 2, shared_memory=TMA_SHARED_MEMORY["mx"],
                      reason="not tuned on a GPU (none here is Blackwell): 8 softmax warps, 2 stages"),

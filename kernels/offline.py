@@ -106,6 +106,85 @@ def sass_mma_loop(kernel, nvdisasm: str, tmp: str, is_loop_op=lambda op: "MMA" i
                         conditional_re=r"\s*(?:/\*[0-9a-f]+\*/\s+)?(?:@|BRA\.U\s+!?UP)", most=most)
 
 
+#: SASS opcodes that mark a partition's role: tcgen05 MMA issue, TMA copies into shared memory
+_SASS_MMA = re.compile(r"^UTC\w*MMA")
+_SASS_TMA = re.compile(r"^(UTMALDG|UBLKCP)")
+
+
+def sass_loops(kernel, nvdisasm: str, tmp: str, min_instructions: int = 10) -> list[collections.Counter]:
+    """The opcode counts of every loop of a compiled kernel's SASS that waits on or arrives at an
+    mbarrier (``SYNCS``) and has at least ``min_instructions`` (a label and a conditional backward
+    branch to it; the shortest such span per label): in a warp-specialized kernel, each partition's
+    key loop. (The retry loops of an mbarrier wait are out of line, those of the tensor-memory
+    allocation and of the register reallocation hold no mbarrier operation.)"""
+    path = os.path.join(tmp, "loops.cubin")
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    lines = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout.splitlines()
+    labels, loops = {}, {}
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\.L_x_\d+):", line.strip())
+        if m:
+            labels[m.group(1)] = i
+        m = re.search(r"BRA(?:\.U)?\s+(?:!?UP\w+,\s*)?`?\(?(\.L_x_\d+)", line)
+        if m and labels.get(m.group(1), i) < i and re.match(r"\s*(?:/\*[0-9a-f]+\*/\s+)?(?:@|BRA\.U\s+!?UP)", line):
+            ops = collections.Counter()
+            for body in lines[labels[m.group(1)]:i + 1]:
+                mm = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", body)
+                if mm:
+                    ops[mm.group(1)] += 1
+            syncs = any(op.startswith("SYNCS") for op in ops)
+            if syncs and sum(ops.values()) >= min_instructions and m.group(1) not in loops:
+                loops[m.group(1)] = ops
+    return list(loops.values())
+
+
+def loop_role(ops: collections.Counter) -> str:
+    """``mma`` (issues tcgen05 MMAs), ``tma`` (issues TMA copies) or ``vector`` (the rest: softmax,
+    row statistics, the accumulator's correction) of one loop's SASS opcodes."""
+    if any(_SASS_MMA.match(op) for op in ops):
+        return "mma"
+    if any(_SASS_TMA.match(op) for op in ops):
+        return "tma"
+    return "vector"
+
+
+def ttgir_partitions(ttgir: str, default_warps: int) -> list[tuple[str, int]]:
+    """(role, warps) of each partition of a warp-specialized loop's TTGIR that runs a key loop, the
+    default partition first: ``mma`` where its loop holds a tcgen05 MMA, ``tma`` where it holds a
+    TMA copy (and no MMA), else ``vector``. Empty if the TTGIR has no ``ttg.warp_specialize``."""
+    heads = [(m.start(), m.group(1)) for m in re.finditer(r"^\s*(default) \{|^\s*partition\d+\(", ttgir, re.M)]
+    parts = []
+    for n, (start, is_default) in enumerate(heads):
+        stop = heads[n + 1][0] if n + 1 < len(heads) else len(ttgir)
+        end = re.compile(r"tt\.warp_specialize\}").search(ttgir, start, stop)  # the end of this partition's key loop
+        body = ttgir[start:end.start() if end else stop]
+        if "scf.for" not in body:  # (a partition with nothing to do in the loop, e.g. an empty default)
+            continue
+        head_end = ttgir.find("\n", start)
+        warps = default_warps if is_default else int(re.search(r"num_warps\((\d+)\)", ttgir[start:head_end]).group(1))
+        role = "mma" if "tc_gen5_mma" in body else "tma" if "async_tma_copy_global_to_local" in body else "vector"
+        parts.append((role, warps))
+    return parts
+
+
+def partition_issue(loops: list[collections.Counter], parts: list[tuple[str, int]]):
+    """Each SASS key loop matched to the partition that runs it, by role (the MMA-issuing loop to
+    the MMA partition, the TMA-issuing one to the load partition, the others to the vector
+    partitions): a list of (role, warps, opcodes), or None where the loops and the partitions do
+    not pair up (different counts per role), or where vector partitions of different sizes leave
+    the pairing open."""
+    by_role = collections.defaultdict(list)
+    for role, warps in parts:
+        by_role[role].append(warps)
+    loop_roles = collections.Counter(loop_role(ops) for ops in loops)
+    if any(loop_roles[r] != len(by_role[r]) for r in set(loop_roles) | set(by_role)):
+        return None
+    if any(len(set(w)) > 1 for w in by_role.values()):
+        return None
+    return [(loop_role(ops), by_role[loop_role(ops)][0], ops) for ops in loops]
+
+
 def ptxas_report(ptx: str, bin_dir: str, tmp: str, arch: int = 90):
     """(registers, spill-store bytes, serialization warnings) as ``ptxas -v`` reports them for
     sm_{arch}a, from the first of Triton's ptxas that takes this PTX version; None if none does.

@@ -5,9 +5,11 @@
 The loop the dispatch picks on that architecture is compiled as it is launched there (its launch
 table, head dim 128, no mask, a Wan-480p launch's sizes) and read back from Triton's IR, the PTX and
 the SASS: the MMA kinds of Q·K and P·V (the first and the last MMA of the main loop in PTX),
-SASS instructions per element of S in the main loop (PTX where no SASS can be had, saying so; of a
-warp-specialized loop, the softmax partition's, the MMAs and loads having partitions of their own),
-ptxas's registers and spills, shared and tensor memory, warp specialization and TMA.
+SASS instructions per element of S in the main loop (PTX where no SASS can be had, saying so), the
+spill loads and stores in it, ptxas's registers and spills, shared and tensor memory, warp
+specialization and TMA. Of a loop that Triton warp-specialized, every partition's key loop counts,
+each by its warps — they issue on the same SM: the softmax, the row statistics, the accumulator's
+correction, the MMA issue, the TMA copies — and the softmax partition's loop is given apart.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from fp4video.reference import TWO_LEVEL_P_RANGE
 
 from .dispatch import mx_kernel_on, nv_scaled_on, scaled_quad_order_on
 from .launch import SHARED_MEMORY_LIMIT, stages_that_fit
-from .offline import WAN_480P_INTS, compile_kernel, loop_opcodes, ptxas_report, sass_mma_loop, tool_path
+from .offline import (WAN_480P_INTS, compile_kernel, loop_opcodes, partition_issue, ptxas_report, sass_loops, sass_mma_loop,
+                      tool_path, ttgir_partitions)
 
 __all__ = ["LoopReport", "loop_report", "TARGETS"]
 
@@ -42,8 +45,11 @@ class LoopReport:
     loop: str  # the loop module's kernel
     qk_mma_kind: str
     pv_mma_kind: str
-    instructions_per_element: float
-    instructions_source: str  # "SASS" or "PTX (no SASS: ...)"
+    instructions_per_element: float  # of a warp-specialized loop: all partitions' loops, weighted by their warps
+    instructions_source: str  # "SASS", "SASS, all partitions' loops", or "PTX (no SASS: ...)"
+    softmax_partition_instructions_per_element: float | None  # a warp-specialized loop's softmax partition alone
+    loop_local_accesses: int | None  # spill loads and stores a key tile issues in the key loops (per thread, summed)
+    partitions: list | None  # a warp-specialized loop's partitions: role, warps, SASS per key tile, local accesses
     registers: int | None
     spill_bytes: int | None
     shared_memory_bytes: int
@@ -126,6 +132,11 @@ def _loop(method: str, arch: int):
             dict(num_warps=LAUNCH.num_warps, num_stages=stages), False)
 
 
+def _local_accesses(ops) -> int:
+    """Local-memory loads and stores (ptxas's spills) among a loop's SASS opcodes."""
+    return sum(n for op, n in ops.items() if op.split(".")[0] in ("LDL", "STL"))
+
+
 def _mma_kind(instruction: str) -> str:
     """``mxf4``, ``mxf4nvf4``, ``f8f6f4``, ``e4m3``, ``bf16``, ... of one PTX MMA instruction."""
     m = re.search(r"kind::(\w+)", instruction)
@@ -172,21 +183,36 @@ def loop_report(method: str, target: str) -> LoopReport:
         ptx_ops, _ = loop_opcodes(kernel.asm["ptx"].splitlines(), r"^(\$L__BB\d+_\d+):",
                                   r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+)", r"^\s*(?:@%?!?\w+\s+)?([a-z][\w.:]*)",
                                   lambda op: op.startswith("ex2"), most=True)
+    ttgir = kernel.asm.get("ttgir", "")
+    softmax, local, parts = None, None, None
     with tempfile.TemporaryDirectory() as tmp:
         try:
             sass_ops, _ = sass_mma_loop(kernel, tool_path("nvdisasm"), tmp,
                                         (lambda op: op.startswith("MUFU.EX2")) if ws else (lambda op: "MMA" in op),
                                         most=ws)
-            count, source = sum(sass_ops.values()), "SASS" + (", the softmax partition's loop" if ws else "")
+            count, source = sum(sass_ops.values()), "SASS"
+            local = _local_accesses(sass_ops)
+            if ws:  # every partition's loop issues on the same SM: their sum, each by its warps, is the work
+                softmax = round(count / per_thread, 2)
+                paired = partition_issue(sass_loops(kernel, tool_path("nvdisasm"), tmp),
+                                         ttgir_partitions(ttgir, options["num_warps"]))
+                if paired is None:  # the loops did not pair up with the partitions: the softmax loop alone, saying so
+                    source = "SASS, the softmax partition's loop (the other partitions' loops not paired)"
+                else:
+                    count = sum(sum(ops.values()) * warps for _, warps, ops in paired) / options["num_warps"]
+                    local = sum(_local_accesses(ops) for _, _, ops in paired)
+                    parts = [dict(role=role, warps=warps, instructions_per_tile=sum(ops.values()),
+                                  local_accesses_per_tile=_local_accesses(ops)) for role, warps, ops in paired]
+                    source = "SASS, all partitions' loops"
         except (SystemExit, OSError, subprocess.CalledProcessError) as e:  # report PTX instead, saying why
             why = str(e) if isinstance(e, SystemExit) else f"nvdisasm failed ({type(e).__name__})"
             count, source = sum(ptx_ops.values()), f"PTX{', the softmax partition' if ws else ''} (no SASS: {why})"
         regs = ptxas_report(kernel.asm["ptx"], tool_path(""), tmp, arch=arch)
-    ttgir = kernel.asm.get("ttgir", "")
     return LoopReport(
         method=method, target=target, loop=name,
         **_qk_pv_kinds(mmas, kernel_mmas, METHODS[method]),
         instructions_per_element=round(count / per_thread, 2), instructions_source=source,
+        softmax_partition_instructions_per_element=softmax, loop_local_accesses=local, partitions=parts,
         registers=None if regs is None else regs[0], spill_bytes=None if regs is None else regs[1],
         shared_memory_bytes=int(kernel.metadata.shared),
         tensor_memory_columns=int(getattr(kernel.metadata, "tmem_size", 0) or 0),
@@ -211,9 +237,15 @@ def main(argv=None) -> int:
         regs = "ptxas took no PTX here" if rep.registers is None else f"{rep.registers} registers, {rep.spill_bytes} B spilled"
         print(f"{rep.method} on {rep.target}: {rep.loop} ({rep.num_warps} warps, {rep.num_stages} stages)\n"
               f"  Q·K MMA {rep.qk_mma_kind}, P·V MMA {rep.pv_mma_kind}; {rep.instructions_per_element} "
-              f"{rep.instructions_source} instructions per element of S; {regs}\n"
+              f"{rep.instructions_source} instructions per element of S; {rep.loop_local_accesses} spill accesses "
+              f"a key tile in the loop; {regs}\n"
               f"  shared memory {rep.shared_memory_bytes} B, tensor memory {rep.tensor_memory_columns} columns, "
               f"warp specialized: {rep.warp_specialized}, TMA: {rep.tma}")
+        for part in rep.partitions or []:
+            print(f"  partition: {part['role']}, {part['warps']} warps, {part['instructions_per_tile']} SASS "
+                  f"instructions and {part['local_accesses_per_tile']} spill accesses a key tile (per thread)")
+        if rep.softmax_partition_instructions_per_element is not None:
+            print(f"  the softmax partition's loop alone: {rep.softmax_partition_instructions_per_element} per element")
     return 0
 
 

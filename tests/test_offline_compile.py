@@ -176,8 +176,9 @@ def test_launch_fits_each_blackwell_architecture(kernel, arch, stages):
 def test_kernel_report_reads_the_compiled_loop(method, target, qk, pv, specialized, tma):
     """`python -m fp4video.kernels.report`: the loop the dispatch picks on the target, compiled for
     it, its MMA kinds read from the PTX, a SASS instruction count of its main loop (of a
-    warp-specialized loop by Triton, its softmax partition's: the MMAs and the TMA copies in
-    partitions of their own), its memory."""
+    warp-specialized loop by Triton, every partition's loop by its warps — the softmax, the row
+    statistics, the correction, the MMAs', the TMA copies' — and the softmax loop's apart), the
+    spill accesses in those loops, its memory."""
     import json
 
     from fp4video.kernels.launch import SHARED_MEMORY_LIMIT
@@ -191,7 +192,56 @@ def test_kernel_report_reads_the_compiled_loop(method, target, qk, pv, specializ
     rep = json.loads(run.stdout.strip().splitlines()[0])
     assert (rep["qk_mma_kind"], rep["pv_mma_kind"], rep["warp_specialized"]) == (qk, pv, specialized), rep
     triton_ws = specialized and target != "sm_90"  # (sm_90's is the Gluon kernel: one warpgroup's loop)
-    assert rep["instructions_source"] == ("SASS, the softmax partition's loop" if triton_ws else "SASS"), rep
+    assert rep["instructions_source"] == ("SASS, all partitions' loops" if triton_ws else "SASS"), rep
     assert 4 < rep["instructions_per_element"] < 60 and rep["tma"] == tma, rep
+    assert rep["loop_local_accesses"] >= 0, rep
+    if triton_ws:  # every partition's key loop counted, each by its warps: more than the softmax loop alone
+        roles = sorted(p["role"] for p in rep["partitions"])
+        assert roles.count("mma") == 1 and roles.count("tma") == 1 and "vector" in roles, rep
+        assert rep["instructions_per_element"] > rep["softmax_partition_instructions_per_element"] > 2, rep
+        assert rep["loop_local_accesses"] == sum(p["local_accesses_per_tile"] for p in rep["partitions"]), rep
+    else:
+        assert rep["partitions"] is None and rep["softmax_partition_instructions_per_element"] is None, rep
     assert 0 < rep["shared_memory_bytes"] <= SHARED_MEMORY_LIMIT[target], rep
     assert (rep["tensor_memory_columns"] > 0) == (target == "sm_100"), rep
+
+
+def test_partition_loops_pair_by_role():
+    """The report's pairing of SASS key loops with a warp-specialized loop's partitions (TTGIR):
+    by role (the MMA-issuing loop, the TMA-issuing loop, the rest), partitions with no key loop left
+    out; no pairing where the counts per role differ or vector partitions differ in size."""
+    import collections
+
+    from fp4video.kernels.offline import loop_role, partition_issue, ttgir_partitions
+
+    ttgir = """
+    ttg.warp_specialize(%a) attributes {requestedRegisters = array<i32: 88, 24>}
+    default {
+      scf.for %i = ... {
+        %x = math.exp2 %y
+      } {tt.warp_specialize}
+    }
+    partition0(%b: i32) num_warps(4) {
+      scf.for %i = ... {
+        ttng.tc_gen5_mma %q, %k
+      } {tt.disallow_acc_multi_buffer, tt.warp_specialize}
+    }
+    partition1(%b: i32) num_warps(2) {
+      scf.for %i = ... {
+        ttng.async_tma_copy_global_to_local %K
+      } {tt.warp_specialize}
+    }
+    partition2(%b: i32) num_warps(4) {
+      ttg.warp_return
+    }
+    """
+    parts = ttgir_partitions(ttgir, 8)
+    assert parts == [("vector", 8), ("mma", 4), ("tma", 2)]
+    softmax = collections.Counter({"MUFU.EX2": 64, "FFMA": 64, "STL.64": 2})
+    mma = collections.Counter({"UTCQMMA": 2, "UIADD3": 30})
+    tma = collections.Counter({"UTMALDG.2D": 2, "UIADD3": 30})
+    assert [loop_role(o) for o in (softmax, mma, tma)] == ["vector", "mma", "tma"]
+    paired = partition_issue([mma, softmax, tma], parts)
+    assert [(r, w) for r, w, _ in paired] == [("mma", 4), ("vector", 8), ("tma", 2)]
+    assert partition_issue([softmax, tma], parts) is None  # the MMA loop missing
+    assert partition_issue([softmax, softmax, mma, tma], parts + [("vector", 4)]) is None  # 8 and 4 warps: open
