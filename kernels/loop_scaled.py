@@ -145,14 +145,21 @@ def _mx_p(qk, scale_log2, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: 
 @triton.jit
 def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr,
           FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr, QB: tl.constexpr, HW_E2M1: tl.constexpr,
-          QUAD: tl.constexpr = False):
+          QUAD: tl.constexpr = False, AMAX_FROM_P: tl.constexpr = False):
     """NVFP4 P of one tile of raw logits ``qk`` (masked keys -inf; the logit in log2 units is
     qk · scale_log2), blocks of QB consecutive keys: (packed codes, E4M3 scale bytes, m_new, r_new, l_new,
     acc_scale), with :func:`.loop_nvfp4.nv_quantize_p`'s arithmetic step for step (its lane layout
     aside): P̂ is in units of r_new, the accumulator is rescaled by acc_scale. QUAD (QB = 16): the
     columns in :func:`.key_order.quad_key_order` (column 8j + 2t + e of each 32 holds key 8t + 2j + e,
     so a block of 16 keys is the columns of one t // 2, and a lane holds half a block); the codes
-    come out in that order too."""
+    come out in that order too. AMAX_FROM_P (the warp-specialized loop): each block's largest P̃
+    taken as the largest of its elements, as the reference takes it, rather than as the exp2 of its
+    largest logit — the same value wherever exp2 is monotonic (the FMA is) — since a (BLOCK_M, NB)
+    exp2 of its own drew the tile's
+    logits into the default partition of Triton's warp-specialized loop (offline, sm_100:
+    ``sage3`` 15.4 SASS instructions per element over the partitions and 163 spill accesses a key
+    tile, against 11.4 and 4); without warp specialization the reduction costs more than the exp2
+    (sm_120 ``sage3``: 16.2 against 14.4)."""
     BLOCK_M: tl.constexpr = qk.shape[0]
     BLOCK_N: tl.constexpr = qk.shape[1]
     NB: tl.constexpr = BLOCK_N // QB
@@ -166,11 +173,17 @@ def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.co
     tile_max = tl.max(bmax, axis=1)
     m_new = tl.maximum(m_i, tile_max * scale_log2)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    amax = tl.exp2(tl.fma(bmax, scale_log2, -m_safe[:, None]))
     if QUAD:
         p = tl.exp2(tl.fma(s3, scale_log2, -m_safe[:, None, None, None, None, None]))
     else:
         p = tl.exp2(tl.fma(s3, scale_log2, -m_safe[:, None, None]))
+    if AMAX_FROM_P:  # the block maxima of P̃ as the largest of its elements, no exp2 of their own
+        if QUAD:
+            amax = tl.reshape(tl.max(tl.max(tl.max(p, axis=5), axis=4), axis=2), (BLOCK_M, NB))
+        else:
+            amax = tl.max(p, axis=2)
+    else:  # the exp2 of the block's largest logit: one exp2 a block, no reduction of P̃
+        amax = tl.exp2(tl.fma(bmax, scale_log2, -m_safe[:, None]))
     if TWO_LEVEL:
         inv_s1, r_new, acc_ratio = two_level_factors(tl.exp2(tl.fma(tile_max, scale_log2, -m_safe)), r_i, P_RANGE,
                                                      FAST_RCP)
@@ -236,7 +249,7 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
                  PNQ: tl.constexpr, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, FAST_RCP: tl.constexpr,
                  HW_E4M3: tl.constexpr, D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, QB: tl.constexpr, HW_E2M1: tl.constexpr, TMA: tl.constexpr, k_row, v_row,
-                 P_E4M3: tl.constexpr, QUAD: tl.constexpr):
+                 P_E4M3: tl.constexpr, QUAD: tl.constexpr, WS: tl.constexpr = False):
     """One key tile: returns the updated (m, r, k, l, acc); m in log2 units, acc in units of r (the
     two-level row factor; 1 otherwise) and, P_E4M3, of 2^k (P̂ and V̂ᵀ in E4M3: ``V_base`` V̂ᵀ's
     e4m3 rows, keys in order, padded to whole tiles; TMA: a tensor descriptor of them). NV: the scale bytes follow the codes in each row of K̂
@@ -280,7 +293,7 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
     else:
         if NV:
             p4, p_sc, m_new, r_i, l_i, acc_scale = _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ,
-                                                         FAST_RCP, HW_E4M3, QB, HW_E2M1, QUAD)
+                                                         FAST_RCP, HW_E4M3, QB, HW_E2M1, QUAD, WS)
             p_sc = p_sc.to(tl.float8e4nv, bitcast=True)
         else:
             p4, p_sc, m_new, l_i, acc_scale = _mx_p(qk, scale_log2, m_i, l_i, OCP, QMAX, PNQ, QB, HW_E2M1)
@@ -359,7 +372,7 @@ def _scaled_attn_fwd(
             m_i, r_i, k_i, l_i, acc = _scaled_tile(
                 q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks, svd, svsd,
                 sms, scale_log2, HAS_MASK, False, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D,
-                BLOCK_DV, BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3, QUAD)
+                BLOCK_DV, BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3, QUAD, WS)
     else:
         for start in range(0, n_full, BLOCK_N):
             m_i, r_i, k_i, l_i, acc = _scaled_tile(
@@ -413,15 +426,16 @@ LAUNCH = LoopLaunch(128, 8, 2, shared_memory=SHARED_MEMORY, reason="not tuned: n
 #: 128, masked): the most shared memory any method of the format takes (MXFP4: every method alike,
 #: NVFP4: ``sage3-hpnq``; the partitions' exchange buffers grow with what the softmax hands on)
 TMA_SHARED_MEMORY = {"mx": {"sm_100": {1: 31576, 2: 47960, 3: 64392}},
-                     "nv": {"sm_100": {1: 171512, 2: 188936, 3: 207416}},
+                     "nv": {"sm_100": {1: 100776, 2: 118200, 3: 136696}},
                      "pv8": {"sm_100": {1: 103768, 2: 128360, 3: 154008}}}  # FP8 P·V: the larger of the two methods
 #: Per format, offline (Triton 3.9): 8 softmax warps. SASS instructions per element of S over all the
 #: partitions' loops (``python -m fp4video.kernels.report``), the softmax partition's apart, and the
 #: loops' spill accesses a key tile: MXFP4 ``mxattn`` 10.6 (7.2) and 1, ``mxfp4-ocp`` 9.0 (5.6) and 10,
 #: the block maxima's exp2 in pieces (:func:`_exp2_in_pieces`; as one op: 13.9 (6.25) and 141, the
 #: logits handed from a 24-register default partition to the softmax through shared memory); NVFP4
-#: still so: ``sage3`` 15.4 (6.5) and 163 (at 4 softmax warps its two-level P state spills in the
-#: softmax loop as well); the FP8-P·V methods 9.5–9.7 (6.55) and 19 (at 4 about 9.4 in the softmax
+#: ``nvfp4`` 10.5 (7.3) and 4, ``sage3`` 11.4 (7.75) and 4, ``sage3-hpnq`` 14.7 (7.4) and 1, the block
+#: maxima from P̃'s elements (:func:`_nv_p`'s AMAX_FROM_P; before: 14.6, 15.4, 18.8 and 157–193; at 4
+#: softmax warps the two-level P state spills); the FP8-P·V methods 9.5–9.7 (6.55) and 19 (at 4 about 9.4 in the softmax
 #: loop alone, with 2.2 KB of spills), their accumulator single-buffered in tensor memory (double,
 #: with S's two buffers and P̂ for the MMA, it needs 576 of the 512 columns and Triton compiles the
 #: kernel to a trap)
