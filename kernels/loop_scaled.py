@@ -80,8 +80,12 @@ def _codes_in_key_order(p4):
 
 
 @triton.jit
-def _block_sums(pairs, NB: tl.constexpr):
-    """Per-block sums (BLOCK_M, NB) fp32 of :func:`_packed_p`'s pair sums (exact: at most 192 half-units)."""
+def _block_sums(pairs, NB: tl.constexpr, F16: tl.constexpr = False):
+    """Per-block sums (BLOCK_M, NB) fp32 of :func:`_packed_p`'s pair sums (exact: at most 192 half-units;
+    F16: added in fp16, exact as well, and converted once a block)."""
+    if F16:
+        return tl.sum(tl.reshape(pairs, (pairs.shape[0], NB, pairs.shape[1] // NB)), axis=2,
+                      dtype=tl.float16).to(tl.float32)
     return tl.sum(tl.reshape(pairs.to(tl.float32), (pairs.shape[0], NB, pairs.shape[1] // NB)), axis=2)
 
 
@@ -99,7 +103,7 @@ def _exp2_in_pieces(x):
     BLOCK_M · NB > 256 elements it drew the tile's logits into the default partition, which,
     given 24 registers, spilled them and handed them to the softmax through shared memory
     (offline, sm_100, ``mxattn``: 13.9 SASS instructions per element over the partitions and 141
-    spill accesses a key tile, against 10.6 and 1)."""
+    spill accesses a key tile, against 10.6 and 1 with the exp2 in pieces)."""
     if x.shape[0] * x.shape[1] <= _WS_SMALL or x.shape[1] == 1:
         return tl.exp2(x)
     a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))  # the even and the odd columns
@@ -114,14 +118,17 @@ def _exp2_in_pieces(x):
 
 @triton.jit
 def _mx_p(qk, scale_log2, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr, QB: tl.constexpr,
-          HW_E2M1: tl.constexpr):
+          HW_E2M1: tl.constexpr, WS: tl.constexpr = False):
     """MXFP4 P of one tile of raw logits ``qk`` (masked keys -inf; the logit in log2 units is
     qk · scale_log2, scale_log2 > 0): (packed codes, E8M0 scale bytes, m_new, l_new, alpha). The
     block maxima are the rounded products (the maxima of the rounded logits: rounding is monotonic),
     so the block holding the row maximum gets exactly exp2(0) = 1. Each element is computed in
     units of its block scale, exp2(qk · scale_log2 - (m + e)), its exponent one FMA (a fused product
     and subtraction, rounded once): P̃ / 2^e to the rounding of exp2's argument, as P̃ itself is
-    (offline, sm_120: one multiply per element fewer than P̃ · 2^-e)."""
+    (offline, sm_120: one multiply per element fewer than P̃ · 2^-e). WS (the warp-specialized loop):
+    PNQ's block sums added in fp16 (exact: at most 192 half-units), converted once a block (offline,
+    sm_100 ``mxattn`` 10.6 → 10.4 instructions per element over the partitions; sm_120's loop, which
+    it lengthens, keeps fp32)."""
     BLOCK_M: tl.constexpr = qk.shape[0]
     BLOCK_N: tl.constexpr = qk.shape[1]
     NB: tl.constexpr = BLOCK_N // QB
@@ -136,7 +143,7 @@ def _mx_p(qk, scale_log2, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: 
     packed, pairs = _packed_p(tl.reshape(x3, (BLOCK_M, BLOCK_N)), HW_E2M1)
     alpha = tl.exp2(m_i - m_safe)
     if PNQ:
-        l_new = tl.fma(alpha, l_i, tl.sum(_block_sums(pairs, NB) * pow2(e_blk), axis=1))
+        l_new = tl.fma(alpha, l_i, tl.sum(_block_sums(pairs, NB, WS) * pow2(e_blk), axis=1))
     else:
         l_new = tl.fma(alpha, l_i, tl.sum(tl.sum(x3, axis=2) * pow2(e_blk), axis=1))
     return packed, (e_blk + 127).to(tl.uint8), m_new, l_new, alpha
@@ -145,21 +152,22 @@ def _mx_p(qk, scale_log2, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: 
 @triton.jit
 def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr,
           FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr, QB: tl.constexpr, HW_E2M1: tl.constexpr,
-          QUAD: tl.constexpr = False, AMAX_FROM_P: tl.constexpr = False):
+          QUAD: tl.constexpr = False, WS: tl.constexpr = False):
     """NVFP4 P of one tile of raw logits ``qk`` (masked keys -inf; the logit in log2 units is
     qk · scale_log2), blocks of QB consecutive keys: (packed codes, E4M3 scale bytes, m_new, r_new, l_new,
     acc_scale), with :func:`.loop_nvfp4.nv_quantize_p`'s arithmetic step for step (its lane layout
     aside): P̂ is in units of r_new, the accumulator is rescaled by acc_scale. QUAD (QB = 16): the
     columns in :func:`.key_order.quad_key_order` (column 8j + 2t + e of each 32 holds key 8t + 2j + e,
     so a block of 16 keys is the columns of one t // 2, and a lane holds half a block); the codes
-    come out in that order too. AMAX_FROM_P (the warp-specialized loop): each block's largest P̃
+    come out in that order too. WS (the warp-specialized loop): each block's largest P̃
     taken as the largest of its elements, as the reference takes it, rather than as the exp2 of its
     largest logit — the same value wherever exp2 is monotonic (the FMA is) — since a (BLOCK_M, NB)
     exp2 of its own drew the tile's
     logits into the default partition of Triton's warp-specialized loop (offline, sm_100:
     ``sage3`` 15.4 SASS instructions per element over the partitions and 163 spill accesses a key
     tile, against 11.4 and 4); without warp specialization the reduction costs more than the exp2
-    (sm_120 ``sage3``: 16.2 against 14.4)."""
+    (sm_120 ``sage3``: 16.2 against 14.4); and PNQ's block sums added in fp16 (exact: at most 96
+    half-units), converted once a block (sm_100 ``sage3-hpnq`` 14.7 → 14.4)."""
     BLOCK_M: tl.constexpr = qk.shape[0]
     BLOCK_N: tl.constexpr = qk.shape[1]
     NB: tl.constexpr = BLOCK_N // QB
@@ -177,7 +185,7 @@ def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.co
         p = tl.exp2(tl.fma(s3, scale_log2, -m_safe[:, None, None, None, None, None]))
     else:
         p = tl.exp2(tl.fma(s3, scale_log2, -m_safe[:, None, None]))
-    if AMAX_FROM_P:  # the block maxima of P̃ as the largest of its elements, no exp2 of their own
+    if WS:  # the block maxima of P̃ as the largest of its elements, no exp2 of their own
         if QUAD:
             amax = tl.reshape(tl.max(tl.max(tl.max(p, axis=5), axis=4), axis=2), (BLOCK_M, NB))
         else:
@@ -208,7 +216,7 @@ def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.co
         lane = lane * tl.reshape(scale, (BLOCK_M, BLOCK_N // 32, 2))[:, :, :, None]
         part = tl.sum(tl.sum(tl.sum(lane, axis=1), axis=1), axis=1) * r_new
     elif PNQ:  # the row sum of P̂ = q · scale · r_new
-        part = tl.sum(_block_sums(pairs, NB) * scale, axis=1) * r_new
+        part = tl.sum(_block_sums(pairs, NB, WS) * scale, axis=1) * r_new
     else:  # the row at once (offline, sm_120: across the lanes once a row, not once a block: 0.9 instructions
         # per element fewer)
         part = tl.sum(tl.reshape(p, (BLOCK_M, BLOCK_N)), axis=1)
@@ -296,7 +304,7 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
                                                          FAST_RCP, HW_E4M3, QB, HW_E2M1, QUAD, WS)
             p_sc = p_sc.to(tl.float8e4nv, bitcast=True)
         else:
-            p4, p_sc, m_new, l_i, acc_scale = _mx_p(qk, scale_log2, m_i, l_i, OCP, QMAX, PNQ, QB, HW_E2M1)
+            p4, p_sc, m_new, l_i, acc_scale = _mx_p(qk, scale_log2, m_i, l_i, OCP, QMAX, PNQ, QB, HW_E2M1, WS)
         if QUAD:
             p4 = _codes_in_key_order(p4)
         half_n = start // 2 + tl.arange(0, BLOCK_N // 2)
@@ -430,11 +438,11 @@ TMA_SHARED_MEMORY = {"mx": {"sm_100": {1: 31576, 2: 47960, 3: 64392}},
                      "pv8": {"sm_100": {1: 103768, 2: 128360, 3: 154008}}}  # FP8 P·V: the larger of the two methods
 #: Per format, offline (Triton 3.9): 8 softmax warps. SASS instructions per element of S over all the
 #: partitions' loops (``python -m fp4video.kernels.report``), the softmax partition's apart, and the
-#: loops' spill accesses a key tile: MXFP4 ``mxattn`` 10.6 (7.2) and 1, ``mxfp4-ocp`` 9.0 (5.6) and 10,
+#: loops' spill accesses a key tile: MXFP4 ``mxattn`` 10.4 (7.0) and 1, ``mxfp4-ocp`` 9.0 (5.6) and 10,
 #: the block maxima's exp2 in pieces (:func:`_exp2_in_pieces`; as one op: 13.9 (6.25) and 141, the
 #: logits handed from a 24-register default partition to the softmax through shared memory); NVFP4
-#: ``nvfp4`` 10.5 (7.3) and 4, ``sage3`` 11.4 (7.75) and 4, ``sage3-hpnq`` 14.7 (7.4) and 1, the block
-#: maxima from P̃'s elements (:func:`_nv_p`'s AMAX_FROM_P; before: 14.6, 15.4, 18.8 and 157–193; at 4
+#: ``nvfp4`` 10.5 (7.3) and 4, ``sage3`` 11.4 (7.75) and 4, ``sage3-hpnq`` 14.4 (7.4) and 1, the block
+#: maxima from P̃'s elements (:func:`_nv_p`'s WS form; before: 14.6, 15.4, 18.8 and 157–193; at 4
 #: softmax warps the two-level P state spills); the FP8-P·V methods 9.5–9.7 (6.55) and 19 (at 4 about 9.4 in the softmax
 #: loop alone, with 2.2 KB of spills), their accumulator single-buffered in tensor memory (double,
 #: with S's two buffers and P̂ for the MMA, it needs 576 of the 512 columns and Triton compiles the
