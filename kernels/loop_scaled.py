@@ -81,8 +81,8 @@ def _codes_in_key_order(p4):
 
 @triton.jit
 def _block_sums(pairs, NB: tl.constexpr, F16: tl.constexpr = False):
-    """Per-block sums (BLOCK_M, NB) fp32 of :func:`_packed_p`'s pair sums (exact: at most 192 half-units;
-    F16: added in fp16, exact as well, and converted once a block)."""
+    """Per-block sums (BLOCK_M, NB) fp32 of :func:`_packed_p`'s pair sums (exact: at most 6 a key, in
+    halves: 192 for a block of 32; F16: added in fp16, exact as well, and converted once a block)."""
     if F16:
         return tl.sum(tl.reshape(pairs, (pairs.shape[0], NB, pairs.shape[1] // NB)), axis=2,
                       dtype=tl.float16).to(tl.float32)
@@ -126,7 +126,7 @@ def _mx_p(qk, scale_log2, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: 
     units of its block scale, exp2(qk · scale_log2 - (m + e)), its exponent one FMA (a fused product
     and subtraction, rounded once): P̃ / 2^e to the rounding of exp2's argument, as P̃ itself is
     (offline, sm_120: one multiply per element fewer than P̃ · 2^-e). WS (the warp-specialized loop):
-    PNQ's block sums added in fp16 (exact: at most 192 half-units), converted once a block (offline,
+    PNQ's block sums added in fp16 (exact: at most 192, in halves), converted once a block (offline,
     sm_100 ``mxattn`` 10.6 → 10.4 instructions per element over the partitions; sm_120's loop, which
     it lengthens, keeps fp32)."""
     BLOCK_M: tl.constexpr = qk.shape[0]
@@ -162,12 +162,12 @@ def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.co
     come out in that order too. WS (the warp-specialized loop): each block's largest P̃
     taken as the largest of its elements, as the reference takes it, rather than as the exp2 of its
     largest logit — the same value wherever exp2 is monotonic (the FMA is) — since a (BLOCK_M, NB)
-    exp2 of its own drew the tile's
-    logits into the default partition of Triton's warp-specialized loop (offline, sm_100:
+    exp2 of its own drew the tile's logits into the default partition of Triton's warp-specialized
+    loop (offline, sm_100:
     ``sage3`` 15.4 SASS instructions per element over the partitions and 163 spill accesses a key
     tile, against 11.4 and 4); without warp specialization the reduction costs more than the exp2
-    (sm_120 ``sage3``: 16.2 against 14.4); and PNQ's block sums added in fp16 (exact: at most 96
-    half-units), converted once a block (sm_100 ``sage3-hpnq`` 14.7 → 14.4)."""
+    (sm_120 ``sage3``: 16.2 against 14.4); and PNQ's block sums added in fp16 (exact: at most 96,
+    in halves), converted once a block (sm_100 ``sage3-hpnq`` 14.7 → 14.4)."""
     BLOCK_M: tl.constexpr = qk.shape[0]
     BLOCK_N: tl.constexpr = qk.shape[1]
     NB: tl.constexpr = BLOCK_N // QB
@@ -443,8 +443,8 @@ TMA_SHARED_MEMORY = {"mx": {"sm_100": {1: 31576, 2: 47960, 3: 64392}},
 #: logits handed from a 24-register default partition to the softmax through shared memory); NVFP4
 #: ``nvfp4`` 10.5 (7.3) and 4, ``sage3`` 11.4 (7.75) and 4, ``sage3-hpnq`` 14.4 (7.4) and 1, the block
 #: maxima from P̃'s elements (:func:`_nv_p`'s WS form; before: 14.6, 15.4, 18.8 and 157–193; at 4
-#: softmax warps the two-level P state spills); the FP8-P·V methods 9.5–9.7 (6.55) and 19 (at 4 about 9.4 in the softmax
-#: loop alone, with 2.2 KB of spills), their accumulator single-buffered in tensor memory (double,
+#: softmax warps the two-level P state spills); the FP8-P·V methods 9.5–9.7 (6.55) and 19 (at 4 about
+#: 9.4 in the softmax loop alone, with 2.2 KB of spills), their accumulator single-buffered in tensor memory (double,
 #: with S's two buffers and P̂ for the MMA, it needs 576 of the 512 columns and Triton compiles the
 #: kernel to a trap)
 TMA_LAUNCH = {

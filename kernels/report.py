@@ -28,8 +28,8 @@ from fp4video.reference import TWO_LEVEL_P_RANGE
 
 from .dispatch import mx_kernel_on, nv_scaled_on, scaled_quad_order_on
 from .launch import SHARED_MEMORY_LIMIT, stages_that_fit
-from .offline import (WAN_480P_INTS, compile_kernel, loop_opcodes, partition_issue, ptxas_report, sass_loops, sass_mma_loop,
-                      tool_path, ttgir_partitions)
+from .offline import (WAN_480P_INTS, compile_kernel, loop_opcodes, partition_issue, ptxas_report, sass_loops,
+                      sass_mma_loop, tool_path, ttgir_partitions)
 
 __all__ = ["LoopReport", "loop_report", "TARGETS"]
 
