@@ -236,9 +236,9 @@ def main(argv=None) -> int:
             continue
         regs = "ptxas took no PTX here" if rep.registers is None else f"{rep.registers} registers, {rep.spill_bytes} B spilled"
         print(f"{rep.method} on {rep.target}: {rep.loop} ({rep.num_warps} warps, {rep.num_stages} stages)\n"
-              f"  Q·K MMA {rep.qk_mma_kind}, P·V MMA {rep.pv_mma_kind}; {rep.instructions_per_element} "
-              f"{rep.instructions_source} instructions per element of S; {rep.loop_local_accesses} spill accesses "
-              f"a key tile in the loop; {regs}\n"
+              f"  Q·K MMA {rep.qk_mma_kind}, P·V MMA {rep.pv_mma_kind}; {rep.instructions_per_element} instructions "
+              f"per element of S ({rep.instructions_source}); {rep.loop_local_accesses} spill accesses a key tile in "
+              f"the loop; {regs}\n"
               f"  shared memory {rep.shared_memory_bytes} B, tensor memory {rep.tensor_memory_columns} columns, "
               f"warp specialized: {rep.warp_specialized}, TMA: {rep.tma}")
         for part in rep.partitions or []:
