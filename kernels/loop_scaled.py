@@ -97,23 +97,17 @@ _WS_SMALL = tl.constexpr(256)
 
 @triton.jit
 def _exp2_in_pieces(x):
-    """``tl.exp2`` of a per-block tensor (BLOCK_M, NB), NB ≤ 8, computed in pieces of at most
-    :data:`_WS_SMALL` elements (pairs of columns at BLOCK_M = 128; the same values). Each block
-    maximum's exp2 then stays with the softmax in Triton's warp-specialized loop: as one op of
-    BLOCK_M · NB > 256 elements it drew the tile's logits into the default partition, which,
-    given 24 registers, spilled them and handed them to the softmax through shared memory
-    (offline, sm_100, ``mxattn``: 13.9 SASS instructions per element over the partitions and 141
-    spill accesses a key tile, against 10.6 and 1 with the exp2 in pieces)."""
+    """``tl.exp2`` of a per-block tensor (BLOCK_M, NB), its even and odd columns apart where it has
+    more than :data:`_WS_SMALL` elements (MXFP4 at BLOCK_M = 128: two pieces of 128 × 2; the same
+    values). Each block maximum's exp2 then stays with the softmax in Triton's warp-specialized
+    loop: as one op of BLOCK_M · NB > 256 elements it drew the tile's logits into the default
+    partition, which, given 24 registers, spilled them and handed them to the softmax through
+    shared memory (offline, sm_100, ``mxattn``: 13.9 SASS instructions per element over the
+    partitions and 141 spill accesses a key tile, against 10.6 and 1 with the exp2 in pieces)."""
     if x.shape[0] * x.shape[1] <= _WS_SMALL or x.shape[1] == 1:
         return tl.exp2(x)
     a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))  # the even and the odd columns
-    if x.shape[0] * x.shape[1] // 2 <= _WS_SMALL or x.shape[1] == 2:
-        return tl.reshape(tl.join(tl.exp2(a), tl.exp2(b)), x.shape)
-    a0, a1 = tl.split(tl.reshape(a, (a.shape[0], a.shape[1] // 2, 2)))
-    b0, b1 = tl.split(tl.reshape(b, (b.shape[0], b.shape[1] // 2, 2)))
-    a = tl.reshape(tl.join(tl.exp2(a0), tl.exp2(a1)), a.shape)
-    b = tl.reshape(tl.join(tl.exp2(b0), tl.exp2(b1)), b.shape)
-    return tl.reshape(tl.join(a, b), x.shape)
+    return tl.reshape(tl.join(tl.exp2(a), tl.exp2(b)), x.shape)
 
 
 @triton.jit

@@ -60,6 +60,25 @@ def compile_kernel(fn, consts: dict, ptr: dict, ints: dict, *, arch: int = 90, f
                           options=options)
 
 
+def _loops(lines, label_re, branch_re, op_re, conditional_re):
+    """Every loop of an assembly listing, as (start line, end line, opcode counts): a label and a
+    conditional backward branch to it (an unconditional one jumps back from out-of-line code, e.g.
+    an mbarrier wait's retry, into the middle of the kernel), one per latch."""
+    labels = {}
+    for i, line in enumerate(lines):
+        m = re.match(label_re, line.strip())
+        if m:
+            labels[m.group(1)] = i
+        m = re.search(branch_re, line)
+        if m and labels.get(m.group(1), i) < i and re.match(conditional_re, line):
+            ops = collections.Counter()
+            for body_line in lines[labels[m.group(1)]:i + 1]:
+                mm = re.match(op_re, body_line)
+                if mm:
+                    ops[mm.group(1)] += 1
+            yield labels[m.group(1)], i + 1, ops
+
+
 def loop_opcodes(lines, label_re, branch_re, op_re, is_mma, conditional_re=r"\s*(?:/\*[0-9a-f]+\*/\s+)?@",
                  most: bool = False):
     """Opcode counts and lines of the innermost loop (label ... backward branch to it, the shortest
@@ -67,43 +86,43 @@ def loop_opcodes(lines, label_re, branch_re, op_re, is_mma, conditional_re=r"\s*
     one warpgroup's (the partitions' loops are alike). ``most``: instead the loop with the most
     opcodes ``is_mma`` accepts (a warp-specialized kernel's softmax loop, by its exp2s: its
     correction partition also has a few)."""
-    labels, best, body, best_hits = {}, None, [], 0
-    for i, line in enumerate(lines):
-        m = re.match(label_re, line.strip())
-        if m:
-            labels[m.group(1)] = i
-        m = re.search(branch_re, line)
-        # a loop's latch is a conditional backward branch (an unconditional one jumps back from
-        # out-of-line code, e.g. an mbarrier wait's retry, into the middle of the kernel)
-        if m and labels.get(m.group(1), i) < i and re.match(conditional_re, line):
-            ops = collections.Counter()
-            for body_line in lines[labels[m.group(1)]:i + 1]:
-                mm = re.match(op_re, body_line)
-                if mm:
-                    ops[mm.group(1)] += 1
-            span = i + 1 - labels[m.group(1)]
-            hits = sum(n for op, n in ops.items() if is_mma(op))
-            if hits and (best is None or (hits > best_hits or (hits == best_hits and span < len(body)) if most
-                                          else span < len(body))):
-                best, body, best_hits = ops, lines[labels[m.group(1)]:i + 1], hits
+    best, body, best_hits = None, [], 0
+    for start, end, ops in _loops(lines, label_re, branch_re, op_re, conditional_re):
+        span = end - start
+        hits = sum(n for op, n in ops.items() if is_mma(op))
+        if hits and (best is None or (hits > best_hits or (hits == best_hits and span < len(body)) if most
+                                      else span < len(body))):
+            best, body, best_hits = ops, lines[start:end], hits
     if best is None:
         raise SystemExit("error: no loop with the opcodes asked for (by default MMAs) found")
     return best, body
 
 
-def sass_mma_loop(kernel, nvdisasm: str, tmp: str, is_loop_op=lambda op: "MMA" in op, most: bool = False):
-    """:func:`loop_opcodes` of a compiled kernel's SASS (disassembled by ``nvdisasm``): the
-    innermost loop issuing MMAs (Hopper's warpgroup MMAs, Blackwell's tcgen05 / mma.sync ones), or
-    the innermost one with an opcode ``is_loop_op`` accepts (a warp-specialized kernel's softmax
-    loop: ``MUFU``)."""
+#: how a SASS listing (nvdisasm -c) spells a label, a branch, an opcode and a loop's latch: a
+#: predicated branch (@P0 BRA), or Blackwell's uniform one (BRA.U UP0, target)
+_SASS_SYNTAX = dict(label_re=r"^(\.L_x_\d+):", branch_re=r"BRA(?:\.U)?\s+(?:!?UP\w+,\s*)?`?\(?(\.L_x_\d+)",
+                    op_re=r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)",
+                    conditional_re=r"\s*(?:/\*[0-9a-f]+\*/\s+)?(?:@|BRA\.U\s+!?UP)")
+
+
+def sass_lines(kernel, nvdisasm: str, tmp: str) -> list[str]:
+    """A compiled kernel's SASS, disassembled by ``nvdisasm``, line by line."""
     path = os.path.join(tmp, "loop.cubin")
     with open(path, "wb") as f:
         f.write(kernel.asm["cubin"])
-    sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
-    # a latch: a predicated branch (@P0 BRA), or Blackwell's uniform one (BRA.U UP0, target)
-    return loop_opcodes(sass.splitlines(), r"^(\.L_x_\d+):", r"BRA(?:\.U)?\s+(?:!?UP\w+,\s*)?`?\(?(\.L_x_\d+)",
-                        r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", is_loop_op,
-                        conditional_re=r"\s*(?:/\*[0-9a-f]+\*/\s+)?(?:@|BRA\.U\s+!?UP)", most=most)
+    return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+def sass_mma_loop(kernel, nvdisasm: str, tmp: str, is_loop_op=lambda op: "MMA" in op, most: bool = False,
+                  lines: list[str] | None = None):
+    """:func:`loop_opcodes` of a compiled kernel's SASS (disassembled by ``nvdisasm``, unless its
+    :func:`sass_lines` are given): the innermost loop issuing MMAs (Hopper's warpgroup MMAs,
+    Blackwell's tcgen05 / mma.sync ones), or the innermost one with an opcode ``is_loop_op`` accepts
+    (a warp-specialized kernel's softmax loop: ``MUFU``)."""
+    s = _SASS_SYNTAX
+    lines = sass_lines(kernel, nvdisasm, tmp) if lines is None else lines
+    return loop_opcodes(lines, s["label_re"], s["branch_re"], s["op_re"], is_loop_op,
+                        conditional_re=s["conditional_re"], most=most)
 
 
 #: SASS opcodes that mark a partition's role: tcgen05 MMA issue, TMA copies into shared memory
@@ -111,31 +130,16 @@ _SASS_MMA = re.compile(r"^UTC\w*MMA")
 _SASS_TMA = re.compile(r"^(UTMALDG|UBLKCP)")
 
 
-def sass_loops(kernel, nvdisasm: str, tmp: str, min_instructions: int = 10) -> list[collections.Counter]:
-    """The opcode counts of every loop of a compiled kernel's SASS that waits on or arrives at an
-    mbarrier (``SYNCS``) and has at least ``min_instructions`` (a label and a conditional backward
-    branch to it; the shortest such span per label): in a warp-specialized kernel, each partition's
-    key loop. (The retry loops of an mbarrier wait are out of line, those of the tensor-memory
-    allocation and of the register reallocation hold no mbarrier operation.)"""
-    path = os.path.join(tmp, "loops.cubin")
-    with open(path, "wb") as f:
-        f.write(kernel.asm["cubin"])
-    lines = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout.splitlines()
-    labels, loops = {}, {}
-    for i, line in enumerate(lines):
-        m = re.match(r"^(\.L_x_\d+):", line.strip())
-        if m:
-            labels[m.group(1)] = i
-        m = re.search(r"BRA(?:\.U)?\s+(?:!?UP\w+,\s*)?`?\(?(\.L_x_\d+)", line)
-        if m and labels.get(m.group(1), i) < i and re.match(r"\s*(?:/\*[0-9a-f]+\*/\s+)?(?:@|BRA\.U\s+!?UP)", line):
-            ops = collections.Counter()
-            for body in lines[labels[m.group(1)]:i + 1]:
-                mm = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", body)
-                if mm:
-                    ops[mm.group(1)] += 1
-            syncs = any(op.startswith("SYNCS") for op in ops)
-            if syncs and sum(ops.values()) >= min_instructions and m.group(1) not in loops:
-                loops[m.group(1)] = ops
+def sass_loops(lines: list[str], min_instructions: int = 10) -> list[collections.Counter]:
+    """The opcode counts of every loop of a kernel's SASS (:func:`sass_lines`; :func:`_loops`, per
+    label its shortest span) that waits on or arrives at an mbarrier (``SYNCS``) and has at least
+    ``min_instructions``: in a warp-specialized kernel, each partition's key loop. (The retry loops of an mbarrier wait are
+    out of line, those of the tensor-memory allocation and of the register reallocation hold no
+    mbarrier operation.)"""
+    loops = {}
+    for start, _, ops in _loops(lines, **_SASS_SYNTAX):
+        if any(op.startswith("SYNCS") for op in ops) and sum(ops.values()) >= min_instructions:
+            loops.setdefault(start, ops)  # a label's first latch: its shortest span
     return list(loops.values())
 
 

@@ -28,8 +28,8 @@ from fp4video.reference import TWO_LEVEL_P_RANGE
 
 from .dispatch import mx_kernel_on, nv_scaled_on, scaled_quad_order_on
 from .launch import SHARED_MEMORY_LIMIT, stages_that_fit
-from .offline import (WAN_480P_INTS, compile_kernel, loop_opcodes, partition_issue, ptxas_report, sass_loops,
-                      sass_mma_loop, tool_path, ttgir_partitions)
+from .offline import (WAN_480P_INTS, compile_kernel, loop_opcodes, partition_issue, ptxas_report, sass_lines,
+                      sass_loops, sass_mma_loop, tool_path, ttgir_partitions)
 
 __all__ = ["LoopReport", "loop_report", "TARGETS"]
 
@@ -187,14 +187,15 @@ def loop_report(method: str, target: str) -> LoopReport:
     softmax, local, parts = None, None, None
     with tempfile.TemporaryDirectory() as tmp:
         try:
+            lines = sass_lines(kernel, tool_path("nvdisasm"), tmp)
             sass_ops, _ = sass_mma_loop(kernel, tool_path("nvdisasm"), tmp,
                                         (lambda op: op.startswith("MUFU.EX2")) if ws else (lambda op: "MMA" in op),
-                                        most=ws)
+                                        most=ws, lines=lines)
             count, source = sum(sass_ops.values()), "SASS"
             local = _local_accesses(sass_ops)
             if ws:  # every partition's loop issues on the same SM: their sum, each by its warps, is the work
                 softmax = round(count / per_thread, 2)
-                paired = partition_issue(sass_loops(kernel, tool_path("nvdisasm"), tmp),
+                paired = partition_issue(sass_loops(lines),
                                          ttgir_partitions(ttgir, options["num_warps"]))
                 if paired is None:  # the loops did not pair up with the partitions: the softmax loop alone, saying so
                     source = "SASS, the softmax partition's loop (the other partitions' loops not paired)"
