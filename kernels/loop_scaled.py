@@ -161,7 +161,12 @@ def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.co
     ``sage3`` 15.4 SASS instructions per element over the partitions and 163 spill accesses a key
     tile, against 11.4 and 4); without warp specialization the reduction costs more than the exp2
     (sm_120 ``sage3``: 16.2 against 14.4); and PNQ's block sums added in fp16 (exact: at most 96,
-    in halves), converted once a block (sm_100 ``sage3-hpnq`` 14.7 → 14.4)."""
+    in halves), converted once a block (sm_100 ``sage3-hpnq`` 14.7 → 14.4). PNQ with TWO_LEVEL
+    (``sage3-hpnq``): ``l`` is kept in units of r, as the accumulator, and rescaled by the same
+    acc_scale (the caller's LSE adds log2 r; out = acc / l, the factor's rounding cancels): a row
+    sum multiplied by r_new tied the tile's E2M1 packing to the two-level factors, which Triton's
+    partitioner computes in the correction partition, and the scaled P̃ went there through 118 KB
+    of shared memory (sm_100 14.4 → 13.3, with the scales by ``tcgen05.cp`` 11.8)."""
     BLOCK_M: tl.constexpr = qk.shape[0]
     BLOCK_N: tl.constexpr = qk.shape[1]
     NB: tl.constexpr = BLOCK_N // QB
@@ -208,13 +213,16 @@ def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.co
         # (row, group, t // 2, t % 2); the lane's four pair sums added in fp16 (exact: at most 48, in halves)
         lane = tl.sum(tl.reshape(pairs, (BLOCK_M, BLOCK_N // 32, 4, 2, 2)), axis=2, dtype=tl.float16).to(tl.float32)
         lane = lane * tl.reshape(scale, (BLOCK_M, BLOCK_N // 32, 2))[:, :, :, None]
-        part = tl.sum(tl.sum(tl.sum(lane, axis=1), axis=1), axis=1) * r_new
-    elif PNQ:  # the row sum of P̂ = q · scale · r_new
-        part = tl.sum(_block_sums(pairs, NB, WS) * scale, axis=1) * r_new
+        part = tl.sum(tl.sum(tl.sum(lane, axis=1), axis=1), axis=1)
+    elif PNQ:  # the row sum of P̂ = q · scale (· r_new)
+        part = tl.sum(_block_sums(pairs, NB, WS) * scale, axis=1)
     else:  # the row at once (offline, sm_120: across the lanes once a row, not once a block: 0.9 instructions
         # per element fewer)
         part = tl.sum(tl.reshape(p, (BLOCK_M, BLOCK_N)), axis=1)
-    l_new = tl.fma(alpha, l_i, part)
+    if PNQ and TWO_LEVEL:  # l in units of r, as the accumulator (rescaled alike; the caller's LSE adds log2 r)
+        l_new = tl.fma(alpha * acc_ratio, l_i, part)
+    else:
+        l_new = tl.fma(alpha, l_i, part)
     return packed, e4m3_bits(scale), m_new, r_new, l_new, alpha * acc_ratio
 
 
@@ -245,21 +253,34 @@ def _e4m3_p(qk, scale_log2, m_i, k_i, l_i, PNQ: tl.constexpr, HW_E4M3: tl.conste
 
 
 @triton.jit
+def _chunk_scales(desc, chunk, ROWS: tl.constexpr, NS: tl.constexpr):
+    """The (ROWS, NS) block scales of one key tile (K̂: its keys' scales along D; V̂ᵀ: its
+    channels' scales along the tile's keys) from chunk ``chunk`` of :func:`scale_chunks`'s layout,
+    by TMA. Written as the reshape, permute and reshape that Triton recognizes (its
+    ``UseShmemForScales`` rewrite): the scales then go from shared to tensor memory by the MMA
+    partition's ``tcgen05.cp``, not through registers into a ``tcgen05.st`` of four warps."""
+    raw = desc.load([chunk, 0, 0])
+    return raw.reshape(ROWS // 128, NS // 4, 32, 4, 4).trans(0, 3, 2, 1, 4).reshape(ROWS, NS)
+
+
+@triton.jit
 def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks,
                  svd, svsd, sms, scale_log2,
                  HAS_MASK: tl.constexpr, TAIL: tl.constexpr, NV: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
                  PNQ: tl.constexpr, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, FAST_RCP: tl.constexpr,
                  HW_E4M3: tl.constexpr, D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, QB: tl.constexpr, HW_E2M1: tl.constexpr, TMA: tl.constexpr, k_row, v_row,
-                 P_E4M3: tl.constexpr, QUAD: tl.constexpr, WS: tl.constexpr = False):
+                 P_E4M3: tl.constexpr, QUAD: tl.constexpr, WS: tl.constexpr = False, SC_TMA: tl.constexpr = False,
+                 chunk=0):
     """One key tile: returns the updated (m, r, k, l, acc); m in log2 units, acc in units of r (the
     two-level row factor; 1 otherwise) and, P_E4M3, of 2^k (P̂ and V̂ᵀ in E4M3: ``V_base`` V̂ᵀ's
     e4m3 rows, keys in order, padded to whole tiles; TMA: a tensor descriptor of them). NV: the scale bytes follow the codes in each row of K̂
     (``KS_base`` = ``K_base`` + D/2) and V̂ᵀ, E4M3 to be read as such. TMA: ``K_base`` and
     ``V_base`` are tensor descriptors of K̂'s rows (this head's first at ``k_row``; rows past SK are
     another head's or zeros, masked like any key past SK) and V̂ᵀ's (this head's first channel at
-    ``v_row``), a box holding a key tile's codes; the scales stay pointer loads (4 or 8 bytes a row:
-    below TMA's 16-byte box). QUAD (pointer loads): K̂'s rows (MXFP4: and scales) in
+    ``v_row``), a box holding a key tile's codes. SC_TMA: ``KS_base`` (and, FP4 P·V, ``VS_base``) are
+    tensor descriptors of :func:`scale_chunks`'s layout, ``chunk`` this tile's (else the scales are
+    pointer loads: 4 or 8 bytes a row, below TMA's 16-byte box). QUAD (pointer loads): K̂'s rows (MXFP4: and scales) in
     :func:`.key_order.quad_key_order` within each 32 keys, so column c of S holds key
     quad_key_order(c) (MXFP4's P blocks of 32 are the same keys, NVFP4's of 16 are picked out by
     :func:`_nv_p`), and P's codes are put in key order for P̂·V̂ (:func:`_codes_in_key_order`)."""
@@ -274,7 +295,10 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
         k4 = K_base.load([k_row + start, 0])
     else:
         k4 = tl.load(K_base + keys[:, None] * sks + half_d[None, :], mask=key_ok[:, None], other=0)
-    if NV:
+    if SC_TMA:
+        k_sc = _chunk_scales(KS_base, chunk, BLOCK_N, D // QB)
+        qk = tl.dot_scaled(q4, q_sc, "e2m1", tl.trans(k4), k_sc, "e2m1")
+    elif NV:
         k_sc = tl.load(KS_base + keys[:, None] * sks + nb_d[None, :], mask=key_ok[:, None], other=0)
         qk = tl.dot_scaled(q4, q_sc, "e2m1", tl.trans(k4), k_sc.to(tl.float8e4nv, bitcast=True), "e2m1")
     else:
@@ -307,9 +331,12 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
             v4t = V_base.load([v_row, start // 2])
         else:
             v4t = tl.load(V_base + dv[:, None] * svd + half_n[None, :])  # padded to whole tiles: no mask
-        v_sc = tl.load(VS_base + dv[:, None] * svsd + nb_n[None, :])
-        if NV:
-            v_sc = v_sc.to(tl.float8e4nv, bitcast=True)
+        if SC_TMA:
+            v_sc = _chunk_scales(VS_base, chunk, BLOCK_DV, NB)
+        else:
+            v_sc = tl.load(VS_base + dv[:, None] * svsd + nb_n[None, :])
+            if NV:
+                v_sc = v_sc.to(tl.float8e4nv, bitcast=True)
         pv = tl.dot_scaled(p4, p_sc, "e2m1", tl.trans(v4t), v_sc, "e2m1")
         acc = acc * acc_scale[:, None] + pv
     return m_new, r_i, k_i, l_i, acc
@@ -330,13 +357,15 @@ def _scaled_attn_fwd(
     TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr,
     D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     HW_E2M1: tl.constexpr = False, TMA: tl.constexpr = False, WS: tl.constexpr = False,
-    P_E4M3: tl.constexpr = False, QUAD: tl.constexpr = False,
+    P_E4M3: tl.constexpr = False, QUAD: tl.constexpr = False, SC_TMA: tl.constexpr = False,
 ):
     """Online-softmax FP4 attention on ``tl.dot_scaled``; operands from :func:`.prepass.prepass_packed`.
     MXFP4: scales in their own tensors (QS, KS, VS). NV (NVFP4): each row of Q4 / K4 / V4T holds its
     codes then its E4M3 scale bytes (QS, KS, VS are those tensors again, read past the codes);
     GQK (B·H) the product of Q's and K's tensor scales, GV (B·H) V's. TMA: K4 and V4T are tensor
-    descriptors of the rows (B·H·SK and B·H·BLOCK_DV rows; a box holds a key tile's codes). WS: the
+    descriptors of the rows (B·H·SK and B·H·BLOCK_DV rows; a box holds a key tile's codes). SC_TMA
+    (with TMA): KS, and VS for FP4 P·V, are tensor descriptors of the K̂ / V̂ᵀ block scales in
+    :func:`scale_chunks`'s layout, chunk bh · (SK_PAD / BLOCK_N) + tile. WS: the
     key loop is Triton's warp-specialized loop (on sm_100: a TMA-load partition, an MMA partition
     issuing the asynchronous ``tcgen05`` MMAs, correction partitions, and the softmax in the default
     partition; S double-buffered in tensor memory)."""
@@ -353,14 +382,22 @@ def _scaled_attn_fwd(
     if NV:
         q_sc = tl.load(q_rows + D // 2 + nb_d[None, :], mask=row_ok[:, None], other=0).to(tl.float8e4nv, bitcast=True)
         scale_log2 = scale_log2 * tl.load(GQK + bh)  # a power of two: the logits' product is exact
-        KS_base = KS + b * skb + h * skh + D // 2  # (KS, VS: K4's and V4T's rows again, as pointers)
-        VS_base = VS + b * svb + h * svh + SK_PAD // 2
+        if SC_TMA:
+            KS_base = KS
+            VS_base = VS
+        else:
+            KS_base = KS + b * skb + h * skh + D // 2  # (KS, VS: K4's and V4T's rows again, as pointers)
+            VS_base = VS + b * svb + h * svh + SK_PAD // 2
         if not P_E4M3:
             out_factor = tl.load(GV + bh)
     else:
         q_sc = tl.load(QS + (bh * SQ + offs_m)[:, None] * (D // QB) + nb_d[None, :], mask=row_ok[:, None], other=127)
-        KS_base = KS + bh * (tl.cdiv(SK, 32) * 32 if QUAD else SK) * (D // QB)  # (QUAD: 32-key groups whole)
-        VS_base = VS + bh * BLOCK_DV * svsd
+        if SC_TMA:
+            KS_base = KS
+            VS_base = VS
+        else:
+            KS_base = KS + bh * (tl.cdiv(SK, 32) * 32 if QUAD else SK) * (D // QB)  # (QUAD: 32-key groups whole)
+            VS_base = VS + bh * BLOCK_DV * svsd
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     r_i = tl.full((BLOCK_M,), 1.0, tl.float32)  # units of acc (the two-level row factor)
@@ -374,22 +411,28 @@ def _scaled_attn_fwd(
             m_i, r_i, k_i, l_i, acc = _scaled_tile(
                 q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks, svd, svsd,
                 sms, scale_log2, HAS_MASK, False, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D,
-                BLOCK_DV, BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3, QUAD, WS)
+                BLOCK_DV, BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3, QUAD, WS, SC_TMA,
+                bh * (SK_PAD // BLOCK_N) + start // BLOCK_N)
     else:
         for start in range(0, n_full, BLOCK_N):
             m_i, r_i, k_i, l_i, acc = _scaled_tile(
                 q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks, svd, svsd,
                 sms, scale_log2, HAS_MASK, False, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D,
-                BLOCK_DV, BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3, QUAD)
+                BLOCK_DV, BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3, QUAD, False, SC_TMA,
+                bh * (SK_PAD // BLOCK_N) + start // BLOCK_N)
     if n_full < SK:
         m_i, r_i, k_i, l_i, acc = _scaled_tile(
             q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, n_full, SK, sks, svd, svsd,
             sms, scale_log2, HAS_MASK, True, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D, BLOCK_DV,
-            BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3, QUAD)
+            BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3, QUAD, False, SC_TMA,
+            bh * (SK_PAD // BLOCK_N) + n_full // BLOCK_N)
 
     if P_E4M3:  # acc in units of V̂'s channel factors and of 2^k
         v_fac = tl.load(VS + bh * BLOCK_DV + tl.arange(0, BLOCK_DV))
         store_out_lse(Out, Lse, acc, v_fac[None, :], l_i, m_i, k_i.to(tl.float32), b, h, offs_m, row_ok,
+                      tl.arange(0, BLOCK_DV), DV, sob, soh, sos, sod, slb, slh, sls)
+    elif NV and PNQ and TWO_LEVEL:  # acc and l in units of r (:func:`_nv_p`): out = acc / l, the LSE adds log2 r
+        store_out_lse(Out, Lse, acc, out_factor, l_i, m_i, -tl.log2(r_i), b, h, offs_m, row_ok,
                       tl.arange(0, BLOCK_DV), DV, sob, soh, sos, sod, slb, slh, sls)
     else:
         store_out_lse(Out, Lse, acc, r_i[:, None] * out_factor, l_i, m_i, 0.0, b, h, offs_m, row_ok,
@@ -424,23 +467,25 @@ def interpreter_reads_e4m3_scales() -> bool:
 #: stages, the FP8-P·V form's (the most: ``sage3-pv8``; the FP4-P forms 32768)
 SHARED_MEMORY = {"sm_100": {1: 37888, 2: 37888, 3: 37888}, "sm_120": {1: 33792, 2: 33792, 3: 33792}}
 LAUNCH = LoopLaunch(128, 8, 2, shared_memory=SHARED_MEMORY, reason="not tuned: no Blackwell GPU has run it")
-#: The warp-specialized loop of sm_100 (K̂ / V̂ᵀ codes by TMA), compiled offline (Triton 3.9, head dim
-#: 128, masked): the most shared memory any method of the format takes (MXFP4: every method alike,
-#: NVFP4: ``sage3-hpnq``; the partitions' exchange buffers grow with what the softmax hands on)
-TMA_SHARED_MEMORY = {"mx": {"sm_100": {1: 31576, 2: 47960, 3: 64392}},
-                     "nv": {"sm_100": {1: 100776, 2: 118200, 3: 136696}},
-                     "pv8": {"sm_100": {1: 103768, 2: 128360, 3: 154008}}}  # FP8 P·V: the larger of the two methods
+#: The warp-specialized loop of sm_100 (K̂ / V̂ᵀ codes and block scales by TMA), compiled offline
+#: (Triton 3.9, head dim 128, masked): the most shared memory any method of the format takes
+TMA_SHARED_MEMORY = {"mx": {"sm_100": {1: 32104, 2: 49496, 3: 66952}},
+                     "nv": {"sm_100": {1: 31096, 2: 49512, 3: 68008}},
+                     "pv8": {"sm_100": {1: 104392, 2: 129992, 3: 155640}}}  # FP8 P·V: the larger of the two methods
 #: Per format, offline (Triton 3.9): 8 softmax warps. SASS instructions per element of S over all the
 #: partitions' loops (``python -m fp4video.kernels.report``), the softmax partition's apart, and the
-#: loops' spill accesses a key tile: MXFP4 ``mxattn`` 10.4 (7.0) and 1, ``mxfp4-ocp`` 9.0 (5.6) and 10,
+#: loops' spill accesses a key tile: MXFP4 ``mxattn`` 9.4 (7.0) and 0, ``mxfp4-ocp`` 8.0 (5.6) and 9,
 #: the block maxima's exp2 in pieces (:func:`_exp2_in_pieces`; as one op: 13.9 (6.25) and 141, the
 #: logits handed from a 24-register default partition to the softmax through shared memory); NVFP4
-#: ``nvfp4`` 10.5 (7.3) and 4, ``sage3`` 11.4 (7.75) and 4, ``sage3-hpnq`` 14.4 (7.4) and 1, the block
+#: ``nvfp4`` 9.3 (7.3) and 0, ``sage3`` 10.1 (7.7) and 0, ``sage3-hpnq`` 11.8 (9.3) and 0, the block
 #: maxima from P̃'s elements (:func:`_nv_p`'s WS form; before: 14.6, 15.4, 18.8 and 157–193; at 4
-#: softmax warps the two-level P state spills); the FP8-P·V methods 9.5–9.7 (6.55) and 19 (at 4 about
+#: softmax warps the two-level P state spills); the FP8-P·V methods 8.9 (6.55) and 18 (at 4 about
 #: 9.4 in the softmax loop alone, with 2.2 KB of spills), their accumulator single-buffered in tensor memory (double,
 #: with S's two buffers and P̂ for the MMA, it needs 576 of the 512 columns and Triton compiles the
-#: kernel to a trap)
+#: kernel to a trap). K̂'s and V̂ᵀ's block scales come by TMA in :func:`scale_chunks`'s layout and go to
+#: tensor memory by ``tcgen05.cp`` (SC_TMA): the MMA partition is one warp (by pointer loads it was
+#: four, storing the scales from registers: ``mxattn`` 10.4, ``nvfp4`` 10.5, ``sage3`` 11.4, the
+#: FP8-P·V methods 9.5–9.7)
 TMA_LAUNCH = {
     "mx": LoopLaunch(128, 8, 2, shared_memory=TMA_SHARED_MEMORY["mx"],
                      reason="not tuned on a GPU (none here is Blackwell): 8 softmax warps, 2 stages"),
@@ -469,6 +514,57 @@ def warp_specialized(device) -> bool:
     Blackwell's ``mma.sync`` loop gets no MMA partition and TMA alone did not shorten it (offline),
     so it keeps pointer loads."""
     return getattr(device, "type", None) == "cuda" and torch.cuda.get_device_capability(device)[0] in WS_MAJORS
+
+
+#: one chunk of :func:`scale_chunks`: 32 × 16 bytes, a 32-row × 128-bit piece of tensor memory's scale
+#: layout for each of the 4 row groups of 32 (the unit ``tcgen05.cp`` copies), laid out as two rows of
+#: 256 bytes (a TMA box's dimensions are at most 256)
+SCALE_CHUNK = (2, 256)
+
+
+def scale_chunks_fit(d: int, qb: int, dv_pad: int, pv8: bool) -> bool:
+    """Whether :func:`scale_chunks` can lay out this loop's scales: K̂'s D / qb scales a key, and
+    (FP4 P·V) V̂ᵀ's padded channels, in whole chunks (a multiple of 4 scales a row, of 128 rows)."""
+    return (d // qb) % 4 == 0 and (pv8 or dv_pad % KEY_TILE == 0)
+
+
+def scale_chunks(tiles: torch.Tensor) -> torch.Tensor:
+    """Block scales ``tiles`` (N, R, C) — N tiles of R rows (a multiple of 128) and C scales a row
+    (a multiple of 4) — in the layout Blackwell's tensor memory takes them in: (N, R·C/256, 256),
+    tile n's bytes contiguous, scale (r, c) with r = 128·g + 32·j + i and c = 4·u + w at
+    ((g·C/4 + u)·32 + i)·16 + 4·j + w. :func:`_chunk_scales` reads a tile back as (R, C)."""
+    n, r, c = tiles.shape
+    if r % 128 or c % 4:
+        raise ValueError(f"scale tiles need a multiple of 128 rows and of 4 scales a row, got {r} × {c}")
+    x = tiles.reshape(n, r // 128, 4, 32, c // 4, 4).permute(0, 1, 4, 3, 2, 5)
+    return x.reshape(n, r * c // SCALE_CHUNK[1], SCALE_CHUNK[1])
+
+
+def _key_tile_scales(scales: torch.Tensor, tiles: int, fill: int) -> torch.Tensor:
+    """K̂'s scales (B, H, SK, C), keys padded with ``fill`` to ``tiles`` whole key tiles, as
+    :func:`scale_chunks`'s (B·H·tiles, 128, C) input."""
+    b, h, sk, c = scales.shape
+    padded = scales.new_full((b, h, tiles * KEY_TILE, c), fill)
+    padded[:, :, :sk] = scales
+    return padded.reshape(b * h * tiles, KEY_TILE, c)
+
+
+def _channel_tile_scales(scales: torch.Tensor, tiles: int) -> torch.Tensor:
+    """V̂ᵀ's scales (B, H, Dv_pad, tiles · C): each key tile's (Dv_pad, C), as (B·H·tiles, Dv_pad, C)."""
+    b, h, dvp, n = scales.shape
+    c = n // tiles
+    return scales.reshape(b, h, dvp, tiles, c).permute(0, 1, 3, 2, 4).reshape(b * h * tiles, dvp, c)
+
+
+def _scale_descriptor(tiles: torch.Tensor, e4m3: bool):
+    """A TMA descriptor over :func:`scale_chunks` of ``tiles`` (uint8 bytes; ``e4m3``: read as E4M3,
+    NVFP4's scales), one box a tile."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    chunks = scale_chunks(tiles.contiguous())
+    if e4m3:
+        chunks = chunks.view(torch.float8_e4m3fn)
+    return TensorDescriptor.from_tensor(chunks, [1, *chunks.shape[1:]])
 
 
 def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float, out_dtype, dv: int, block_m=None,
@@ -521,6 +617,16 @@ def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float,
     block_m, num_warps, num_stages = launch.resolve(dev, block_m, num_warps, num_stages)
     cap = torch.cuda.get_device_capability(dev) if q4.is_cuda else (0, 0)
     kt, vt = k4, v4t
+    k_sc_arg, v_sc_arg = (k4 if nv else ks), (vs if pv8 else v4t if nv else vs)
+    sc_tma = tma and scale_chunks_fit(d, qb, dvp, pv8)
+    if sc_tma:  # the block scales by TMA in tensor memory's layout (:func:`scale_chunks`), one box a key tile
+        tiles = sk_pad // KEY_TILE
+        nb_d = d // qb
+        k_scales = k4[..., d // 2:d // 2 + nb_d] if nv else ks
+        k_sc_arg = _scale_descriptor(_key_tile_scales(k_scales, tiles, 0 if nv else 127), nv)
+        if not pv8:
+            v_scales = v4t[..., sk_pad // 2:sk_pad // 2 + sk_pad // qb] if nv else vs[..., :sk_pad // qb]
+            v_sc_arg = _scale_descriptor(_channel_tile_scales(v_scales, tiles), nv)
     if tma:  # the code rows as (B·H·SK, D/2) and (B·H·Dv, SK_pad/2) tables (FP8 P·V: V̂ᵀ's e4m3 rows
         # (B·H·Dv, SK_pad)): one box per key tile
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -529,7 +635,7 @@ def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float,
         vt = TensorDescriptor.from_tensor(v4t.reshape(b * h * dvp, v4t.shape[-1]),
                                           [dvp, KEY_TILE if pv8 else KEY_TILE // 2])
     _scaled_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
-        q4, q4 if nv else qs, kt, k4 if nv else ks, vt, vs if pv8 else v4t if nv else vs, gqk, gv, km, out, lse,
+        q4, q4 if nv else qs, kt, k_sc_arg, vt, v_sc_arg, gqk, gv, km, out, lse,
         h, sq, sk, sk_pad, dv,
         *q4.stride()[:3], *k4.stride()[:3], *v4t.stride()[:3], 0 if pv8 else v4t.stride(2) if nv else vs.stride(2),
         km.stride(0), km.stride(1),
@@ -539,7 +645,7 @@ def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float,
         PNQ=recipe.row_sum is RowSum.QUANTIZED, TWO_LEVEL=recipe.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
         FAST_RCP=cap >= (8, 0), HW_E4M3=cap >= (8, 9), D=d, BLOCK_DV=dvp, BLOCK_M=block_m, BLOCK_N=KEY_TILE, QB=qb,
         HW_E2M1=cap >= (10, 0),  # Blackwell's E2M1 conversions
-        TMA=tma, WS=ws, P_E4M3=pv8, QUAD=quad_order,
+        TMA=tma, WS=ws, P_E4M3=pv8, QUAD=quad_order, SC_TMA=sc_tma,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only, as the reference
     )
     return out, lse

@@ -71,7 +71,7 @@ def _loop(method: str, arch: int):
                      HAS_MASK=False, D=128, BLOCK_DV=128, BLOCK_N=128)
     mx = mx_kernel_on(r, target)  # the dispatch's choice, by architecture
     if mx == "scaled" or nv_scaled_on(r, target):
-        from .loop_scaled import LAUNCH, TMA_LAUNCH, WS_MAJORS, tma_launch_key, KERNEL as fn
+        from .loop_scaled import LAUNCH, SCALE_CHUNK, TMA_LAUNCH, WS_MAJORS, scale_chunks_fit, tma_launch_key, KERNEL as fn
 
         nv = qk is Format.NVFP4
         pv8 = pv is Format.E4M3  # FP8 P·V: V̂ᵀ e4m3 with its channel factors
@@ -83,9 +83,16 @@ def _loop(method: str, arch: int):
         v8 = "tensordesc<fp8e4nv[128, 128]>" if tma else "*fp8e4nv"
         ptr = dict(Q4="*u8", QS="*u8", K4=codes, KS="*u8", V4T=v8 if pv8 else codes,
                    VS="*fp32" if pv8 else "*u8", GQK="*fp32", GV="*fp32", KeyMask="*i8", Out="*bf16", Lse="*fp32")
+        qb = 16 if nv else 32
+        sc_tma = tma and scale_chunks_fit(128, qb, 128, pv8)
+        if sc_tma:  # the block scales by TMA, one box of chunks (loop_scaled.scale_chunks) a key tile
+            box = f"tensordesc<{'fp8e4nv' if nv else 'u8'}[1, {128 * (128 // qb) // SCALE_CHUNK[1]}, {SCALE_CHUNK[1]}]>"
+            ptr["KS"] = box
+            if not pv8:
+                ptr["VS"] = box
         consts = dict(mx_common, NV=nv, TWO_LEVEL=r.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
-                      FAST_RCP=True, HW_E4M3=True, HW_E2M1=arch >= 100, BLOCK_M=launch.block_m, QB=16 if nv else 32,
-                      TMA=tma, WS=tma, P_E4M3=pv8, QUAD=scaled_quad_order_on(r, target))
+                      FAST_RCP=True, HW_E4M3=True, HW_E2M1=arch >= 100, BLOCK_M=launch.block_m, QB=qb,
+                      TMA=tma, WS=tma, P_E4M3=pv8, QUAD=scaled_quad_order_on(r, target), SC_TMA=sc_tma)
         return ("loop_scaled._scaled_attn_fwd", fn, consts, ptr, launch.block_m * 128 // (launch.num_warps * 32),
                 dict(num_warps=launch.num_warps, num_stages=stages, enable_fp_fusion=False), False)
     if mx == "fp8":

@@ -257,18 +257,50 @@ def _check_scaled_tma_equals_pointer_loads(dev, dt, method, h, sq, sk, d, dv):
         run(tma=False, ws=True)
 
 
+@pytest.mark.parametrize("d, dv", [(64, 40), (128, 128)])
 @pytest.mark.parametrize("method", ["mxattn", "mxfp4-ocp", "nvfp4", "sage3", "sage3-hpnq", "mxattn-pv8", "sage3-pv8"])
-def test_scaled_loop_by_tma_equals_pointer_loads(method, monkeypatch, e4m3_dot_scaled):
+def test_scaled_loop_by_tma_equals_pointer_loads(method, d, dv, monkeypatch, e4m3_dot_scaled):
     """Interpreter: two heads of 200 keys (a partial last tile whose TMA box reaches into the next
-    head), 70 queries, value head dim 40 (padded to 64), with and without a key-padding mask;
-    MXFP4 (codes and scales in their own tensors) and NVFP4 (rows of codes then scale bytes, padded
-    to 16 bytes: the box takes the codes), with P·V in FP4 or (``-pv8``) in FP8 (V̂ᵀ's e4m3 rows by
-    a box of a key tile's bytes)."""
+    head), 70 queries, with and without a key-padding mask; MXFP4 (codes and scales in their own
+    tensors) and NVFP4 (rows of codes then scale bytes, padded to 16 bytes: the box takes the
+    codes), with P·V in FP4 or (``-pv8``) in FP8 (V̂ᵀ's e4m3 rows by a box of a key tile's bytes).
+    Head dims 64 / value 40 (padded to 64): the block scales by pointer loads; 128 / 128: by TMA in
+    tensor memory's chunk layout (:func:`~fp4video.kernels.loop_scaled.scale_chunks`), as on
+    datacenter Blackwell at the models' head dim."""
     if torch.cuda.is_available():
         pytest.skip("interpreter test; the GPU twin covers CUDA")
+    from fp4video.kernels.loop_scaled import scale_chunks_fit
+
+    qb = 16 if METHODS[method].qk_format.name == "NVFP4" else 32
+    pv8 = METHODS[method].pv_format.name == "E4M3"
+    # 64 / 40: MXFP4's 2 scales a key are not a chunk's 4, nor 64 padded channels its 128 rows (the
+    # NVFP4-FP8-P·V form, 4 scales a key and no V̂ scales, takes chunks there too)
+    assert scale_chunks_fit(d, qb, -(-dv // 64) * 64, pv8) == (d == 128 or (qb == 16 and pv8))
     monkeypatch.setenv("FP4VIDEO_MX_KERNEL", "scaled")
     monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "scaled")
-    _check_scaled_tma_equals_pointer_loads("cpu", torch.float32, method, 2, 70, 200, 64, 40)
+    _check_scaled_tma_equals_pointer_loads("cpu", torch.float32, method, 2, 70, 200, d, dv)
+
+
+def test_scale_chunks_layout():
+    """:func:`~fp4video.kernels.loop_scaled.scale_chunks` puts scale (r, c) of a tile at the byte
+    tensor memory's 32×128-bit scale copies read it from — ((g·C/4 + u)·32 + i)·16 + 4·j + w for
+    r = 128·g + 32·j + i, c = 4·u + w — checked element by element against that formula, for one
+    and two row groups and one and two scale groups; other shapes are refused."""
+    from fp4video.kernels.loop_scaled import scale_chunks
+
+    for rows, cols in ((128, 4), (128, 8), (256, 4), (256, 8)):
+        tiles = torch.randint(0, 256, (3, rows, cols), dtype=torch.uint8)
+        flat = scale_chunks(tiles).reshape(3, -1)
+        assert flat.shape[1] == rows * cols
+        for r in range(rows):
+            g, j, i = r // 128, (r % 128) // 32, r % 32
+            for c in range(cols):
+                u, w = c // 4, c % 4
+                at = ((g * (cols // 4) + u) * 32 + i) * 16 + 4 * j + w
+                assert torch.equal(flat[:, at], tiles[:, r, c]), (rows, cols, r, c)
+    for bad in ((3, 64, 4), (3, 128, 2)):
+        with pytest.raises(ValueError, match="multiple of 128 rows"):
+            scale_chunks(torch.zeros(bad, dtype=torch.uint8))
 
 
 @pytest.mark.gpu
