@@ -556,14 +556,29 @@ def _channel_tile_scales(scales: torch.Tensor, tiles: int) -> torch.Tensor:
     return scales.reshape(b, h, dvp, tiles, c).permute(0, 1, 3, 2, 4).reshape(b * h * tiles, dvp, c)
 
 
-def _scale_descriptor(tiles: torch.Tensor, e4m3: bool):
-    """A TMA descriptor over :func:`scale_chunks` of ``tiles`` (uint8 bytes; ``e4m3``: read as E4M3,
-    NVFP4's scales), one box a tile."""
+def chunked_scales(nv: bool, pv8: bool, d: int, qb: int, sk_pad: int, k4, ks, v4t, vs):
+    """K̂'s block scales and (FP4 P·V) V̂ᵀ's in :func:`scale_chunks`'s layout, one chunk run a key
+    tile (``sk_pad`` / 128 a head): (k_chunks, v_chunks or None), uint8 (NVFP4: viewed as E4M3),
+    from :func:`.prepass.prepass_packed`'s tensors (NVFP4: the scale bytes after the codes of each
+    row; keys past SK padded with scale bytes of 0, MXFP4 with 127, 2^0: masked like any key past SK).
+    A copy of 1/16 (MXFP4) or 1/8 (NVFP4) of K̂'s and V̂ᵀ's bytes, per call."""
+    tiles = sk_pad // KEY_TILE
+    k_scales = k4[..., d // 2:d // 2 + d // qb] if nv else ks
+    k_chunks = scale_chunks(_key_tile_scales(k_scales, tiles, 0 if nv else 127))
+    v_chunks = None
+    if not pv8:
+        v_scales = v4t[..., sk_pad // 2:sk_pad // 2 + sk_pad // qb] if nv else vs[..., :sk_pad // qb]
+        v_chunks = scale_chunks(_channel_tile_scales(v_scales, tiles).contiguous())
+    if nv:
+        k_chunks = k_chunks.view(torch.float8_e4m3fn)
+        v_chunks = None if v_chunks is None else v_chunks.view(torch.float8_e4m3fn)
+    return k_chunks, v_chunks
+
+
+def _scale_descriptor(chunks: torch.Tensor):
+    """A TMA descriptor over :func:`chunked_scales`'s chunks, one box a key tile."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    chunks = scale_chunks(tiles.contiguous())
-    if e4m3:
-        chunks = chunks.view(torch.float8_e4m3fn)
     return TensorDescriptor.from_tensor(chunks, [1, *chunks.shape[1:]])
 
 
@@ -620,13 +635,10 @@ def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float,
     k_sc_arg, v_sc_arg = (k4 if nv else ks), (vs if pv8 else v4t if nv else vs)
     sc_tma = tma and scale_chunks_fit(d, qb, dvp, pv8)
     if sc_tma:  # the block scales by TMA in tensor memory's layout (:func:`scale_chunks`), one box a key tile
-        tiles = sk_pad // KEY_TILE
-        nb_d = d // qb
-        k_scales = k4[..., d // 2:d // 2 + nb_d] if nv else ks
-        k_sc_arg = _scale_descriptor(_key_tile_scales(k_scales, tiles, 0 if nv else 127), nv)
-        if not pv8:
-            v_scales = v4t[..., sk_pad // 2:sk_pad // 2 + sk_pad // qb] if nv else vs[..., :sk_pad // qb]
-            v_sc_arg = _scale_descriptor(_channel_tile_scales(v_scales, tiles), nv)
+        k_chunks, v_chunks = chunked_scales(nv, pv8, d, qb, sk_pad, k4, ks, v4t, vs)
+        k_sc_arg = _scale_descriptor(k_chunks)
+        if v_chunks is not None:
+            v_sc_arg = _scale_descriptor(v_chunks)
     if tma:  # the code rows as (B·H·SK, D/2) and (B·H·Dv, SK_pad/2) tables (FP8 P·V: V̂ᵀ's e4m3 rows
         # (B·H·Dv, SK_pad)): one box per key tile
         from triton.tools.tensor_descriptor import TensorDescriptor
