@@ -18,7 +18,7 @@ from fp4video.kernels.fp4_math import (  # noqa: E402
     fp8_shift_from_raw_max, mx_block_exponent, newton_recip, nvfp4_block_scale, recip_rn_few_bits,
     round_e2m1_at_scale, round_e2m1_f16x2_odd, round_e2m1_signed)
 from fp4video.kernels.loop_nvfp4 import RCP_P_RANGE  # noqa: E402
-from fp4video.kernels.loop_scaled import _packed_p  # noqa: E402
+from fp4video.kernels.loop_scaled import _chunk_scales, _packed_p  # noqa: E402
 from fp4video.reference import TWO_LEVEL_P_RANGE as _P_RANGE  # noqa: E402
 
 P_RANGE = tl.constexpr(_P_RANGE)  # a jit function reads only constexpr globals
@@ -170,6 +170,36 @@ def _packed_p_kernel(X, Codes, Pairs, N: tl.constexpr, HW: tl.constexpr):
     packed, pairs = _packed_p(tl.load(X + rows[:, None] * N + cols[None, :]), HW)
     tl.store(Codes + rows[:, None] * (N // 2) + half[None, :], packed)
     tl.store(Pairs + rows[:, None] * (N // 2) + half[None, :], pairs)
+
+
+@triton.jit
+def _chunk_read_back_kernel(desc, out, R: tl.constexpr, C: tl.constexpr):
+    t = tl.program_id(0)
+    sc = _chunk_scales(desc, t, R, C)
+    rows, cols = tl.arange(0, R), tl.arange(0, C)
+    tl.store(out + t * R * C + rows[:, None] * C + cols[None, :], sc)
+
+
+def test_chunk_scales_read_back_in_the_kernel():
+    """What the sm_100 loop reads (``loop_scaled._chunk_scales``: a TMA box of ``scale_chunks``'
+    layout, then the reshape / permute Triton turns into ``tcgen05.cp``) is each tile's (R, C)
+    scales as they were: for K̂'s shape (128 keys × 4 or 8 scales) and V̂ᵀ's (128 or 256 channels
+    × 4), uint8 and E4M3 bytes (interpreted on the CPU, compiled on a GPU)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from fp4video.kernels.loop_scaled import scale_chunks
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs sm_90+")
+    for rows, cols, e4m3 in ((128, 4, False), (128, 8, True), (256, 4, False)):
+        tiles = torch.randint(0, 120, (3, rows, cols), dtype=torch.uint8)  # (E4M3 bytes below NaN's)
+        chunks = scale_chunks(tiles).to(dev)
+        if e4m3:
+            chunks = chunks.view(torch.float8_e4m3fn)
+        out = torch.zeros(3, rows, cols, dtype=chunks.dtype, device=dev)
+        _chunk_read_back_kernel[(3,)](TensorDescriptor.from_tensor(chunks, [1, *chunks.shape[1:]]), out, R=rows, C=cols)
+        assert torch.equal(out.view(torch.uint8).cpu(), tiles), (rows, cols, e4m3)
 
 
 def test_p_codes_and_pair_sums_are_the_reference_e2m1_rounding():
