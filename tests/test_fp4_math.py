@@ -181,6 +181,15 @@ def _chunk_read_back_kernel(desc, out, R: tl.constexpr, C: tl.constexpr):
 
 
 def test_chunk_scales_read_back_in_the_kernel():
+    check_chunk_scales_read_back("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.gpu
+def test_chunk_scales_read_back_in_the_kernel_gpu():
+    check_chunk_scales_read_back("cuda")
+
+
+def check_chunk_scales_read_back(dev):
     """What the sm_100 loop reads (``loop_scaled._chunk_scales``: a TMA box of ``scale_chunks``'
     layout, then the reshape / permute Triton turns into ``tcgen05.cp``) is each tile's (R, C)
     scales as they were: for K̂'s shape (128 keys × 4 or 8 scales) and V̂ᵀ's (128 or 256 channels
@@ -189,7 +198,6 @@ def test_chunk_scales_read_back_in_the_kernel():
 
     from fp4video.kernels.loop_scaled import scale_chunks
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs sm_90+")
     for rows, cols, e4m3 in ((128, 4, False), (128, 8, True), (256, 4, False)):
