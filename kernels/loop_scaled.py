@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.language.extra import libdevice
 
 import torch
 
@@ -89,25 +91,27 @@ def _block_sums(pairs, NB: tl.constexpr, F16: tl.constexpr = False):
     return tl.sum(tl.reshape(pairs.to(tl.float32), (pairs.shape[0], NB, pairs.shape[1] // NB)), axis=2)
 
 
-#: the most elements an exp2 of Triton's warp-specialized loop may have and still stay in the partition
-#: that computes it: the partitioner (Triton 3.9, sm_100) moves every larger exp2 and inline-asm op,
-#: with everything it depends on, into the default partition
-_WS_SMALL = tl.constexpr(256)
+#: whether this module's kernels run in Triton's CPU interpreter (decided, as Triton decides it, when
+#: they are defined)
+_INTERPRETED = tl.constexpr(bool(knobs.runtime.interpret))
 
 
 @triton.jit
-def _exp2_in_pieces(x):
-    """``tl.exp2`` of a per-block tensor (BLOCK_M, NB), its even and odd columns apart where it has
-    more than :data:`_WS_SMALL` elements (MXFP4 at BLOCK_M = 128: two pieces of 128 × 2; the same
-    values). Each block maximum's exp2 then stays with the softmax in Triton's warp-specialized
-    loop: as one op of BLOCK_M · NB > 256 elements it drew the tile's logits into the default
-    partition, which, given 24 registers, spilled them and handed them to the softmax through
-    shared memory (offline, sm_100, ``mxattn``: 13.9 SASS instructions per element over the
-    partitions and 141 spill accesses a key tile, against 10.6 and 1 with the exp2 in pieces)."""
-    if x.shape[0] * x.shape[1] <= _WS_SMALL or x.shape[1] == 1:
+def _block_exp2(x):
+    """exp2 of a per-block tensor (BLOCK_M, NB) — the block maxima of P̃ from the blocks' largest
+    logits — by libdevice's exp2: the same instruction as ``tl.exp2`` (``ex2.approx.ftz.f32``), but
+    an op Triton's warp-specialization partitioner (Triton 3.9, sm_100) leaves in the softmax
+    partition. A ``tl.exp2`` of this size it moves, with everything it depends on, into the default
+    partition: as one op it drew the tile's logits there (a 24-register partition that spilled them
+    and handed them on through shared memory: ``mxattn`` 13.9 SASS instructions per element over
+    the partitions, 141 spill accesses a key tile); split in pieces of 128 × 2 one piece still went
+    (a default partition of 8 warps for it: ``mxattn`` 9.4, against 8.6 this way; NVFP4, which
+    instead took each block's maximum over its P̃ elements, 9.3 / 10.1 / 11.8 against 8.9 / 9.8 /
+    11.5 for ``nvfp4`` / ``sage3`` / ``sage3-hpnq``; offline, all partitions). Interpreted (no
+    libdevice there): ``tl.exp2``."""
+    if _INTERPRETED:
         return tl.exp2(x)
-    a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))  # the even and the odd columns
-    return tl.reshape(tl.join(tl.exp2(a), tl.exp2(b)), x.shape)
+    return libdevice.exp2(x)
 
 
 @triton.jit
@@ -129,7 +133,7 @@ def _mx_p(qk, scale_log2, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: 
     block_max = tl.max(tl.reshape(qk, (BLOCK_M, NB, QB)), axis=2) * scale_log2
     m_new = tl.maximum(m_i, tl.max(block_max, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    amax = _exp2_in_pieces(block_max - m_safe[:, None])  # the block maximum of P̃ (exp2 is monotonic)
+    amax = _block_exp2(block_max - m_safe[:, None])  # the block maximum of P̃ (exp2 is monotonic)
     e_blk = tl.where(amax > 0, tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126), 0)
     # in units of the block scale (no P̃ exceeds 8 units: the block's maximum is at most QMAX of them)
     shift = m_safe[:, None] + e_blk.to(tl.float32)
@@ -153,15 +157,11 @@ def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.co
     aside): P̂ is in units of r_new, the accumulator is rescaled by acc_scale. QUAD (QB = 16): the
     columns in :func:`.key_order.quad_key_order` (column 8j + 2t + e of each 32 holds key 8t + 2j + e,
     so a block of 16 keys is the columns of one t // 2, and a lane holds half a block); the codes
-    come out in that order too. WS (the warp-specialized loop): each block's largest P̃
-    taken as the largest of its elements, as the reference takes it, rather than as the exp2 of its
-    largest logit — the same value wherever exp2 is monotonic (the FMA is) — since a (BLOCK_M, NB)
-    exp2 of its own drew the tile's logits into the default partition of Triton's warp-specialized
-    loop (offline, sm_100:
-    ``sage3`` 15.4 SASS instructions per element over the partitions and 163 spill accesses a key
-    tile, against 11.4 and 4); without warp specialization the reduction costs more than the exp2
-    (sm_120 ``sage3``: 16.2 against 14.4); and PNQ's block sums added in fp16 (exact: at most 96,
-    in halves), converted once a block (sm_100 ``sage3-hpnq`` 14.7 → 14.4). PNQ with TWO_LEVEL
+    come out in that order too. WS (the warp-specialized loop): PNQ's block sums added in fp16
+    (exact: at most 96, in halves), converted once a block (sm_100 ``sage3-hpnq`` 14.7 → 14.4). The
+    block maxima's exp2 is :func:`_block_exp2`'s (Triton's partitioner keeps it with the softmax;
+    taking each block's maximum over its P̃ elements instead cost more: sm_120 ``sage3`` 16.2
+    against 14.4, sm_100 9.8 against 10.1). PNQ with TWO_LEVEL
     (``sage3-hpnq``): ``l`` is kept in units of r, as the accumulator, and rescaled by the same
     acc_scale (the caller's LSE adds log2 r; out = acc / l, the factor's rounding cancels): a row
     sum multiplied by r_new tied the tile's E2M1 packing to the two-level factors, which Triton's
@@ -184,13 +184,10 @@ def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.co
         p = tl.exp2(tl.fma(s3, scale_log2, -m_safe[:, None, None, None, None, None]))
     else:
         p = tl.exp2(tl.fma(s3, scale_log2, -m_safe[:, None, None]))
-    if WS:  # the block maxima of P̃ as the largest of its elements, no exp2 of their own
-        if QUAD:
-            amax = tl.reshape(tl.max(tl.max(tl.max(p, axis=5), axis=4), axis=2), (BLOCK_M, NB))
-        else:
-            amax = tl.max(p, axis=2)
-    else:  # the exp2 of the block's largest logit: one exp2 a block, no reduction of P̃
-        amax = tl.exp2(tl.fma(bmax, scale_log2, -m_safe[:, None]))
+    # the block maxima of P̃ by the exp2 of the blocks' largest logits: one exp2 a block, no
+    # reduction of P̃ (the reference takes the largest of the block's P̃: the same value, exp2 and
+    # the FMA being monotonic)
+    amax = _block_exp2(tl.fma(bmax, scale_log2, -m_safe[:, None]))
     if TWO_LEVEL:
         inv_s1, r_new, acc_ratio = two_level_factors(tl.exp2(tl.fma(tile_max, scale_log2, -m_safe)), r_i, P_RANGE,
                                                      FAST_RCP)
@@ -469,23 +466,22 @@ SHARED_MEMORY = {"sm_100": {1: 37888, 2: 37888, 3: 37888}, "sm_120": {1: 33792, 
 LAUNCH = LoopLaunch(128, 8, 2, shared_memory=SHARED_MEMORY, reason="not tuned: no Blackwell GPU has run it")
 #: The warp-specialized loop of sm_100 (K̂ / V̂ᵀ codes and block scales by TMA), compiled offline
 #: (Triton 3.9, head dim 128, masked): the most shared memory any method of the format takes
-TMA_SHARED_MEMORY = {"mx": {"sm_100": {1: 32104, 2: 49496, 3: 66952}},
+TMA_SHARED_MEMORY = {"mx": {"sm_100": {1: 27928, 2: 45320, 3: 62792}},
                      "nv": {"sm_100": {1: 31096, 2: 49512, 3: 68008}},
                      "pv8": {"sm_100": {1: 104392, 2: 129992, 3: 155640}}}  # FP8 P·V: the larger of the two methods
 #: Per format, offline (Triton 3.9): 8 softmax warps. SASS instructions per element of S over all the
 #: partitions' loops (``python -m fp4video.kernels.report``), the softmax partition's apart, and the
-#: loops' spill accesses a key tile: MXFP4 ``mxattn`` 9.4 (7.0) and 0, ``mxfp4-ocp`` 8.0 (5.6) and 9,
-#: the block maxima's exp2 in pieces (:func:`_exp2_in_pieces`; as one op: 13.9 (6.25) and 141, the
-#: logits handed from a 24-register default partition to the softmax through shared memory); NVFP4
-#: ``nvfp4`` 9.3 (7.3) and 0, ``sage3`` 10.1 (7.7) and 0, ``sage3-hpnq`` 11.8 (9.3) and 0, the block
-#: maxima from P̃'s elements (:func:`_nv_p`'s WS form; before: 14.6, 15.4, 18.8 and 157–193; at 4
-#: softmax warps the two-level P state spills); the FP8-P·V methods 8.9 (6.55) and 18 (at 4 about
-#: 9.4 in the softmax loop alone, with 2.2 KB of spills), their accumulator single-buffered in tensor memory (double,
-#: with S's two buffers and P̂ for the MMA, it needs 576 of the 512 columns and Triton compiles the
-#: kernel to a trap). K̂'s and V̂ᵀ's block scales come by TMA in :func:`scale_chunks`'s layout and go to
-#: tensor memory by ``tcgen05.cp`` (SC_TMA): the MMA partition is one warp (by pointer loads it was
-#: four, storing the scales from registers: ``mxattn`` 10.4, ``nvfp4`` 10.5, ``sage3`` 11.4, the
-#: FP8-P·V methods 9.5–9.7)
+#: loops' spill accesses a key tile: MXFP4 ``mxattn`` 8.6 (6.6) and 0, ``mxfp4-ocp`` 7.2 (5.2) and 0;
+#: NVFP4 ``nvfp4`` 8.9 (6.9) and 0, ``sage3`` 9.8 (7.3) and 0, ``sage3-hpnq`` 11.5 (8.9) and 0 (at 4
+#: softmax warps the two-level P state spills); the FP8-P·V methods 8.9 (6.5) and 18 (at 4 about 9.4
+#: in the softmax loop alone, with 2.2 KB of spills), their accumulator single-buffered in tensor
+#: memory (double, with S's two buffers and P̂ for the MMA, it needs 576 of the 512 columns and Triton
+#: compiles the kernel to a trap). What got them there (2026-12-02): the block maxima's exp2 by
+#: :func:`_block_exp2` (as one ``tl.exp2`` it drew the tile's logits into a spilling default
+#: partition: ``mxattn`` 13.9, 141 spill accesses); K̂'s and V̂ᵀ's block scales by TMA in
+#: :func:`scale_chunks`'s layout, to tensor memory by ``tcgen05.cp`` (SC_TMA): a one-warp MMA
+#: partition (by pointer loads it had four, storing the scales from registers: ``mxattn`` 10.4,
+#: ``nvfp4`` 10.5, ``sage3`` 11.4, the FP8-P·V methods 9.5–9.7)
 TMA_LAUNCH = {
     "mx": LoopLaunch(128, 8, 2, shared_memory=TMA_SHARED_MEMORY["mx"],
                      reason="not tuned on a GPU (none here is Blackwell): 8 softmax warps, 2 stages"),
