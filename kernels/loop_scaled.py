@@ -312,7 +312,12 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
             v8t = V_base.load([v_row, start])
         else:
             v8t = tl.load(V_base + dv[:, None] * svd + keys[None, :])  # padded to whole tiles: no mask
-        acc = tl.fma(acc, alpha[:, None], tl.dot(p8, tl.trans(v8t)))
+        # the rescaled accumulator plus P̂·V̂, as the FP4-P form writes it: the warp-specialized loop's
+        # MMA then adds into the accumulator in tensor memory, the correction partition rescales it
+        # there (as an FMA of a fresh product, that partition read both and spilled: offline, sm_100,
+        # 8.9 instructions per element over the partitions, 18 spill accesses a tile, 129 KB of
+        # shared memory, against 8.8, 0 and 63 KB)
+        acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(v8t))
     else:
         if NV:
             p4, p_sc, m_new, r_i, l_i, acc_scale = _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ,
@@ -468,12 +473,12 @@ LAUNCH = LoopLaunch(128, 8, 2, shared_memory=SHARED_MEMORY, reason="not tuned: n
 #: (Triton 3.9, head dim 128, masked): the most shared memory any method of the format takes
 TMA_SHARED_MEMORY = {"mx": {"sm_100": {1: 27928, 2: 45320, 3: 62792}},
                      "nv": {"sm_100": {1: 31096, 2: 49512, 3: 68008}},
-                     "pv8": {"sm_100": {1: 104392, 2: 129992, 3: 155640}}}  # FP8 P·V: the larger of the two methods
+                     "pv8": {"sm_100": {1: 38840, 2: 64440, 3: 90088}}}  # FP8 P·V: the larger of the two methods
 #: Per format, offline (Triton 3.9): 8 softmax warps. SASS instructions per element of S over all the
 #: partitions' loops (``python -m fp4video.kernels.report``), the softmax partition's apart, and the
 #: loops' spill accesses a key tile: MXFP4 ``mxattn`` 8.6 (6.6) and 0, ``mxfp4-ocp`` 7.2 (5.2) and 0;
 #: NVFP4 ``nvfp4`` 8.9 (6.9) and 0, ``sage3`` 9.8 (7.3) and 0, ``sage3-hpnq`` 11.5 (8.9) and 0 (at 4
-#: softmax warps the two-level P state spills); the FP8-P·V methods 8.9 (6.5) and 18 (at 4 about 9.4
+#: softmax warps the two-level P state spills); the FP8-P·V methods 8.8 (6.5) and 0 (at 4 about 9.4
 #: in the softmax loop alone, with 2.2 KB of spills), their accumulator single-buffered in tensor
 #: memory (double, with S's two buffers and P̂ for the MMA, it needs 576 of the 512 columns and Triton
 #: compiles the kernel to a trap). What got them there (2026-12-02): the block maxima's exp2 by

@@ -163,8 +163,10 @@ def ttgir_partitions(ttgir: str, default_warps: int) -> list[tuple[str, int]]:
         stop = heads[n + 1][0] if n + 1 < len(heads) else len(ttgir)
         end = re.compile(r"tt\.warp_specialize\}").search(ttgir, start, stop)  # the end of this partition's key loop
         body = ttgir[start:end.start() if end else stop]
-        if "scf.for" not in body:  # (a partition with nothing to do in the loop, e.g. an empty default)
-            continue
+        loop = body[body.find("scf.for"):] if "scf.for" in body else ""
+        ops = re.findall(r"(?:=|^)\s*([a-z_]+\.[\w.]+)", loop.split("\n", 1)[-1], re.M)
+        if not any(not op.startswith("arith.") and op != "scf.yield" for op in ops):
+            continue  # (a partition with nothing to do in the loop, e.g. a default whose loop only counts its phase)
         head_end = ttgir.find("\n", start)
         warps = default_warps if is_default else int(re.search(r"num_warps\((\d+)\)", ttgir[start:head_end]).group(1))
         role = "mma" if "tc_gen5_mma" in body else "tma" if "async_tma_copy_global_to_local" in body else "vector"

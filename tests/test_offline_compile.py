@@ -211,8 +211,8 @@ def test_kernel_report_reads_the_compiled_loop(method, target, qk, pv, specializ
 
 def test_partition_loops_pair_by_role():
     """The report's pairing of SASS key loops with a warp-specialized loop's partitions (TTGIR):
-    by role (the MMA-issuing loop, the TMA-issuing loop, the rest), partitions with no key loop left
-    out; no pairing where the counts per role differ or vector partitions differ in size."""
+    by role (the MMA-issuing loop, the TMA-issuing loop, the rest), partitions with no key loop, or
+    a key loop that only counts its phase, left out; no pairing where the counts per role differ or vector partitions differ in size."""
     import collections
 
     from fp4video.kernels.offline import loop_role, partition_issue, ttgir_partitions
@@ -237,6 +237,13 @@ def test_partition_loops_pair_by_role():
     partition2(%b: i32) num_warps(4) {
       ttg.warp_return
     }
+    partition3(%b: i32) num_warps(4) {
+      %r = scf.for %i = ... iter_args(%p = %c1) -> (i32) : i32 {
+        %q = arith.xori %p, %c1 : i32
+        scf.yield %q : i32
+      } {tt.warp_specialize}
+      ttg.warp_return
+    }
     """
     parts = ttgir_partitions(ttgir, 8)
     assert parts == [("vector", 8), ("mma", 4), ("tma", 2)]
@@ -251,10 +258,10 @@ def test_partition_loops_pair_by_role():
 
 
 @pytest.mark.parametrize("method, most", [("mxattn", 9.0), ("mxfp4-ocp", 7.5), ("nvfp4", 9.3), ("sage3", 10.0),
-                                          ("sage3-hpnq", 12.0), ("mxattn-pv8", 9.3)])
+                                          ("sage3-hpnq", 12.0), ("mxattn-pv8", 9.0)])
 def test_sm100_partitions_keep_the_logits_with_the_softmax(method, most):
-    """sm_100's warp-specialized loop, compiled offline: no partition spills the S tile or hands it
-    to another through shared memory (as Triton's partitioner did while the block maxima's exp2
+    """sm_100's warp-specialized loop, compiled offline: no partition's loop spills (the S tile or
+    the accumulator), none hands S to another through shared memory (as Triton's partitioner did while the block maxima's exp2
     was one ``tl.exp2`` of more than 256 elements: 138-158 spill accesses a key tile in a 24-register
     partition and 113-189 KB of shared memory; and ``sage3-hpnq``'s scaled P̃, 118 KB, while its
     PNQ row sum was multiplied by the two-level factor the correction partition computes); the MMA
@@ -272,7 +279,7 @@ def test_sm100_partitions_keep_the_logits_with_the_softmax(method, most):
     assert run.returncode == 0, run.stderr[-2000:]
     rep = json.loads(run.stdout.strip().splitlines()[0])
     assert rep["instructions_source"] == "SASS, all partitions' loops", rep
-    assert rep["loop_local_accesses"] <= 24 and all(p["local_accesses_per_tile"] <= 24 for p in rep["partitions"]), rep
-    assert rep["shared_memory_bytes"] < (130_000 if rep["pv_mma_kind"] == "f8f6f4" else 64 * 1024), rep
+    assert rep["loop_local_accesses"] == 0 and all(p["local_accesses_per_tile"] == 0 for p in rep["partitions"]), rep
+    assert rep["shared_memory_bytes"] < 66 * 1024, rep
     assert [p["warps"] for p in rep["partitions"] if p["role"] == "mma"] == [1], rep
     assert rep["instructions_per_element"] <= most, rep
