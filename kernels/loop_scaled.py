@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton import knobs
 from triton.language.extra import libdevice
 
 import torch
@@ -91,9 +90,20 @@ def _block_sums(pairs, NB: tl.constexpr, F16: tl.constexpr = False):
     return tl.sum(tl.reshape(pairs.to(tl.float32), (pairs.shape[0], NB, pairs.shape[1] // NB)), axis=2)
 
 
-#: whether this module's kernels run in Triton's CPU interpreter (decided, as Triton decides it, when
-#: they are defined)
-_INTERPRETED = tl.constexpr(bool(knobs.runtime.interpret))
+def _interpreted() -> bool:
+    """Whether ``triton.jit`` makes this module's kernels interpreted ones, decided as Triton decides
+    it when they are defined (``triton.knobs`` from Triton 3.4; before, the variable itself)."""
+    try:
+        from triton import knobs
+    except ImportError:
+        import os
+
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return bool(knobs.runtime.interpret)
+
+
+#: whether this module's kernels run in Triton's CPU interpreter
+_INTERPRETED = tl.constexpr(_interpreted())
 
 
 @triton.jit
@@ -569,7 +579,7 @@ def chunked_scales(nv: bool, pv8: bool, d: int, qb: int, sk_pad: int, k4, ks, v4
     v_chunks = None
     if not pv8:
         v_scales = v4t[..., sk_pad // 2:sk_pad // 2 + sk_pad // qb] if nv else vs[..., :sk_pad // qb]
-        v_chunks = scale_chunks(_channel_tile_scales(v_scales, tiles).contiguous())
+        v_chunks = scale_chunks(_channel_tile_scales(v_scales, tiles))
     if nv:
         k_chunks = k_chunks.view(torch.float8_e4m3fn)
         v_chunks = None if v_chunks is None else v_chunks.view(torch.float8_e4m3fn)
