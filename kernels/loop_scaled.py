@@ -33,6 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.runtime.interpreter import InterpretedFunction
 
 import torch
 
@@ -90,20 +91,15 @@ def _block_sums(pairs, NB: tl.constexpr, F16: tl.constexpr = False):
     return tl.sum(tl.reshape(pairs.to(tl.float32), (pairs.shape[0], NB, pairs.shape[1] // NB)), axis=2)
 
 
-def _interpreted() -> bool:
-    """Whether ``triton.jit`` makes this module's kernels interpreted ones, decided as Triton decides
-    it when they are defined (``triton.knobs`` from Triton 3.4; before, the variable itself)."""
-    try:
-        from triton import knobs
-    except ImportError:
-        import os
-
-        return os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return bool(knobs.runtime.interpret)
+@triton.jit
+def _probe():
+    """A kernel that does nothing: what ``triton.jit`` turned it into tells :data:`_INTERPRETED`."""
+    pass
 
 
-#: whether this module's kernels run in Triton's CPU interpreter
-_INTERPRETED = tl.constexpr(_interpreted())
+#: whether this module's kernels run in Triton's CPU interpreter, as ``triton.jit`` decided it when
+#: they were defined (an ``InterpretedFunction`` there, on every Triton from the declared 3.2 floor)
+_INTERPRETED = tl.constexpr(isinstance(_probe, InterpretedFunction))
 
 
 @triton.jit
