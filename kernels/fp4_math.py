@@ -257,6 +257,22 @@ def mx_pack_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, QB: tl.constexpr, OC
     return pack_nibbles(codes, ROWS, COLS), (e + 127).to(tl.uint8)
 
 
+#: :func:`e2m1_pack_hw`'s PTX: four (lo, hi) pairs ($1-$4, $5-$8) to four bytes of $0, the first pair
+#: in the lowest byte (``cvt.rn.satfinite.e2m1x2.f32 d, a, b`` puts a in the upper nibble)
+E2M1_PACK_ASM = tl.constexpr("{ .reg .b8 c0, c1, c2, c3; "
+                             "cvt.rn.satfinite.e2m1x2.f32 c0, $5, $1; cvt.rn.satfinite.e2m1x2.f32 c1, $6, $2; "
+                             "cvt.rn.satfinite.e2m1x2.f32 c2, $7, $3; cvt.rn.satfinite.e2m1x2.f32 c3, $8, $4; "
+                             "mov.b32 $0, {c0, c1, c2, c3}; }")
+#: :func:`e2m1_pair_sums_hw`'s PTX: the four bytes of $2 to four f16 sums, in $0 (bytes 0, 1) and $1
+E2M1_PAIR_SUMS_ASM = tl.constexpr(
+    "{ .reg .b8 c0, c1, c2, c3; .reg .b32 h0, h1, h2, h3; .reg .f16 a0, b0, a1, b1, a2, b2, a3, b3; "
+    ".reg .f16 s0, s1, s2, s3; mov.b32 {c0, c1, c2, c3}, $2; "
+    "cvt.rn.f16x2.e2m1x2 h0, c0; cvt.rn.f16x2.e2m1x2 h1, c1; cvt.rn.f16x2.e2m1x2 h2, c2; cvt.rn.f16x2.e2m1x2 h3, c3; "
+    "mov.b32 {a0, b0}, h0; mov.b32 {a1, b1}, h1; mov.b32 {a2, b2}, h2; mov.b32 {a3, b3}, h3; "
+    "add.f16 s0, a0, b0; add.f16 s1, a1, b1; add.f16 s2, a2, b2; add.f16 s3, a3, b3; "
+    "mov.b32 $0, {s0, s1}; mov.b32 $1, {s2, s3}; }")
+
+
 @triton.jit
 def e2m1_pack_hw(lo, hi):
     """E2M1 codes of ``lo`` and ``hi`` (fp32 >= 0, in units of the block scale) packed in one byte
@@ -264,25 +280,93 @@ def e2m1_pack_hw(lo, hi):
     sm_100+ only; the value of its first source goes to the upper nibble): round to nearest even,
     saturating at 6 — :func:`round_e2m1_at_scale` at unit 1 and :func:`e2m1_magnitude_codes`, bit
     for bit, in half an instruction per element."""
-    asm: tl.constexpr = ("{ .reg .b8 c0, c1, c2, c3; "
-                         "cvt.rn.satfinite.e2m1x2.f32 c0, $5, $1; cvt.rn.satfinite.e2m1x2.f32 c1, $6, $2; "
-                         "cvt.rn.satfinite.e2m1x2.f32 c2, $7, $3; cvt.rn.satfinite.e2m1x2.f32 c3, $8, $4; "
-                         "mov.b32 $0, {c0, c1, c2, c3}; }")
-    return tl.inline_asm_elementwise(asm, "=r,r,r,r,r,r,r,r,r", [lo, hi], dtype=tl.uint8, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(E2M1_PACK_ASM, "=r,r,r,r,r,r,r,r,r", [lo, hi], dtype=tl.uint8, is_pure=True,
+                                     pack=4)
 
 
 @triton.jit
 def e2m1_pair_sums_hw(packed):
     """The sum of each byte's two E2M1 values (:func:`e2m1_pack_hw`'s output) as fp16, exact (grid
     values up to 6), by Blackwell's conversion back (``cvt.rn.f16x2.e2m1x2``, sm_100+)."""
-    asm: tl.constexpr = ("{ .reg .b8 c0, c1, c2, c3; .reg .b32 h0, h1, h2, h3; .reg .f16 a0, b0, a1, b1, a2, b2, a3, b3; "
-                         ".reg .f16 s0, s1, s2, s3; mov.b32 {c0, c1, c2, c3}, $2; "
-                         "cvt.rn.f16x2.e2m1x2 h0, c0; cvt.rn.f16x2.e2m1x2 h1, c1; "
-                         "cvt.rn.f16x2.e2m1x2 h2, c2; cvt.rn.f16x2.e2m1x2 h3, c3; "
-                         "mov.b32 {a0, b0}, h0; mov.b32 {a1, b1}, h1; mov.b32 {a2, b2}, h2; mov.b32 {a3, b3}, h3; "
-                         "add.f16 s0, a0, b0; add.f16 s1, a1, b1; add.f16 s2, a2, b2; add.f16 s3, a3, b3; "
-                         "mov.b32 $0, {s0, s1}; mov.b32 $1, {s2, s3}; }")
-    return tl.inline_asm_elementwise(asm, "=r,=r,r", [packed], dtype=tl.float16, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(E2M1_PAIR_SUMS_ASM, "=r,=r,r", [packed], dtype=tl.float16, is_pure=True, pack=4)
+
+
+def block_sum_asm(words: int) -> str:
+    """The PTX of :func:`e2m1_block_sums_hw` for a block held in ``words`` 32-bit registers (4 bytes
+    of two codes each; one output a byte, the inputs after them): each byte to an f16 pair by
+    ``cvt.rn.f16x2.e2m1x2``, the pairs added as f16x2 in a tree, then the two halves; the sum,
+    converted to fp32, is the first output ($0), the others copy it (unused: the caller keeps the
+    first element)."""
+    n = 4 * words
+    regs = ", ".join(f"c{i}" for i in range(n))
+    halves = ", ".join(f"h{i}" for i in range(n))
+    lines = [f"{{ .reg .b8 {regs}; .reg .b32 {halves}; .reg .f16 lo, hi, s;"]
+    lines += [f"mov.b32 {{c{4 * w}, c{4 * w + 1}, c{4 * w + 2}, c{4 * w + 3}}}, ${n + w};" for w in range(words)]
+    lines += [f"cvt.rn.f16x2.e2m1x2 h{i}, c{i};" for i in range(n)]
+    step = 1
+    while step < n:  # h0 += h1, h2 += h3, ...; then h0 += h2, ...: exact (halves up to 192)
+        lines += [f"add.rn.f16x2 h{i}, h{i}, h{i + step};" for i in range(0, n, 2 * step)]
+        step *= 2
+    lines += ["mov.b32 {lo, hi}, h0; add.rn.f16 s, lo, hi; cvt.f32.f16 $0, s;"]
+    lines += [f"mov.b32 ${i}, $0;" for i in range(1, n)]
+    return " ".join(lines) + " }"
+
+
+#: :func:`e2m1_block_sums_hw`'s PTX for blocks of 16 and 32 codes
+BLOCK_SUM_ASM_16 = tl.constexpr(block_sum_asm(2))
+BLOCK_SUM_ASM_32 = tl.constexpr(block_sum_asm(4))
+#: ``fma.rn.f32x2`` / ``mul.rn.f32x2`` on two elements: the operands' pairs as 64-bit registers, the
+#: first element in the low half (as PTX's vector moves place them)
+FMA_F32X2_ASM = tl.constexpr("{ .reg .b64 a, b, c, d; mov.b64 a, {$2, $3}; mov.b64 b, {$4, $5}; "
+                             "mov.b64 c, {$6, $7}; fma.rn.f32x2 d, a, b, c; mov.b64 {$0, $1}, d; }")
+MUL_F32X2_ASM = tl.constexpr("{ .reg .b64 a, b, d; mov.b64 a, {$2, $3}; mov.b64 b, {$4, $5}; "
+                             "mul.rn.f32x2 d, a, b; mov.b64 {$0, $1}, d; }")
+
+
+@triton.jit
+def _first_of_pairs(x):
+    """x[..., 0] of a tensor whose last axis has size 2 (a register pick, no arithmetic)."""
+    first, _ = tl.split(x)
+    return first
+
+
+@triton.jit
+def e2m1_block_sums_hw(packed, QB: tl.constexpr):
+    """The sum of each block of QB (16 or 32) E2M1 values in packed codes (ROWS, COLS // 2)
+    (:func:`e2m1_pack_hw`'s output, two codes a byte in key order), as fp32 (ROWS, COLS // QB), exact
+    (at most 6 a value, in halves: 192 for 32), by Blackwell's conversion back
+    (``cvt.rn.f16x2.e2m1x2``, sm_100+) and f16x2 additions: ``QB // 2`` conversions and as many
+    additions a block. Each block's QB // 2 bytes must lie in one thread, in order (as the loops'
+    S tiles hold them: a thread owns whole blocks of a row)."""
+    ROWS: tl.constexpr = packed.shape[0]
+    NB: tl.constexpr = 2 * packed.shape[1] // QB
+    tl.static_assert(QB == 16 or QB == 32, "blocks of 16 or 32 codes")
+    if QB == 16:
+        sums = tl.inline_asm_elementwise(BLOCK_SUM_ASM_16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [packed],
+                                         dtype=tl.float32, is_pure=True, pack=8)
+        x = tl.reshape(sums, (ROWS, NB, 4, 2))
+    else:
+        sums = tl.inline_asm_elementwise(BLOCK_SUM_ASM_32, "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+                                         [packed], dtype=tl.float32, is_pure=True, pack=16)
+        x = tl.reshape(_first_of_pairs(tl.reshape(sums, (ROWS, NB, 8, 2))), (ROWS, NB, 4, 2))
+    # the first of each block's values (the asm's $0): halves taken off the block's axis, no arithmetic
+    x = tl.reshape(_first_of_pairs(x), (ROWS, NB, 2, 2))
+    return _first_of_pairs(_first_of_pairs(x))
+
+
+@triton.jit
+def fma_f32x2(a, b, c):
+    """a · b + c rounded once (IEEE fma: ``tl.fma``'s value), two elements an instruction:
+    ``fma.rn.f32x2`` of datacenter Blackwell (sm_10x; sm_120 splits it into two FFMA)."""
+    return tl.inline_asm_elementwise(FMA_F32X2_ASM, "=r,=r,r,r,r,r,r,r", [a, b, c], dtype=tl.float32, is_pure=True,
+                                     pack=2)
+
+
+@triton.jit
+def mul_f32x2(a, b):
+    """a · b rounded to nearest even (``*``'s value), two elements an instruction: ``mul.rn.f32x2`` of
+    datacenter Blackwell (sm_10x)."""
+    return tl.inline_asm_elementwise(MUL_F32X2_ASM, "=r,=r,r,r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=2)
 
 
 @triton.jit
@@ -417,3 +501,4 @@ def fake_quant_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr
     if SIGNED and FMT != 1:
         q = tl.where(xb < 0, -q, q)
     return tl.reshape(q, (ROWS, COLS))
+

@@ -41,7 +41,7 @@ from fp4video.formats import Format, ScaleRule
 from fp4video.recipe import AttentionRecipe, PScale, RowSum
 from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
 
-from .fp4_math import (e2m1_magnitude_codes, e2m1_pack_hw, e2m1_pair_sums_hw, e4m3_bits, e4m3_p_shift, mx_block_exponent,
+from .fp4_math import (e2m1_block_sums_hw, e2m1_magnitude_codes, e2m1_pack_hw, e2m1_pair_sums_hw, e4m3_bits, e4m3_p_shift, fma_f32x2, mul_f32x2, mx_block_exponent,
                        pack_nibbles, pow2, round_e2m1_at_scale, round_e4m3_signed)
 from .key_order import quad_key_order
 from .launch import LoopLaunch
@@ -69,6 +69,20 @@ def _packed_p(x, HW_E2M1: tl.constexpr):
         q_lo, q_hi = tl.split(tl.reshape(q, (BLOCK_M, BLOCK_N // 2, 2)))
         pairs = (q_lo + q_hi).to(tl.float16)  # exact (at most 12, in halves)
     return packed, pairs
+
+
+@triton.jit
+def _code_block_sums(packed, pairs, NB: tl.constexpr, QB: tl.constexpr, WS: tl.constexpr, F32X2: tl.constexpr):
+    """Per-block sums (BLOCK_M, NB) fp32 of P's rounded values in units of their block scales, from
+    :func:`_packed_p`'s outputs. In datacenter Blackwell's warp-specialized loop (F32X2 and WS) from
+    the codes by :func:`.fp4_math.e2m1_block_sums_hw` (each byte converted back to an f16 pair, the
+    pairs added two lanes an instruction: offline, sm_100 ``sage3-hpnq`` 10.6 → 10.0 instructions per
+    element over the partitions), whose blocks must be whole in a thread — what that loop's S tile
+    layout gives (tests/test_offline_compile.py reads it off the compiled loop); else
+    :func:`_block_sums` of the pair sums (WS: in fp16). The same values: every sum is exact."""
+    if F32X2 and WS:
+        return e2m1_block_sums_hw(packed, QB)
+    return _block_sums(pairs, NB, WS)
 
 
 @triton.jit
@@ -122,7 +136,7 @@ def _block_exp2(x):
 
 @triton.jit
 def _mx_p(qk, scale_log2, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr, QB: tl.constexpr,
-          HW_E2M1: tl.constexpr, WS: tl.constexpr = False):
+          HW_E2M1: tl.constexpr, WS: tl.constexpr = False, F32X2: tl.constexpr = False):
     """MXFP4 P of one tile of raw logits ``qk`` (masked keys -inf; the logit in log2 units is
     qk · scale_log2, scale_log2 > 0): (packed codes, E8M0 scale bytes, m_new, l_new, alpha). The
     block maxima are the rounded products (the maxima of the rounded logits: rounding is monotonic),
@@ -143,11 +157,15 @@ def _mx_p(qk, scale_log2, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: 
     e_blk = tl.where(amax > 0, tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126), 0)
     # in units of the block scale (no P̃ exceeds 8 units: the block's maximum is at most QMAX of them)
     shift = m_safe[:, None] + e_blk.to(tl.float32)
-    x3 = tl.exp2(tl.fma(tl.reshape(qk, (BLOCK_M, NB, QB)), scale_log2, -shift[:, :, None]))
+    qk3 = tl.reshape(qk, (BLOCK_M, NB, QB))
+    if F32X2:
+        x3 = tl.exp2(fma_f32x2(qk3, tl.broadcast_to(scale_log2, qk3.shape), tl.broadcast_to(-shift[:, :, None], qk3.shape)))
+    else:
+        x3 = tl.exp2(tl.fma(qk3, scale_log2, -shift[:, :, None]))
     packed, pairs = _packed_p(tl.reshape(x3, (BLOCK_M, BLOCK_N)), HW_E2M1)
     alpha = tl.exp2(m_i - m_safe)
     if PNQ:
-        l_new = tl.fma(alpha, l_i, tl.sum(_block_sums(pairs, NB, WS) * pow2(e_blk), axis=1))
+        l_new = tl.fma(alpha, l_i, tl.sum(_code_block_sums(packed, pairs, NB, QB, WS, F32X2) * pow2(e_blk), axis=1))
     else:
         l_new = tl.fma(alpha, l_i, tl.sum(tl.sum(x3, axis=2) * pow2(e_blk), axis=1))
     return packed, (e_blk + 127).to(tl.uint8), m_new, l_new, alpha
@@ -156,7 +174,7 @@ def _mx_p(qk, scale_log2, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: 
 @triton.jit
 def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr,
           FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr, QB: tl.constexpr, HW_E2M1: tl.constexpr,
-          QUAD: tl.constexpr = False, WS: tl.constexpr = False):
+          QUAD: tl.constexpr = False, WS: tl.constexpr = False, F32X2: tl.constexpr = False):
     """NVFP4 P of one tile of raw logits ``qk`` (masked keys -inf; the logit in log2 units is
     qk · scale_log2), blocks of QB consecutive keys: (packed codes, E4M3 scale bytes, m_new, r_new, l_new,
     acc_scale), with :func:`.loop_nvfp4.nv_quantize_p`'s arithmetic step for step (its lane layout
@@ -188,6 +206,8 @@ def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.co
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     if QUAD:
         p = tl.exp2(tl.fma(s3, scale_log2, -m_safe[:, None, None, None, None, None]))
+    elif F32X2:
+        p = tl.exp2(fma_f32x2(s3, tl.broadcast_to(scale_log2, s3.shape), tl.broadcast_to(-m_safe[:, None, None], s3.shape)))
     else:
         p = tl.exp2(tl.fma(s3, scale_log2, -m_safe[:, None, None]))
     # the block maxima of P̃ by the exp2 of the blocks' largest logits: one exp2 a block, no
@@ -206,6 +226,8 @@ def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.co
         inv = inv * inv_s1[:, None]
     if QUAD:
         x = p * tl.reshape(inv, (BLOCK_M, BLOCK_N // 32, 2))[:, :, None, :, None, None]
+    elif F32X2:
+        x = mul_f32x2(p, tl.broadcast_to(inv[:, :, None], p.shape))
     else:
         x = p * inv[:, :, None]
     packed, pairs = _packed_p(tl.reshape(x, (BLOCK_M, BLOCK_N)), HW_E2M1)
@@ -218,7 +240,7 @@ def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.co
         lane = lane * tl.reshape(scale, (BLOCK_M, BLOCK_N // 32, 2))[:, :, :, None]
         part = tl.sum(tl.sum(tl.sum(lane, axis=1), axis=1), axis=1)
     elif PNQ:  # the row sum of P̂ = q · scale (· r_new)
-        part = tl.sum(_block_sums(pairs, NB, WS) * scale, axis=1)
+        part = tl.sum(_code_block_sums(packed, pairs, NB, QB, WS, F32X2) * scale, axis=1)
     else:  # the row at once (offline, sm_120: across the lanes once a row, not once a block: 0.9 instructions
         # per element fewer)
         part = tl.sum(tl.reshape(p, (BLOCK_M, BLOCK_N)), axis=1)
@@ -234,7 +256,7 @@ _EXP_FLOOR = tl.constexpr(TILE_EXP_FLOOR)
 
 
 @triton.jit
-def _e4m3_p(qk, scale_log2, m_i, k_i, l_i, PNQ: tl.constexpr, HW_E4M3: tl.constexpr):
+def _e4m3_p(qk, scale_log2, m_i, k_i, l_i, PNQ: tl.constexpr, HW_E4M3: tl.constexpr, F32X2: tl.constexpr = False):
     """FP8 P of one tile of raw logits ``qk`` (masked keys -inf; in log2 units qk · scale_log2) for
     the FP8-P·V methods, the e4m3 loop's rule (:func:`.loop_e4m3.quantize_p` with ``P_E4M3``): one
     power-of-two scale per row and tile, k = 7 - ⌊log2 (the tile's largest P̃)⌋, P̂ = P̃ · 2^k rounded
@@ -245,7 +267,11 @@ def _e4m3_p(qk, scale_log2, m_i, k_i, l_i, PNQ: tl.constexpr, HW_E4M3: tl.conste
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     top = tl.exp2(tile_max - m_safe)
     k_new = e4m3_p_shift(top, _EXP_FLOOR)
-    p = tl.exp2(tl.fma(qk, scale_log2, (k_new.to(tl.float32) - m_safe)[:, None]))  # P̃ · 2^k_new < 256
+    if F32X2:
+        p = tl.exp2(fma_f32x2(qk, tl.broadcast_to(scale_log2, qk.shape),
+                              tl.broadcast_to((k_new.to(tl.float32) - m_safe)[:, None], qk.shape)))  # P̃ · 2^k_new < 256
+    else:
+        p = tl.exp2(tl.fma(qk, scale_log2, (k_new.to(tl.float32) - m_safe)[:, None]))  # P̃ · 2^k_new < 256
     p8 = round_e4m3_signed(p, HW_E4M3)
     if PNQ:  # the sum of the rounded values
         part = tl.sum(p8.to(tl.float32), axis=1)
@@ -274,7 +300,7 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
                  HW_E4M3: tl.constexpr, D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, QB: tl.constexpr, HW_E2M1: tl.constexpr, TMA: tl.constexpr, k_row, v_row,
                  P_E4M3: tl.constexpr, QUAD: tl.constexpr, WS: tl.constexpr = False, SC_TMA: tl.constexpr = False,
-                 chunk=0):
+                 chunk=0, F32X2: tl.constexpr = False):
     """One key tile: returns the updated (m, r, k, l, acc); m in log2 units, acc in units of r (the
     two-level row factor; 1 otherwise) and, P_E4M3, of 2^k (P̂ and V̂ᵀ in E4M3: ``V_base`` V̂ᵀ's
     e4m3 rows, keys in order, padded to whole tiles; TMA: a tensor descriptor of them). NV: the scale bytes follow the codes in each row of K̂
@@ -313,7 +339,7 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
     elif TAIL:
         qk = tl.where(key_ok[None, :], qk, float("-inf"))
     if P_E4M3:  # FP8 P·V: P̂ and V̂ᵀ in E4M3 on the FP8 MMA
-        p8, m_new, k_i, l_i, alpha = _e4m3_p(qk, scale_log2, m_i, k_i, l_i, PNQ, HW_E4M3)
+        p8, m_new, k_i, l_i, alpha = _e4m3_p(qk, scale_log2, m_i, k_i, l_i, PNQ, HW_E4M3, F32X2)
         if TMA:
             v8t = V_base.load([v_row, start])
         else:
@@ -327,10 +353,10 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
     else:
         if NV:
             p4, p_sc, m_new, r_i, l_i, acc_scale = _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ,
-                                                         FAST_RCP, HW_E4M3, QB, HW_E2M1, QUAD, WS)
+                                                         FAST_RCP, HW_E4M3, QB, HW_E2M1, QUAD, WS, F32X2)
             p_sc = p_sc.to(tl.float8e4nv, bitcast=True)
         else:
-            p4, p_sc, m_new, l_i, acc_scale = _mx_p(qk, scale_log2, m_i, l_i, OCP, QMAX, PNQ, QB, HW_E2M1, WS)
+            p4, p_sc, m_new, l_i, acc_scale = _mx_p(qk, scale_log2, m_i, l_i, OCP, QMAX, PNQ, QB, HW_E2M1, WS, F32X2)
         if QUAD:
             p4 = _codes_in_key_order(p4)
         half_n = start // 2 + tl.arange(0, BLOCK_N // 2)
@@ -366,6 +392,7 @@ def _scaled_attn_fwd(
     D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     HW_E2M1: tl.constexpr = False, TMA: tl.constexpr = False, WS: tl.constexpr = False,
     P_E4M3: tl.constexpr = False, QUAD: tl.constexpr = False, SC_TMA: tl.constexpr = False,
+    F32X2: tl.constexpr = False,
 ):
     """Online-softmax FP4 attention on ``tl.dot_scaled``; operands from :func:`.prepass.prepass_packed`.
     MXFP4: scales in their own tensors (QS, KS, VS). NV (NVFP4): each row of Q4 / K4 / V4T holds its
@@ -420,20 +447,20 @@ def _scaled_attn_fwd(
                 q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks, svd, svsd,
                 sms, scale_log2, HAS_MASK, False, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D,
                 BLOCK_DV, BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3, QUAD, WS, SC_TMA,
-                bh * (SK_PAD // BLOCK_N) + start // BLOCK_N)
+                bh * (SK_PAD // BLOCK_N) + start // BLOCK_N, F32X2)
     else:
         for start in range(0, n_full, BLOCK_N):
             m_i, r_i, k_i, l_i, acc = _scaled_tile(
                 q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, start, SK, sks, svd, svsd,
                 sms, scale_log2, HAS_MASK, False, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D,
                 BLOCK_DV, BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3, QUAD, False, SC_TMA,
-                bh * (SK_PAD // BLOCK_N) + start // BLOCK_N)
+                bh * (SK_PAD // BLOCK_N) + start // BLOCK_N, F32X2)
     if n_full < SK:
         m_i, r_i, k_i, l_i, acc = _scaled_tile(
             q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base, n_full, SK, sks, svd, svsd,
             sms, scale_log2, HAS_MASK, True, NV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3, D, BLOCK_DV,
             BLOCK_M, BLOCK_N, QB, HW_E2M1, TMA, k_row, v_row, P_E4M3, QUAD, False, SC_TMA,
-            bh * (SK_PAD // BLOCK_N) + n_full // BLOCK_N)
+            bh * (SK_PAD // BLOCK_N) + n_full // BLOCK_N, F32X2)
 
     if P_E4M3:  # acc in units of V̂'s channel factors and of 2^k
         v_fac = tl.load(VS + bh * BLOCK_DV + tl.arange(0, BLOCK_DV))
@@ -664,6 +691,7 @@ def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float,
         PNQ=recipe.row_sum is RowSum.QUANTIZED, TWO_LEVEL=recipe.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
         FAST_RCP=cap >= (8, 0), HW_E4M3=cap >= (8, 9), D=d, BLOCK_DV=dvp, BLOCK_M=block_m, BLOCK_N=KEY_TILE, QB=qb,
         HW_E2M1=cap >= (10, 0),  # Blackwell's E2M1 conversions
+        F32X2=cap[0] in WS_MAJORS,  # datacenter Blackwell's two-lane fp32 arithmetic
         TMA=tma, WS=ws, P_E4M3=pv8, QUAD=quad_order, SC_TMA=sc_tma,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only, as the reference
     )

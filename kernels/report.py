@@ -31,7 +31,7 @@ from .launch import SHARED_MEMORY_LIMIT, stages_that_fit
 from .offline import (WAN_480P_INTS, compile_kernel, loop_opcodes, partition_issue, ptxas_report, sass_lines,
                       sass_loops, sass_mma_loop, tool_path, ttgir_partitions)
 
-__all__ = ["LoopReport", "loop_report", "TARGETS"]
+__all__ = ["LoopReport", "compile_loop", "loop_report", "TARGETS"]
 
 TARGETS = ("sm_90", "sm_100", "sm_120")
 _MMA_PTX = ("wgmma.mma_async", "tcgen05.mma", "mma.sync")
@@ -92,7 +92,8 @@ def _loop(method: str, arch: int):
                 ptr["VS"] = box
         consts = dict(mx_common, NV=nv, TWO_LEVEL=r.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
                       FAST_RCP=True, HW_E4M3=True, HW_E2M1=arch >= 100, BLOCK_M=launch.block_m, QB=qb,
-                      TMA=tma, WS=tma, P_E4M3=pv8, QUAD=scaled_quad_order_on(r, target), SC_TMA=sc_tma)
+                      TMA=tma, WS=tma, P_E4M3=pv8, QUAD=scaled_quad_order_on(r, target), SC_TMA=sc_tma,
+                      F32X2=arch // 10 in WS_MAJORS)
         return ("loop_scaled._scaled_attn_fwd", fn, consts, ptr, launch.block_m * 128 // (launch.num_warps * 32),
                 dict(num_warps=launch.num_warps, num_stages=stages, enable_fp_fusion=False), False)
     if mx == "fp8":
@@ -166,6 +167,16 @@ def _qk_pv_kinds(mmas: list[str], kernel_mmas: list[str], recipe) -> dict:
     return dict(qk_mma_kind=qk, pv_mma_kind=pv)
 
 
+def compile_loop(method: str, arch: int):
+    """(name, compiled kernel, constexprs, elements of S per thread per key tile, launch options,
+    gluon) of the loop the dispatch runs ``method`` with on ``sm_{arch}``, compiled offline as it is
+    launched there (head dim 128, no mask, a Wan-480p launch's sizes)."""
+    name, fn, consts, ptr, per_thread, options, gluon = _loop(method, arch)
+    kernel = compile_kernel(fn, consts, ptr, dict(WAN_480P_INTS, smb=1), arch=arch, floats=("scale_log2", "scale"),
+                            gluon=gluon, **options)
+    return name, kernel, consts, per_thread, options, gluon
+
+
 def loop_report(method: str, target: str) -> LoopReport:
     """Compile ``method``'s loop for ``target`` (``sm_90`` / ``sm_100`` / ``sm_120``) and read it."""
     if target not in TARGETS:
@@ -173,9 +184,7 @@ def loop_report(method: str, target: str) -> LoopReport:
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known methods: {', '.join(METHODS)}")
     arch = int(target[3:])
-    name, fn, consts, ptr, per_thread, options, gluon = _loop(method, arch)
-    ints = dict(WAN_480P_INTS, smb=1)
-    kernel = compile_kernel(fn, consts, ptr, ints, arch=arch, floats=("scale_log2", "scale"), gluon=gluon, **options)
+    name, kernel, consts, per_thread, options, gluon = compile_loop(method, arch)
     kernel_mmas = re.findall(_MMA_PTX_RE, kernel.asm["ptx"])
     if not kernel_mmas:  # Triton compiles a kernel it cannot place (e.g. over 512 tensor-memory columns) to a trap
         raise RuntimeError(f"{method} on {target}: the compiled loop holds no MMA (Triton made it a trap; tensor "
@@ -229,18 +238,44 @@ def loop_report(method: str, target: str) -> LoopReport:
         num_warps=options["num_warps"], num_stages=options["num_stages"])
 
 
+#: the columns of :func:`markdown_row`
+MARKDOWN_COLUMNS = ("method", "target", "loop", "Q·K MMA", "P·V MMA", "instructions / element of S",
+                    "spill accesses / key tile in the loops", "registers (spilled B)", "shared memory B",
+                    "tensor memory columns", "warp specialized", "TMA", "warps × stages")
+
+
+def markdown_row(rep: LoopReport) -> str:
+    """One Markdown table row of a report (:data:`MARKDOWN_COLUMNS`)."""
+    count = f"{rep.instructions_per_element:.2f} {rep.instructions_source.split(',')[0].split(' ')[0]}"
+    if rep.softmax_partition_instructions_per_element is not None and rep.partitions:
+        count += f", all partitions ({rep.softmax_partition_instructions_per_element:.2f} softmax)"
+    regs = "?" if rep.registers is None else f"{rep.registers} ({rep.spill_bytes})"
+    cells = (rep.method, rep.target, rep.loop.split(".")[0], rep.qk_mma_kind, rep.pv_mma_kind, count,
+             rep.loop_local_accesses, regs, rep.shared_memory_bytes, rep.tensor_memory_columns,
+             "yes" if rep.warp_specialized else "no", "yes" if rep.tma else "no", f"{rep.num_warps} × {rep.num_stages}")
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fp4video.kernels.report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, choices=TARGETS, help="GPU architecture to compile for")
     ap.add_argument("--method", required=True, nargs="+", choices=list(METHODS), metavar="METHOD",
                     help=f"one or more of: {', '.join(METHODS)}")
-    ap.add_argument("--json", action="store_true", help="one JSON object per method instead of text")
+    out = ap.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="one JSON object per method instead of text")
+    out.add_argument("--markdown", action="store_true",
+                     help="a Markdown table, a row per method (BENCHMARKS.md's table of what the loops compile to)")
     args = ap.parse_args(argv)
+    if args.markdown:
+        print("| " + " | ".join(MARKDOWN_COLUMNS) + " |\n|" + " --- |" * len(MARKDOWN_COLUMNS))
     for method in args.method:
         rep = loop_report(method, args.target)
         if args.json:
             print(json.dumps(asdict(rep)))
+            continue
+        if args.markdown:
+            print(markdown_row(rep), flush=True)
             continue
         regs = "ptxas took no PTX here" if rep.registers is None else f"{rep.registers} registers, {rep.spill_bytes} B spilled"
         print(f"{rep.method} on {rep.target}: {rep.loop} ({rep.num_warps} warps, {rep.num_stages} stages)\n"
