@@ -73,10 +73,10 @@ def fitting_stages(device: torch.device, stages: int, need: dict[str, dict[int, 
 
 @dataclass(frozen=True)
 class LoopLaunch:
-    """How one attention loop is launched: rows per program, warps, pipelining stages (at most:
-    fewer where they do not fit, :meth:`resolve`), the shared memory each number of stages needs
-    per architecture (offline compiles at head dim 128, :data:`TABLE_ARCHS`), a register cap
-    (None: ptxas decides) and why."""
+    """How one attention loop is launched: rows per program, warps (both may differ by
+    architecture: ``shapes``), pipelining stages (at most: fewer where they do not fit,
+    :meth:`resolve`), the shared memory each number of stages needs per architecture (offline
+    compiles at head dim 128, :data:`TABLE_ARCHS`), a register cap (None: ptxas decides) and why."""
 
     block_m: int
     num_warps: int
@@ -84,11 +84,18 @@ class LoopLaunch:
     shared_memory: dict[str, dict[int, int]] = field(default_factory=dict, hash=False, compare=False)
     max_registers: int | None = None
     reason: str = ""
+    #: (rows per program, warps) for the architectures (:func:`table_arch`'s tables) where they differ
+    shapes: dict[str, tuple[int, int]] = field(default_factory=dict, hash=False, compare=False)
+
+    def shape(self, arch: str | None) -> tuple[int, int]:
+        """(rows per program, warps) on ``arch`` (``"sm_120"``, ...; None: the CPU interpreter)."""
+        return self.shapes.get(table_arch(arch), (self.block_m, self.num_warps))
 
     def resolve(self, device: torch.device, block_m=None, num_warps=None, num_stages=None) -> tuple[int, int, int]:
         """(block_m, num_warps, num_stages) for this device, a caller's explicit values first."""
         stages = num_stages or fitting_stages(device, self.num_stages, self.shared_memory)
-        return block_m or self.block_m, num_warps or self.num_warps, stages
+        rows, warps = self.shape(device_arch(device))
+        return block_m or rows, num_warps or warps, stages
 
 
 def tma_unsupported_reason(device: torch.device) -> str | None:

@@ -54,12 +54,15 @@ POINTER_LAUNCH = LoopLaunch(
            "on Ada's 99 KB")
 #: TMA loads (Hopper)
 TMA_LAUNCH = LoopLaunch(
-    64, 4, 2, shared_memory=TMA_SHARED_MEMORY,
+    64, 4, 2, shared_memory=TMA_SHARED_MEMORY, shapes={"sm_120": (128, 8)},
     reason="2 stages and at most 168 registers let three programs share an SM (H200, 2026-11-30: 158.24 ms "
-           "at Wan 720p against 165.59 at 3 stages)")
-#: registers per thread that let three TMA programs share an SM (3 × 128 threads × 168 ≤ 64 K; the
-#: unmasked loop takes 167 by itself, a masked one 202 uncapped): the cap of masked TMA launches
-#: (HunyuanVideo 720p 280.30 ms against 361.89 uncapped, H200, 2026-11-30)
+           "at Wan 720p against 165.59 at 3 stages). sm_120 (mma.sync): 128 rows and 8 warps, a warp's 16 rows "
+           "each, where at 64 rows and 4 warps Triton splits the tile's keys across the warps and P goes "
+           "through shuffles and shared memory (offline, Triton 3.9, 2026-12-03: 12.4 against 22.8 SASS "
+           "instructions per element of S, 2 against 6 spill accesses a key tile; masked 18.8 against 24.2)")
+#: registers per thread that let three 64-row TMA programs share an SM (3 × 128 threads × 168 ≤ 64 K;
+#: the unmasked loop takes 167 by itself, a masked one 202 uncapped): the cap of masked launches of
+#: that shape (HunyuanVideo 720p 280.30 ms against 361.89 uncapped, H200, 2026-11-30)
 TMA_REGISTER_BUDGET = 168
 
 
@@ -291,8 +294,9 @@ def attention_e4m3(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive
     out, lse = outputs(q8.shape, dv, dev, out_dtype)
     km = key_mask(key_alive, dev)
     launch = TMA_LAUNCH if tma else POINTER_LAUNCH
-    capped = tma and key_alive is not None and not any((block_m, num_warps, num_stages))
+    given = any((block_m, num_warps, num_stages))
     block_m, num_warps, num_stages = launch.resolve(dev, block_m, num_warps, num_stages)
+    capped = tma and key_alive is not None and not given and (block_m, num_warps) == (64, 4)
     kt, vt = k8, v8t
     if tma:  # K̂ as (B·H·Sk_pad, D) rows and V̂ᵀ as (B·H·Dv_pad, Sk_pad) rows: one box per key tile
         from triton.tools.tensor_descriptor import TensorDescriptor

@@ -101,13 +101,14 @@ def _loop(method: str, arch: int):
         from .loop_e4m3 import TILE_EXP_FLOOR, TMA_LAUNCH, KERNEL as fn
 
         launch = TMA_LAUNCH  # every target here has TMA
+        block_m, num_warps = launch.shape(target)
         stages = stages_that_fit(target, limit, launch.num_stages, launch.shared_memory)
         ptr = {"Q8": "*fp8e4nv", "QFac": "*fp32", "K8": "tensordesc<fp8e4nv[128, 128]>", "KFac": "*fp32",
                "V8T": "tensordesc<fp8e4nv[128, 128]>", "VFac": "*fp32", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
-        consts = dict(mx_common, BLOCK_M=launch.block_m, QB=LANE_BLOCK, EXP_FLOOR=TILE_EXP_FLOOR, TMA=True,
+        consts = dict(mx_common, BLOCK_M=block_m, QB=LANE_BLOCK, EXP_FLOOR=TILE_EXP_FLOOR, TMA=True,
                       K_TILE_ORDER=True, ASM=True, FRESH_PV=True, P_E4M3=pv is Format.E4M3)
-        return ("loop_e4m3._e4m3_attn_fwd", fn, consts, ptr, launch.block_m * 128 // (launch.num_warps * 32),
-                dict(num_warps=launch.num_warps, num_stages=stages, enable_fp_fusion=False), False)
+        return ("loop_e4m3._e4m3_attn_fwd", fn, consts, ptr, block_m * 128 // (num_warps * 32),
+                dict(num_warps=num_warps, num_stages=stages, enable_fp_fusion=False), False)
     if qk is Format.NVFP4:
         nv = dict(HAS_MASK=False, TWO_LEVEL=r.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
                   PNQ=r.row_sum is RowSum.QUANTIZED, D=128, BLOCK_DV=128, BLOCK_N=128)

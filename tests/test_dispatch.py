@@ -74,6 +74,13 @@ def test_launches_fit_the_shared_memory_of_the_gpu(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
         assert launch.shared_memory_per_block(cuda) == want, cap
     assert loop_nvfp4.LAUNCH.resolve(torch.device("cpu"))[2] == 3
+    # rows and warps by architecture: the e4m3 loop takes 128 rows and 8 warps on consumer Blackwell
+    # (sm_12x), 64 and 4 elsewhere; a caller's explicit values first
+    for cap, shape in (((12, 0), (128, 8)), ((12, 1), (128, 8)), ((9, 0), (64, 4)), ((10, 0), (64, 4))):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
+        assert tma.resolve(cuda)[:2] == shape, cap
+    assert tma.resolve(cuda, block_m=32, num_warps=2)[:2] == (32, 2)
+    assert tma.shape(None) == (64, 4) and tma.resolve(torch.device("cpu"))[:2] == (64, 4)
 
 
 def test_native_fp4_loop_only_where_it_was_compiled(monkeypatch):
