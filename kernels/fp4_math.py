@@ -363,6 +363,15 @@ def fma_f32x2(a, b, c):
 
 
 @triton.jit
+def fma_lanes(a, b, c, F32X2: tl.constexpr):
+    """``tl.fma(a, b, c)`` with ``b`` and ``c`` broadcast to ``a``'s shape; F32X2 (datacenter
+    Blackwell): two elements an instruction (:func:`fma_f32x2`), the same values."""
+    if F32X2:
+        return fma_f32x2(a, tl.broadcast_to(b, a.shape), tl.broadcast_to(c, a.shape))
+    return tl.fma(a, b, c)
+
+
+@triton.jit
 def mul_f32x2(a, b):
     """a · b rounded to nearest even (``*``'s value), two elements an instruction: ``mul.rn.f32x2`` of
     datacenter Blackwell (sm_10x)."""

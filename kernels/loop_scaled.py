@@ -41,8 +41,9 @@ from fp4video.formats import Format, ScaleRule
 from fp4video.recipe import AttentionRecipe, PScale, RowSum
 from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
 
-from .fp4_math import (e2m1_block_sums_hw, e2m1_magnitude_codes, e2m1_pack_hw, e2m1_pair_sums_hw, e4m3_bits, e4m3_p_shift, fma_f32x2, mul_f32x2, mx_block_exponent,
-                       pack_nibbles, pow2, round_e2m1_at_scale, round_e4m3_signed)
+from .fp4_math import (e2m1_block_sums_hw, e2m1_magnitude_codes, e2m1_pack_hw, e2m1_pair_sums_hw, e4m3_bits, e4m3_p_shift,
+                       fma_lanes, mul_f32x2, mx_block_exponent, pack_nibbles, pow2, round_e2m1_at_scale,
+                       round_e4m3_signed)
 from .key_order import quad_key_order
 from .launch import LoopLaunch
 from .loop_e4m3 import TILE_EXP_FLOOR, pointer_loop_unsupported_reason
@@ -146,7 +147,9 @@ def _mx_p(qk, scale_log2, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: 
     (offline, sm_120: one multiply per element fewer than P̃ · 2^-e). WS (the warp-specialized loop):
     PNQ's block sums added in fp16 (exact: at most 192, in halves), converted once a block (offline,
     sm_100 ``mxattn`` 10.6 → 10.4 instructions per element over the partitions; sm_120's loop, which
-    it lengthens, keeps fp32)."""
+    it lengthens, keeps fp32). F32X2 (datacenter Blackwell): the exp2 arguments two lanes an
+    instruction, and in the warp-specialized loop PNQ's block sums from the codes
+    (:func:`_code_block_sums`); the same values (sm_100 ``mxattn`` 8.6 → 7.7)."""
     BLOCK_M: tl.constexpr = qk.shape[0]
     BLOCK_N: tl.constexpr = qk.shape[1]
     NB: tl.constexpr = BLOCK_N // QB
@@ -157,11 +160,7 @@ def _mx_p(qk, scale_log2, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: 
     e_blk = tl.where(amax > 0, tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126), 0)
     # in units of the block scale (no P̃ exceeds 8 units: the block's maximum is at most QMAX of them)
     shift = m_safe[:, None] + e_blk.to(tl.float32)
-    qk3 = tl.reshape(qk, (BLOCK_M, NB, QB))
-    if F32X2:
-        x3 = tl.exp2(fma_f32x2(qk3, tl.broadcast_to(scale_log2, qk3.shape), tl.broadcast_to(-shift[:, :, None], qk3.shape)))
-    else:
-        x3 = tl.exp2(tl.fma(qk3, scale_log2, -shift[:, :, None]))
+    x3 = tl.exp2(fma_lanes(tl.reshape(qk, (BLOCK_M, NB, QB)), scale_log2, -shift[:, :, None], F32X2))
     packed, pairs = _packed_p(tl.reshape(x3, (BLOCK_M, BLOCK_N)), HW_E2M1)
     alpha = tl.exp2(m_i - m_safe)
     if PNQ:
@@ -181,7 +180,9 @@ def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.co
     aside): P̂ is in units of r_new, the accumulator is rescaled by acc_scale. QUAD (QB = 16): the
     columns in :func:`.key_order.quad_key_order` (column 8j + 2t + e of each 32 holds key 8t + 2j + e,
     so a block of 16 keys is the columns of one t // 2, and a lane holds half a block); the codes
-    come out in that order too. WS (the warp-specialized loop): PNQ's block sums added in fp16
+    come out in that order too. F32X2 (datacenter Blackwell): the exp2 arguments and P̃'s scaling by
+    the block reciprocals two lanes an instruction, PNQ's block sums as :func:`_mx_p`'s (the same
+    values; sm_100 ``sage3-hpnq`` 11.5 → 9.97). WS (the warp-specialized loop): PNQ's block sums added in fp16
     (exact: at most 96, in halves), converted once a block (sm_100 ``sage3-hpnq`` 14.7 → 14.4). The
     block maxima's exp2 is :func:`_block_exp2`'s (Triton's partitioner keeps it with the softmax;
     taking each block's maximum over its P̃ elements instead cost more: sm_120 ``sage3`` 16.2
@@ -206,10 +207,8 @@ def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.co
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     if QUAD:
         p = tl.exp2(tl.fma(s3, scale_log2, -m_safe[:, None, None, None, None, None]))
-    elif F32X2:
-        p = tl.exp2(fma_f32x2(s3, tl.broadcast_to(scale_log2, s3.shape), tl.broadcast_to(-m_safe[:, None, None], s3.shape)))
     else:
-        p = tl.exp2(tl.fma(s3, scale_log2, -m_safe[:, None, None]))
+        p = tl.exp2(fma_lanes(s3, scale_log2, -m_safe[:, None, None], F32X2))
     # the block maxima of P̃ by the exp2 of the blocks' largest logits: one exp2 a block, no
     # reduction of P̃ (the reference takes the largest of the block's P̃: the same value, exp2 and
     # the FMA being monotonic)
@@ -267,11 +266,7 @@ def _e4m3_p(qk, scale_log2, m_i, k_i, l_i, PNQ: tl.constexpr, HW_E4M3: tl.conste
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     top = tl.exp2(tile_max - m_safe)
     k_new = e4m3_p_shift(top, _EXP_FLOOR)
-    if F32X2:
-        p = tl.exp2(fma_f32x2(qk, tl.broadcast_to(scale_log2, qk.shape),
-                              tl.broadcast_to((k_new.to(tl.float32) - m_safe)[:, None], qk.shape)))  # P̃ · 2^k_new < 256
-    else:
-        p = tl.exp2(tl.fma(qk, scale_log2, (k_new.to(tl.float32) - m_safe)[:, None]))  # P̃ · 2^k_new < 256
+    p = tl.exp2(fma_lanes(qk, scale_log2, (k_new.to(tl.float32) - m_safe)[:, None], F32X2))  # P̃ · 2^k_new < 256
     p8 = round_e4m3_signed(p, HW_E4M3)
     if PNQ:  # the sum of the rounded values
         part = tl.sum(p8.to(tl.float32), axis=1)
@@ -403,7 +398,8 @@ def _scaled_attn_fwd(
     :func:`scale_chunks`'s layout, chunk bh · (SK_PAD / BLOCK_N) + tile. WS: the
     key loop is Triton's warp-specialized loop (on sm_100: a TMA-load partition, an MMA partition
     issuing the asynchronous ``tcgen05`` MMAs, correction partitions, and the softmax in the default
-    partition; S double-buffered in tensor memory)."""
+    partition; S double-buffered in tensor memory). F32X2 (sm_10x / sm_11x): two-lane fp32 arithmetic
+    in P's quantization (:func:`.fp4_math.fma_lanes`)."""
     b, h, offs_m, row_ok = program_rows(H, SQ, BLOCK_M)
     bh = tl.program_id(1)
     half_d = tl.arange(0, D // 2)
