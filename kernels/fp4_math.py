@@ -510,4 +510,3 @@ def fake_quant_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr
     if SIGNED and FMT != 1:
         q = tl.where(xb < 0, -q, q)
     return tl.reshape(q, (ROWS, COLS))
-

@@ -296,7 +296,8 @@ def attention_e4m3(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive
     launch = TMA_LAUNCH if tma else POINTER_LAUNCH
     given = any((block_m, num_warps, num_stages))
     block_m, num_warps, num_stages = launch.resolve(dev, block_m, num_warps, num_stages)
-    capped = tma and key_alive is not None and not given and (block_m, num_warps) == (64, 4)
+    three_per_sm = (block_m, num_warps) == (TMA_LAUNCH.block_m, TMA_LAUNCH.num_warps)  # the cap's shape
+    capped = tma and key_alive is not None and not given and three_per_sm
     kt, vt = k8, v8t
     if tma:  # K̂ as (B·H·Sk_pad, D) rows and V̂ᵀ as (B·H·Dv_pad, Sk_pad) rows: one box per key tile
         from triton.tools.tensor_descriptor import TensorDescriptor
