@@ -16,6 +16,10 @@ tells where in each kernel's main loop the warps' stall samples fall.
     ncu -i prof.ncu-rep --page source --print-source sass --csv > source.csv
     python3 tools/profile_attention.py source source.csv [--chunk 36]
 
+``fa3`` / ``fa3-fp8`` are FlashAttention-3's bf16 and FP8 kernels (the FP8 one on inputs cast before
+its launch), when installed. ``summarize --memory`` adds the memory hierarchy's throughput (profile
+with ``--section MemoryWorkloadAnalysis`` too).
+
 ``NAME-triton`` forces the Triton NVFP4 loop (``FP4VIDEO_NV_KERNEL=triton``), ``NAME-pointer``
 the e4m3 MXFP4 loop with pointer loads instead of TMA (``FP4VIDEO_MX_TMA=0``); ``cudnn`` is
 PyTorch's cuDNN SDPA. ``--clock-control none`` leaves the clocks as they are (the project's
@@ -49,10 +53,23 @@ def run(args) -> int:
     q, k, v = (torch.randn(1, args.heads, args.seq, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
                for _ in range(3))
 
+    peers = {}
+    if {"fa3", "fa3-fp8"} & set(args.kernels):
+        from fp4video.eval.peers import find_peers
+
+        found = {p.name: p for p in find_peers()}
+        peers = {"fa3": found["FlashAttention-3 bf16"], "fa3-fp8": found["FlashAttention-3 FP8 (kernel only)"]}
+        for name, peer in peers.items():
+            if peer.fn is None and name in args.kernels:
+                raise SystemExit(f"error: {peer.name}: {peer.missing}")
+    prepared = {name: peer.args(q, k, v) for name, peer in peers.items() if name in args.kernels}
+
     def call(name: str):
         if name == "cudnn":
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        if name in peers:  # FlashAttention-3, the FP8 form on inputs cast before (its kernel alone)
+            return peers[name].fn(*prepared[name])
         method, _, suffix = name.partition("-")
         if suffix and suffix not in VARIANTS:
             method, suffix = name, ""  # a method whose name has a dash
@@ -97,6 +114,14 @@ def summarize(args) -> int:
         print(f"| {name} | {ms:.2f} | {value(row, 'sm__issue_active.avg.pct_of_peak_sustained_elapsed'):.1f} | "
               f"{value(row, 'sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active'):.1f} | {cycles:.2f} | "
               + " | ".join(f"{value(row, stall.format(s)):.2f}" for s in STALLS) + " |")
+    if args.memory:  # the memory hierarchy's throughput (sections SpeedOfLight, MemoryWorkloadAnalysis)
+        wanted = [m for m in header if m.startswith(("lts__", "l1tex__", "dram__")) and
+                  ("pct" in m or "per_second" in m or m.endswith(".sum"))]
+        print()
+        print("| metric (unit) | " + " | ".join(r[col["Kernel Name"]][:24] for r in data) + " |")
+        print("| --- " * (1 + len(data)) + "|")
+        for m in wanted:
+            print(f"| {m} ({units[col[m]]}) | " + " | ".join(f"{value(r, m):.4g}" for r in data) + " |")
     return 0
 
 
@@ -167,11 +192,12 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="one launch of each kernel (run under ncu)")
     r.add_argument("kernels", nargs="+", help="fp4video methods, NAME-triton (the Triton NVFP4 loop), NAME-pointer "
-                                                 "(the e4m3 loop without TMA) or cudnn")
+                                                 "(the e4m3 loop without TMA), cudnn, fa3 or fa3-fp8 (FlashAttention-3)")
     r.add_argument("--seq", type=int, default=16384)
     r.add_argument("--heads", type=int, default=16)
     s = sub.add_parser("summarize", help="markdown table from `ncu -i REP --page raw --csv`")
     s.add_argument("csv")
+    s.add_argument("--memory", action="store_true", help="also the L1, L2 and DRAM throughput metrics, a column per kernel")
     src = sub.add_parser("source", help="where the main loop's stall samples fall, from `ncu -i REP --page source "
                                         "--print-source sass --csv`")
     src.add_argument("csv")
