@@ -136,6 +136,31 @@ def test_profile_attention_summarizes_ncu_csv(tmp_path):
     assert row, run.stdout
 
 
+def test_profile_attention_memory_table_has_a_column_per_launch(tmp_path):
+    """``summarize --memory`` adds the L1 / L2 / DRAM throughput metrics ncu reported, one row per
+    metric with its unit and one column per launch; other metrics stay out of that table."""
+    import csv
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "tools" / "profile_attention.py"
+    header = ["ID", "Kernel Name", "gpu__time_duration.sum", "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+              "dram__bytes.avg.per_second", "sm__warps_active.avg.pct_of_peak_sustained_active"]
+    units = ["", "", "msecond", "%", "Gbyte/s", "%"]
+    path = tmp_path / "raw.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([header, units, ["0", "_e4m3_attn_fwd", "2.57", "54.65", "1.27", "20"],
+                                 ["1", "device_kernel", "2.22", "27.97", "1.45", "30"]])
+    run = subprocess.run([sys.executable, str(script), "summarize", "--memory", str(path)], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "| metric (unit) | _e4m3_attn_fwd | device_kernel |" in run.stdout, run.stdout
+    assert "| lts__throughput.avg.pct_of_peak_sustained_elapsed (%) | 54.65 | 27.97 |" in run.stdout, run.stdout
+    assert "| dram__bytes.avg.per_second (Gbyte/s) | 1.27 | 1.45 |" in run.stdout, run.stdout
+    assert "sm__warps_active" not in run.stdout.split("| metric (unit)")[1], run.stdout
+
+
 def test_profile_attention_source_finds_the_loop_and_its_samples(tmp_path):
     """tools/profile_attention.py source (docs/history.md's stall samples by loop position) reads
     ncu's per-instruction CSV — a "Kernel Name" line, a header, one row per SASS instruction — and
