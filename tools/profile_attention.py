@@ -17,8 +17,9 @@ tells where in each kernel's main loop the warps' stall samples fall.
     python3 tools/profile_attention.py source source.csv [--chunk 36]
 
 ``fa3`` / ``fa3-fp8`` are FlashAttention-3's bf16 and FP8 kernels (the FP8 one on inputs cast before
-its launch), when installed; ncu names their kernels ``device_kernel`` (add it to ``-k``). ``summarize --memory`` adds the memory hierarchy's throughput (profile
-with ``--section MemoryWorkloadAnalysis`` too).
+its launch), when installed; ncu names their kernels ``device_kernel`` (add it to ``-k``).
+``summarize --memory`` adds the memory hierarchy's throughput (profile with ``--section
+MemoryWorkloadAnalysis`` too).
 
 ``NAME-triton`` forces the Triton NVFP4 loop (``FP4VIDEO_NV_KERNEL=triton``), ``NAME-pointer``
 the e4m3 MXFP4 loop with pointer loads instead of TMA (``FP4VIDEO_MX_TMA=0``); ``cudnn`` is
