@@ -121,7 +121,8 @@ def _loop(method: str, arch: int):
             ptr = {"Q": "*bf16", "Kd": desc, "Vd": desc, "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
             consts = dict(nv, BLOCK_M=128, NUM_BUF=NUM_BUFFERS, CONSUMER_REGS=CONSUMER_REGS)
             # one warpgroup of 64 rows is compiled; the other runs the same code in a partition
-            return ("loop_nvfp4_sm90._nv_attn_fwd_sm90", fn, consts, ptr, 64, dict(num_warps=4, num_stages=1), True)
+            return ("loop_nvfp4_sm90._nv_attn_fwd_sm90", fn, consts, ptr, 64,
+                    dict(num_warps=4, num_stages=1, enable_fp_fusion=False), True)  # as launched
         from .loop_nvfp4 import LAUNCH, KERNEL as fn
 
         stages = stages_that_fit(target, limit, LAUNCH.num_stages, LAUNCH.shared_memory)
