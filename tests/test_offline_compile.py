@@ -350,10 +350,10 @@ def test_column_bases_reads_linear_and_blocked_layouts():
 
 
 #: compiles the Gluon NVFP4 loop the dispatch runs METHOD with on sm_90, masked or not, and prints
-#: the local-memory accesses of each warpgroup's key loop (the innermost SASS loops that issue MMAs)
+#: the local-memory accesses of each warpgroup's key loop (the partitions' SASS key loops that issue MMAs)
 SM90_LOOP_SPILLS = """
 import tempfile
-from fp4video.kernels.offline import WAN_480P_INTS, _SASS_SYNTAX, _loops, compile_kernel, sass_lines, tool_path
+from fp4video.kernels.offline import WAN_480P_INTS, compile_kernel, sass_lines, sass_loops, tool_path
 from fp4video.kernels.report import _local_accesses, _loop
 name, fn, consts, ptr, _, options, gluon = _loop({method!r}, 90)
 assert name == "loop_nvfp4_sm90._nv_attn_fwd_sm90" and gluon, name
@@ -362,8 +362,7 @@ kernel = compile_kernel(fn, dict(consts, HAS_MASK={masked!r}), ptr, ints, arch=9
                         **options)
 with tempfile.TemporaryDirectory() as tmp:
     lines = sass_lines(kernel, tool_path("nvdisasm"), tmp)
-loops = [(a, b, ops) for a, b, ops in _loops(lines, **_SASS_SYNTAX) if any("GMMA" in op for op in ops)]
-print("SPILLS", [_local_accesses(ops) for a, b, ops in loops if not any(a < c < b for c, _, _ in loops)])
+print("SPILLS", [_local_accesses(ops) for ops in sass_loops(lines) if any("GMMA" in op for op in ops)])
 """
 
 
@@ -381,5 +380,6 @@ def test_sm90_gluon_loop_is_spill_free_in_both_warpgroups(method, masked):
     run = subprocess.run([sys.executable, "-c", SM90_LOOP_SPILLS.format(method=method, masked=masked)],
                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
-    spills = re.search(r"SPILLS \[(.*)\]", run.stdout).group(1)
-    assert spills == "0, 0", f"local-memory accesses per key tile in the warpgroups' loops: [{spills}]"
+    spills = [int(n) for n in re.search(r"SPILLS \[(.*)\]", run.stdout).group(1).split(",")]
+    # (a worker's loop may also be counted inside the loop that dispatches the partitions)
+    assert len(spills) >= 2 and not any(spills), f"local-memory accesses per key tile in the MMA loops: {spills}"
