@@ -255,6 +255,71 @@ def test_sweep_tables_bold_only_differences_beyond_the_spread_and_say_the_policy
     assert describe_rules([]) == "none (every call in the method)"
 
 
+# --- the clock and the power cap under a timing (fp4video.eval.power) -----------------------------
+
+
+class _FakeNVML:
+    """What :mod:`fp4video.eval.power` calls of pynvml: a GPU whose clock and power follow a
+    script, the power-cap bit set in every other sample."""
+
+    NVML_CLOCK_SM = 1
+
+    def __init__(self, clocks, watts):
+        self.clocks, self.watts, self.calls = clocks, watts, 0
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
+        assert handle == "gpu0"
+        return 0x4 if self.calls % 2 else 0x1  # SW power cap / GPU idle
+
+    def nvmlDeviceGetClockInfo(self, handle, which):
+        assert which == self.NVML_CLOCK_SM
+        self.calls += 1
+        return self.clocks[min(self.calls - 1, len(self.clocks) - 1)]
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return self.watts * 1000  # mW
+
+
+def test_clock_sampler_means_the_settled_window_and_counts_the_power_cap():
+    """The sampler averages the clock and power over the window's last three quarters (the first
+    quarter, where the clock is still falling, left out), and the share of samples with the power
+    cap's bit (0x4) set; a window too short for 8 samples gives no mean and says so."""
+    import time
+
+    from fp4video.eval.power import ClockSampler, summarize
+
+    nvml = _FakeNVML([1980] * 4 + [1700] * 400, 690)
+    sampler = ClockSampler(nvml, "gpu0", interval=0.002)
+    with sampler.window() as w:
+        time.sleep(0.2)
+    assert w.result is not None and w.why is None
+    assert abs(w.result.watts - 690) < 1e-9
+    assert 1700 <= w.result.mhz < 1700 + 280 * 4 / 60  # the first quarter (with the 1980s) dropped
+    assert 0.4 < w.result.capped < 0.6
+    assert summarize([(1980.0, 400.0, False)] * 7) is None
+    short = ClockSampler(nvml, "gpu0", interval=10.0).window()
+    with short:
+        pass
+    assert short.result is None and "too few" in short.why
+    # by hand: the quarter rule and the shares
+    s = summarize([(2000.0, 100.0, False)] * 2 + [(1600.0, 700.0, True)] * 3 + [(1800.0, 500.0, False)] * 3)
+    assert (s.mhz, s.watts, s.capped) == (1700.0, 600.0, 0.5)
+
+
+def test_clock_sampler_without_nvml_says_what_to_install(monkeypatch):
+    """Without nvidia-ml-py the sampler is unavailable, measures nothing, and names the package."""
+    import sys
+
+    from fp4video.eval.power import ClockSampler
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
+    sampler = ClockSampler.for_device(0)
+    assert not sampler.available and "nvidia-ml-py" in sampler.why
+    with sampler.window() as w:
+        pass
+    assert w.result is None
+
+
 # --- speed tables as plots (fp4video.eval.speed) -------------------------------------------------
 
 
@@ -268,11 +333,12 @@ def test_bench_kernel_tables_parse_back_and_plot(tmp_path):
     from fp4video.eval.speed import KernelTable, parse_kernel_tables, plot_kernel_tables
 
     sage, fa3 = 40.0, 41.0  # peers' ms
-    row = lambda s, k, t, pre=None, loop=None, peers=True, cos=0.9: KernelTiming(  # noqa: E731
+    row = lambda s, k, t, pre=None, loop=None, peers=True, cos=0.9, mhz=None, capped=None: KernelTiming(  # noqa: E731
         s, k, t, pre, loop, 38.48 / t, dict(zip(RATIO_PEERS, (sage / t, fa3 / t) if peers else (None, None))),
-        cos, cos - 0.1, None if "best" in k else 0.99)
-    rows_a = [row(32760, "cuDNN SDPA bf16 (best bf16)", 38.48), row(32760, "FlashAttention-3 FP8 (cast included)", fa3),
-              row(32760, "fp4video mxattn", 36.91, 0.98, 35.97, cos=0.97045),
+        cos, cos - 0.1, None if "best" in k else 0.99, mhz, capped)
+    rows_a = [row(32760, "cuDNN SDPA bf16 (best bf16)", 38.48, mhz=1629.4, capped=1.0),
+              row(32760, "FlashAttention-3 FP8 (cast included)", fa3, mhz=1725.0, capped=0.985),
+              row(32760, "fp4video mxattn", 36.91, 0.98, 35.97, cos=0.97045, mhz=1853.2, capped=0.0),
               row(32760, "fp4video sage3", 53.77, 1.85, 51.94, cos=0.98184)]
     rows_b = [row(119056, "SDPA default dispatch bf16 (best bf16)", 438.76, peers=False),
               row(119056, "fp4video nvfp4", 485.90, 2.29, 484.04, peers=False, cos=0.98181)]
@@ -281,7 +347,13 @@ def test_bench_kernel_tables_parse_back_and_plot(tmp_path):
         "some prose | with a pipe", "### bench pipeline, other: GPU X",
         format_kernel_table("### bench kernel, B=1 H=24 D=128, bf16, last 56 keys masked (key padding): GPU X, d",
                             rows_b, 24, 128, notes=["SageAttention2: takes no key-padding mask"]),
-        # a table of the format before peers were timed reads back too
+        # the format before the clock was sampled (peers timed) reads back too
+        "### bench kernel, B=1 H=40 D=128, bf16: GPU Z, 2026-12-01", "",
+        "| S | kernel | ms (total) | TFLOP/s | pre-pass ms | loop ms | × best bf16 | × SageAttention2 | "
+        "× FA3 FP8 (cast incl.) | cosine to fp32 | worst-row cosine to fp32 | cosine to best bf16 |",
+        "|" + " --- |" * 12,
+        "| 75600 | fp4video mxattn-pv8 | 150.41 | 778 | 1.61 | 146.15 | 1.18 | 0.98 | 0.93 | 0.98627 | 0.9533 | 0.98632 |",
+        # and the format before peers were timed
         "### bench kernel, B=1 H=40 D=128, bf16: GPU Y, 2026-11-30", "",
         "| S | kernel | ms (total) | TFLOP/s | pre-pass ms | loop ms | × best baseline | cosine to best baseline |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -290,14 +362,19 @@ def test_bench_kernel_tables_parse_back_and_plot(tmp_path):
     assert "Not timed: SageAttention2: takes no key-padding mask." in text
     tables = parse_kernel_tables(text)
     assert [t.title for t in tables] == ["B=1 H=40 D=128, bf16", "B=1 H=24 D=128, bf16, last 56 keys masked (key padding)",
-                                         "B=1 H=40 D=128, bf16"]
+                                         "B=1 H=40 D=128, bf16", "B=1 H=40 D=128, bf16"]
+    # the clock columns: as written (MHz to the unit, the power-cap share in whole percent), empty where not sampled
+    assert [(r.mhz, r.capped) for r in tables[0].rows] == [(1629.0, 1.0), (1725.0, 0.98), (1853.0, 0.0), (None, None)]
+    assert all((r.mhz, r.capped) == (None, None) for t in tables[1:] for r in t.rows)
+    assert [(r.kernel, r.ms, r.ratio, r.x_peers, r.cos_fp32) for r in tables[2].rows] == [
+        ("fp4video mxattn-pv8", 150.41, 1.18, (0.98, 0.93), 0.98627)]
     for table, rows in zip(tables, (rows_a, rows_b)):
         assert [(r.seq, r.kernel, r.ms) for r in table.rows] == [(x.seq, x.kernel, round(x.ms, 2)) for x in rows]
         assert [r.ratio for r in table.rows] == [round(x.x_best_bf16, 2) for x in rows]
         assert [r.cos_fp32 for r in table.rows] == [round(x.cos_fp32, 5) for x in rows]
     assert tables[0].rows[2].x_peers == (round(sage / 36.91, 2), round(fa3 / 36.91, 2))
     assert tables[1].rows[1].x_peers == (None, None)
-    assert [(r.kernel, r.ratio, r.x_peers, r.cos_fp32) for r in tables[2].rows] == [
+    assert [(r.kernel, r.ratio, r.x_peers, r.cos_fp32) for r in tables[3].rows] == [
         ("cuDNN SDPA bf16 (best baseline)", 1.0, (), None), ("fp4video mxattn", 1.09, (), None)]
     png = plot_kernel_tables(tables, tmp_path / "speed.png", bar=0.8)
     with Image.open(png) as im:

@@ -140,7 +140,8 @@ def bench_kernel(args) -> str:
     """Every bf16 attention installed (cuDNN, flash and default SDPA, FlashAttention-3), the peers
     (SageAttention2, FlashAttention-3 FP8 with and without its cast) and fp4video's methods, timed in
     this process on the same inputs; speed × the fastest bf16 and × each peer, accuracy against an
-    fp32 reference (its first 4 heads: cosine, worst row)."""
+    fp32 reference (its first 4 heads: cosine, worst row), and with NVML (``fp4video[bench]``) the
+    SM clock over each timing and the share of it at the power cap."""
     import contextlib
 
     import torch
@@ -149,11 +150,22 @@ def bench_kernel(args) -> str:
 
     from .. import METHODS, fp4_attention
     from ..eval.peers import find_peers
+    from ..eval.power import ClockSampler
     from ..kernels.dispatch import attention_prepared, prepare
     from ..metrics import cossim, row_cosine
 
     def bench(fn):  # ~1.5 s per measurement: at least 7 calls of the longest shapes
         return triton.testing.do_bench(fn, warmup=100, rep=1500, return_mode="median")
+
+    sampler = ClockSampler.for_device(torch.cuda.current_device())
+    if not sampler.available:
+        print(f"  clock and power not sampled: {sampler.why}", file=sys.stderr)
+
+    def timed(fn):
+        """(median ms, the SM clock and power over the timing: :class:`PowerSample` or None)."""
+        with sampler.window() as w:
+            t = bench(fn)
+        return t, w.result
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     sdpa_rows = (("cuDNN SDPA bf16", SDPBackend.CUDNN_ATTENTION), ("flash SDPA bf16", SDPBackend.FLASH_ATTENTION),
@@ -182,12 +194,12 @@ def bench_kernel(args) -> str:
             out = out[:, :h].float()
             return cossim(out, truth), float(row_cosine(out, truth).min())
 
-        measured = []  # (name, precision, ms, pre-pass ms, loop ms, output)
+        measured = []  # (name, precision, ms, pre-pass ms, loop ms, output, clock and power)
         for name, backend in sdpa_rows:
             try:
                 with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
                     out = sdpa(q, k, v, attn_mask=mask)
-                    measured.append((name, "bf16", bench(lambda: sdpa(q, k, v, attn_mask=mask)), None, None, out))
+                    measured.append((name, "bf16", *timed(lambda: sdpa(q, k, v, attn_mask=mask)), None, None, out))
             except RuntimeError as e:  # this backend cannot run the call (e.g. flash with a mask)
                 print(f"  S={s} {name}: not available ({str(e).splitlines()[0][:80]})", file=sys.stderr)
         for p in peers:
@@ -196,7 +208,7 @@ def bench_kernel(args) -> str:
             try:
                 a = p.args(q, k, v)
                 out = p.fn(*a)
-                measured.append((p.name, p.precision, bench(lambda: p.fn(*a)), None, None, out))
+                measured.append((p.name, p.precision, *timed(lambda: p.fn(*a)), None, None, out))
             except Exception as e:  # a peer's build that cannot run this shape: say so, keep going
                 print(f"  S={s} {p.name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})",
                       file=sys.stderr)
@@ -204,28 +216,31 @@ def bench_kernel(args) -> str:
         for m in args.methods:
             recipe = METHODS[m]
             out = fp4_attention(q, k, v, method=m, attn_mask=mask, backend="triton")
-            t_total = bench(lambda: fp4_attention(q, k, v, method=m, attn_mask=mask, backend="triton"))
+            t_total, power = timed(lambda: fp4_attention(q, k, v, method=m, attn_mask=mask, backend="triton"))
             t_pre = bench(lambda: prepare(q, k, v, recipe, key_alive)) if recipe.quantized else None
             prepared = prepare(q, k, v, recipe, key_alive)
             t_loop = bench(lambda: attention_prepared(prepared, key_alive, recipe=recipe, scale=args.head_dim**-0.5,
                                                       out_dtype=q.dtype, dv=v.shape[-1]))
-            measured.append((f"fp4video {m}", m, t_total, t_pre, t_loop, out))
+            measured.append((f"fp4video {m}", m, t_total, power, t_pre, t_loop, out))
             print(f"  S={s} {m}: {t_total:.2f} ms", file=sys.stderr, flush=True)
             prepared = None
         best = min((r for r in measured if r[1] == "bf16"), key=lambda r: r[2])
         peer_ms = {r[0]: r[2] for r in measured}
-        for name, _, t, pre, loop, out in measured:
+        for name, _, t, power, pre, loop, out in measured:
             cos32, worst32 = accuracy(out)
             rows.append(KernelTiming(
                 s, name + (" (best bf16)" if name == best[0] else ""), t, pre, loop, best[2] / t,
                 {peer: peer_ms[peer] / t if peer in peer_ms else None for peer in RATIO_PEERS},
-                cos32, worst32, None if name == best[0] else cossim(out.float(), best[5].float())))
+                cos32, worst32, None if name == best[0] else cossim(out.float(), best[6].float()),
+                None if power is None else power.mhz, None if power is None else power.capped))
         del measured, best
         q = k = v = truth = out = None  # (frees the GPU memory before the next length)
         torch.cuda.empty_cache()
     masked = f", last {args.masked_keys} keys masked (key padding)" if args.masked_keys else ""
     layout = ", (B, S, H, D) storage as in diffusers" if args.layout == "bshd" else ""
     notes = [f"{p.name}: {p.missing}" for p in peers if p.fn is None]
+    if not sampler.available or any(r.mhz is None for r in rows):
+        notes.append(f"SM clock and power cap: {sampler.why or 'not sampled for every row'}")
     return format_kernel_table(_header(f"bench kernel, B=1 H={args.heads} D={args.head_dim}, bf16{masked}{layout}"),
                                rows, args.heads, args.head_dim, notes=notes)
 
@@ -251,23 +266,31 @@ class KernelTiming:
     cos_fp32: float
     worst_row_fp32: float
     cos_best_bf16: float | None
+    #: mean SM clock (MHz) over the timing, and the share of it the power cap held the clock down
+    #: (None: not sampled, :mod:`fp4video.eval.power`)
+    mhz: float | None = None
+    capped: float | None = None
 
 
 def format_kernel_table(header: str, rows: list[KernelTiming], heads: int, head_dim: int, *,
                         notes: list[str] = ()) -> str:
     """``bench kernel``'s markdown (:mod:`fp4video.eval.speed` reads it back); ``notes`` (peers not
-    run, and why) follow the table."""
+    run, and why) follow the table. The last two columns: the SM clock over the row's timing and the
+    share of it spent at the power cap (a kernel that draws more power runs at a lower clock)."""
     lines = [header, "",
              "| S | kernel | ms (total) | TFLOP/s | pre-pass ms | loop ms | × best bf16 | "
-             + " | ".join(_RATIO_TITLES) + " | cosine to fp32 | worst-row cosine to fp32 | cosine to best bf16 |",
-             "|" + " --- |" * (11 + len(_RATIO_TITLES) - 1)]
+             + " | ".join(_RATIO_TITLES) + " | cosine to fp32 | worst-row cosine to fp32 | cosine to best bf16 | "
+             "SM MHz | power-capped |",
+             "|" + " --- |" * (13 + len(_RATIO_TITLES) - 1)]
     fmt = lambda x, spec=".2f": "" if x is None else format(x, spec)  # noqa: E731
     for r in rows:
         tflops = 4 * heads * r.seq * r.seq * head_dim / r.ms / 1e9
         ratios = " | ".join("n/a" if r.x_peers.get(p) is None else f"{r.x_peers[p]:.2f}" for p in RATIO_PEERS)
         lines.append(f"| {r.seq} | {r.kernel} | {r.ms:.2f} | {tflops:.0f} | {fmt(r.pre_ms)} | {fmt(r.loop_ms)} | "
                      f"{r.x_best_bf16:.2f} | {ratios} | {r.cos_fp32:.5f} | {r.worst_row_fp32:.4f} | "
-                     f"{'(best bf16)' if r.cos_best_bf16 is None else f'{r.cos_best_bf16:.5f}'} |")
+                     f"{'(best bf16)' if r.cos_best_bf16 is None else f'{r.cos_best_bf16:.5f}'} | "
+                     f"{fmt(r.mhz, '.0f')} | {fmt(None if r.capped is None else 100 * r.capped, '.0f')}"
+                     f"{'' if r.capped is None else '%'} |")
     lines.append("")
     lines += [f"Not timed: {n}." for n in notes]
     return "\n".join(lines).rstrip("\n") + "\n"

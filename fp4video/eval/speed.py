@@ -24,6 +24,10 @@ class KernelRow:
     #: The tables written since peers are timed: × each peer column (None: "n/a"), cosine to fp32.
     x_peers: tuple[float | None, ...] = ()
     cos_fp32: float | None = None
+    #: The tables written since the clock is sampled: mean SM clock (MHz) and the share of the
+    #: timing at the power cap (None: not sampled, or an older table).
+    mhz: float | None = None
+    capped: float | None = None
 
 
 @dataclass(frozen=True)
@@ -46,20 +50,31 @@ def parse_kernel_tables(text: str) -> list[KernelTable]:
                 raise ValueError(f"bench kernel table {title!r} ({where}) has no rows")
             tables.append(KernelTable(title, where, tuple(rows)))
 
+    clocked = False  # the table's columns end with the SM clock and the power-cap share
     for line in text.splitlines():
         m = _HEADER.match(line.strip())
         if m:
             close()
-            title, where, rows = m["what"], m["where"], []
+            title, where, rows, clocked = m["what"], m["where"], [], False
+            continue
+        if line.strip().startswith("| S | kernel |"):
+            clocked = line.rstrip().endswith("| SM MHz | power-capped |")
             continue
         m = _ROW.match(line.strip())
         if m and title is not None:
-            rest = [c.strip() for c in m["rest"].strip(" |").split("|")]
+            rest = [c.strip() for c in m["rest"].split("|")[:-1]]  # (trailing cells may be empty)
+            mhz = capped = None
+            if clocked:
+                mhz_cell, capped_cell = rest[-2:]
+                rest = rest[:-2]
+                mhz = float(mhz_cell) if mhz_cell else None
+                capped = float(capped_cell.rstrip("%")) / 100 if capped_cell else None
             peers, cos = (), None
             if len(rest) >= 5:  # × peers..., cosine to fp32, worst row, cosine to best bf16
                 peers = tuple(None if c == "n/a" else float(c) for c in rest[:-3])
                 cos = float(rest[-3])
-            rows.append(KernelRow(int(m["s"]), m["kernel"].strip(), float(m["ms"]), float(m["ratio"]), peers, cos))
+            rows.append(KernelRow(int(m["s"]), m["kernel"].strip(), float(m["ms"]), float(m["ratio"]), peers, cos,
+                                  mhz, capped))
     close()
     return tables
 
