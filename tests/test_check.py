@@ -62,3 +62,29 @@ def test_a_wrong_kernel_row_fails_the_check(monkeypatch):
     assert acc["worst_row"] == pytest.approx(0.5, abs=0.02) and not acc["ok"]
     assert "SOME CHECKS FAILED" in format_check(report)
     assert torch.isfinite(torch.tensor(acc["lse_worst"]))
+
+
+def test_check_report_shows_the_clock_each_timing_ran_at():
+    """With NVML the check's table gives each method's SM clock and power-cap share beside its
+    time, the timing list each baseline's; without it the report says why instead of leaving the
+    reader to guess."""
+    from fp4video.eval.check import format_check
+
+    method = {"method": "mxattn-pv8", "loop": "loop_e4m3", "accuracy": {}, "ms": 5.12, "x_best_bf16": 1.31,
+              "sm_mhz": 1728.4, "power_capped": 1.0, "error": None, "ok": True}
+    report = {"device": {"name": "GPU X", "capability": "9.0", "torch": "t", "triton": "tr", "fp4video": "f"},
+              "date": "2026-12-03", "accuracy_shape": "s", "methods": [method], "ok": True,
+              "timing": {"shape": "B=1 H=24 S=16384 D=128, bf16", "ms": {"cuDNN SDPA bf16": 6.70, "flash SDPA bf16": None},
+                         "peers_missing": {}, "clock": {"cuDNN SDPA bf16": {"mhz": 1629.0, "watts": 691.0, "capped": 0.95},
+                                                        "mxattn-pv8": {"mhz": 1728.4, "watts": 692.0, "capped": 1.0}},
+                         "clock_missing": None}}
+    text = format_check(report)
+    assert "| SM MHz (power-capped) |" in text and "| 5.12 | 1.31 | 1728 (100%) | yes |" in text
+    assert "- cuDNN SDPA bf16: 6.70 ms at 1629 MHz, 95% of it power-capped" in text
+    assert "- flash SDPA bf16: failed" in text
+    method.update(sm_mhz=None, power_capped=None)
+    report["timing"].update(clock={}, clock_missing="NVML is not installed (pip install nvidia-ml-py, or fp4video[bench])")
+    text = format_check(report)
+    assert "| 5.12 | 1.31 |  | yes |" in text
+    assert "- SM clock and power cap not sampled: NVML is not installed" in text
+

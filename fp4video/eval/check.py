@@ -44,6 +44,9 @@ class MethodCheck:
     accuracy: dict = field(default_factory=dict)  # distribution -> {rows_off, worst_row, lse_worst, ok}
     ms: float | None = None
     x_best_bf16: float | None = None
+    #: the SM clock (MHz) over the timing and the share of it at the power cap (NVML; None: not sampled)
+    sm_mhz: float | None = None
+    power_capped: float | None = None
     error: str | None = None
 
     @property
@@ -100,8 +103,19 @@ def run_check(methods, *, device="cuda", heads: int = 4, sq: int = 1000, sk: int
     if timing_seq:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        def bench(fn):
-            return triton.testing.do_bench(fn, warmup=25, rep=300, return_mode="median")
+        from .power import ClockSampler
+
+        sampler = ClockSampler.for_device(dev.index if dev.index is not None else torch.cuda.current_device())
+        clock = {}
+
+        def bench(fn, name=None):
+            """Median ms; the SM clock and power over the timing go to ``clock[name]``."""
+            with sampler.window() as w:
+                t = triton.testing.do_bench(fn, warmup=25, rep=400, return_mode="median")
+            if name is not None:
+                r = w.result
+                clock[name] = None if r is None else {"mhz": r.mhz, "watts": r.watts, "capped": r.capped}
+            return t
 
         g = torch.Generator(device=dev).manual_seed(0)
         q, k, v = (torch.randn(1, timing_heads, timing_seq, head_dim, device=dev, dtype=torch.bfloat16, generator=g)
@@ -111,10 +125,10 @@ def run_check(methods, *, device="cuda", heads: int = 4, sq: int = 1000, sk: int
                               ("flash SDPA bf16", SDPBackend.FLASH_ATTENTION), ("SDPA default bf16", None)):
             try:
                 if backend is None:
-                    timing[name] = bench(lambda: sdpa(q, k, v))
+                    timing[name] = bench(lambda: sdpa(q, k, v), name)
                 else:
                     with sdpa_kernel(backend):
-                        timing[name] = bench(lambda: sdpa(q, k, v))
+                        timing[name] = bench(lambda: sdpa(q, k, v), name)
             except RuntimeError:
                 timing[name] = None
         peers = find_peers()
@@ -122,7 +136,7 @@ def run_check(methods, *, device="cuda", heads: int = 4, sq: int = 1000, sk: int
             if p.fn is not None:
                 try:
                     a = p.args(q, k, v)
-                    timing[p.name] = bench(lambda: p.fn(*a))
+                    timing[p.name] = bench(lambda: p.fn(*a), p.name)
                 except Exception:  # noqa: BLE001 - a peer's own failure is reported, not ours
                     timing[p.name] = None
         best = min((t for n, t in timing.items() if t is not None and ("bf16" in n)), default=None)
@@ -130,12 +144,16 @@ def run_check(methods, *, device="cuda", heads: int = 4, sq: int = 1000, sk: int
             if c.error:
                 continue
             try:
-                c.ms = bench(lambda: fp4_attention(q, k, v, method=c.method, backend="triton"))
+                c.ms = bench(lambda: fp4_attention(q, k, v, method=c.method, backend="triton"), c.method)
                 c.x_best_bf16 = best / c.ms if best else None
+                if clock.get(c.method):
+                    c.sm_mhz, c.power_capped = clock[c.method]["mhz"], clock[c.method]["capped"]
             except Exception as e:
                 c.error = f"timing: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         timing = {"shape": f"B=1 H={timing_heads} S={timing_seq} D={head_dim}, bf16", "ms": timing,
-                  "peers_missing": {p.name: p.missing for p in peers if p.fn is None}}
+                  "peers_missing": {p.name: p.missing for p in peers if p.fn is None},
+                  # SM clock and power over each timing: a power-capped GPU slows a kernel that draws more
+                  "clock": clock, "clock_missing": sampler.why}
     return {"device": _device_info(dev), "date": datetime.date.today().isoformat(),
             "accuracy_shape": f"B=1 H={heads} Sq={sq} Sk={sk} D={head_dim}, bf16, last {sk // 20} keys masked",
             "methods": [dict(asdict(c), ok=c.ok) for c in checks], "timing": timing,
@@ -157,6 +175,13 @@ def _device_info(dev) -> dict:
     return info
 
 
+def _clock_cell(mhz, capped) -> str:
+    """'1728 (100%)': the SM clock and the share of the timing at the power cap; '' if not sampled."""
+    if mhz is None:
+        return ""
+    return f"{mhz:.0f}" + ("" if capped is None else f" ({capped:.0%})")
+
+
 def format_check(report: dict) -> str:
     """The report as a markdown table (one row per method)."""
     d = report["device"]
@@ -166,8 +191,8 @@ def format_check(report: dict) -> str:
              f"> {ROW_OFF:.0%} / worst row", ""]
     dists = list(CHECK_DISTRIBUTIONS)
     timing = report.get("timing") or {}
-    lines.append("| method | loop | " + " | ".join(dists) + " | ms | × best bf16 | ok |")
-    lines.append("|" + " --- |" * (len(dists) + 5))
+    lines.append("| method | loop | " + " | ".join(dists) + " | ms | × best bf16 | SM MHz (power-capped) | ok |")
+    lines.append("|" + " --- |" * (len(dists) + 6))
     for m in report["methods"]:
         cells = []
         for dist in dists:
@@ -176,12 +201,21 @@ def format_check(report: dict) -> str:
         ms = "" if m["ms"] is None else f"{m['ms']:.2f}"
         x = "" if m["x_best_bf16"] is None else f"{m['x_best_bf16']:.2f}"
         lines.append(f"| {m['method']} | {m.get('loop') or '–'} | " + " | ".join(cells)
-                     + f" | {ms} | {x} | {'yes' if m['ok'] else 'NO'} |")
+                     + f" | {ms} | {x} | {_clock_cell(m.get('sm_mhz'), m.get('power_capped'))} | "
+                     + f"{'yes' if m['ok'] else 'NO'} |")
         if m["error"]:
-            lines.append(f"|  |  | error: {m['error']} |" + " |" * (len(dists) + 2))
+            lines.append(f"|  |  | error: {m['error']} |" + " |" * (len(dists) + 3))
     if timing:
+        clock = timing.get("clock") or {}
+
+        def at(n):
+            c = clock.get(n)
+            return "" if not c else f" at {c['mhz']:.0f} MHz, {c['capped']:.0%} of it power-capped"
+
         lines += ["", f"timing ({timing['shape']}):"]
-        lines += [f"- {n}: {'failed' if t is None else f'{t:.2f} ms'}" for n, t in timing["ms"].items()]
+        lines += [f"- {n}: {'failed' if t is None else f'{t:.2f} ms'}{at(n)}" for n, t in timing["ms"].items()]
+        if timing.get("clock_missing"):
+            lines.append(f"- SM clock and power cap not sampled: {timing['clock_missing']}")
         lines += [f"- {n}: not timed, {why}" for n, why in timing["peers_missing"].items()]
     lines += ["", "all methods pass" if report["ok"] else "SOME CHECKS FAILED (✗): please send the JSON report"]
     return "\n".join(lines) + "\n"
