@@ -194,7 +194,7 @@ def bench_kernel(args) -> str:
             out = out[:, :h].float()
             return cossim(out, truth), float(row_cosine(out, truth).min())
 
-        measured = []  # (name, precision, ms, pre-pass ms, loop ms, output, clock and power)
+        measured = []  # (name, precision, ms, clock and power over the timing, pre-pass ms, loop ms, output)
         for name, backend in sdpa_rows:
             try:
                 with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
