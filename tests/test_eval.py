@@ -290,17 +290,22 @@ def test_clock_sampler_means_the_settled_window_and_counts_the_power_cap():
 
     nvml = _FakeNVML([1980] * 4 + [1700] * 400, 690)
     sampler = ClockSampler(nvml, "gpu0", interval=0.002)
-    with sampler.window() as w:
+    with sampler:
         time.sleep(0.2)
+    w = sampler
     assert w.result is not None and w.why is None
     assert abs(w.result.watts - 690) < 1e-9
     assert 1700 <= w.result.mhz < 1700 + 280 * 4 / 60  # the first quarter (with the 1980s) dropped
     assert 0.4 < w.result.capped < 0.6
     assert summarize([(1980.0, 400.0, False)] * 7) is None
-    short = ClockSampler(nvml, "gpu0", interval=10.0).window()
+    short = ClockSampler(nvml, "gpu0", interval=10.0)
     with short:
         pass
     assert short.result is None and "too few" in short.why
+    short.interval = 0.002  # the same sampler again: each block starts afresh
+    with short:
+        time.sleep(0.1)
+    assert short.result is not None and short.why is None
     # by hand: the quarter rule and the shares
     s = summarize([(2000.0, 100.0, False)] * 2 + [(1600.0, 700.0, True)] * 3 + [(1800.0, 500.0, False)] * 3)
     assert (s.mhz, s.watts, s.capped) == (1700.0, 600.0, 0.5)
@@ -315,9 +320,9 @@ def test_clock_sampler_without_nvml_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
     sampler = ClockSampler.for_device(0)
     assert not sampler.available and "nvidia-ml-py" in sampler.why
-    with sampler.window() as w:
+    with sampler:
         pass
-    assert w.result is None
+    assert sampler.result is None and "nvidia-ml-py" in sampler.why
 
 
 # --- speed tables as plots (fp4video.eval.speed) -------------------------------------------------

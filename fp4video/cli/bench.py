@@ -163,9 +163,9 @@ def bench_kernel(args) -> str:
 
     def timed(fn):
         """(median ms, the SM clock and power over the timing: :class:`PowerSample` or None)."""
-        with sampler.window() as w:
+        with sampler:
             t = bench(fn)
-        return t, w.result
+        return t, sampler.result
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     sdpa_rows = (("cuDNN SDPA bf16", SDPBackend.CUDNN_ATTENTION), ("flash SDPA bf16", SDPBackend.FLASH_ATTENTION),

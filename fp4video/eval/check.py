@@ -110,10 +110,10 @@ def run_check(methods, *, device="cuda", heads: int = 4, sq: int = 1000, sk: int
 
         def bench(fn, name=None):
             """Median ms; the SM clock and power over the timing go to ``clock[name]``."""
-            with sampler.window() as w:
+            with sampler:
                 t = triton.testing.do_bench(fn, warmup=25, rep=400, return_mode="median")
             if name is not None:
-                r = w.result
+                r = sampler.result
                 clock[name] = None if r is None else {"mhz": r.mhz, "watts": r.watts, "capped": r.capped}
             return t
 

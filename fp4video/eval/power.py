@@ -65,15 +65,16 @@ def nvml_handle(device_index: int = 0):
 
 class ClockSampler:
     """Samples the SM clock, the board power and the power-cap flag every ``interval`` seconds
-    in a thread while the ``with`` block runs; :attr:`result` is then their :class:`PowerSample`
+    in a thread while a ``with`` block runs; :attr:`result` is then their :class:`PowerSample`
     over the block's last three quarters (the clock settles at the start), or None, with
     :attr:`why`, where NVML is missing or too few samples came (a block shorter than ~8 intervals).
 
-    One NVML handle serves every block of a run: ``ClockSampler.for_device(0)`` makes it once,
-    ``sampler.window()`` opens each block."""
+    One sampler (``ClockSampler.for_device(0)``: one NVML handle) serves every block of a run;
+    each ``with`` starts afresh."""
 
     def __init__(self, nvml, handle, why: str | None = None, interval: float = 0.02):
-        self._nvml, self._handle, self.why, self.interval = nvml, handle, why, interval
+        self._nvml, self._handle, self.interval = nvml, handle, interval
+        self._setup_why = self.why = why
         reasons = None
         if nvml is not None:
             reasons = (getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
@@ -93,10 +94,6 @@ class ClockSampler:
     def available(self) -> bool:
         return self._nvml is not None
 
-    def window(self) -> ClockSampler:
-        """A fresh sampler on the same handle, for one ``with`` block."""
-        return ClockSampler(self._nvml, self._handle, self.why, self.interval)
-
     def _sample(self):
         nvml, h = self._nvml, self._handle
         while not self._stop.is_set():
@@ -110,7 +107,7 @@ class ClockSampler:
             time.sleep(self.interval)
 
     def __enter__(self) -> ClockSampler:
-        self._samples, self.result = [], None
+        self._samples, self.result, self.why = [], None, self._setup_why
         if self.available:
             self._stop.clear()
             self._thread = threading.Thread(target=self._sample, daemon=True)
