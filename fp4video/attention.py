@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -80,6 +81,33 @@ def _check_mask(attn_mask, b, h, sq, sk, device):
     return attn_mask
 
 
+def _check_scale(scale, head_dim: int) -> float:
+    """The softmax scale as a float: ``1/sqrt(D)`` for None; any real scalar (Python and numpy
+    numbers, 0-d tensors, anything with ``__float__`` that is not complex or bool) that is positive
+    and finite."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, torch.Tensor):
+        if scale.dim() != 0:
+            raise ValueError(f"scale must be a number or a 0-d tensor, got a tensor of shape {tuple(scale.shape)}")
+        if scale.dtype == torch.bool or scale.is_complex():
+            raise TypeError(f"scale must be a real number, got a 0-d {scale.dtype} tensor")
+        value = float(scale.detach())
+    else:
+        kind = type(scale)
+        if isinstance(scale, bool) or kind.__name__ in ("bool_", "bool") or isinstance(scale, complex) or (
+                isinstance(scale, numbers.Complex) and not isinstance(scale, numbers.Real)) or \
+                "complex" in kind.__name__ or not hasattr(kind, "__float__"):
+            raise TypeError(f"scale must be a real number, got {kind.__name__} {scale!r}")
+        try:
+            value = float(scale)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise TypeError(f"scale must be a real number, got {kind.__name__} {scale!r} ({e})") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    return value
+
+
 def _resolve_backend(backend, recipe, q, mask):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -135,10 +163,7 @@ def fp4_attention(
     b, h, sq, d = qb.shape
     sk = kb.shape[-2]
     mask = _check_mask(attn_mask, b, h, sq, sk, q.device)
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    scale = _check_scale(scale, d)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
 
@@ -148,9 +173,9 @@ def fp4_attention(
         if path == "triton":
             from . import kernels
 
-            out, lse = kernels.attention(qb, kb, vb, recipe=recipe, mask=mask, scale=float(scale))
+            out, lse = kernels.attention(qb, kb, vb, recipe=recipe, mask=mask, scale=scale)
         else:
-            out, lse = _reference(qb, kb, vb, recipe, mask, float(scale))
+            out, lse = _reference(qb, kb, vb, recipe, mask, scale)
     if grad:  # inference-only: a backward through the op raises instead of returning zeros
         out, lse = _NoBackward.apply(out, lse, q, k, v)
 
@@ -180,15 +205,21 @@ class _NoBackward(torch.autograd.Function):
 
 def _reference(q, k, v, recipe, mask, scale):
     sk = k.shape[-2]
-    key_alive = key_alive_from_mask(mask)
+    key_alive = key_alive_from_mask(mask, sk)
     bad = reference.nonfinite_heads(q, k, v, key_alive)
     if bad.any():  # computed on zeros there, then NaN (the NaN/Inf policy)
         q, k, v = (torch.where(torch.isfinite(t), t, 0.0) for t in (q, k, v))
         out, lse = _reference(q, k, v, recipe, mask, scale)
         return reference.poison_heads(out, lse, bad)
+    # the finite-output guarantee: raises beyond the logit bound, rescales by powers of two within it
+    ranges = reference.input_ranges(q, k, v, key_alive)
+    plan = reference.plan_ranges(reference.range_summary(ranges, scale, q.shape[-1]).tolist(), scale)
+    v_factor = None
+    if plan.needed:
+        q, k, v, scale, v_factor = reference.rescale_inputs(q, k, v, ranges, plan, scale)
     qh, kh, vh = reference.prepare_qkv(q, k, v, recipe, key_alive=key_alive)
     out, lse = reference.attention_tiled(qh, kh, vh, scale=scale, recipe=recipe, mask=mask, sk=sk)
     if recipe.smooth_k:  # the LSE of the unsmoothed logits
         kz = k.float() if key_alive is None else torch.where(key_alive.unsqueeze(-1), k.float(), 0.0)
         lse = lse + reference.smoothing_lse_shift(q, reference.smoothing_mean(kz, key_alive), scale)
-    return out, lse
+    return reference.rescale_output(out, v_factor), lse

@@ -24,6 +24,7 @@ it equals the tiled result exactly whenever every row's maximum lies in the firs
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +42,15 @@ __all__ = [
     "nonfinite_heads",
     "poison_heads",
     "smoothing_lse_shift",
+    "LOGIT_BOUND",
+    "QK_RESCALE_EXP",
+    "V_RESCALE_EXP",
+    "input_ranges",
+    "range_summary",
+    "RangePlan",
+    "plan_ranges",
+    "rescale_inputs",
+    "rescale_output",
     "prepare_qkv",
     "quantize_p",
     "attention_tiled",
@@ -76,11 +86,13 @@ def qk_padded_dim(head_dim: int, recipe: AttentionRecipe) -> int:
     return d
 
 
-def key_alive_from_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """(B|1, H|1, Sk) bool: keys visible to at least one query; None when there is no mask."""
+def key_alive_from_mask(mask: torch.Tensor | None, sk: int | None = None) -> torch.Tensor | None:
+    """(B|1, H|1, Sk) bool: keys visible to at least one query; None when there is no mask. A mask
+    broadcast over keys (last dim 1) gives a key dim of 1, or of ``sk`` when it is given."""
     if mask is None:
         return None
-    return mask.any(dim=-2)
+    alive = mask.any(dim=-2)
+    return alive if sk is None else alive.expand(*alive.shape[:-1], sk)
 
 
 def smoothing_mean(k: torch.Tensor, key_alive: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,6 +103,8 @@ def smoothing_mean(k: torch.Tensor, key_alive: torch.Tensor | None = None) -> to
     if key_alive is None:
         return k.mean(dim=-2, keepdim=True, dtype=torch.float32)
     alive = key_alive.to(torch.bool).unsqueeze(-1)
+    # a key_alive broadcast over keys (key dim 1) counts every key it covers, not one
+    alive = alive.expand(*alive.shape[:-2], k.shape[-2], 1)
     count = alive.sum(-2, keepdim=True, dtype=torch.float32).clamp(min=1)
     return k.sum(-2, keepdim=True, dtype=torch.float32) / count
 
@@ -126,8 +140,129 @@ def smoothing_lse_shift(q: torch.Tensor, mean: torch.Tensor, scale: float) -> to
     a row. Softmax ignores it, the log-sum-exp does not: adding it back gives the LSE of the
     unsmoothed logits, which is what merging partial results (ring attention) needs, since each
     key shard has its own mean. ``q``: (B, H, Sq, D) as given; ``mean``: (B|1, H|1, 1, D) from
-    :func:`smoothing_mean`."""
-    return (q.float() @ mean.float().transpose(-1, -2)).squeeze(-1) * scale
+    :func:`smoothing_mean`.
+
+    The dot products are elementwise products summed pairwise in a fixed order (not a batched
+    matmul, whose rounding depends on how many heads it is given), so a head's shift, and with it
+    the LSE, is bit for bit the same in a batched call and in a call for that head alone."""
+    return _fixed_order_sum(q.float() * mean.float()) * scale
+
+
+def _fixed_order_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim as a pairwise tree of elementwise additions: the same order, and so
+    the same rounding, for every row whatever the tensor's other dims."""
+    while x.shape[-1] > 1:
+        n = x.shape[-1]
+        half = n // 2
+        head = x[..., :half] + x[..., half : 2 * half]
+        x = torch.cat([head, x[..., 2 * half :]], dim=-1) if n % 2 else head
+    return x[..., 0]
+
+
+# --- the range of the finite-output guarantee -----------------------------------------------------
+
+#: The finite-output guarantee's bound on a head's logits (nats): ``scale · D · max|q| · max|k|``
+#: (D: Q's head dim; maxima over the head's queries and live keys; it bounds every logit of the
+#: head, ``|scale · q·k| <= scale · ‖q‖ · ‖k‖``). Finite inputs within it give finite outputs and LSEs on
+#: every method and backend; a call beyond it raises instead of returning NaN or ±inf.
+LOGIT_BOUND = 2.0**64
+#: Q (K) whose largest magnitude reaches 2^56 is computed as Q · 2^-a (K · 2^-b) with the scale
+#: times 2^(a+b): the logits are the same numbers (powers of two are exact), and the rotation,
+#: the smoothing and the fp32 dot products keep their headroom (D · 2^112 < 2^128).
+QK_RESCALE_EXP = 56
+#: A head whose V reaches 2^64 in magnitude is computed on V · 2^-s (s per head) and its output
+#: multiplied by 2^s: the output is a convex combination of V, so any finite V has a representable
+#: result, but the unnormalized accumulator sums up to Sk such terms.
+V_RESCALE_EXP = 64
+
+
+def _head_amax(x: torch.Tensor, alive: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, H) fp32: the largest |x| of each head over its rows (those ``alive`` (B|1, H|1, S|1)
+    says are live), one read of x and no copy of it."""
+    a = torch.linalg.vector_norm(x, ord=math.inf, dim=-1).float()
+    if alive is not None:
+        a = torch.where(alive.to(torch.bool), a, 0.0)
+    return a.amax(dim=-1).expand(x.shape[0], x.shape[1])
+
+
+def input_ranges(q, k, v, key_alive: torch.Tensor | None = None, bad: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, H, 3) fp32 on the inputs' device: max|q|, max|k| and max|v| of each head, K and V over its
+    live keys only (``key_alive`` (B|1, H|1, Sk) or None); 0 at the heads ``bad`` (B, H) (NaN/Inf:
+    those become NaN by the NaN/Inf policy, whatever their range)."""
+    alive = None if key_alive is None else key_alive.to(torch.bool).expand(q.shape[0], q.shape[1], k.shape[-2])
+    r = torch.stack([_head_amax(q), _head_amax(k, alive), _head_amax(v, alive)], dim=-1)
+    if bad is not None:
+        r = r.masked_fill(bad[..., None], 0.0)
+    return torch.nan_to_num(r, nan=0.0)
+
+
+def range_summary(ranges: torch.Tensor, scale: float, head_dim: int) -> torch.Tensor:
+    """(4,) fp64 on the device: the largest max|q|, max|k|, max|v| over heads, and the largest
+    logit bound ``scale · D · max|q| · max|k|`` of a head (what :func:`plan_ranges` reads)."""
+    r = ranges.double().flatten(0, -2)
+    logit = r[:, 0] * r[:, 1] * (float(scale) * head_dim)
+    return torch.cat([r.amax(dim=0), logit.amax().reshape(1)])
+
+
+@dataclass(frozen=True)
+class RangePlan:
+    """The exact power-of-two rescaling a call needs (:func:`plan_ranges`): Q by 2^-q_shift, K by
+    2^-k_shift (the scale by 2^(q_shift + k_shift)), and V per head when ``v_rescale``."""
+
+    q_shift: int = 0
+    k_shift: int = 0
+    v_rescale: bool = False
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.q_shift or self.k_shift or self.v_rescale)
+
+
+def _shift_for(amax: float, top_exp: int) -> int:
+    """The s >= 0 with amax · 2^-s < 2^top_exp (0 when amax already is)."""
+    return max(0, math.frexp(amax)[1] - top_exp) if amax > 0 else 0
+
+
+def plan_ranges(summary, scale: float) -> RangePlan:
+    """Check :func:`range_summary`'s values (a sequence of four floats) against the finite-output
+    guarantee and say what to rescale; raises ValueError beyond :data:`LOGIT_BOUND`."""
+    aq, ak, av, logit = (float(x) for x in summary)
+    if not logit <= LOGIT_BOUND:
+        raise ValueError(
+            f"q, k and scale: a head's logits may reach scale·D·max|q|·max|k| = {logit:.3g} nats, beyond the "
+            f"{LOGIT_BOUND:.3g} (2^64) within which fp4_attention returns finite results; rescale q or k, "
+            f"or lower scale (max|q| = {aq:.3g}, max|k| = {ak:.3g}, scale = {float(scale):.3g})")
+    return RangePlan(_shift_for(aq, QK_RESCALE_EXP), _shift_for(ak, QK_RESCALE_EXP), av >= 2.0**V_RESCALE_EXP)
+
+
+def _v_shift(ranges: torch.Tensor) -> torch.Tensor:
+    """(B, H) fp32 powers of two 2^s per head with max|v| · 2^-s < 2^V_RESCALE_EXP (1 where it already is)."""
+    _, e = torch.frexp(ranges[..., 2].float())
+    return torch.exp2((e - V_RESCALE_EXP).clamp(min=0).float())
+
+
+def rescale_inputs(q, k, v, ranges: torch.Tensor, plan: RangePlan, scale: float):
+    """(q, k, v, scale, V's factor per head (B, H) or None) rescaled by ``plan``: exact, powers of
+    two (values over 2^190 below their tensor's largest may flush to zero). New tensors where a
+    factor applies; the caller's are never modified."""
+    if plan.q_shift:
+        q = q * 2.0**-plan.q_shift
+    if plan.k_shift:
+        k = k * 2.0**-plan.k_shift
+    v_factor = None
+    if plan.v_rescale:
+        v_factor = _v_shift(ranges)
+        v = v * (1.0 / v_factor).to(v.dtype)[..., None, None]
+    return q, k, v, float(scale) * 2.0 ** (plan.q_shift + plan.k_shift), v_factor
+
+
+def rescale_output(out: torch.Tensor, v_factor: torch.Tensor | None) -> torch.Tensor:
+    """``out`` (B, H, Sq, Dv) times V's factor per head, saturating at its dtype's largest value
+    (FP4 rounding may step past it, as everywhere)."""
+    if v_factor is None:
+        return out
+    big = torch.finfo(out.dtype).max
+    return (out.float() * v_factor[..., None, None]).clamp(-big, big).to(out.dtype)
 
 
 def prepare_qkv(
@@ -218,8 +353,11 @@ def _bias_from_mask(mask: torch.Tensor | None, skp: int, sk: int, device: torch.
         if skp == sk:
             return None
         mask = torch.ones(1, 1, 1, sk, dtype=torch.bool, device=device)
-    if skp != sk:  # (a mask broadcast over keys is expanded first: padding applies to the real keys)
-        mask = torch.nn.functional.pad(mask.expand(*mask.shape[:-1], sk), (0, skp - sk), value=False)
+    # a mask broadcast over keys is expanded to the real keys (a view), so that key tiles slice it
+    # and the padding applies to the real keys
+    mask = mask.expand(*mask.shape[:-1], sk)
+    if skp != sk:
+        mask = torch.nn.functional.pad(mask, (0, skp - sk), value=False)
     return mask
 
 

@@ -257,21 +257,32 @@ def prepare(q, k, v, recipe: AttentionRecipe, key_alive, mean=None):
     return _prepare_checked(q, k, v, recipe, key_alive, mean, None)[0]
 
 
-def _prepare_checked(q, k, v, recipe: AttentionRecipe, key_alive, mean, bad):
-    """:func:`prepare`, and whether any head is ``bad`` (holds a NaN/Inf; True where unknown). Both
-    decisions here read the GPU's answer back in **one** transfer: whether V fits the e4m3 loop's
-    window (else the exact bf16 loop runs), and whether heads need poisoning. While a CUDA graph is
-    captured nothing can be read back: the window check is skipped and heads are always poisoned."""
+def _prepare_checked(q, k, v, recipe: AttentionRecipe, key_alive, mean, bad, ranges=None):
+    """:func:`prepare`, whether any head is ``bad`` (holds a NaN/Inf; True where unknown), and the
+    values of ``ranges`` (:func:`fp4video.reference.range_summary`, a 1-D device tensor, or None) as
+    floats (None when not given or unknown). Every decision here reads the GPU's answer back in
+    **one** transfer: whether V fits the e4m3 loop's window (else the exact bf16 loop runs), whether
+    heads need poisoning, and the input ranges the finite-output guarantee checks. While a CUDA graph
+    is captured nothing can be read back: the window check is skipped, heads are always poisoned,
+    and the ranges are neither checked nor rescaled (inputs beyond them may give NaN/Inf there)."""
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    got_ranges = None
 
     def read_back(*flags):
-        """(whether any head is bad, *flags as ints) in one transfer; True / None for what is
-        unknown or cannot be read back."""
+        """(whether any head is bad, *flags) in one transfer, with ``ranges`` (into ``got_ranges``);
+        True / None for what is unknown or cannot be read back."""
+        nonlocal got_ranges
         wanted = ([bad.any()] if bad is not None else []) + list(flags)
-        if capturing or not wanted:
+        if capturing or not (wanted or ranges is not None):
             return (True, *[None] * len(flags))
-        values = torch.stack([f.to(torch.int32) for f in wanted]).tolist()
-        return (bool(values.pop(0)) if bad is not None else True, *values)
+        parts = [torch.stack([f.to(torch.float64) for f in wanted])] if wanted else []
+        if ranges is not None:
+            parts.append(ranges.to(torch.float64).flatten())
+        values = torch.cat(parts).tolist()
+        if ranges is not None:
+            got_ranges = values[len(wanted):]
+        values = values[:len(wanted)]
+        return (bool(values.pop(0)) if bad is not None else True, *[int(x) for x in values])
 
     path = mx_kernel(recipe, q.device)
     if path == "fp8":  # (…, Sk, whether K̂'s rows are in tile key order: where the loop uses TMA)
@@ -281,13 +292,13 @@ def _prepare_checked(q, k, v, recipe: AttentionRecipe, key_alive, mean, bad):
             raise ValueError(f"{recipe.name} cannot run here ({why}): {reason}")
         tensors, v_span = prepass_fp8_window(q, k, v, recipe, key_alive, k_tile_order=tiled, mean=mean)
         if recipe.pv_format is Format.E4M3:  # V is E4M3 by definition: no window to check
-            return ("fp8", (*tensors, k.shape[-2], tiled)), read_back()[0]
+            return ("fp8", (*tensors, k.shape[-2], tiled)), read_back()[0], got_ranges
         if bad is not None:  # heads with a NaN/Inf become NaN anyway: their V does not count
             v_span = v_span.masked_fill(bad[..., None], 0)
         has_bad, widest = read_back(v_span.max())
         if widest is None or widest <= E4M3_V_SPAN_LIMIT:
-            return ("fp8", (*tensors, k.shape[-2], tiled)), has_bad
-        return ("work", prepass(q, k, v, recipe, key_alive, work_dtype(q), mean)), has_bad
+            return ("fp8", (*tensors, k.shape[-2], tiled)), has_bad, got_ranges
+        return ("work", prepass(q, k, v, recipe, key_alive, work_dtype(q), mean)), has_bad, got_ranges
     if path == "scaled" or nv_scaled(recipe, q.device):
         prepared = ("scaled", prepass_packed(q, k, v, recipe, key_alive, mean,
                                              quad_order=scaled_quad_order(recipe, q.device)))
@@ -300,7 +311,7 @@ def _prepare_checked(q, k, v, recipe: AttentionRecipe, key_alive, mean, bad):
         prepared = ("work", (q.float(), k.float(), v.float()))
     else:
         prepared = ("work", (q, k, v))  # the inputs as they are: no copy, any strides
-    return prepared, read_back()[0]
+    return prepared, read_back()[0], got_ranges
 
 
 def key_padding(mask, b: int, sk: int):
@@ -315,12 +326,29 @@ def attention(q, k, v, *, recipe: AttentionRecipe, mask, scale: float, **launch)
 
 
 def attention_with_key_alive(q, k, v, *, recipe: AttentionRecipe, key_alive, scale: float, **launch):
-    """:func:`attention` with the key-padding mask as ``key_alive`` (B, Sk) bool or None."""
+    """:func:`attention` with the key-padding mask as ``key_alive`` (B, Sk) bool or None.
+
+    The finite-output guarantee (:data:`fp4video.reference.LOGIT_BOUND`): the inputs' ranges are
+    read back with the NaN/Inf check, in the one transfer of :func:`_prepare_checked`; a call beyond
+    the logit bound raises, and one whose Q, K or V need an exact power-of-two rescaling
+    (:func:`fp4video.reference.plan_ranges`: magnitudes near fp32's limit, rare) runs the pre-pass
+    again on the rescaled inputs (a second transfer, on that path only)."""
+    from fp4video.reference import input_ranges, plan_ranges, range_summary, rescale_inputs, rescale_output
+
     bad = nonfinite_heads(q, k, v, key_alive)  # the NaN/Inf policy: those heads' outputs become NaN
+    alive = None if key_alive is None else key_alive[:, None, :]
+    ranges = input_ranges(q, k, v, alive, bad)
     mean = k_smoothing_mean(k, key_alive) if recipe.smooth_k else None
-    prepared, has_bad = _prepare_checked(q, k, v, recipe, key_alive, mean, bad)
+    prepared, has_bad, summary = _prepare_checked(q, k, v, recipe, key_alive, mean, bad,
+                                                  range_summary(ranges, scale, q.shape[-1]))
+    v_factor = None
+    if summary is not None and (plan := plan_ranges(summary, scale)).needed:
+        q, k, v, scale, v_factor = rescale_inputs(q, k, v, ranges, plan, scale)
+        mean = k_smoothing_mean(k, key_alive) if recipe.smooth_k else None
+        prepared, has_bad, _ = _prepare_checked(q, k, v, recipe, key_alive, mean, bad)
     out, lse = attention_prepared(prepared, key_alive, recipe=recipe, scale=scale, out_dtype=q.dtype,
                                   dv=v.shape[-1], **launch)
+    out = rescale_output(out, v_factor)
     if mean is not None:  # the loops' LSE is of the smoothed logits: back to the unsmoothed ones
         lse = lse + smoothing_lse_shift(q, mean, scale)
     if has_bad:  # a pass over the output only where some head holds a NaN/Inf
