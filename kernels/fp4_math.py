@@ -372,6 +372,15 @@ def fma_lanes(a, b, c, F32X2: tl.constexpr):
 
 
 @triton.jit
+def sub_lanes(a, c, F32X2: tl.constexpr):
+    """``a - c`` (rounded once) with ``c`` broadcast to ``a``'s shape; F32X2 (datacenter Blackwell):
+    as :func:`fma_f32x2` (a · 1 - c: the same value), two elements an instruction."""
+    if F32X2:
+        return fma_f32x2(a, tl.full(a.shape, 1.0, tl.float32), tl.broadcast_to(-c, a.shape))
+    return a - c
+
+
+@triton.jit
 def mul_f32x2(a, b):
     """a · b rounded to nearest even (``*``'s value), two elements an instruction: ``mul.rn.f32x2`` of
     datacenter Blackwell (sm_10x)."""

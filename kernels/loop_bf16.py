@@ -75,7 +75,7 @@ def _bf16_attn_fwd(
         if HAS_MASK:
             km = tl.load(KeyMask + b * smb + keys * sms, mask=valid, other=0)
             valid = valid & (km != 0)
-        s = tl.where(valid[None, :], s, float("-inf"))
+        s = tl.where(valid[None, :], s, float("-inf"))  # scaled first, then selected: no -inf is multiplied
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
@@ -85,8 +85,10 @@ def _bf16_attn_fwd(
             l_i = alpha * l_i + tl.sum(p_hat, axis=1)
         else:
             l_i = alpha * l_i + tl.sum(p, axis=1)
+        # a dead key's V row is selected away (loaded as 0), not multiplied by its zero weight:
+        # ``fp16`` reads V as given, and a NaN / Inf there would turn 0 · v into NaN
         v = tl.load(V + b * svb + h * svh + keys[:, None] * svs + offs_dv[None, :] * svd,
-                    mask=(keys < SK)[:, None] & (offs_dv[None, :] < DV), other=0.0)
+                    mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
         if IEEE:
             acc = tl.dot(p_hat, v, acc * alpha[:, None], input_precision="ieee")
         else:

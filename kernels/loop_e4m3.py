@@ -119,11 +119,15 @@ def _view5(qk, QB: tl.constexpr):
 
 
 @triton.jit
-def quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
+def quantize_p(qk, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
                QB: tl.constexpr, EXP_FLOOR: tl.constexpr, ASM: tl.constexpr, P_E4M3: tl.constexpr = False):
-    """Online softmax and MXFP4 quantization of one key tile of logits ``qk`` (keys in
-    mma_key_order, masked keys at -inf; the logit in log2 units is qk · q_scale, q_scale > 0 per
-    row). Returns (P̂ as the e4m3 A operand of P̂·V̂, m_new, k_new, l_new, alpha): the caller
+    """Online softmax and MXFP4 quantization of one key tile of logits ``qk`` in log2 units (keys
+    in mma_key_order, masked keys selected to -inf: :func:`.tiles.tile_logits`). Every exponent is
+    the exact difference of a logit and the row maximum, then the tile's shift k added: P̃ · 2^k =
+    exp2((qk - m) + k). Folded into one ``qk · scale + (k - m)``, the product's rounding residual
+    and the rounding of k - m (which drops k once |m| reaches 2^24) moved the exponents by up to
+    half an ulp of m: past 1e7 nats, P̃ left its block scales' range and rows came back as zeros.
+    Returns (P̂ as the e4m3 A operand of P̂·V̂, m_new, k_new, l_new, alpha): the caller
     rescales its accumulator by alpha and adds P̂·V̂. ``l`` is kept per row and P block (each
     lane's share), summed by the caller after the loop.
 
@@ -140,19 +144,20 @@ def quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr
     BLOCK_M: tl.constexpr = qk.shape[0]
     BLOCK_N: tl.constexpr = qk.shape[1]
     s5 = _view5(qk, QB)
-    block_max = _block_reduce(s5, True) * q_scale[:, None]
+    block_max = _block_reduce(s5, True)
     tile_max = tl.max(block_max, axis=1)
     m_new = tl.maximum(m_i, tile_max)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     # block exponents of P̃ = exp2(s - m) from the block maxima (exp2 is monotonic); the block
-    # holding the row maximum must get exactly exp2(0) = 1, which is why the kernel is compiled
-    # without FMA contraction (a fused block_max · q_scale - m leaves a residual of either sign:
+    # holding the row maximum gets exactly exp2(0) = 1 (the kernel is compiled without FMA
+    # contraction: a product fused into the subtraction leaves a residual of either sign, and
     # amax = 1 - 2^-24 would move that block to the next lower scale under the OCP rule)
     top = tl.exp2(tile_max - m_safe)
+    d5 = s5 - _rows5(m_safe)  # exact near the maximum; masked keys -inf
     if P_E4M3:
         # the tile's largest P̃ (per row) from its largest logit, the same arithmetic as its element's
         k_new = e4m3_p_shift(top, EXP_FLOOR)
-        p = tl.exp2(tl.fma(s5, _rows5(q_scale), _rows5(k_new.to(tl.float32) - m_safe)))  # P̃ · 2^k_new < 256
+        p = tl.exp2(d5 + _rows5(k_new.to(tl.float32)))  # P̃ · 2^k_new < 256
         p8 = round_e4m3_signed(p, ASM)
         if PNQ:  # the sums of the rounded values
             part = _block_reduce(p8.to(tl.float32), False)
@@ -168,7 +173,7 @@ def quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr
         e_top = tl.maximum(tl.where(top > 0, mx_block_exponent(top, OCP, QMAX), EXP_FLOOR), EXP_FLOOR)
         e_blk = tl.minimum(e_blk, e_top[:, None])  # a no-op (exp2 is monotonic); the f16 rounding's unit <= 16 relies on it
         k_new = 4 - e_top
-        p = tl.exp2(tl.fma(s5, _rows5(q_scale), _rows5(k_new.to(tl.float32) - m_safe)))  # P̃ · 2^k_new
+        p = tl.exp2(d5 + _rows5(k_new.to(tl.float32)))  # P̃ · 2^k_new
         unit = pow2(tl.maximum(e_blk + k_new[:, None], -126))
         p_hat = round_e2m1_f16x2_odd(p, _blocks5(unit.to(tl.float16)), _blocks5((unit * 6.0).to(tl.float16)), ASM)
         # l per row and block (lane): summed over the lanes once, after the loop
@@ -183,7 +188,7 @@ def quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr
 
 
 @triton.jit
-def _tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd,
+def _tile(qk, m_i, k_i, l_i, acc, V_base, start, svd,
           OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_N: tl.constexpr, QB: tl.constexpr, EXP_FLOOR: tl.constexpr, TMA: tl.constexpr, v_row,
           ASM: tl.constexpr, FRESH_PV: tl.constexpr, P_E4M3: tl.constexpr):
@@ -197,7 +202,7 @@ def _tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd,
     at three programs per SM, made every MMA wait for the previous one (warning C7512): Wan 720p
     loop 158.2 ms against 171.6 (H200). The pointer-load loop, not register-bound, is faster
     overlapping P̂·V̂ with the next tile (163.49 against 169.04 ms)."""
-    p8, m_new, k_new, l_i, alpha = quantize_p(qk, q_scale, m_i, k_i, l_i, OCP, QMAX, PNQ, QB, EXP_FLOOR, ASM, P_E4M3)
+    p8, m_new, k_new, l_i, alpha = quantize_p(qk, m_i, k_i, l_i, OCP, QMAX, PNQ, QB, EXP_FLOOR, ASM, P_E4M3)
     # V̂ᵀ is stored in P̂'s operand order, padded with zeros to whole tiles: plain loads
     if TMA:
         vt = V_base.load([v_row, start])
@@ -233,8 +238,9 @@ def _e4m3_attn_fwd(
     bh = tl.program_id(1)
     offs_d = tl.arange(0, D)
     q = tl.load(Q8 + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    # logits in log2 units: dot(q8, k8) · q_fac · k_fac · scale · log2(e), k_fac per key tile (all
-    # factors powers of two: the products are exact)
+    # logits in log2 units: dot(q8, k8) · q_fac · k_fac · scale · log2(e), k_fac per key tile (q_fac
+    # and k_fac powers of two: exact products, or 0 for heads of zeros or ~1e-30, whose factors
+    # multiply to below fp32's range: their logits are then 0, masked keys still -inf by a select)
     q_scale = tl.load(QFac + bh * SQ + offs_m, mask=row_ok, other=1.0) * scale_log2
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -252,15 +258,15 @@ def _e4m3_attn_fwd(
     n_full = (SK // BLOCK_N) * BLOCK_N
     for start in tl.range(0, n_full, BLOCK_N):
         qk_scale = q_scale * tl.load(KF_base + start // BLOCK_N)
-        qk = tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB, False,
-                         K_TILE_ORDER, TMA, k_row)
-        m_i, k_i, l_i, acc = _tile(qk, qk_scale, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV,
+        qk = tile_logits(q, qk_scale[:, None], K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB,
+                         False, K_TILE_ORDER, TMA, k_row)
+        m_i, k_i, l_i, acc = _tile(qk, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV,
                                    BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, v_row, ASM, FRESH_PV, P_E4M3)
     if n_full < SK:
         qk_scale = q_scale * tl.load(KF_base + n_full // BLOCK_N)
-        qk = tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, QB, False,
-                         K_TILE_ORDER, TMA, k_row)
-        m_i, k_i, l_i, acc = _tile(qk, qk_scale, m_i, k_i, l_i, acc, V_base, n_full, svd, OCP, QMAX, PNQ, BLOCK_DV,
+        qk = tile_logits(q, qk_scale[:, None], K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, QB,
+                         False, K_TILE_ORDER, TMA, k_row)
+        m_i, k_i, l_i, acc = _tile(qk, m_i, k_i, l_i, acc, V_base, n_full, svd, OCP, QMAX, PNQ, BLOCK_DV,
                                    BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, v_row, ASM, FRESH_PV, P_E4M3)
 
     v_fac = tl.load(VFac + bh * BLOCK_DV + tl.arange(0, BLOCK_DV))  # acc is in units of V̂'s channel factors

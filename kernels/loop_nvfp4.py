@@ -126,12 +126,16 @@ def nv_row_vector(tile, value):
 
 
 @triton.jit
-def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr,
+def nv_quantize_p(qk, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr,
                   PNQ: tl.constexpr, FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr, P_DTYPE: tl.constexpr,
                   P_E4M3: tl.constexpr = False):
-    """Online softmax and NVFP4 quantization of one key tile of logits ``qk`` (BLOCK_M × 128, keys
-    in ``mma_key_order`` with QB = 32, masked keys at -inf): the part both NVFP4 loops (this
-    module's and the Gluon one of :mod:`.loop_nvfp4_sm90`) share.
+    """Online softmax and NVFP4 quantization of one key tile of logits ``qk`` in log2 units
+    (BLOCK_M × 128, keys in ``mma_key_order`` with QB = 32, scaled and then masked keys selected to
+    -inf: :func:`.tiles.scaled_masked`): the part both NVFP4 loops (this module's and the Gluon one
+    of :mod:`.loop_nvfp4_sm90`) share. P̃ = exp2(qk - m), the exact difference of two rounded
+    logits near the maximum, so the row's largest is exactly 1 however large the logits (a fused
+    ``qk · scale - m`` kept the product's rounding residual, up to half an ulp of m: P̃ of 2^16 at
+    1e8 nats, beyond the E4M3 block scales' 448).
 
     Returns (P̂ in units of r_new as ``P_DTYPE`` (V̂'s bf16 or fp16, exact), (BLOCK_M, 128),
     m_new (log2 units), r_new (the tile's two-level row factor, 1 without two-level scaling),
@@ -153,21 +157,21 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
     s6 = tl.reshape(qk, NV)
     bmax = tl.max(tl.max(tl.max(s6, axis=5), axis=3), axis=2)  # (row, jh, t): blocks
     tile_max = _row_reduce3(bmax, True)
-    m_new = tl.maximum(m_i, tile_max * scale_log2)
+    m_new = tl.maximum(m_i, tile_max)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    # P̃ = exp2(qk · scale - m); the blocks' maxima with the same fma on their largest logit, so
-    # they equal the largest P̃ of their block bit for bit (fma and exp2 are monotonic)
-    amax = tl.exp2(tl.fma(bmax, scale_log2, -_rows3(m_safe)))
-    p = tl.exp2(tl.fma(s6, scale_log2, -_rows6(m_safe)))
+    # P̃ = exp2(qk - m); the blocks' maxima with the same subtraction on their largest logit, so
+    # they equal the largest P̃ of their block bit for bit (exp2 is monotonic)
+    amax = tl.exp2(bmax - _rows3(m_safe))
+    p = tl.exp2(s6 - _rows6(m_safe))
     if P_E4M3:  # the tile's largest P̃ (from its largest logit, the same arithmetic) into [128, 256)
-        rmax = tl.exp2(tl.fma(tile_max, scale_log2, -m_safe))
+        rmax = tl.exp2(tile_max - m_safe)
         k = tl.minimum(7 - (((rmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127), 126)
         q = round_e4m3_signed(p * _rows6(pow2(k)), HW_E4M3).to(tl.float32) * _rows6(pow2(-k))
         alpha = tl.exp2(m_i - m_safe)
         l_new = tl.fma(alpha, l_i, _row_sum6(q if PNQ else p))
         return tl.reshape(q.to(P_DTYPE), (BLOCK_M, 128)), m_new, r_i, l_new, alpha
     if TWO_LEVEL:  # P̃ · (448·6 / rowmax P̃) is quantized; P̂ = that · (rowmax / (448·6))
-        rmax = tl.exp2(tl.fma(tile_max, scale_log2, -m_safe))  # the largest amax (monotonic): no reduction
+        rmax = tl.exp2(tile_max - m_safe)  # the largest amax (monotonic): no reduction
         inv_s1, r_new, acc_ratio = two_level_factors(rmax, r_i, P_RANGE, FAST_RCP)
         amax = amax * _rows3(inv_s1)  # the block maxima of the scaled P̃ (a monotonic rounding)
     else:
@@ -189,14 +193,14 @@ def nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANG
 
 
 @triton.jit
-def _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV,
+def _nv_tile(qk, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV,
              TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr,
              IEEE: tl.constexpr, FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, DV_PAD: tl.constexpr, P_E4M3: tl.constexpr = False):
     """:func:`nv_quantize_p` and P̂·V̂ for one key tile. Returns the updated (m, r, l, acc): m in
     log2 units, acc in units of r (the last tile's two-level row factor)."""
     tl.static_assert(BLOCK_N == 128, "the lane layout of nv_quantize_p is that of 128-key tiles")
-    p_hat, m_new, r_new, l_i, acc_scale = nv_quantize_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ,
+    p_hat, m_new, r_new, l_i, acc_scale = nv_quantize_p(qk, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ,
                                                            FAST_RCP, HW_E4M3, V_base.dtype.element_ty, P_E4M3)
     offs_dv = tl.arange(0, BLOCK_DV)
     # V̂ is stored in tile key order and padded to whole tiles (prepass.prepass_tiles): its rows
@@ -244,13 +248,15 @@ def _nv_attn_fwd(
     M_base = KeyMask + b * smb
     n_full = (SK // BLOCK_N) * BLOCK_N
     for start in range(0, n_full, BLOCK_N):
-        qk = tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, 32, IEEE, True)
-        m_i, r_i, l_i, acc = _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV, TWO_LEVEL,
+        qk = tile_logits(q, scale_log2, K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, 32, IEEE,
+                         True)
+        m_i, r_i, l_i, acc = _nv_tile(qk, m_i, r_i, l_i, acc, V_base, start, SK, svs, DV, TWO_LEVEL,
                                       P_RANGE, PNQ, IEEE, FAST_RCP, HW_E4M3, BLOCK_M, BLOCK_N, BLOCK_DV,
                                       DV_PAD, P_E4M3)
     if n_full < SK:
-        qk = tile_logits(q, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, 32, IEEE, True)
-        m_i, r_i, l_i, acc = _nv_tile(qk, scale_log2, m_i, r_i, l_i, acc, V_base, n_full, SK, svs, DV, TWO_LEVEL,
+        qk = tile_logits(q, scale_log2, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, 32, IEEE,
+                         True)
+        m_i, r_i, l_i, acc = _nv_tile(qk, m_i, r_i, l_i, acc, V_base, n_full, SK, svs, DV, TWO_LEVEL,
                                       P_RANGE, PNQ, IEEE, FAST_RCP, HW_E4M3, BLOCK_M, BLOCK_N, BLOCK_DV,
                                       DV_PAD, P_E4M3)
 

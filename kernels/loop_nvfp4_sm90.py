@@ -77,9 +77,13 @@ def _load_tile(kd, vd, k_buf, v_buf, bar, row):
 
 
 @gluon.jit
-def _masked_logits(s, M_base, start, SK, sms, HAS_MASK: gl.constexpr, BLOCK_N: gl.constexpr, S_L: gl.constexpr):
-    """Masked keys (key-padding mask, or past SK in the last tile) at -inf. The tail test is a
-    runtime branch: a peeled tail step made ptxas serialize every MMA (C7513)."""
+def _masked_logits(s, scale_log2, M_base, start, SK, sms, HAS_MASK: gl.constexpr, BLOCK_N: gl.constexpr,
+                   S_L: gl.constexpr):
+    """The logits in log2 units, ``s · scale_log2`` rounded once (as :func:`.tiles.scaled_masked`
+    does for the Triton loop: the same values), then masked keys (key-padding mask, or past SK in
+    the last tile) selected to -inf: no -inf is multiplied. The tail test is a runtime branch: a
+    peeled tail step made ptxas serialize every MMA (C7513)."""
+    s = s * scale_log2
     if HAS_MASK:
         keys = start + mma_key_order(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L)), BLOCK_N // 32, 32)
         alive = gl.load(M_base + keys * sms, mask=keys < SK, other=0) != 0
@@ -132,8 +136,8 @@ def _warpgroup(Q, Kd, Vd, KeyMask, Out, Lse, q_bufs, k_bufs, v_bufs, ready, empt
     s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
     _named_barrier(DONE)
     s = warpgroup_mma_wait(0, deps=(s,))
-    s = _masked_logits(s, M_base, 0, SK, sms, HAS_MASK, BLOCK_N, S_L)
-    p, m_i, r_i, l_i, _ = nv_quantize_p(s, scale_log2, nv_row_vector(zero, float("-inf")), nv_row_vector(zero, 1.0),
+    s = _masked_logits(s, scale_log2, M_base, 0, SK, sms, HAS_MASK, BLOCK_N, S_L)
+    p, m_i, r_i, l_i, _ = nv_quantize_p(s, nv_row_vector(zero, float("-inf")), nv_row_vector(zero, 1.0),
                                         nv_row_vector(zero, 0.0), TWO_LEVEL, P_RANGE, PNQ, True, True,
                                         gl.bfloat16)
     p_prev = gl.convert_layout(p, P_L)
@@ -148,8 +152,8 @@ def _warpgroup(Q, Kd, Vd, KeyMask, Out, Lse, q_bufs, k_bufs, v_bufs, ready, empt
         _named_barrier(DONE)
         s, acc, p_prev = warpgroup_mma_wait(0, deps=(s, acc, p_prev))
         mbarrier.arrive(empty.index(prev))  # this warpgroup is done with tile j-1's buffer
-        s = _masked_logits(s, M_base, j * BLOCK_N, SK, sms, HAS_MASK, BLOCK_N, S_L)
-        p, m_i, r_i, l_i, acc_scale = nv_quantize_p(s, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ, True,
+        s = _masked_logits(s, scale_log2, M_base, j * BLOCK_N, SK, sms, HAS_MASK, BLOCK_N, S_L)
+        p, m_i, r_i, l_i, acc_scale = nv_quantize_p(s, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ, True,
                                                     True, gl.bfloat16)
         p_prev = gl.convert_layout(p, P_L)
         acc = acc * gl.convert_layout(acc_scale, gl.SliceLayout(1, O_L))[:, None]

@@ -42,13 +42,13 @@ from fp4video.recipe import AttentionRecipe, PScale, RowSum
 from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
 
 from .fp4_math import (e2m1_block_sums_hw, e2m1_magnitude_codes, e2m1_pack_hw, e2m1_pair_sums_hw, e4m3_bits, e4m3_p_shift,
-                       fma_lanes, mul_f32x2, mx_block_exponent, pack_nibbles, pow2, round_e2m1_at_scale,
+                       mul_f32x2, sub_lanes, mx_block_exponent, pack_nibbles, pow2, round_e2m1_at_scale,
                        round_e4m3_signed)
 from .key_order import quad_key_order
 from .launch import LoopLaunch
 from .loop_e4m3 import TILE_EXP_FLOOR, pointer_loop_unsupported_reason
 from .loop_nvfp4 import block_scale_and_reciprocal, two_level_factors
-from .tiles import LOG2E, key_mask, kv_bases, outputs, program_rows, store_out_lse
+from .tiles import LOG2E, key_mask, kv_bases, outputs, program_rows, scaled_masked, store_out_lse
 
 
 @triton.jit
@@ -136,15 +136,15 @@ def _block_exp2(x):
 
 
 @triton.jit
-def _mx_p(qk, scale_log2, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr, QB: tl.constexpr,
+def _mx_p(qk, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr, QB: tl.constexpr,
           HW_E2M1: tl.constexpr, WS: tl.constexpr = False, F32X2: tl.constexpr = False):
-    """MXFP4 P of one tile of raw logits ``qk`` (masked keys -inf; the logit in log2 units is
-    qk · scale_log2, scale_log2 > 0): (packed codes, E8M0 scale bytes, m_new, l_new, alpha). The
-    block maxima are the rounded products (the maxima of the rounded logits: rounding is monotonic),
-    so the block holding the row maximum gets exactly exp2(0) = 1. Each element is computed in
-    units of its block scale, exp2(qk · scale_log2 - (m + e)), its exponent one FMA (a fused product
-    and subtraction, rounded once): P̃ / 2^e to the rounding of exp2's argument, as P̃ itself is
-    (offline, sm_120: one multiply per element fewer than P̃ · 2^-e). WS (the warp-specialized loop):
+    """MXFP4 P of one tile of logits ``qk`` in log2 units (scaled, then masked keys selected to -inf:
+    :func:`.tiles.scaled_masked`): (packed codes, E8M0 scale bytes, m_new, l_new, alpha). The block
+    holding the row maximum gets exactly exp2(0) = 1. Each element is computed in units of its block
+    scale, exp2((qk - m) - e): the difference with the row maximum first (exact near it), then the
+    block exponent, so neither is lost at any logit magnitude (one fused qk · scale - (m + e) kept
+    the product's rounding residual and dropped e from m + e once |m| reached 2^24: rows of zeros
+    past 1e7 nats). WS (the warp-specialized loop):
     PNQ's block sums added in fp16 (exact: at most 192, in halves), converted once a block (offline,
     sm_100 ``mxattn`` 10.6 → 10.4 instructions per element over the partitions; sm_120's loop, which
     it lengthens, keeps fp32). F32X2 (datacenter Blackwell): the exp2 arguments two lanes an
@@ -153,14 +153,14 @@ def _mx_p(qk, scale_log2, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: 
     BLOCK_M: tl.constexpr = qk.shape[0]
     BLOCK_N: tl.constexpr = qk.shape[1]
     NB: tl.constexpr = BLOCK_N // QB
-    block_max = tl.max(tl.reshape(qk, (BLOCK_M, NB, QB)), axis=2) * scale_log2
+    block_max = tl.max(tl.reshape(qk, (BLOCK_M, NB, QB)), axis=2)
     m_new = tl.maximum(m_i, tl.max(block_max, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     amax = _block_exp2(block_max - m_safe[:, None])  # the block maximum of P̃ (exp2 is monotonic)
     e_blk = tl.where(amax > 0, tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126), 0)
     # in units of the block scale (no P̃ exceeds 8 units: the block's maximum is at most QMAX of them)
-    shift = m_safe[:, None] + e_blk.to(tl.float32)
-    x3 = tl.exp2(fma_lanes(tl.reshape(qk, (BLOCK_M, NB, QB)), scale_log2, -shift[:, :, None], F32X2))
+    d3 = sub_lanes(tl.reshape(qk, (BLOCK_M, NB, QB)), m_safe[:, None, None], F32X2)  # qk - m, exact near m
+    x3 = tl.exp2(sub_lanes(d3, e_blk.to(tl.float32)[:, :, None], F32X2))
     packed, pairs = _packed_p(tl.reshape(x3, (BLOCK_M, BLOCK_N)), HW_E2M1)
     alpha = tl.exp2(m_i - m_safe)
     if PNQ:
@@ -171,11 +171,11 @@ def _mx_p(qk, scale_log2, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: 
 
 
 @triton.jit
-def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr,
+def _nv_p(qk, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr,
           FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr, QB: tl.constexpr, HW_E2M1: tl.constexpr,
           QUAD: tl.constexpr = False, WS: tl.constexpr = False, F32X2: tl.constexpr = False):
-    """NVFP4 P of one tile of raw logits ``qk`` (masked keys -inf; the logit in log2 units is
-    qk · scale_log2), blocks of QB consecutive keys: (packed codes, E4M3 scale bytes, m_new, r_new, l_new,
+    """NVFP4 P of one tile of logits ``qk`` in log2 units (scaled, then masked keys selected to -inf:
+    :func:`.tiles.scaled_masked`), blocks of QB consecutive keys: (packed codes, E4M3 scale bytes, m_new, r_new, l_new,
     acc_scale), with :func:`.loop_nvfp4.nv_quantize_p`'s arithmetic step for step (its lane layout
     aside): P̂ is in units of r_new, the accumulator is rescaled by acc_scale. QUAD (QB = 16): the
     columns in :func:`.key_order.quad_key_order` (column 8j + 2t + e of each 32 holds key 8t + 2j + e,
@@ -203,19 +203,18 @@ def _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.co
         s3 = tl.reshape(qk, (BLOCK_M, NB, QB))
         bmax = tl.max(s3, axis=2)
     tile_max = tl.max(bmax, axis=1)
-    m_new = tl.maximum(m_i, tile_max * scale_log2)
+    m_new = tl.maximum(m_i, tile_max)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     if QUAD:
-        p = tl.exp2(tl.fma(s3, scale_log2, -m_safe[:, None, None, None, None, None]))
+        p = tl.exp2(s3 - m_safe[:, None, None, None, None, None])
     else:
-        p = tl.exp2(fma_lanes(s3, scale_log2, -m_safe[:, None, None], F32X2))
+        p = tl.exp2(sub_lanes(s3, m_safe[:, None, None], F32X2))  # qk - m (exact near m)
     # the block maxima of P̃ by the exp2 of the blocks' largest logits: one exp2 a block, no
     # reduction of P̃ (the reference takes the largest of the block's P̃: the same value, exp2 and
-    # the FMA being monotonic)
-    amax = _block_exp2(tl.fma(bmax, scale_log2, -m_safe[:, None]))
+    # the subtraction being monotonic)
+    amax = _block_exp2(bmax - m_safe[:, None])
     if TWO_LEVEL:
-        inv_s1, r_new, acc_ratio = two_level_factors(tl.exp2(tl.fma(tile_max, scale_log2, -m_safe)), r_i, P_RANGE,
-                                                     FAST_RCP)
+        inv_s1, r_new, acc_ratio = two_level_factors(tl.exp2(tile_max - m_safe), r_i, P_RANGE, FAST_RCP)
         amax = amax * inv_s1[:, None]
     else:
         r_new = r_i
@@ -255,18 +254,19 @@ _EXP_FLOOR = tl.constexpr(TILE_EXP_FLOOR)
 
 
 @triton.jit
-def _e4m3_p(qk, scale_log2, m_i, k_i, l_i, PNQ: tl.constexpr, HW_E4M3: tl.constexpr, F32X2: tl.constexpr = False):
-    """FP8 P of one tile of raw logits ``qk`` (masked keys -inf; in log2 units qk · scale_log2) for
-    the FP8-P·V methods, the e4m3 loop's rule (:func:`.loop_e4m3.quantize_p` with ``P_E4M3``): one
+def _e4m3_p(qk, m_i, k_i, l_i, PNQ: tl.constexpr, HW_E4M3: tl.constexpr, F32X2: tl.constexpr = False):
+    """FP8 P of one tile of logits ``qk`` in log2 units (scaled, then masked keys selected to -inf)
+    for the FP8-P·V methods, the e4m3 loop's rule (:func:`.loop_e4m3.quantize_p` with ``P_E4M3``): one
     power-of-two scale per row and tile, k = 7 - ⌊log2 (the tile's largest P̃)⌋, P̂ = P̃ · 2^k rounded
-    to E4M3 once; the exponent of each element one FMA, as there.
+    to E4M3 once; each element's exponent (qk - m) + k, as there.
     Returns (P̂ e4m3, m_new, k_new, l_new, alpha); ``acc`` and ``l`` are kept in units of 2^k."""
-    tile_max = tl.max(qk, axis=1) * scale_log2
+    tile_max = tl.max(qk, axis=1)
     m_new = tl.maximum(m_i, tile_max)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     top = tl.exp2(tile_max - m_safe)
     k_new = e4m3_p_shift(top, _EXP_FLOOR)
-    p = tl.exp2(fma_lanes(qk, scale_log2, (k_new.to(tl.float32) - m_safe)[:, None], F32X2))  # P̃ · 2^k_new < 256
+    d = sub_lanes(qk, m_safe[:, None], F32X2)  # qk - m, exact near m
+    p = tl.exp2(sub_lanes(d, -k_new.to(tl.float32)[:, None], F32X2))  # P̃ · 2^k_new < 256
     p8 = round_e4m3_signed(p, HW_E4M3)
     if PNQ:  # the sum of the rounded values
         part = tl.sum(p8.to(tl.float32), axis=1)
@@ -328,13 +328,9 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
     else:
         k_sc = tl.load(KS_base + keys[:, None] * (D // QB) + nb_d[None, :], mask=key_ok[:, None], other=127)
         qk = tl.dot_scaled(q4, q_sc, "e2m1", tl.trans(k4), k_sc, "e2m1")
-    if HAS_MASK:
-        km = tl.load(M_base + held * sms, mask=key_ok, other=0)
-        qk = tl.where((km != 0)[None, :], qk, float("-inf"))
-    elif TAIL:
-        qk = tl.where(key_ok[None, :], qk, float("-inf"))
+    qk = scaled_masked(qk, scale_log2, M_base, held, SK, sms, HAS_MASK, TAIL)  # log2 units, dead keys -inf
     if P_E4M3:  # FP8 P·V: P̂ and V̂ᵀ in E4M3 on the FP8 MMA
-        p8, m_new, k_i, l_i, alpha = _e4m3_p(qk, scale_log2, m_i, k_i, l_i, PNQ, HW_E4M3, F32X2)
+        p8, m_new, k_i, l_i, alpha = _e4m3_p(qk, m_i, k_i, l_i, PNQ, HW_E4M3, F32X2)
         if TMA:
             v8t = V_base.load([v_row, start])
         else:
@@ -347,11 +343,11 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
         acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(v8t))
     else:
         if NV:
-            p4, p_sc, m_new, r_i, l_i, acc_scale = _nv_p(qk, scale_log2, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ,
+            p4, p_sc, m_new, r_i, l_i, acc_scale = _nv_p(qk, m_i, r_i, l_i, TWO_LEVEL, P_RANGE, PNQ,
                                                          FAST_RCP, HW_E4M3, QB, HW_E2M1, QUAD, WS, F32X2)
             p_sc = p_sc.to(tl.float8e4nv, bitcast=True)
         else:
-            p4, p_sc, m_new, l_i, acc_scale = _mx_p(qk, scale_log2, m_i, l_i, OCP, QMAX, PNQ, QB, HW_E2M1, WS, F32X2)
+            p4, p_sc, m_new, l_i, acc_scale = _mx_p(qk, m_i, l_i, OCP, QMAX, PNQ, QB, HW_E2M1, WS, F32X2)
         if QUAD:
             p4 = _codes_in_key_order(p4)
         half_n = start // 2 + tl.arange(0, BLOCK_N // 2)
@@ -399,7 +395,7 @@ def _scaled_attn_fwd(
     key loop is Triton's warp-specialized loop (on sm_100: a TMA-load partition, an MMA partition
     issuing the asynchronous ``tcgen05`` MMAs, correction partitions, and the softmax in the default
     partition; S double-buffered in tensor memory). F32X2 (sm_10x / sm_11x): two-lane fp32 arithmetic
-    in P's quantization (:func:`.fp4_math.fma_lanes`)."""
+    in P's quantization (:func:`.fp4_math.sub_lanes`, :func:`.fp4_math.mul_f32x2`)."""
     b, h, offs_m, row_ok = program_rows(H, SQ, BLOCK_M)
     bh = tl.program_id(1)
     half_d = tl.arange(0, D // 2)

@@ -64,14 +64,16 @@ def kv_bases(K, V, b, h, skb, skh, svb, svh, TMA: tl.constexpr):
 
 
 @triton.jit
-def tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK: tl.constexpr, TAIL: tl.constexpr,
+def tile_logits(q, scale, K_base, M_base, start, SK, sks, sms, HAS_MASK: tl.constexpr, TAIL: tl.constexpr,
                 D: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr, IEEE: tl.constexpr = False,
                 TILE_ORDERED: tl.constexpr = False, TMA: tl.constexpr = False, k_row=0):
-    """Q̂·K̂ᵀ of one key tile with its keys in :func:`.key_order.mma_key_order`, masked keys at
-    -inf (the e4m3 MXFP4 loop and the bf16 NVFP4 loop). IEEE: fp32 operands multiplied exactly
-    (the CPU interpreter's work dtype). TILE_ORDERED: K̂ is stored in that order already, padded
-    to whole tiles: rows read as stored; TMA (with TILE_ORDERED): ``K_base`` is a tensor
-    descriptor of K̂'s rows, this head's first at ``k_row``."""
+    """The logits of one key tile in log2 units, Q̂·K̂ᵀ · ``scale`` (a scalar, or per row as
+    ``(BLOCK_M, 1)``), rounded once, with its keys in :func:`.key_order.mma_key_order` (the e4m3 MXFP4 loop and
+    the bf16 NVFP4 loop). Masked keys (the key-padding mask; keys past SK) are selected to -inf
+    *after* the scaling (:func:`scaled_masked`). IEEE: fp32 operands multiplied exactly (the CPU
+    interpreter's work dtype). TILE_ORDERED: K̂ is stored in that order already, padded to whole
+    tiles: rows read as stored; TMA (with TILE_ORDERED): ``K_base`` is a tensor descriptor of K̂'s
+    rows, this head's first at ``k_row``."""
     order = mma_key_order(tl.arange(0, BLOCK_N), BLOCK_N // QB, QB)
     keys = start + order
     if TMA:
@@ -89,12 +91,27 @@ def tile_logits(q, K_base, M_base, start, SK, sks, sms, HAS_MASK: tl.constexpr, 
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
+    return scaled_masked(qk, scale, M_base, keys, SK, sms, HAS_MASK, TAIL)
+
+
+@triton.jit
+def scaled_masked(qk, scale, M_base, keys, SK, sms, HAS_MASK: tl.constexpr, TAIL: tl.constexpr):
+    """Raw products ``qk`` (rows × keys) times ``scale`` (a scalar, or per row as ``(rows, 1)``), then the
+    dead keys — ``keys`` (the key of each column) not alive in the key-padding mask (HAS_MASK), or
+    at or past SK (TAIL) — selected to -inf. Every loop masks its logits this way, so no -inf is
+    ever multiplied: a factor that underflows to 0 (all-zero or ~1e-30 heads, whose Q̂ / K̂ factors
+    multiply to below fp32's range) makes the live logits 0, never a masked one NaN (-inf · 0).
+    The products are rounded once, and the loops' exponentials are exp2 of the difference of such a
+    rounded logit and the running maximum (itself one of them): exact near the maximum, so a row's
+    largest logit gives exactly exp2(0) = 1 at any magnitude (a fused ``qk · scale - m`` keeps the
+    product's rounding residual, up to half an ulp of m: 2^64 at logits of 1e9 nats)."""
+    t = qk * scale
     if HAS_MASK:
         km = tl.load(M_base + keys * sms, mask=keys < SK, other=0)
-        qk = tl.where((km != 0)[None, :], qk, float("-inf"))
+        t = tl.where((km != 0)[None, :], t, float("-inf"))
     elif TAIL:
-        qk = tl.where((keys < SK)[None, :], qk, float("-inf"))
-    return qk
+        t = tl.where((keys < SK)[None, :], t, float("-inf"))
+    return t
 
 
 @triton.jit
