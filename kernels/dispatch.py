@@ -20,7 +20,7 @@ Loops (one module each): :mod:`.loop_e4m3` (MXFP4 on e4m3 tensor cores, sm_89+),
 :mod:`.loop_scaled` (MXFP4 and NVFP4 through ``tl.dot_scaled``: Blackwell's native FP4 MMAs),
 :mod:`.loop_nvfp4` and :mod:`.loop_nvfp4_sm90` (NVFP4 on bf16 tensor cores; the Gluon ping-pong on
 Hopper), :mod:`.loop_bf16` (``fp16``, and MXFP4 where nothing faster runs). Limits
-(:func:`supports` reports them): key-padding masks ``(B, 1, 1, Sk)`` only.
+(:func:`supports` reports them): key-padding masks ``(B|1, 1, 1, Sk|1)`` only.
 """
 
 from __future__ import annotations
@@ -68,8 +68,11 @@ def supports(recipe: AttentionRecipe, q: torch.Tensor, mask: torch.Tensor | None
     """Whether the kernels can run this call, and if not, why (for the error message)."""
     if not (q.is_cuda or interpreting()):
         return False, "the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)"
-    if mask is not None and (mask.shape[1] != 1 or mask.shape[2] != 1):
-        return False, "the Triton kernel takes key-padding masks (B, 1, 1, Sk) only; this mask varies over heads/queries"
+    if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1):
+        # (B|1, 1, 1, Sk|1): one key-padding row per batch, broadcast over keys too
+        # (:func:`key_padding` expands it), which is what the loops' ``key_alive`` (B, Sk) holds
+        return False, (f"the Triton kernels take key-padding masks (B or 1, 1, 1, Sk or 1) only; this mask of shape "
+                       f"{tuple(mask.shape)} varies over heads or queries")
     e4m3 = Format.E4M3 in (recipe.qk_format, recipe.pv_format)
     if e4m3 and recipe.qk_format is not Format.NVFP4 and mx_kernel(recipe, q.device) not in ("fp8", "scaled"):
         return False, (f"{recipe.name}: its E4M3 (FP8) operands run on e4m3 tensor cores (sm_89+), "
@@ -315,7 +318,9 @@ def _prepare_checked(q, k, v, recipe: AttentionRecipe, key_alive, mean, bad, ran
 
 
 def key_padding(mask, b: int, sk: int):
-    """A key-padding mask (B|1, 1, 1, Sk) as the kernels' ``key_alive`` (B, Sk), or None."""
+    """A key-padding mask (B|1, 1, 1, Sk|1) as the kernels' ``key_alive`` (B, Sk), or None: a mask
+    broadcast over batches or keys is expanded, so every key it covers counts (in K's smoothing mean
+    too: :func:`.checks.k_smoothing_mean`)."""
     return None if mask is None else mask.expand(b, 1, 1, sk)[:, 0, 0, :]
 
 
