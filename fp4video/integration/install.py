@@ -7,20 +7,40 @@ LTX-2, Sana-Video, Kandinsky 5, Cosmos, ...): blocks and attention roles are rea
 structure (:mod:`fp4video.integration.sites`) and the model keeps its own processors
 (:mod:`fp4video.integration.routing`). Models whose processors call PyTorch's SDPA themselves
 (CogVideoX, Mochi, Allegro) are refused with a message saying so.
+
+The installation lives with each transformer it changes (``_fp4video_saved``), whatever handle it
+came through: a pipeline, a bare transformer, or another pipeline sharing that transformer. A
+transformer takes one installation at a time: installing on one that has one (through any
+handle) is refused, and nothing is changed. :func:`uninstall` on any handle restores every
+transformer of it that has an installation, whichever handle installed it, so uninstalling in
+any order ends with the stock model. Rules that can never match on the transformers installed
+(an expert rule without two experts, a kind their calls never have, a step rule where no
+denoising step is known, a rule every call of which an earlier one takes) are refused at install.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
-from .policy import Policy
-from .processor import AttentionContext, FP4Processor
-from .routing import route, unroute
+from .policy import CallSpace, Policy, as_policy
+from .processor import AttentionContext, FP4Processor, check_backend
+from .routing import is_routed, possible_kinds, route, unroute
 from .sites import NotRoutable, Site, attention_sites, routable, unroutable_reason
 
-__all__ = ["install", "uninstall", "annotate", "block_sites"]
+__all__ = ["install", "uninstall", "annotate", "block_sites", "installed_context"]
+
+
+@dataclass
+class _Installed:
+    """What :func:`install` changed on one transformer (its ``_fp4video_saved``)."""
+
+    ctx: AttentionContext
+    route: object  # routing._Route
+    hook: object  # the step hook's handle
+    through: str  # the handle install was given, for messages
 
 
 def _transformers(target):
@@ -28,9 +48,23 @@ def _transformers(target):
     if isinstance(target, torch.nn.Module):
         return [(None, target)]
     t1, t2 = getattr(target, "transformer", None), getattr(target, "transformer_2", None)
-    if t1 is None:
-        raise ValueError(f"{type(target).__name__} has no `transformer`: pass a diffusers video pipeline or a transformer")
-    return [("high_noise", t1), ("low_noise", t2)] if t2 is not None else [(None, t1)]
+    if not isinstance(t1, torch.nn.Module):
+        raise TypeError(f"{type(target).__name__} has no `transformer` module: pass a diffusers video pipeline or a "
+                        "transformer")
+    if t2 is None:
+        return [(None, t1)]
+    if not isinstance(t2, torch.nn.Module):
+        raise TypeError(f"{type(target).__name__}.transformer_2 is a {type(t2).__name__}, not a transformer")
+    if t2 is t1:
+        raise ValueError(f"{type(target).__name__}.transformer and .transformer_2 are the same model: fp4video cannot "
+                         "tell its high- and low-noise calls apart")
+    return [("high_noise", t1), ("low_noise", t2)]
+
+
+def installed_context(model: torch.nn.Module) -> AttentionContext | None:
+    """The :class:`AttentionContext` of the installation on ``model`` (a transformer), or None."""
+    saved = getattr(model, "_fp4video_saved", None)
+    return saved.ctx if saved is not None else None
 
 
 def annotate(model: torch.nn.Module) -> dict[str, int]:
@@ -52,15 +86,25 @@ def block_sites(model: torch.nn.Module) -> list[Site]:
 def install(pipe, policy: Policy | str | None = None, *, backend: str = "auto", record: bool = True) -> AttentionContext:
     """Apply ``policy`` (a :class:`Policy`, a method name, default ``"mxattn"``) to every attention call
     of ``pipe``'s transformer blocks (a pipeline, both Wan2.2 experts included, or a bare transformer).
-    Returns the shared :class:`AttentionContext` (its ``calls`` list records each attention call)."""
-    if isinstance(policy, str) or policy is None:
-        policy = Policy(method=policy or "mxattn")
-    if getattr(pipe, "_fp4video_context", None) is not None:
-        raise RuntimeError("fp4video is already installed on this pipeline: call fp4video.uninstall(pipe) first")
-    ctx = AttentionContext(policy=policy, backend=backend, record=record)
+    Returns the shared :class:`AttentionContext` (its ``calls`` list records each attention call).
+
+    Refused, with nothing changed: a transformer that has an installation already (through this
+    handle or another: uninstall it first), a policy with a rule that can never match on these
+    transformers, a ``backend`` that is not one of ``auto``, ``reference``, ``triton``."""
+    policy = as_policy(policy)
+    check_backend(backend)
+    if not isinstance(record, bool):
+        raise TypeError(f"record must be True or False, got {type(record).__name__} {record!r:.40}")
     models = _transformers(pipe)
+    for _, model in models:
+        saved = getattr(model, "_fp4video_saved", None)
+        if saved is not None:
+            raise RuntimeError(f"fp4video is already installed on {type(model).__name__} (through {saved.through}): "
+                               "call fp4video.uninstall on it, or on the pipeline it was installed through, first")
+    ctx = AttentionContext(policy=policy, backend=backend, record=record)
     # every model is checked before any is changed: an error leaves the pipeline as it was
     all_sites = [_checked_sites(model, policy) for _, model in models]
+    _check_rules_can_match(pipe, policy, models, all_sites)
     for _, model in models:
         unrouted = _unrouted(model)
         if unrouted:
@@ -69,25 +113,47 @@ def install(pipe, policy: Policy | str | None = None, *, backend: str = "auto", 
             warnings.warn(f"fp4video: {len(unrouted)} attention modules of {type(model).__name__}'s blocks keep their "
                           f"own attention ({', '.join(classes)}: not through diffusers' dispatcher, e.g. linear "
                           "attention); the policy covers the others (AttentionContext.unrouted lists them)", stacklevel=2)
+    through = type(pipe).__name__ if not isinstance(pipe, torch.nn.Module) else f"the bare {type(pipe).__name__}"
     for (expert, model), sites in zip(models, all_sites):
         routed = route(model, sites, ctx)  # (the routing knows each site's block: no annotation)
         hook = model.register_forward_pre_hook(_step_hook(pipe, ctx, expert), with_kwargs=True)
-        model._fp4video_saved = (routed, hook)
-    pipe._fp4video_context = ctx
+        model._fp4video_saved = _Installed(ctx, routed, hook, through)
     return ctx
 
 
 def uninstall(pipe) -> None:
-    """Restore the model as it was before :func:`install`."""
+    """Restore every transformer of ``pipe`` (a pipeline or a transformer) that has an installation,
+    whichever handle installed it: its stock processors' backends, no fp4video hook; its
+    installation's context records no more calls from it. Transformers without one are left as
+    they are."""
     for _, model in _transformers(pipe):
         saved = getattr(model, "_fp4video_saved", None)
         if saved is None:
             continue
-        routed, hook = saved
-        unroute(routed)
-        hook.remove()
+        unroute(saved.route)
+        saved.hook.remove()
         del model._fp4video_saved
-    pipe._fp4video_context = None
+
+
+def _check_rules_can_match(pipe, policy: Policy, models, all_sites) -> None:
+    """Refuse a policy with a rule that no attention call of these transformers can match."""
+    if not policy.rules:
+        return
+    bare = isinstance(pipe, torch.nn.Module)
+    names = " and ".join(sorted({type(m).__name__ for _, m in models}))
+    calls = {(expert, s.block, kind) for (expert, _), sites in zip(models, all_sites) for s in sites
+             for kind in possible_kinds(s)}
+    if bare:
+        no_experts = (f"installed on a bare {names}, no call has an expert (experts tell Wan2.2's two "
+                      "transformers apart: install on the pipeline)")
+    else:
+        no_experts = f"{type(pipe).__name__} has one transformer, so no call has an expert (Wan2.2's pipelines have two)"
+    space = CallSpace(calls=calls, steps_known=not bare, name=names, no_experts=no_experts,
+                      no_steps=f"installed on a bare {names}, no denoising step is known (install on the pipeline: "
+                               "it follows the scheduler's step)")
+    problems = policy.unmatchable(space)
+    if problems:
+        raise ValueError(f"the policy does not fit {names}: " + "; ".join(problems))
 
 
 def _checked_sites(model: torch.nn.Module, policy: Policy) -> list[Site]:
@@ -102,6 +168,13 @@ def _checked_sites(model: torch.nn.Module, policy: Policy) -> list[Site]:
     if ours:
         raise ValueError(f"{name} already has FP4Processor on {ours[0]} (and {len(ours) - 1} more): fp4video.install "
                          "routes the model's own processors; restore them first (set_attn_processor(original))")
+    from .routing import BACKEND
+
+    routed = sorted({s.name for s in sites if getattr(getattr(s.processor, "_attention_backend", None), "value", None)
+                     == BACKEND and not is_routed(s.processor)})
+    if routed:
+        raise ValueError(f"{name}'s processor on {routed[0]} (and {len(routed) - 1} more) is set to the {BACKEND} "
+                         "backend outside fp4video.install; reset it first (model.reset_attention_backend())")
     stuck = [s for s in blocks if not routable(s.processor)]
     if len(stuck) == len(blocks):
         kinds = {type(s.processor).__name__: unroutable_reason(s.processor) for s in stuck}

@@ -12,9 +12,10 @@ policy's default ``method`` applies. Example (MXAttention's Wan2.2 main table)::
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from ..recipe import METHODS
 
@@ -31,6 +32,17 @@ def _check_method(v: str) -> str:
     return v
 
 
+def _not_bool(v):
+    """YAML's ``true`` / ``false`` are not numbers here (pydantic would read them as 1 / 0)."""
+    if isinstance(v, bool):
+        raise ValueError(f"expected a number, got the boolean {str(v).lower()}")
+    return v
+
+
+#: A fraction of the schedule: an int or a float, never a boolean.
+_Fraction = Annotated[float, BeforeValidator(_not_bool)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -38,10 +50,10 @@ class _Strict(BaseModel):
 class StepRange(_Strict):
     """Denoising steps a rule covers (0-based). Exactly one of the fields."""
 
-    first: int | None = Field(None, ge=0, description="the first N steps")
-    last: int | None = Field(None, ge=0, description="the last N steps")
-    range: tuple[int, int] | None = Field(None, description="[start, stop) step indices")
-    fraction: tuple[float, float] | None = Field(None, description="[lo, hi) as fractions of the schedule")
+    first: StrictInt | None = Field(None, ge=0, description="the first N steps")
+    last: StrictInt | None = Field(None, ge=0, description="the last N steps")
+    range: tuple[StrictInt, StrictInt] | None = Field(None, description="[start, stop) step indices")
+    fraction: tuple[_Fraction, _Fraction] | None = Field(None, description="[lo, hi) as fractions of the schedule")
 
     @model_validator(mode="after")
     def _exactly_one(self):
@@ -52,7 +64,27 @@ class StepRange(_Strict):
             raise ValueError(f"range must be [start, stop) with 0 <= start <= stop, got {list(self.range)}")
         if self.fraction is not None and not (0.0 <= self.fraction[0] <= self.fraction[1] <= 1.0):
             raise ValueError(f"fraction must be [lo, hi) with 0 <= lo <= hi <= 1, got {list(self.fraction)}")
+        (name, value), = self.model_dump(exclude_none=True).items()
+        if value == 0 or (isinstance(value, tuple) and value[0] == value[1]):
+            raise ValueError(f"{name}: {list(value) if isinstance(value, tuple) else value} covers no denoising step, "
+                             "so the rule could never match")
         return self
+
+    def _interval(self) -> tuple[str, float, float]:
+        """(``"index"``, ``"last"`` or ``"fraction"``, lo, hi): the steps as one half-open interval."""
+        if self.first is not None:
+            return "index", 0, self.first
+        if self.range is not None:
+            return "index", *self.range
+        if self.last is not None:
+            return "last", 0, self.last
+        return "fraction", *self.fraction
+
+    def covers(self, other: "StepRange") -> bool:
+        """Whether this range holds every step ``other`` holds, for every schedule length (False
+        where that depends on the length: ``first`` against ``last``, steps against fractions)."""
+        (kind, lo, hi), (other_kind, other_lo, other_hi) = self._interval(), other._interval()
+        return kind == other_kind and lo <= other_lo and other_hi <= hi
 
     def contains(self, step: int, num_steps: int) -> bool:
         if self.first is not None:
@@ -66,8 +98,11 @@ class StepRange(_Strict):
 
 
 class Rule(_Strict):
+    """One rule: ``method`` for the calls that match every condition given (a condition left out
+    matches every call)."""
+
     method: str
-    blocks: list[int] | None = Field(None, description="transformer block indices (0-based)")
+    blocks: list[StrictInt] | None = Field(None, description="transformer block indices (0-based)")
     steps: StepRange | None = None
     kinds: list[Literal["self", "cross", "image", "joint"]] | None = None
     experts: list[Literal["high_noise", "low_noise"]] | None = None
@@ -84,6 +119,14 @@ class Rule(_Strict):
             raise ValueError(f"block indices count from 0 (no negative indices), got {v}")
         return v
 
+    @field_validator("blocks", "kinds", "experts")
+    @classmethod
+    def _not_empty(cls, v, info):
+        if v is not None and not v:
+            raise ValueError(f"{info.field_name}: [] lists none, so the rule could never match (leave "
+                             f"{info.field_name} out to match every one)")
+        return v
+
     def describe(self) -> str:
         """The rule as one YAML-like line, for messages."""
         parts = [f"method: {self.method}"]
@@ -93,6 +136,11 @@ class Rule(_Strict):
         if self.steps is not None:
             parts.append(f"steps: {self.steps.model_dump(exclude_none=True)}")
         return "{" + ", ".join(parts) + "}"
+
+    def matches_call(self, expert: str | None, block: int, kind: str) -> bool:
+        """Whether the block, kind and expert conditions hold for a call (its step aside)."""
+        return ((self.blocks is None or block in self.blocks) and (self.kinds is None or kind in self.kinds)
+                and (self.experts is None or expert in self.experts))
 
     def matches(self, *, block: int, step: int | None, num_steps: int | None, kind: str, expert: str | None) -> bool:
         if self.blocks is not None and block not in self.blocks:
@@ -116,13 +164,27 @@ class Policy(_Strict):
     method: str = "mxattn"
     rules: list[Rule] = []
     fallback: Literal["error", "stock"] = "error"
-    refiner: bool = Field(False, description="quantize the attention outside the transformer blocks too "
-                                            "(HunyuanVideo's token refiner); block rules never match it")
+    refiner: StrictBool = Field(False, description="quantize the attention outside the transformer blocks too "
+                                                  "(HunyuanVideo's token refiner); block rules never match it")
 
     @field_validator("method")
     @classmethod
     def _known_method(cls, v):
         return _check_method(v)
+
+    @model_validator(mode="after")
+    def _every_rule_can_match(self):
+        """A rule whose every call an earlier rule takes first can never match, on any model: refused.
+        The calls are told apart by what rules name (each block a rule names and one other block,
+        each kind, each expert and none), so this is exact for them; steps count as covered only
+        where an earlier rule's steps hold the rule's for every schedule length."""
+        named = sorted({b for r in self.rules for b in (r.blocks or ())})
+        space = CallSpace(calls={(e, b, k) for e in (*EXPERTS, None) for b in (*named, -1) for k in KINDS},
+                          steps_known=True, name="any model")
+        problems = self.unmatchable(space)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     @property
     def needs_install(self) -> bool:
@@ -152,12 +214,87 @@ class Policy(_Strict):
                            f"{num_steps} denoising steps")
         return out
 
+    def unmatchable(self, space: "CallSpace") -> list[str]:
+        """One message for each rule that can match no call of ``space`` (a model's calls, or every
+        call a rule can tell apart): it names the rule and why (a condition no call meets, or earlier
+        rules that take every call it would)."""
+        out, covered = [], []  # covered[i]: the calls of space rule i matches
+        for i, r in enumerate(self.rules):
+            calls = {c for c in space.calls if r.matches_call(*c)}
+            if r.steps is not None and not space.steps_known:
+                calls = set()
+            covered.append(calls)
+            why = None
+            if r.experts is not None and not any(e is not None for e, _, _ in space.calls):
+                why = f"experts: {space.no_experts}"
+            elif r.steps is not None and not space.steps_known:
+                why = f"steps: {space.no_steps}"
+            elif not calls:
+                why = _unmet(r, space)
+            else:
+                before = [j for j in range(i) if covered[j] & calls and _steps_cover(self.rules[j], r)]
+                taken = set().union(*(covered[j] for j in before))
+                if calls <= taken:
+                    why = "every call it would take is taken first by " + ", ".join(
+                        f"rules[{j}] {self.rules[j].describe()}" for j in before)
+            if why:
+                out.append(f"rules[{i}] {r.describe()} can never match: {why}")
+        return out
+
     def method_for(self, *, block: int, step: int | None, num_steps: int | None, kind: str,
                    expert: str | None) -> str:
         for rule in self.rules:
             if rule.matches(block=block, step=step, num_steps=num_steps, kind=kind, expert=expert):
                 return rule.method
         return self.method
+
+
+@dataclass(frozen=True)
+class CallSpace:
+    """The attention calls a policy can see: (expert, block, kind) triples, whether the denoising
+    step is known, and phrases for messages (``name``: what the calls are of; ``no_experts`` and
+    ``no_steps``: why no call has an expert, a step)."""
+
+    calls: set
+    steps_known: bool
+    name: str
+    no_experts: str = "no call has an expert"
+    no_steps: str = "no call has a denoising step"
+
+
+def _steps_cover(earlier: Rule, rule: Rule) -> bool:
+    """Whether ``earlier``'s steps hold every step of ``rule``'s, for every schedule length."""
+    return earlier.steps is None or (rule.steps is not None and earlier.steps.covers(rule.steps))
+
+
+def _unmet(rule: Rule, space: CallSpace) -> str:
+    """Why no call of ``space`` meets ``rule``'s block, kind and expert conditions together."""
+    given = {n: getattr(rule, n) for n in ("blocks", "kinds", "experts") if getattr(rule, n) is not None}
+    have = {"blocks": {b for _, b, _ in space.calls}, "kinds": {k for _, _, k in space.calls},
+            "experts": {e for e, _, _ in space.calls if e is not None}}
+    for name, listed in given.items():
+        if not set(listed) & have[name]:
+            its = ", ".join(str(v) for v in sorted(have[name])) or "none"
+            what = {"blocks": f"no attention of {space.name} in those blocks goes through fp4video (its routed "
+                              f"blocks: {its})",
+                    "kinds": f"{space.name} makes no {' or '.join(listed)} attention calls (its calls: {its})",
+                    "experts": f"no call of {space.name} has those experts (its experts: {its})"}[name]
+            return f"{name} {listed}: {what}"
+    return f"no attention call of {space.name} has {' and '.join(f'{n} {v}' for n, v in given.items())} together"
+
+
+def as_policy(policy, what: str = "policy") -> "Policy":
+    """``policy`` as a :class:`Policy`: a Policy, a method name (that method everywhere) or None
+    (``"mxattn"``); anything else is a ``TypeError``, an unknown method name a ``ValueError``."""
+    if policy is None:
+        return Policy()
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        return Policy(method=_check_method(policy))
+    raise TypeError(f"{what} must be a fp4video Policy, a method name ({', '.join(METHODS)}) or None, got "
+                    f"{type(policy).__name__} {policy!r:.60}" + (" (Policy.model_validate(mapping) reads a mapping)"
+                                                                 if isinstance(policy, dict) else ""))
 
 
 def format_validation_error(err, source: str) -> str:
@@ -172,12 +309,21 @@ def format_validation_error(err, source: str) -> str:
     return "\n".join(lines)
 
 
+def _fp4video_models() -> dict:
+    """{class name: class} of fp4video's pydantic models (the policy's and every model embedding
+    it, e.g. the run config), found by walking BaseModel's subclasses: nothing here imports them."""
+    found, todo = {}, [BaseModel]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            todo.append(sub)
+            if sub.__module__.startswith("fp4video."):
+                found.setdefault(sub.__name__, sub)
+    return found
+
+
 def _allowed_fields(model_name: str, loc) -> list[str]:
     """Field names allowed where an unknown key was found (walks the models along ``loc``)."""
-    from . import config as _config  # the run config embeds Policy
-
-    models = {m.__name__: m for m in (Policy, Rule, StepRange, *_config.CONFIG_MODELS)}
-    model = models.get(model_name)
+    model = _fp4video_models().get(model_name)
     for part in loc[:-1]:
         if model is None or isinstance(part, int):
             continue

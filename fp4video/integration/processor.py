@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention import fp4_attention
+from ..attention import BACKENDS, fp4_attention
 from .parallel import uses_ring
-from .policy import Policy
+from .policy import Policy, as_policy
 
 __all__ = ["FP4Processor", "AttentionContext"]
 
@@ -44,6 +44,15 @@ class AttentionContext:
     #: {model.site: processor class} of block attention left as it was (not through the dispatcher)
     unrouted: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        """The policy, backend and recording flag checked here, not at the first attention call
+        (where a wrong backend under ``fallback: stock`` would only be counted)."""
+        if not isinstance(self.policy, Policy):
+            raise TypeError(f"AttentionContext.policy must be a fp4video Policy, got {type(self.policy).__name__}")
+        check_backend(self.backend)
+        if not isinstance(self.record, bool):
+            raise TypeError(f"record must be True or False, got {type(self.record).__name__} {self.record!r:.40}")
+
     def method_for(self, block: int, kind: str) -> str:
         return self.policy.method_for(block=block, step=self.step, num_steps=self.num_steps, kind=kind,
                                       expert=self.expert)
@@ -58,6 +67,13 @@ class AttentionContext:
             cp = parallel_config.context_parallel_config
             record["context_parallel"] = {"ring": cp.ring_degree, "ulysses": cp.ulysses_degree}
         self.calls.append(record)
+
+
+def check_backend(backend) -> str:
+    """``backend`` if it names an FP4 attention backend, else a one-line ``ValueError``."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r:.60}")
+    return backend
 
 
 def _rope_wan(x, cos, sin):
@@ -80,7 +96,7 @@ def _is_hunyuan_joint(attn, encoder_hidden_states, image_rotary_emb) -> bool:
 class FP4Processor:
     """FP4 attention for every attention module of Wan and HunyuanVideo transformers.
 
-    ``FP4Processor(method="mxattn")`` applies one method everywhere;
+    ``FP4Processor(method="mxattn")`` (or ``policy="mxattn"``) applies one method everywhere;
     ``FP4Processor(policy=Policy(...))`` picks per block, step, kind and expert (block indices and
     steps are known once :func:`fp4video.integration.annotate` has tagged the model's blocks). With
     ``set_attn_processor`` alone, a policy may have kind rules only: one with block, step or expert
@@ -92,11 +108,17 @@ class FP4Processor:
 
     def __init__(self, method: str | None = None, policy: Policy | None = None, *,
                  context: AttentionContext | None = None):
-        if context is None:
+        if context is not None:
+            if not isinstance(context, AttentionContext):
+                raise TypeError(f"context must be an AttentionContext, got {type(context).__name__}")
+            if method is not None or policy is not None:
+                raise ValueError("give context, or method / policy, not both (the context has its own policy)")
+        else:
             if method is not None and policy is not None:
                 raise ValueError("give method or policy, not both (a policy has its own default method)")
-            policy = policy if policy is not None else Policy(method=method or "mxattn")
-            context = AttentionContext(policy=policy)
+            if method is not None and not isinstance(method, str):
+                raise TypeError(f"method must be a method name, got {type(method).__name__} {method!r:.40}")
+            context = AttentionContext(policy=as_policy(policy if policy is not None else method))
         self.context = context
 
     # --- the one numerics decision -----------------------------------------------------------

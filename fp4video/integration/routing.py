@@ -32,7 +32,7 @@ import torch
 from .parallel import uses_ring
 from .sites import Site
 
-__all__ = ["BACKEND", "route", "unroute", "call_kind", "boolean_mask"]
+__all__ = ["BACKEND", "route", "unroute", "call_kind", "possible_kinds", "boolean_mask"]
 
 #: The diffusers backend name fp4video's routed processors use.
 BACKEND = "fp4video_policy"
@@ -41,6 +41,15 @@ BACKEND = "fp4video_policy"
 MASKED_BELOW = -1e4
 
 _local = threading.local()  # the attention module calls in progress (innermost last), per thread
+
+#: Submodules whose outputs are image keys or queries (Wan I2V's added K projection; Cosmos 2.5's)
+ADDED_KEY_MODULES = ("add_k_proj", "norm_added_k", "k_img_norm", "q_img_norm")
+
+#: id(processor) -> [processor, its _attention_backend before routing, whether set on the instance,
+#: how many routes use it]: the stock state of every processor routed now, kept once whatever the
+#: number of models (or installations) sharing it, so unrouting the last one restores it exactly
+_ROUTED: dict = {}
+_routed_lock = threading.Lock()
 
 
 @dataclass
@@ -64,18 +73,43 @@ class _Route:
     model: torch.nn.Module
     sites: list[Site]
     ctx: object  # AttentionContext
-    original: dict  # id(processor) -> (processor, its _attention_backend before, whether set on the instance,
+    original: dict  # id(processor) -> (processor, its stock _attention_backend, whether set on the instance,
     #                 whether it names its backend: else it runs on the process-wide one)
     handles: list
     member: object = None  # the fp4video_policy backend
     attended: set = field(default_factory=set)  # site names that attended in this forward
     replicated_context: bool = False  # fp4video's HunyuanVideo plan: the context tokens on every rank
+    active: bool = True  # False once unrouted: a call still naming this route is refused
 
 
 def _stack() -> list:
     if not hasattr(_local, "calls"):
         _local.calls = []
     return _local.calls
+
+
+def _joins_context(processor) -> bool:
+    """Whether ``processor`` may put context tokens among the queries (HunyuanVideo's single-stream
+    blocks concatenate them): its ``__call__`` concatenates tensors or reads ``add_q_proj``; True
+    where its source cannot be read."""
+    from .sites import _call_source
+
+    source = _call_source(processor)
+    return not source or "torch.cat" in source or "add_q_proj" in source
+
+
+def possible_kinds(site: Site) -> set:
+    """The kinds :func:`call_kind` can give the calls of ``site``, read from its structure: a
+    superset (never missing a kind a call can have), exact for ``image`` and ``joint`` on diffusers'
+    video transformers. ``joint`` sites (``add_q_proj``: HunyuanVideo's dual-stream attention)
+    whose processor joins the context into the queries only attend jointly; others attend ``self``
+    or ``cross``, ``image`` with an added K projection (Wan I2V, Cosmos 2.5), ``joint`` where the
+    processor may join context tokens into the queries (single-stream blocks)."""
+    m, proc = site.module, site.processor
+    added = any(isinstance(getattr(m, n, None), torch.nn.Module) for n in ADDED_KEY_MODULES)
+    if site.role == "joint":
+        return {"joint"} if _joins_context(proc) else {"joint", "cross", "image"} if added else {"joint", "cross"}
+    return {"self", "cross"} | ({"image"} if added else set()) | ({"joint"} if _joins_context(proc) else set())
 
 
 def call_kind(call: _Call, q: torch.Tensor, k: torch.Tensor) -> str:
@@ -110,7 +144,7 @@ def _backend(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causa
              scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False, _parallel_config=None):
     """The ``fp4video_policy`` diffusers backend: the policy's method for this call."""
     stack = _stack()
-    if not stack:
+    if not stack or not stack[-1].route.active:
         raise RuntimeError(f"diffusers called the {BACKEND} attention backend outside an attention module fp4video "
                            "routed: use fp4video.install(pipe, policy), not set_attention_backend, for it")
     call = stack[-1]
@@ -195,8 +229,11 @@ def _pre_hook(route: _Route, site: Site):
         def tokens(x):
             return int(x.shape[1]) if torch.is_tensor(x) and x.dim() >= 2 else None
 
+        saved = route.original.get(id(site.processor))
+        if saved is None or not route.active:  # a processor set after install: not routed
+            return
         call = _Call(site, route, tokens(hidden), tokens(context))
-        _, backend, _, by_name = route.original[id(site.processor)]
+        _, backend, _, by_name = saved
         if by_name:
             call.stock_backend = backend
         else:  # it dispatches on the process-wide backend: ours while this module runs
@@ -207,10 +244,21 @@ def _pre_hook(route: _Route, site: Site):
     return hook
 
 
+def _pop_call(route: _Route, site: Site) -> _Call | None:
+    """Take this module's call off the stack: the innermost one of this route and site (and any
+    above it, left by a module whose call ended without its hook), None when there is none."""
+    stack = _stack()
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i].route is route and stack[i].site is site:
+            call = stack[i]
+            del stack[i:]
+            return call
+    return None
+
+
 def _post_hook(route: _Route, site: Site):
     def hook(module, args, kwargs, output):
-        stack = _stack()
-        call = stack.pop() if stack and stack[-1].site is site else None
+        call = _pop_call(route, site)
         if call is not None and call.active_before is not None:
             from .dispatcher import set_active_backend
 
@@ -247,6 +295,7 @@ def _model_pre_hook(route: _Route):
 
 def _model_post_hook(route: _Route):
     def hook(module, args, output):
+        _drop_calls(route)  # none of this model's module calls outlives its forward
         for site in route.sites:
             if site.name not in route.attended:
                 _record_skipped(route, site)  # a cache skipped its whole block
@@ -255,39 +304,72 @@ def _model_post_hook(route: _Route):
     return hook
 
 
+def _drop_calls(route: _Route) -> None:
+    """Remove this thread's calls of ``route`` from the stack."""
+    stack = _stack()
+    stack[:] = [c for c in stack if c.route is not route]
+
+
+def is_routed(processor) -> bool:
+    """Whether ``processor`` is routed through the policy backend now (by any installation)."""
+    return id(processor) in _ROUTED
+
+
 def route(model: torch.nn.Module, sites: list[Site], ctx) -> _Route:
-    """Route ``sites`` (routable, checked by the caller) of ``model`` through the policy backend."""
+    """Route ``sites`` (routable, checked by the caller) of ``model`` through the policy backend.
+    A processor shared with a model routed already keeps the stock backend saved then."""
     from .sites import names_its_backend
 
     member = _register_backend()
     r = _Route(model, sites, ctx, {}, [], member=member)
+    procs = {}
     for site in sites:
-        proc = site.processor
-        if id(proc) not in r.original:
-            r.original[id(proc)] = (proc, getattr(proc, "_attention_backend", None), "_attention_backend" in vars(proc),
-                                    names_its_backend(proc))
+        procs.setdefault(id(site.processor), site.processor)
+    with _routed_lock:
+        for key, proc in procs.items():
+            by_name = names_its_backend(proc)
+            if by_name:
+                saved = _ROUTED.get(key)
+                if saved is None:
+                    saved = _ROUTED[key] = [proc, getattr(proc, "_attention_backend", None),
+                                            "_attention_backend" in vars(proc), 0]
+                saved[3] += 1
+                r.original[key] = (proc, saved[1], saved[2], True)
+                proc._attention_backend = member
+            else:
+                r.original[key] = (proc, None, False, False)
+    for site in sites:
         m = site.module
         r.handles.append(m.register_forward_pre_hook(_pre_hook(r, site), with_kwargs=True))
         r.handles.append(m.register_forward_hook(_post_hook(r, site), with_kwargs=True, always_call=True))
-        for name in ("add_k_proj", "norm_added_k", "k_img_norm", "q_img_norm"):  # Wan I2V's; Cosmos 2.5's
+        for name in ADDED_KEY_MODULES:
             sub = getattr(m, name, None)
             if isinstance(sub, torch.nn.Module):
                 r.handles.append(sub.register_forward_hook(_added_key_hook(site)))
-    for proc, _, _, by_name in r.original.values():
-        if by_name:
-            proc._attention_backend = member
     r.handles.append(model.register_forward_pre_hook(_model_pre_hook(r)))
     r.handles.append(model.register_forward_hook(_model_post_hook(r), always_call=True))
     return r
 
 
 def unroute(r: _Route) -> None:
-    for proc, backend, own, by_name in r.original.values():
-        if not by_name:
-            continue
-        if own:
-            proc._attention_backend = backend
-        else:
-            del proc._attention_backend  # back to the class attribute
+    """Undo :func:`route`: its hooks removed, each processor's stock backend back once no route
+    uses it, no call of this route left on this thread's stack. Calling it again does nothing."""
+    if not r.active:
+        return
+    r.active = False
     for h in r.handles:
         h.remove()
+    with _routed_lock:
+        for key, (proc, _, _, by_name) in r.original.items():
+            saved = _ROUTED.get(key) if by_name else None
+            if saved is None:
+                continue
+            saved[3] -= 1
+            if saved[3] > 0:
+                continue
+            del _ROUTED[key]
+            if saved[2]:
+                proc._attention_backend = saved[1]
+            elif "_attention_backend" in vars(proc):
+                del proc._attention_backend  # back to the class attribute
+    _drop_calls(r)
