@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .policy import Policy, format_validation_error
 
-__all__ = ["RunConfig", "ParallelSettings", "load_config", "ConfigError", "DEFAULT_CONFIG"]
+__all__ = ["RunConfig", "ParallelSettings", "load_config", "read_yaml_mapping", "ConfigError", "DEFAULT_CONFIG"]
 
 
 class ConfigError(ValueError):
@@ -78,17 +78,90 @@ DEFAULT_CONFIG = RunConfig(
 )
 
 
-def load_config(path: str | Path) -> RunConfig:
+#: How deep a config's YAML may nest (a run config nests 4 levels; the limit keeps a pathological
+#: file from reaching Python's recursion limit inside the YAML or pydantic code)
+MAX_YAML_DEPTH = 32
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader refusing a key given twice in one mapping (at any depth: PyYAML keeps
+    the last silently) and nesting deeper than :data:`MAX_YAML_DEPTH`."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                mark = self.peek_event().start_mark
+                raise yaml.MarkedYAMLError(problem=f"nested deeper than {MAX_YAML_DEPTH} levels", problem_mark=mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *base`: its keys are meant to be overridden
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:
+                    continue  # an unhashable key: the constructor below says so
+                if first is not key_node:
+                    raise yaml.MarkedYAMLError(
+                        problem=f"key {key!r} given twice in one mapping (first on line {first.start_mark.line + 1}); "
+                                "YAML would keep only the last", problem_mark=key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error in one line: what, and where (line, column)."""
+    if isinstance(e, yaml.MarkedYAMLError):
+        mark = e.problem_mark or e.context_mark
+        what = "; ".join(str(p) for p in (e.context, e.problem) if p)
+        return f"{what} (line {mark.line + 1}, column {mark.column + 1})" if mark else what
+    return " ".join(str(e).split())
+
+
+def read_yaml_mapping(path: str | Path) -> dict:
+    """The mapping at the top of a YAML file, or a :class:`ConfigError` in one line naming the file
+    and the problem: no such file, a directory, unreadable, not UTF-8, not valid YAML (a key given
+    twice in one mapping included), nested too deep, empty, or not a mapping."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(e)}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid YAML: nested too deeply") from None
+    if data is None:
+        raise ConfigError(f"{path}: the file is empty; expected a mapping of settings")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of settings at the top level, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """A run config from a YAML file; every problem a :class:`ConfigError` naming the file."""
+    data = read_yaml_mapping(path)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, str(path))) from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply") from None
