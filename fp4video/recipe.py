@@ -172,8 +172,11 @@ METHODS: dict[str, AttentionRecipe] = {
         ),
         AttentionRecipe(name="sage3-pv8", qk_format=_NV, pv_format=_F8, smooth_k=True, row_sum="quantized"),
         # The FP8 tier (close to SageAttention2 / FlashAttention-3 FP8): Q per row and K per key tile
-        # in E4M3 with power-of-two scales, K smoothed; P̃ and V as above.
-        AttentionRecipe(name="fp8", qk_format=_F8, pv_format=_F8, smooth_k=True, row_sum="quantized"),
+        # in E4M3 with power-of-two scales, K smoothed; P̃ and V as above. The Hadamard rotation
+        # spreads Q/K outlier channels over the head dim before the rounding: E4M3's 3-bit mantissa
+        # errs in proportion to each product q_c·k_c, so a few large channels otherwise move large
+        # logits by several nats (FlashAttention-3's "incoherent processing" does the same).
+        AttentionRecipe(name="fp8", qk_format=_F8, pv_format=_F8, smooth_k=True, hadamard=True, row_sum="quantized"),
     ]
 }
 
