@@ -241,6 +241,32 @@ def test_fp16_is_stock_and_the_policy_routes_each_call(family):
                    for m in model.modules())
 
 
+def test_the_kinds_read_from_the_structure_cover_every_call_and_name_image_and_joint_exactly(family):
+    """What install checks kind rules against (the kinds each site's calls can have, read from the
+    model's structure) holds every kind a forward records at that site, and names ``image`` and
+    ``joint`` for a model exactly when its calls have them: a kind rule is refused only where no call
+    can match it, and an image or joint rule on a model without such calls is refused."""
+    from fp4video.integration.routing import possible_kinds
+
+    name, model, kw, kinds, _ = family
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ctx = install(model, "fp16")
+    try:
+        _forward(model, kw)
+    finally:
+        uninstall(model)
+    recorded: dict = {}
+    for c in ctx.calls:
+        recorded.setdefault(c["site"], set()).add(c["kind"])
+    predicted = {s.name: possible_kinds(s) for s in attention_sites(model) if s.name in recorded}
+    assert set(predicted) == set(recorded)
+    for site, got in recorded.items():
+        assert got <= predicted[site], (name, site, got, predicted[site])
+    every = set().union(*predicted.values())
+    assert every & {"image", "joint"} == kinds & {"image", "joint"}, (name, every)
+
+
 def test_sites_are_read_from_the_structure():
     """Block indices count the model's block lists in registration order (Kandinsky 5: the text
     block first); attention outside the lists (HunyuanVideo-1.5's token refiner) is block -1."""

@@ -89,13 +89,14 @@ def _stack() -> list:
 
 
 def _joins_context(processor) -> bool:
-    """Whether ``processor`` may put context tokens among the queries (HunyuanVideo's single-stream
-    blocks concatenate them): its ``__call__`` concatenates tensors or reads ``add_q_proj``; True
-    where its source cannot be read."""
+    """Whether ``processor`` may put context tokens among the queries: its ``__call__`` reads
+    ``add_q_proj`` (the processors of dual- and single-stream blocks, HunyuanVideo's and Motif's,
+    share one ``__call__`` that joins the context projected by ``add_q_proj`` or, without it,
+    concatenates the context before the projections); True where its source cannot be read."""
     from .sites import _call_source
 
     source = _call_source(processor)
-    return not source or "torch.cat" in source or "add_q_proj" in source
+    return not source or "add_q_proj" in source
 
 
 def possible_kinds(site: Site) -> set:
