@@ -363,3 +363,26 @@ def test_gpu_nan_policy_and_lse_merge(method):
     k[0, 1, 9, 9] = math.nan
     out, lse = fp4_attention(q, k, v, method=method, return_lse=True)
     assert torch.isnan(out[0, 1]).all() and torch.isnan(lse[0, 1]).all() and torch.isfinite(out[0, [0, 2]]).all()
+
+
+def test_accuracy_cliffs_show_where_each_method_stops():
+    """The cliff inputs of the accuracy report (far past the table's ranges) against fp64: exact
+    attention stays exact; K smoothing carries sage3 / mxattn-sk / fp8 through K means 10-100× the
+    table's, where the unsmoothed FP4 methods fall below cosine 0.5; temperature 100 takes every FP4
+    method below 0.9 with some rows pointing away (negative worst-row cosine); fp32 V entirely below
+    3e-39 flushes MXFP4's V (E8M0 scales end at 2^-127) while NVFP4's tensor scale keeps it."""
+    from fp4video.harness.robustness import CLIFFS, cliff_table
+
+    methods = ["fp16", "mxattn", "mxattn-sk", "sage3", "nvfp4", "fp8"]
+    r = cliff_table(methods)
+    assert list(r) == list(CLIFFS)
+    cos = {d: {m: r[d][m]["cossim"] for m in methods} for d in r}
+    worst = {d: {m: r[d][m]["worst_row_cossim"] for m in methods} for d in r}
+    assert all(cos[d]["fp16"] > 0.999999 for d in r)
+    for d in ("K mean ×10", "K mean ×100"):
+        assert cos[d]["mxattn"] < 0.5 and cos[d]["nvfp4"] < 0.5
+        assert cos[d]["sage3"] > 0.95 and cos[d]["mxattn-sk"] > 0.95 and cos[d]["fp8"] > 0.99
+    for m in ("mxattn", "mxattn-sk", "sage3", "nvfp4"):
+        assert cos["sharp (t=100)"][m] < 0.9 and worst["sharp (t=100)"][m] < 0
+    assert cos["V < 3e-39 (fp32)"]["mxattn"] < 0.5 and cos["V < 3e-39 (fp32)"]["sage3"] > 0.95
+    assert worst["V spikes ×1e6"]["mxattn"] < 0.5 and worst["V spikes ×1e6"]["fp8"] > 0.95

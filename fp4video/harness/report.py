@@ -54,8 +54,10 @@ def run_all(seed: int = 0, progress=None) -> dict:
     combos = combination_table(seed)
     step("robustness")
     robust = robustness.robustness_table(list(METHODS), seed)
+    step("accuracy cliffs")
+    cliffs = robustness.cliff_table(list(METHODS), seed)
     return {"seed": seed, "sageattention3": sa3, "mxattention": mxa, "methods": methods, "combinations": combos,
-            "robustness": robust}
+            "robustness": robust, "robustness_cliffs": cliffs}
 
 
 def summary_json(r: dict) -> dict:
@@ -84,6 +86,7 @@ def summary_json(r: dict) -> dict:
         "mxattention": detail,
         "combinations": r["combinations"],
         "robustness": r["robustness"],
+        "robustness_cliffs": r.get("robustness_cliffs", {}),
     }
 
 
@@ -206,6 +209,14 @@ def tables(r: dict) -> list[dict]:
     out.append(_table("Robustness — rel-L1 against fp64, the same inputs",
                       ["method", *rob.keys()],
                       [(m, *[f"{rob[d][m]['rel_l1']:.4f}" for d in rob]) for m in METHODS]))
+    cliffs = r.get("robustness_cliffs")
+    if cliffs:
+        size = robustness.CLIFF_SIZE
+        out.append(_table(f"Accuracy cliffs — CosSim % / worst-row CosSim % against fp64, inputs far past the table's "
+                          f"ranges (Sq={size['sq']}, Sk={size['sk']}; fp4video.harness.robustness.CLIFFS)",
+                          ["method", *cliffs.keys()],
+                          [(m, *[f"{100 * cliffs[d][m]['cossim']:.2f} / {100 * cliffs[d][m]['worst_row_cossim']:.1f}"
+                                 for d in cliffs]) for m in METHODS]))
     return out
 
 
