@@ -148,7 +148,8 @@ def fp4_attention(
         attn_mask: bool, True = attend, broadcastable to ``(B, H, Sq, Sk)`` in every layout
             (a key-padding mask is ``(B, 1, 1, Sk)``). Masked keys contribute nothing; rows that
             see no key return zeros (and ``lse = -inf``).
-        scale: softmax scale, default ``1/sqrt(D)``.
+        scale: softmax scale, default ``1/sqrt(D)``: any positive finite real scalar (Python or
+            numpy number, 0-d tensor, anything with ``__float__`` that is neither bool nor complex).
         return_lse: also return the natural-log log-sum-exp of the scaled logits, as computed
             (with PNQ, of the quantized exponentials), fp32, ``(B, H, Sq)`` for bhsd and
             ``(B, Sq, H)`` for bshd.
@@ -157,6 +158,13 @@ def fp4_attention(
 
     Returns:
         the output in q's dtype and layout, and with ``return_lse`` the LSE.
+
+    Finite inputs give a finite output and LSE (``-inf`` for rows that see no key) on every method
+    and backend as long as each head's ``scale · D · max|q| · max|k|`` (max over its queries and
+    live keys; a bound on its logits) is at most :data:`fp4video.reference.LOGIT_BOUND` (2^64);
+    beyond it the call raises ValueError. Q, K and V of any finite magnitude within that are
+    computed through exact power-of-two rescaling; outputs saturate at the dtype's largest value.
+    NaN/Inf inputs make their head NaN (:func:`fp4video.reference.nonfinite_heads`).
     """
     recipe = get_recipe(method)
     qb, kb, vb = _check_inputs(q, k, v, layout)

@@ -290,3 +290,31 @@ def test_smoothing_lse_shift_is_batch_independent(b, h, sq, d, seed):
             assert torch.equal(smoothing_lse_shift(q[i:i + 1, j:j + 1], mean[i:i + 1, j:j + 1], 0.3)[0, 0], got[i, j])
     want = (q.double() * mean.double()).sum(-1) * 0.3
     assert float((got.double() - want).abs().max()) <= 1e-5 * (1 + float(want.abs().max()))
+
+
+# --- the same on the GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ALL)
+def test_gpu_finite_output_range_on_both_sides_of_the_bound(method, device):
+    """The kernels on CUDA: V of ±3e38 (bf16) finite and per row as the reference; Q × 2^70 with
+    K × 2^-70 bit for bit the unscaled call; just beyond LOGIT_BOUND raises, just inside gives
+    finite outputs whose rows are the fp64 result (one-hot attention at ~2^58-nat logits)."""
+    g = torch.Generator().manual_seed(40)
+    q, k, v = (torch.randn(1, 4, n, 128, generator=g).to(device, torch.bfloat16) for n in (300, 1000, 1000))
+    big = torch.where(v > 0, 3e38, -3e38).to(torch.bfloat16)
+    out = fp4_attention(q, k, big, method=method, backend="triton")
+    assert torch.isfinite(out).all()
+    assert float(row_cosine(out, fp4_attention(q, k, big, method=method, backend="reference")).min()) > 0.99
+    want = fp4_attention(q, k, v, method=method, backend="triton")
+    assert torch.equal(fp4_attention(q * 2.0**70, k * 2.0**-70, v, method=method, backend="triton"), want)
+    pick = torch.randperm(1000, generator=g)[:300].to(device)
+    qw = k[:, :, pick].clone()
+    scale = LOGIT_BOUND / _logit_estimate(qw, k, 1.0)
+    with pytest.raises(ValueError, match=r"^q, k and scale: .*2\^64"):
+        fp4_attention(qw, k, v, method=method, scale=scale * 1.001, backend="triton")
+    out, lse = fp4_attention(qw, k, v, method=method, scale=scale * 0.999, return_lse=True, backend="triton")
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    ref, _ = attention64(qw, k, v, scale=scale * 0.999)
+    assert float(row_cosine(out, ref).min()) > (0.999 if method == "fp16" else 0.95)
