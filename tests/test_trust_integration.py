@@ -360,6 +360,16 @@ def test_rules_that_cannot_match_on_the_model_are_refused_at_install(families, n
     assert all(installed_context(m) is None for m, _ in models)
 
 
+def test_refiner_on_a_model_without_attention_outside_its_blocks_is_refused(families):
+    """`refiner: true` quantizes the attention outside the blocks (HunyuanVideo's token refiner); on a
+    model with none there it could never apply: refused, the model left as it was."""
+    handle, models, _, _ = families["wan2.2 pipeline"]
+    before = [_stock_state(m) for m, _ in models]
+    with pytest.raises(ValueError, match=r"refiner: true .* WanTransformer3DModel's transformer blocks .* has none"):
+        install(handle, Policy(refiner=True))
+    assert [_stock_state(m) for m, _ in models] == before
+
+
 @settings(max_examples=30, **SETTINGS)
 @given(data=st.data())
 def test_install_refuses_a_rule_exactly_when_no_call_of_the_model_can_match_it(families, data):

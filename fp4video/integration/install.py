@@ -186,14 +186,18 @@ def _checked_sites(model: torch.nn.Module, policy: Policy) -> list[Site]:
     policy.check_blocks(max(s.block for s in blocks) + 1, name)
     blocks = [s for s in blocks if routable(s.processor)]
     outside = [s for s in sites if s.block < 0]
-    if policy.refiner and outside:
+    if policy.refiner and not outside:
+        raise ValueError(f"refiner: true asks to quantize the attention outside {name}'s transformer blocks "
+                         "(HunyuanVideo's token refiner), but it has none there: leave refiner out")
+    if policy.refiner:
         stuck = sorted({type(s.processor).__name__ for s in outside if not routable(s.processor)})
         if stuck:
             raise NotImplementedError(
                 f"refiner: true asks to quantize the attention outside {name}'s blocks (HunyuanVideo's token "
                 f"refiner), but its processors ({', '.join(stuck)}) call SDPA directly; refiner: false keeps "
                 "them in full precision")
-        return sites
+        keep = {id(s.module) for s in blocks}  # the routable block sites and those outside, in module order
+        return [s for s in sites if s.block < 0 or id(s.module) in keep]
     return blocks
 
 
