@@ -174,12 +174,17 @@ class Policy(_Strict):
 
     @model_validator(mode="after")
     def _every_rule_can_match(self):
-        """A rule whose every call an earlier rule takes first can never match, on any model: refused.
-        The calls are told apart by what rules name (each block a rule names and one other block,
-        each kind, each expert and none), so this is exact for them; steps count as covered only
-        where an earlier rule's steps hold the rule's for every schedule length."""
-        named = sorted({b for r in self.rules for b in (r.blocks or ())})
-        space = CallSpace(calls={(e, b, k) for e in (*EXPERTS, None) for b in (*named, -1) for k in KINDS},
+        """A rule whose every call earlier rules take first can never match, on any model: refused.
+        The calls are told apart by what rules name (the blocks, one for each set of rules naming
+        it, and one no rule names; each kind; each expert and none), so this is exact for them;
+        steps count as taken only where an earlier rule's steps hold the rule's for every schedule
+        length."""
+        # one block for each set of rules naming it (blocks named by the same rules are alike to
+        # every rule), and one no rule names
+        named = [set(r.blocks) for r in self.rules if r.blocks is not None]
+        alike = {frozenset(i for i, bs in enumerate(named) if b in bs): b for bs in named for b in bs}
+        blocks = (*alike.values(), -1)
+        space = CallSpace(calls={(e, b, k) for e in (*EXPERTS, None) for b in blocks for k in KINDS},
                           steps_known=True, name="any model")
         problems = self.unmatchable(space)
         if problems:
