@@ -1,7 +1,8 @@
 """diffusers integration: FP4 attention processors, precision policies, install/uninstall."""
 
-from .install import annotate, install, uninstall
+from .install import annotate, install, installed_context, uninstall
 from .policy import Policy, Rule, StepRange
 from .processor import AttentionContext, FP4Processor
 
-__all__ = ["FP4Processor", "AttentionContext", "Policy", "Rule", "StepRange", "install", "uninstall", "annotate"]
+__all__ = ["FP4Processor", "AttentionContext", "Policy", "Rule", "StepRange", "install", "uninstall", "annotate",
+           "installed_context"]
