@@ -37,11 +37,16 @@ def test_identical_videos_score_perfectly(tmp_path):
     write_video(tmp_path / "a.mp4", v)
     r = evaluate_paths(tmp_path / "a.mp4", tmp_path / "a.mp4")
     assert r["cosine"] == pytest.approx(1.0, abs=1e-12) and r["ssim"] == pytest.approx(1.0, abs=1e-12)
-    assert r["psnr"] is None and r["identical_frames"] == r["frames"] == 5  # no finite PSNR exists
-    json.dumps(r, allow_nan=False)  # standard JSON: no Infinity anywhere
+    assert r["psnr"] == math.inf and r["identical_frames"] == r["frames"] == 5  # identical: PSNR is infinite
+    assert r["videos"]["a.mp4"]["per_frame"]["psnr"] == [math.inf] * 5
+    from fp4video.eval import json_ready
+
+    text = json.dumps(json_ready(r), allow_nan=False)  # standard JSON: infinities as the string "inf"
+    back = json.loads(text)
+    assert back["psnr"] == "inf" and float(back["psnr"]) == math.inf
     from fp4video.cli.eval import summary_line
 
-    assert "psnr n/a (every frame identical)" in summary_line(r)
+    assert "psnr inf (every frame identical)" in summary_line(r) and "psnr inf" in summary_line(back)
 
 
 def test_psnr_mean_leaves_identical_frames_out_and_counts_them():
@@ -50,7 +55,7 @@ def test_psnr_mean_leaves_identical_frames_out_and_counts_them():
     cand[2:] = (cand[2:] + 0.02).clamp(0, 1)  # frames 0 and 1 stay identical
     m = paired_metrics(ref, cand)
     differing = m["per_frame"]["psnr"][2:]
-    assert m["per_frame"]["psnr"][:2] == [None, None] and all(math.isfinite(x) for x in differing)
+    assert m["per_frame"]["psnr"][:2] == [math.inf, math.inf] and all(math.isfinite(x) for x in differing)
     assert m["identical_frames"] == 2 and m["psnr"] == pytest.approx(sum(differing) / 3)
     from fp4video.cli.eval import summary_line
 
@@ -112,8 +117,8 @@ def test_folders_are_paired_by_name(tmp_path):
         write_video(tmp_path / "cand" / name, v if name == "a.mp4" else (v * 0.9))
     r = evaluate_paths(tmp_path / "ref", tmp_path / "cand")
     assert set(r["videos"]) == {"a.mp4", "b.mp4"}
-    assert r["videos"]["a.mp4"]["psnr"] is None and r["videos"]["b.mp4"]["psnr"] < 40
-    assert r["psnr"] == r["videos"]["b.mp4"]["psnr"]  # the mean over videos that have a PSNR
+    assert r["videos"]["a.mp4"]["psnr"] == math.inf and r["videos"]["b.mp4"]["psnr"] < 40
+    assert r["psnr"] == r["videos"]["b.mp4"]["psnr"]  # the mean over videos with a finite PSNR
     assert r["identical_frames"] == r["videos"]["a.mp4"]["frames"]
 
 

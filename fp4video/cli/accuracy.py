@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from .common import UsageError, check_output_dir, seed_arg
+
 EXAMPLES = """examples:
   fp4video accuracy                       # tables on the terminal; plots, accuracy.json and
                                           # accuracy.md (the README's tables) in ./accuracy-report
@@ -28,7 +30,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--out", type=Path, default=Path("accuracy-report"), help="folder for PNG plots and accuracy.json")
-    p.add_argument("--seed", type=int, default=0, help="seed of every random input (default 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of every random input, 0 .. 2**64 - 1 (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object to stdout instead of tables")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--speed", type=Path, metavar="MARKDOWN",
@@ -39,10 +41,21 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    """Inputs (the output folder, the --speed file) are checked before the minutes of work; the
+    JSON and markdown go out whole (atomic rename)."""
     from tqdm import tqdm
 
     from ..harness import report
+    from ..integration.media import write_text_atomic
 
+    check_output_dir(args.out, "--out")
+    speed_text = None
+    if args.speed:
+        try:
+            speed_text = args.speed.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else "not UTF-8 text"
+            raise UsageError(f"--speed {args.speed}: cannot be read ({why})") from None
     t0 = time.perf_counter()
     with tqdm(total=N_STEPS, desc="accuracy", unit="step", file=sys.stderr, leave=False) as bar:
 
@@ -52,17 +65,17 @@ def run(args) -> int:
 
         result = report.run_all(seed=args.seed, progress=step)
     summary = report.summary_json(result)
-    report.write_json(summary, args.out / "accuracy.json")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(args.out / "accuracy.json", json.dumps(summary, indent=1, default=report._json_default))
     specs = report.tables(result)
-    (args.out / "accuracy.md").write_text(report.render_markdown(specs))
+    write_text_atomic(args.out / "accuracy.md", report.render_markdown(specs))
     plots = [] if args.no_plots else report.plots(result, args.out)
-    if args.speed:
+    if speed_text is not None:
         try:
-            plots.append(report.speed_accuracy_plot(result, args.speed.read_text(), args.out / "speed_accuracy.png",
+            plots.append(report.speed_accuracy_plot(result, speed_text, args.out / "speed_accuracy.png",
                                                     args.speed_seq))
-        except (OSError, ValueError) as e:
-            print(f"error: --speed {args.speed}: {e}", file=sys.stderr)
-            return 2
+        except ValueError as e:
+            raise UsageError(f"--speed {args.speed}: {e}") from None
     elapsed = time.perf_counter() - t0
     if args.json:
         json.dump(summary, sys.stdout, default=report._json_default)

@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .common import UsageError, check_output_file
+
 EXAMPLES = """examples:
   fp4video bench kernel --seqs 8192 32760 75600 --out BENCHMARKS-run.md --plot kernel-speed.png
   fp4video bench kernel --heads 24 --seqs 119056 --masked-keys 56     # HunyuanVideo 720p with its text padding
@@ -104,8 +106,11 @@ def run(args) -> int:
     import torch
 
     if not torch.cuda.is_available() and not getattr(args, "tiny", False):
-        print("error: fp4video bench needs a CUDA GPU", file=sys.stderr)
-        return 2
+        raise UsageError("fp4video bench needs a CUDA GPU")
+    if args.out:  # written after minutes of timing: checked first
+        check_output_file(args.out, "--out")
+    if getattr(args, "plot", None):
+        check_output_file(args.plot, "--plot")
     if args.what == "parallel":
         table = bench_parallel(args)
         if table is None:  # not rank 0

@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+from .common import UsageError, check_output_file
+
 EXAMPLES = """examples:
   fp4video check                                  # every method; fp4video-check.json
   fp4video check --methods mxattn sage3 --out my-gpu.json
@@ -37,24 +39,23 @@ def run(args) -> int:
 
     cpu = args.device.startswith("cpu")
     if cpu and os.environ.get("TRITON_INTERPRET") != "1":
-        print("error: --device cpu runs the kernels only under TRITON_INTERPRET=1 (slow; use --small)", file=sys.stderr)
-        return 2
+        raise UsageError("--device cpu runs the kernels only under TRITON_INTERPRET=1 (slow; use --small)")
     if not cpu and not torch.cuda.is_available():
-        print("error: fp4video check needs a CUDA GPU (or TRITON_INTERPRET=1 with --device cpu --small)", file=sys.stderr)
-        return 2
+        raise UsageError("fp4video check needs a CUDA GPU (or TRITON_INTERPRET=1 with --device cpu --small)")
     try:
         import triton  # noqa: F401
     except ImportError:
-        print("error: fp4video check runs the Triton kernels: pip install 'fp4video[triton]'", file=sys.stderr)
-        return 2
+        raise UsageError("fp4video check runs the Triton kernels: pip install 'fp4video[triton]'") from None
+    check_output_file(args.out, "--out")  # written after the checks: checked first
     from tqdm import tqdm
 
     from ..eval.check import format_check, run_check
+    from ..integration.media import write_text_atomic
 
     shapes = dict(heads=2, sq=64, sk=130, head_dim=64, timing_seq=None) if args.small or cpu else {}
     report = run_check(args.methods, device=args.device, progress=lambda it, what: tqdm(it, desc=what, leave=False),
                        **shapes)
     print(format_check(report))
-    args.out.write_text(json.dumps(report, indent=1, allow_nan=False))
+    write_text_atomic(args.out, json.dumps(report, indent=1, allow_nan=False))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0 if report["ok"] else 1

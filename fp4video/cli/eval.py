@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
+
+from .common import UsageError, check_output_dir, check_output_file
 
 EXAMPLES = """examples:
   fp4video eval --reference fp16.mp4 --candidate mxattn.mp4
@@ -28,33 +31,44 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def summary_line(result: dict) -> str:
-    """One line: cosine with 6 digits (methods differ in the 4th), SSIM, PSNR over the differing frames."""
+    """One line: cosine with 6 digits (methods differ in the 4th), SSIM, PSNR over the differing
+    frames (``inf`` when every frame is identical)."""
     same, frames = result["identical_frames"], result["frames"]
-    psnr = "psnr n/a (every frame identical)" if result["psnr"] is None else f"psnr {result['psnr']:.2f} dB"
-    if same and result["psnr"] is not None:
-        psnr += f" over the {frames - same} differing frames ({same} identical)"
+    value = float(result["psnr"])  # a float, or "inf" as the JSON holds it
+    if math.isinf(value):
+        psnr = "psnr inf (every frame identical)"
+    else:
+        psnr = f"psnr {value:.2f} dB"
+        if same:
+            psnr += f" over the {frames - same} differing frames ({same} identical)"
     return (f"cosine {result['cosine']:.6f}  ssim {result['ssim']:.6f}  {psnr}  "
             f"({len(result['videos'])} video(s), {frames} frames; cosine on {result['cosine_range']})")
 
 
 def run(args) -> int:
-    from ..eval import evaluate_paths
+    """Outputs are checked before any video is read; the JSON goes out whole (atomic rename),
+    with PSNR infinities as the string "inf" (standard JSON has no infinity)."""
+    from ..eval import evaluate_paths, json_ready
+    from ..integration.media import write_text_atomic
 
-    try:
-        result = evaluate_paths(args.reference, args.candidate, progress=True)
-        if args.vbench:
-            from ..eval.vbench_driver import run_vbench
+    if args.out is not None:
+        check_output_file(args.out, "--out")
+    vbench_dir = (args.out.parent if args.out else Path(".")) / "vbench-out"
+    if args.vbench:
+        check_output_dir(vbench_dir, "--out (VBench's folder beside it)")
+    result = evaluate_paths(args.reference, args.candidate, progress=True)
+    if args.vbench:
+        from ..eval.vbench_driver import run_vbench
 
-            folder = args.candidate if args.candidate.is_dir() else args.candidate.parent
-            out_dir = (args.out.parent if args.out else Path(".")) / "vbench-out"
-            result["vbench"] = run_vbench(folder, python=args.vbench_python, out_dir=out_dir)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    text = json.dumps(result, indent=1)
+        folder = args.candidate if args.candidate.is_dir() else args.candidate.parent
+        try:
+            result["vbench"] = run_vbench(folder, python=args.vbench_python, out_dir=vbench_dir)
+        except RuntimeError as e:
+            raise UsageError(f"--vbench: {e}") from None
+    text = json.dumps(json_ready(result), indent=1, allow_nan=False)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+        write_text_atomic(args.out, text)
     else:
         print(text)
     print(summary_line(result), file=sys.stderr)

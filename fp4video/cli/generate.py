@@ -9,6 +9,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from .common import UsageError, check_output_file, check_seed, seed_arg
+
 EXAMPLES = """examples:
   fp4video generate                                   # embedded default: tiny random Wan2.2, mxattn policy
   fp4video generate --config configs/wan22_mxattn.yaml --model /models/Wan2.2-T2V-A14B-Diffusers \\
@@ -17,6 +19,19 @@ EXAMPLES = """examples:
   torchrun --nproc-per-node 2 -m fp4video.cli.main generate --config configs/wan22_mxattn.yaml \\
       --model /models/Wan2.2-T2V-A14B-Diffusers --ulysses-degree 2     # one video on 2 GPUs
 """
+
+
+#: Bounds on the video a run may ask for, checked before anything loads: sizes past them are typos
+#: (the latent and the attention over it would not fit any machine), refused in one line rather
+#: than found out by an allocation failure minutes later. Sides up to 8K, up to 2049 frames, and
+#: at most 2**33 pixels over the whole video (e.g. 4K UHD for 1035 frames): Wan2.2's VAE (8×8
+#: spatial, 4× temporal) and 2×2 patches make that 2.1 million tokens, whose attention matrix
+#: holds 4.6e12 entries per head.
+MAX_SIDE = 8192
+MAX_FRAMES = 2049
+MAX_VIDEO_PIXELS = 2**33
+#: More denoising steps than any sampler uses (real models: 4 to 100)
+MAX_STEPS = 10_000
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -28,10 +43,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, default=Path("fp4video.mp4"),
                    help="output mp4 (several prompts: NAME_0.mp4, NAME_1.mp4, ...); a .json sidecar goes beside it")
     p.add_argument("--steps", type=int, help="denoising steps (overrides the config)")
-    p.add_argument("--seed", type=int, help="random seed (overrides the config)")
-    p.add_argument("--height", type=int, help="video height (overrides the config)")
-    p.add_argument("--width", type=int, help="video width (overrides the config)")
-    p.add_argument("--frames", type=int, help="number of frames (overrides the config)")
+    p.add_argument("--seed", type=seed_arg, help="random seed, 0 .. 2**64 - 1 (overrides the config)")
+    p.add_argument("--height", type=int, help=f"video height, at most {MAX_SIDE} (overrides the config)")
+    p.add_argument("--width", type=int, help=f"video width, at most {MAX_SIDE} (overrides the config)")
+    p.add_argument("--frames", type=int, help=f"number of frames, at most {MAX_FRAMES} (overrides the config)")
     p.add_argument("--method", help="replace the policy by one method everywhere (e.g. fp16, mxattn)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "triton"],
@@ -41,21 +56,32 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def resolve_config(args):
+def resolve_config(args, notes: list[str] | None = None):
+    """The run config: ``--config`` (or the embedded default) with the command line's overrides,
+    validated again. ``notes`` collects one line for each silent change worth saying (the tiny
+    model replacing a config's sizes)."""
     from ..integration.config import DEFAULT_CONFIG, RunConfig, load_config
     from ..integration.policy import Policy
     from ..integration.tiny import tiny_sizes
 
+    if args.model is not None and not args.model.strip():
+        raise UsageError(f"--model {args.model!r}: empty; give \"tiny\", a local pipeline folder or a hub id")
     cfg = load_config(args.config) if args.config else DEFAULT_CONFIG
     changes = {}
-    if args.model:
+    if args.model is not None:
         changes["model"] = args.model
     if args.prompt:
         changes["prompts"] = args.prompt
-    if args.method:
+    if args.method is not None:
         changes["policy"] = Policy(method=args.method)
-    if (args.model or cfg.model) == "tiny":  # the YAML's sizes are for the real model
-        changes.update(tiny_sizes(cfg.family))
+    model = args.model if args.model is not None else cfg.model
+    if model == "tiny":  # the YAML's sizes are for the real model
+        tiny = tiny_sizes(cfg.family)
+        changes.update(tiny)
+        replaced = {k: (getattr(cfg, k), v) for k, v in tiny.items()
+                    if getattr(cfg, k) != v and getattr(args, k, None) is None}
+        if args.config and replaced and notes is not None:
+            notes.append(_tiny_note(args.config, replaced))
     for name in ("steps", "seed", "height", "width", "frames"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
@@ -64,63 +90,92 @@ def resolve_config(args):
         changes["parallel"] = {**base, **{k: v for k, v in (("ring_degree", args.ring_degree),
                                                               ("ulysses_degree", args.ulysses_degree)) if v is not None}}
     # re-validate: overrides get the same checks as the YAML
-    return RunConfig.model_validate({**cfg.model_dump(), **changes}) if changes else cfg
+    cfg = RunConfig.model_validate({**cfg.model_dump(), **changes}) if changes else cfg
+    check_run_config(cfg)
+    return cfg
+
+
+def _tiny_note(config, replaced: dict) -> str:
+    def sizes(i):
+        v = {k: p[i] for k, p in replaced.items()}
+        parts = []
+        if "height" in v or "width" in v:
+            parts.append(f"{v.get('height', '·')}×{v.get('width', '·')} (h×w)")
+        parts += [f"{v[k]} {k}" for k in ("frames", "steps", "fps") if k in v]
+        return ", ".join(parts)
+
+    options = [f"--{k}" for k in ("height", "width", "frames", "steps") if k in replaced]
+    return (f"note: the tiny model runs at its own sizes, {sizes(1)}, instead of {config}'s {sizes(0)} "
+            "(those are for the real model" + (f"; {'/'.join(options)} choose others)" if options else ")"))
+
+
+def check_run_config(cfg) -> None:
+    """What the config's own validation leaves open and no run can use, in one line (a
+    :class:`UsageError`): an empty model, a seed outside torch's range, sizes past the bounds."""
+    if not cfg.model.strip():
+        raise UsageError("model: empty; give \"tiny\", a local pipeline folder or a hub id")
+    check_seed(cfg.seed, "seed")
+    for name, bound in (("height", MAX_SIDE), ("width", MAX_SIDE), ("frames", MAX_FRAMES), ("steps", MAX_STEPS)):
+        if getattr(cfg, name) > bound:
+            raise UsageError(f"{name} {getattr(cfg, name)}: at most {bound}")
+    pixels = cfg.height * cfg.width * cfg.frames
+    if pixels > MAX_VIDEO_PIXELS:
+        raise UsageError(f"height × width × frames = {cfg.height} × {cfg.width} × {cfg.frames} = {pixels:.3g} "
+                         f"pixels: at most 2**33 = {MAX_VIDEO_PIXELS:.3g} (e.g. 3840 × 2160 × 1035)")
+
+
+def output_names(output: Path, prompts: int) -> list[Path]:
+    """The mp4 of each prompt: ``output`` itself for one prompt, ``NAME_0.mp4, NAME_1.mp4 ...`` for several."""
+    if prompts == 1:
+        return [output]
+    return [output.with_name(f"{output.stem}_{i}{output.suffix}") for i in range(prompts)]
 
 
 def run(args) -> int:
+    """Every input is checked before anything loads (config, sizes, seed, outputs, device); a
+    problem is a :class:`UsageError` (one line, exit 2, from ``main``)."""
     import torch
 
     from ..integration import install
-    from ..integration.config import ConfigError
-    from pydantic import ValidationError
-
     from ..integration.pipelines import load_pipeline, pipeline_kwargs
-    from ..integration.policy import format_validation_error
     from ..integration.runner import generate_video
 
-    try:
-        cfg = resolve_config(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except ValidationError as e:
-        print(f"error: {format_validation_error(e, 'command line')}", file=sys.stderr)
-        return 2
+    notes: list[str] = []
+    cfg = resolve_config(args, notes)
+    for note in notes:
+        print(f"fp4video generate: {note}", file=sys.stderr)
+    outputs = [check_output_file(out, "--output", (".mp4",), companions=(".json",))
+               for out in output_names(args.output, len(cfg.prompts))]
     from ..integration import distributed
 
     rank, size = distributed.world()
     if size > 1 and (cfg.parallel is None or cfg.parallel.ring_degree * cfg.parallel.ulysses_degree != size):
         got = "none" if cfg.parallel is None else f"ring {cfg.parallel.ring_degree} × ulysses {cfg.parallel.ulysses_degree}"
-        print(f"error: launched on {size} processes, so ring_degree × ulysses_degree must be {size} (config "
-              f"`parallel:` or --ring-degree/--ulysses-degree); got {got}", file=sys.stderr)
-        return 2
+        raise UsageError(f"launched on {size} processes, so ring_degree × ulysses_degree must be {size} (config "
+                         f"`parallel:` or --ring-degree/--ulysses-degree); got {got}")
     if size == 1 and cfg.parallel is not None and cfg.parallel.ring_degree * cfg.parallel.ulysses_degree > 1:
-        print("error: context parallelism needs several processes: launch with "
-              "`torchrun --nproc-per-node N -m fp4video.cli.main generate ...`", file=sys.stderr)
-        return 2
+        raise UsageError("context parallelism needs several processes: launch with "
+                         "`torchrun --nproc-per-node N -m fp4video.cli.main generate ...`")
     problem = device_problem(args.device, args.backend)
     if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+        raise UsageError(problem)
     device = distributed.setup_process_group(args.device) if size > 1 else \
         torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.perf_counter()
+    calls = [pipeline_kwargs(cfg, prompt, device) for prompt in cfg.prompts]  # inputs checked before loading
     try:
-        calls = [pipeline_kwargs(cfg, prompt, device) for prompt in cfg.prompts]  # inputs checked before loading
         pipe = load_pipeline(cfg, device)
-        if size > 1:
-            distributed.enable_context_parallel(pipe, ring_degree=cfg.parallel.ring_degree,
-                                                ulysses_degree=cfg.parallel.ulysses_degree, device=device)
-    except (FileNotFoundError, OSError, ValueError, NotImplementedError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except NotImplementedError as e:
+        raise UsageError(str(e)) from None
+    if size > 1:
+        distributed.enable_context_parallel(pipe, ring_degree=cfg.parallel.ring_degree,
+                                            ulysses_degree=cfg.parallel.ulysses_degree, device=device)
     t_load = time.perf_counter() - t0
     if rank != 0:
         pipe.set_progress_bar_config(disable=True)
     ctx = install(pipe, cfg.policy, backend=args.backend)
 
-    for i, (prompt, call) in enumerate(zip(cfg.prompts, calls)):
-        out = args.output if len(cfg.prompts) == 1 else args.output.with_name(f"{args.output.stem}_{i}{args.output.suffix}")
+    for prompt, call, out in zip(cfg.prompts, calls, outputs):
         sidecar = generate_video(pipe, ctx, cfg, prompt, call, out, device=device, backend=args.backend,
                                  load_seconds=t_load, write=rank == 0, world_size=size)
         if rank == 0:
@@ -137,6 +192,16 @@ def device_problem(device: str | None, backend: str) -> str | None:
     """What stops ``--device`` / ``--backend`` from working on this machine, in one line (or None)."""
     import torch
 
+    if device is not None:
+        try:
+            kind = torch.device(device).type
+        except (RuntimeError, ValueError, TypeError):
+            return f"--device {device!r}: not a device name (cpu, cuda, cuda:N)"
+        if kind not in ("cpu", "cuda"):
+            backend_module = getattr(torch, kind, None)
+            available = getattr(backend_module, "is_available", None)
+            if kind == "meta" or available is None or not available():
+                return f"--device {device}: fp4video generate runs on cpu or cuda[:N]; {kind} is not available here"
     wants_cuda = (device or "").startswith("cuda")
     if wants_cuda and not torch.cuda.is_available():
         build = "a CPU-only build of PyTorch" if torch.version.cuda is None else f"PyTorch {torch.__version__}, but no GPU is visible"

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
+
+from .common import UsageError
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -20,8 +21,7 @@ def run(args) -> int:
 
     if args.source:
         if not args.source.is_dir():
-            print(f"error: {args.source}: no such folder", file=sys.stderr)
-            return 2
+            raise UsageError(f"--from {args.source}: no such folder")
         for path in place_weights(args.source, args.cache_dir, args.torch_home):
             print(f"placed {path}")
     status = weight_status(args.cache_dir, args.torch_home)

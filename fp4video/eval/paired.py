@@ -3,32 +3,42 @@ Cosine / SSIM / PSNR columns: per frame, then averaged.
 
 - SSIM: 11×11 Gaussian window, σ = 1.5, data range 1 (torchmetrics' definition, per frame).
 - PSNR: per frame with data range 1, then the mean over the frames that differ (not one global
-  PSNR); identical frames have no finite PSNR, so they are counted (``identical_frames``) and left
-  out of the mean, which is None when every frame is identical. Per frame, an identical frame's
-  PSNR is None (JSON has no infinity).
+  PSNR); an identical frame's PSNR is infinite, so identical frames are counted
+  (``identical_frames``) and left out of the mean, which is ``inf`` only when every frame is
+  identical. In Python the values are floats (``math.inf``); :func:`json_ready` turns every
+  infinity into the string ``"inf"`` for JSON, which has no infinity (``float("inf")`` reads it
+  back, as it reads any number).
 - Cosine: per frame on the flattened RGB pixels in [0, 1], then the mean. Pixel values are all
   non-negative, so any two frames score well above 0; read it comparatively.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 
-__all__ = ["read_video", "paired_metrics", "evaluate_paths", "COSINE_RANGE"]
+__all__ = ["read_video", "paired_metrics", "evaluate_paths", "json_ready", "COSINE_RANGE"]
 
 COSINE_RANGE = "RGB pixels in [0, 1]"
 
 
 def read_video(path: str | Path) -> torch.Tensor:
-    """(T, H, W, 3) float32 in [0, 1]."""
+    """(T, H, W, 3) float32 in [0, 1]; a ValueError naming the file when ffmpeg cannot read it."""
     import imageio.v3 as iio
+
+    from ..integration.media import unreadable_reason
 
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such video")
-    frames = iio.imread(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: a folder, not a video file")
+    try:
+        frames = iio.imread(path)
+    except (OSError, RuntimeError, ValueError, IndexError, StopIteration) as e:
+        raise ValueError(f"{path}: not a video ffmpeg can read ({unreadable_reason(e)})") from None
     if frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"{path}: expected RGB video frames (T, H, W, 3), got shape {tuple(frames.shape)}")
     return torch.from_numpy(frames).float() / 255.0
@@ -53,10 +63,10 @@ def paired_metrics(ref: torch.Tensor, cand: torch.Tensor, *, name: str = "video"
         "frames": int(ref.shape[0]),
         "cosine": float(cos.mean()),
         "ssim": float(ssim.mean()),
-        "psnr": float(psnr[differ].mean()) if bool(differ.any()) else None,
+        "psnr": float(psnr[differ].mean()) if bool(differ.any()) else math.inf,
         "identical_frames": int((~differ).sum()),
         "per_frame": {"cosine": cos.tolist(), "ssim": ssim.tolist(),
-                      "psnr": [float(x) if d else None for x, d in zip(psnr.tolist(), differ.tolist())]},
+                      "psnr": [float(x) if d else math.inf for x, d in zip(psnr.tolist(), differ.tolist())]},
     }
 
 
@@ -64,8 +74,8 @@ def _pairs(reference: Path, candidate: Path) -> list[tuple[str, Path, Path]]:
     if reference.is_file() and candidate.is_file():
         return [(candidate.name, reference, candidate)]
     if reference.is_dir() and candidate.is_dir():
-        refs = {p.name: p for p in reference.glob("*.mp4")}
-        cands = {p.name: p for p in candidate.glob("*.mp4")}
+        refs = {p.name: p for p in reference.glob("*.mp4") if p.is_file()}
+        cands = {p.name: p for p in candidate.glob("*.mp4") if p.is_file()}
         if not refs:
             raise ValueError(f"{reference}: no .mp4 files")
         missing = sorted(set(refs) ^ set(cands))
@@ -79,16 +89,30 @@ def _pairs(reference: Path, candidate: Path) -> list[tuple[str, Path, Path]]:
 
 
 def evaluate_paths(reference: str | Path, candidate: str | Path, progress: bool = False) -> dict:
-    """Two mp4 files, or two folders of mp4s paired by file name. Means over frames, then videos."""
+    """Two mp4 files, or two folders of mp4s paired by file name. Means over frames, then videos
+    (PSNR: over the videos with a finite one; ``inf`` when every video is identical)."""
     pairs = _pairs(Path(reference), Path(candidate))
-    it = pairs
-    if progress:
-        from tqdm import tqdm
+    from tqdm import tqdm
 
-        it = tqdm(pairs, desc="eval", unit="video")
-    videos = {name: paired_metrics(read_video(r), read_video(c), name=name) for name, r, c in it}
+    videos = {}
+    # leave=False: the bar goes when done or on an error, so an error message starts its own line
+    with tqdm(pairs, desc="eval", unit="video", disable=not progress, leave=False) as bar:
+        for name, r, c in bar:
+            videos[name] = paired_metrics(read_video(r), read_video(c), name=name)
     mean = lambda key: sum(v[key] for v in videos.values()) / len(videos)  # noqa: E731
-    psnrs = [v["psnr"] for v in videos.values() if v["psnr"] is not None]
-    return {"cosine": mean("cosine"), "ssim": mean("ssim"), "psnr": sum(psnrs) / len(psnrs) if psnrs else None,
+    psnrs = [v["psnr"] for v in videos.values() if math.isfinite(v["psnr"])]  # identical videos: inf, left out
+    return {"cosine": mean("cosine"), "ssim": mean("ssim"), "psnr": sum(psnrs) / len(psnrs) if psnrs else math.inf,
             "identical_frames": sum(v["identical_frames"] for v in videos.values()),
             "frames": sum(v["frames"] for v in videos.values()), "cosine_range": COSINE_RANGE, "videos": videos}
+
+
+def json_ready(obj):
+    """``obj`` with every non-finite float spelled as a string (``"inf"``, ``"-inf"``, ``"nan"``):
+    standard JSON has no infinity, and ``float()`` reads the strings back."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: json_ready(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_ready(v) for v in obj]
+    return obj

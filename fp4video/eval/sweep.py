@@ -8,7 +8,8 @@ import json
 import math
 from pathlib import Path
 
-from .paired import evaluate_paths
+from ..integration.media import write_text_atomic
+from .paired import evaluate_paths, json_ready
 
 __all__ = ["TABLE2", "TABLE3", "run_sweep"]
 
@@ -66,8 +67,9 @@ def run_sweep(cfg, out: Path, *, device=None, backend: str = "auto", vbench_pyth
         vb = {tag: run_vbench(out / "videos" / tag, python=vbench_python, out_dir=out / "vbench" / tag)["overall"]
               for tag, _ in jobs}
     result = _tables(cfg, sims, vb)
-    (out / "tables.json").write_text(json.dumps(result, indent=1))
-    (out / "tables.md").write_text(_markdown(result))
+    # PSNR of a video identical to FP16 is inf: "inf" in the JSON, which has no infinity
+    write_text_atomic(out / "tables.json", json.dumps(json_ready(result), indent=1, allow_nan=False))
+    write_text_atomic(out / "tables.md", _markdown(result))
     _plots(result, sims, out)
     return result
 
@@ -81,7 +83,7 @@ def _row(tag, sims, vb):
     if tag != "fp16":
         row.update({k: sims[tag][k] for k in SIMILARITY})
         for k in SIMILARITY:  # the spread over prompts: what a difference between methods must exceed
-            vals = [v[k] for v in sims[tag]["videos"].values() if v[k] is not None]
+            vals = [v[k] for v in sims[tag]["videos"].values() if v[k] is not None and math.isfinite(v[k])]
             n = len(vals)
             row[f"{k}_se"] = (math.sqrt(sum((x - sum(vals) / n) ** 2 for x in vals) / (n - 1) / n) if n > 1 else None)
     return row
@@ -183,7 +185,7 @@ def _plots(res, sims, out: Path):
     for ax, key in zip(axes, SIMILARITY):
         shown = []
         for table, rows, label_key in (("T2", res["table2"][1:], "method"), ("T3", res["table3"], "configuration")):
-            rows = [r for r in rows if r.get(key) is not None]  # PSNR of identical videos has no value
+            rows = [r for r in rows if r.get(key) is not None and math.isfinite(r[key])]  # PSNR of identical videos: inf
             names = [f"{table}: {r[label_key]}" for r in rows]
             vals = [r[key] for r in rows]
             errs = [r.get(f"{key}_se") or 0 for r in rows]

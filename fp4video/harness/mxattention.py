@@ -121,16 +121,27 @@ def objective_minimizers(grid=None) -> dict:
 # --- per-tensor MSE sweeps -------------------------------------------------------------------
 
 
+def _open_uniform(shape, g: torch.Generator) -> torch.Tensor:
+    """Uniform draws in the open interval (0, 1), in fp64: ``torch.rand``'s fp32 values are
+    multiples of 2^-24 in [0, 1), and 0 comes up about once in 16 million draws (every few seeds
+    over a sweep's 2 million), where an inverse CDF takes log(0). Shifting by half a step, exactly
+    in fp64, puts every value strictly inside (2^-25 from either end) without changing the stream."""
+    return torch.rand(shape, generator=g).double() + 2.0**-25
+
+
 def _tensor(dist: str, g: torch.Generator, shape=(256, 1024)) -> torch.Tensor:
+    """A finite fp32 tensor of ``dist`` for every seed (tails are bounded by the draws' resolution:
+    Laplace by 24 ln 2 ≈ 16.6, Student-t by the smallest fp32 chi-square)."""
     if dist == "gaussian":
         return torch.randn(shape, generator=g)
     if dist == "laplace":
-        u = torch.rand(shape, generator=g) - 0.5
-        return -torch.sign(u) * torch.log1p(-2 * u.abs())
+        u = _open_uniform(shape, g) - 0.5  # (-0.5, 0.5), never 0 or ±0.5
+        return (-torch.sign(u) * torch.log1p(-2 * u.abs())).float()
     if dist == "student-t3":
         z = torch.randn(shape, generator=g)
         chi2 = torch.randn((3, *shape), generator=g).pow(2).sum(0)
-        return z / torch.sqrt(chi2 / 3)
+        # three normals all 0 (or their squares underflowing) would divide by 0
+        return z / torch.sqrt(chi2.clamp_min(torch.finfo(chi2.dtype).tiny) / 3)
     if dist == "uniform":
         return torch.rand(shape, generator=g) * 2 - 1
     if dist == "outlier-channels":  # activations with a few large channels, as in Q/K

@@ -18,8 +18,10 @@ def generate_video(pipe, ctx: AttentionContext, cfg: RunConfig, prompt: str, cal
                    device, backend: str, load_seconds: float = 0.0, write: bool = True, world_size: int = 1) -> dict:
     """Run the pipeline once with ``call`` (from :func:`pipelines.pipeline_kwargs`), write ``out``
     (mp4) and ``out.json`` (the sidecar, also returned). Under torchrun every rank runs the
-    pipeline and only the one with ``write`` writes."""
-    from .media import audio_sample_rate, write_video
+    pipeline and only the one with ``write`` writes. The pair is written through temporary names
+    and renamed into place (:func:`media.write_video_and_sidecar`): an interrupted run leaves the
+    previous pair, or a video without a sidecar, never a short video or a mismatched sidecar."""
+    from .media import audio_sample_rate, write_video_and_sidecar
 
     if write:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -49,6 +51,6 @@ def generate_video(pipe, ctx: AttentionContext, cfg: RunConfig, prompt: str, cal
         "attention_calls": list(ctx.calls),
     }
     if write:
-        write_video(frames, out, cfg.fps, audio, sound and sound["sample_rate"])
-        out.with_suffix(".json").write_text(json.dumps(sidecar, indent=1))
+        write_video_and_sidecar(frames, out, json.dumps(sidecar, indent=1), cfg.fps, audio,
+                                sound and sound["sample_rate"])
     return sidecar
