@@ -135,13 +135,13 @@ def test_logit_bound_outside_raises_naming_the_inputs_and_the_bound(method, back
         assert "\n" not in str(e.value) and "quantize" not in str(e.value)
 
 
-@pytest.mark.parametrize("method", ALL)
-def test_logit_bound_inside_is_finite_and_accurate(method):
+@pytest.mark.parametrize("method, backend", [(m, "reference") for m in ALL] + [(m, "triton") for m in LOOPS])
+def test_logit_bound_inside_is_finite_and_accurate(method, backend):
     """Just inside LOGIT_BOUND (logits ~2^58 nats, one-hot attention): finite output and LSE,
     every row the fp64 result (its winner's V, up to V's own quantization), the LSE the fp64 one."""
     q, k, v = _winner_inputs()
     scale = LOGIT_BOUND / _logit_estimate(q, k, 1.0) * 0.999
-    out, lse = fp4_attention(q, k, v, method=method, scale=scale, return_lse=True, backend="reference")
+    out, lse = fp4_attention(q, k, v, method=method, scale=scale, return_lse=True, backend=backend)
     ref, ref_lse = attention64(q, k, v, scale=scale)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert float(row_cosine(out, ref).min()) > (0.999999 if method == "fp16" else 0.95)
