@@ -66,7 +66,10 @@ def resolve_config(args, notes: list[str] | None = None):
 
     if args.model is not None and not args.model.strip():
         raise UsageError(f"--model {args.model!r}: empty; give \"tiny\", a local pipeline folder or a hub id")
-    cfg = load_config(args.config) if args.config else DEFAULT_CONFIG
+    try:
+        cfg = load_config(args.config) if args.config else DEFAULT_CONFIG
+    except RecursionError:  # a pathological nesting that reached Python's limit in a parser
+        raise UsageError(f"--config {args.config}: nested too deeply") from None
     changes = {}
     if args.model is not None:
         changes["model"] = args.model
