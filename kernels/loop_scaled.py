@@ -328,7 +328,9 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
     else:
         k_sc = tl.load(KS_base + keys[:, None] * (D // QB) + nb_d[None, :], mask=key_ok[:, None], other=127)
         qk = tl.dot_scaled(q4, q_sc, "e2m1", tl.trans(k4), k_sc, "e2m1")
-    qk = scaled_masked(qk, scale_log2, M_base, held, SK, sms, HAS_MASK, TAIL)  # log2 units, dead keys -inf
+    # log2 units, dead keys -inf; the product two lanes an instruction on datacenter Blackwell except
+    # in the FP8-P·V form (offline, sm_100: a spill access a key tile there)
+    qk = scaled_masked(qk, scale_log2, M_base, held, SK, sms, HAS_MASK, TAIL, F32X2 and not P_E4M3)
     if P_E4M3:  # FP8 P·V: P̂ and V̂ᵀ in E4M3 on the FP8 MMA
         p8, m_new, k_i, l_i, alpha = _e4m3_p(qk, m_i, k_i, l_i, PNQ, HW_E4M3, F32X2)
         if TMA:

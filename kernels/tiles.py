@@ -9,6 +9,7 @@ import triton.language as tl
 
 from fp4video.rotation import next_power_of_two
 
+from .fp4_math import mul_f32x2
 from .key_order import mma_key_order
 
 LOG2E = 1.4426950408889634
@@ -95,7 +96,8 @@ def tile_logits(q, scale, K_base, M_base, start, SK, sks, sms, HAS_MASK: tl.cons
 
 
 @triton.jit
-def scaled_masked(qk, scale, M_base, keys, SK, sms, HAS_MASK: tl.constexpr, TAIL: tl.constexpr):
+def scaled_masked(qk, scale, M_base, keys, SK, sms, HAS_MASK: tl.constexpr, TAIL: tl.constexpr,
+                  F32X2: tl.constexpr = False):
     """Raw products ``qk`` (rows × keys) times ``scale`` (a scalar, or per row as ``(rows, 1)``), then the
     dead keys — ``keys`` (the key of each column) not alive in the key-padding mask (HAS_MASK), or
     at or past SK (TAIL) — selected to -inf. Every loop masks its logits this way, so no -inf is
@@ -105,7 +107,10 @@ def scaled_masked(qk, scale, M_base, keys, SK, sms, HAS_MASK: tl.constexpr, TAIL
     rounded logit and the running maximum (itself one of them): exact near the maximum, so a row's
     largest logit gives exactly exp2(0) = 1 at any magnitude (a fused ``qk · scale - m`` keeps the
     product's rounding residual, up to half an ulp of m: 2^64 at logits of 1e9 nats)."""
-    t = qk * scale
+    if F32X2:  # (datacenter Blackwell: two elements an instruction, the same values)
+        t = mul_f32x2(qk, tl.broadcast_to(scale, qk.shape))
+    else:
+        t = qk * scale
     if HAS_MASK:
         km = tl.load(M_base + keys * sms, mask=keys < SK, other=0)
         t = tl.where((km != 0)[None, :], t, float("-inf"))
