@@ -36,7 +36,7 @@ from fp4video.reference import poison_heads
 from .checks import k_smoothing_mean, nonfinite_heads, smoothing_lse_shift
 from .launch import arch_capability, device_arch, tma_unsupported_reason
 from .loop_bf16 import attention_bf16
-from .loop_e4m3 import E4M3_V_SPAN_LIMIT, attention_e4m3, pointer_loop_unsupported_reason
+from .loop_e4m3 import E4M3_V_SPAN_LIMIT, FAST_LOGIT_BOUND, attention_e4m3, pointer_loop_unsupported_reason
 from .loop_nvfp4 import attention_nvfp4
 from .prepass import prepass, prepass_fp8_window, prepass_packed, prepass_tiles
 from .tiles import work_dtype
@@ -351,8 +351,11 @@ def attention_with_key_alive(q, k, v, *, recipe: AttentionRecipe, key_alive, sca
         q, k, v, scale, v_factor = rescale_inputs(q, k, v, ranges, plan, scale)
         mean = k_smoothing_mean(k, key_alive) if recipe.smooth_k else None
         prepared, has_bad, _ = _prepare_checked(q, k, v, recipe, key_alive, mean, bad)
+    # the e4m3 loop's fast exponents where the logits are known to be bounded (always while a CUDA
+    # graph is captured, when nothing is read back)
+    exact = summary is not None and not summary[3] <= FAST_LOGIT_BOUND
     out, lse = attention_prepared(prepared, key_alive, recipe=recipe, scale=scale, out_dtype=q.dtype,
-                                  dv=v.shape[-1], **launch)
+                                  dv=v.shape[-1], exact=exact, **launch)
     out = rescale_output(out, v_factor)
     if mean is not None:  # the loops' LSE is of the smoothed logits: back to the unsmoothed ones
         lse = lse + smoothing_lse_shift(q, mean, scale)
@@ -363,10 +366,12 @@ def attention_with_key_alive(q, k, v, *, recipe: AttentionRecipe, key_alive, sca
 
 def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: float, out_dtype, dv: int,
                        block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                       tma: bool | None = None):
+                       tma: bool | None = None, exact: bool = True):
     """The attention loop alone, on :func:`prepare`'s output; ``dv``: the value head dim. Launch
     values override the loop's own (``tma``: the e4m3 loop, :func:`.loop_e4m3.attention_e4m3`, and the
-    dot_scaled loop, :func:`.loop_scaled.attention_packed`)."""
+    dot_scaled loop, :func:`.loop_scaled.attention_packed`). ``exact``: the e4m3 loop's exponent form
+    (False only where every logit lies within :data:`.loop_e4m3.FAST_LOGIT_BOUND` nats; the other
+    loops have one form)."""
     path, tensors = prepared
     if tma is not None and path not in ("fp8", "scaled"):
         raise ValueError(f"tma: an option of the e4m3 loop and of the dot_scaled loop, not of the {path!r} path")
@@ -380,7 +385,7 @@ def attention_prepared(prepared, key_alive, *, recipe: AttentionRecipe, scale: f
                                 tma=tma, quad_order=scaled_quad_order(recipe, tensors[0].device), **launch)
     if path == "fp8":
         return attention_e4m3(*tensors, key_alive, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv, tma=tma,
-                              **launch)
+                              exact=exact, **launch)
     if path == "nvfp4":
         qh, kh, vh, sk = tensors
         if _nv_loop(recipe, qh, vh, any(launch.values())) == "loop_nvfp4_sm90":

@@ -33,6 +33,10 @@ from .tiles import LOG2E, key_mask, kv_bases, outputs, program_rows, store_out_l
 #: lowest block exponent a key tile's shift follows (tiles entirely below 2^-60 of the row
 #: maximum keep a fixed shift; their weights are below 1e-18)
 TILE_EXP_FLOOR = -60
+#: the largest logit bound (nats; :func:`fp4video.reference.range_summary`) under which the loop runs
+#: its exponents' fast form (:func:`quantize_p`): there |m| < 2^17 in log2 units, so the fused form's
+#: residual moves P̃ by under 2^-7 of a binade; above it, the exact form
+FAST_LOGIT_BOUND = 2.0**16
 
 #: V channels whose block maxima span more than this many binades lose bits in the e4m3 loop:
 #: its per-channel e4m3 window holds 16 binades of V̂, and P̂'s 2^12 window meets V's range too
@@ -119,14 +123,22 @@ def _view5(qk, QB: tl.constexpr):
 
 
 @triton.jit
-def quantize_p(qk, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
-               QB: tl.constexpr, EXP_FLOOR: tl.constexpr, ASM: tl.constexpr, P_E4M3: tl.constexpr = False):
-    """Online softmax and MXFP4 quantization of one key tile of logits ``qk`` in log2 units (keys
-    in mma_key_order, masked keys selected to -inf: :func:`.tiles.tile_logits`). Every exponent is
-    the exact difference of a logit and the row maximum, then the tile's shift k added: P̃ · 2^k =
-    exp2((qk - m) + k). Folded into one ``qk · scale + (k - m)``, the product's rounding residual
-    and the rounding of k - m (which drops k once |m| reaches 2^24) moved the exponents by up to
-    half an ulp of m: past 1e7 nats, P̃ left its block scales' range and rows came back as zeros.
+def quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
+               QB: tl.constexpr, EXP_FLOOR: tl.constexpr, ASM: tl.constexpr, P_E4M3: tl.constexpr = False,
+               EXACT: tl.constexpr = True):
+    """Online softmax and MXFP4 quantization of one key tile (keys in mma_key_order, masked keys
+    selected to -inf: :func:`.tiles.tile_logits`). Two forms of the exponents, chosen per call by
+    the dispatch from the logits' bound (:data:`FAST_LOGIT_BOUND`):
+
+    - EXACT: ``qk`` holds the logits in log2 units, and every exponent is the exact difference of a
+      logit and the row maximum, then the tile's shift k added: P̃ · 2^k = exp2((qk - m) + k), so
+      the row's largest P̃ is exactly 1 at any magnitude.
+    - fast: ``qk`` holds the raw products and ``q_scale`` (per row, > 0) turns them into log2 units;
+      the exponent is one ``fma(qk, q_scale, k - m)``. Its rounding residual is at most half an ulp
+      of m, harmless while |m| is bounded (past ~1e7 nats it moves P̃ out of its block scales'
+      range, and the k in k - m is lost once |m| reaches 2^24), and it costs a third of the
+      exact form's instructions per element.
+
     Returns (P̂ as the e4m3 A operand of P̂·V̂, m_new, k_new, l_new, alpha): the caller
     rescales its accumulator by alpha and adds P̂·V̂. ``l`` is kept per row and P block (each
     lane's share), summed by the caller after the loop.
@@ -145,6 +157,8 @@ def quantize_p(qk, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl
     BLOCK_N: tl.constexpr = qk.shape[1]
     s5 = _view5(qk, QB)
     block_max = _block_reduce(s5, True)
+    if not EXACT:
+        block_max = block_max * q_scale[:, None]
     tile_max = tl.max(block_max, axis=1)
     m_new = tl.maximum(m_i, tile_max)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -153,11 +167,15 @@ def quantize_p(qk, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl
     # contraction: a product fused into the subtraction leaves a residual of either sign, and
     # amax = 1 - 2^-24 would move that block to the next lower scale under the OCP rule)
     top = tl.exp2(tile_max - m_safe)
-    d5 = s5 - _rows5(m_safe)  # exact near the maximum; masked keys -inf
+    if EXACT:
+        d5 = s5 - _rows5(m_safe)  # exact near the maximum; masked keys -inf
     if P_E4M3:
         # the tile's largest P̃ (per row) from its largest logit, the same arithmetic as its element's
         k_new = e4m3_p_shift(top, EXP_FLOOR)
-        p = tl.exp2(d5 + _rows5(k_new.to(tl.float32)))  # P̃ · 2^k_new < 256
+        if EXACT:
+            p = tl.exp2(d5 + _rows5(k_new.to(tl.float32)))  # P̃ · 2^k_new < 256
+        else:
+            p = tl.exp2(tl.fma(s5, _rows5(q_scale), _rows5(k_new.to(tl.float32) - m_safe)))
         p8 = round_e4m3_signed(p, ASM)
         if PNQ:  # the sums of the rounded values
             part = _block_reduce(p8.to(tl.float32), False)
@@ -173,7 +191,10 @@ def quantize_p(qk, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl
         e_top = tl.maximum(tl.where(top > 0, mx_block_exponent(top, OCP, QMAX), EXP_FLOOR), EXP_FLOOR)
         e_blk = tl.minimum(e_blk, e_top[:, None])  # a no-op (exp2 is monotonic); the f16 rounding's unit <= 16 relies on it
         k_new = 4 - e_top
-        p = tl.exp2(d5 + _rows5(k_new.to(tl.float32)))  # P̃ · 2^k_new
+        if EXACT:
+            p = tl.exp2(d5 + _rows5(k_new.to(tl.float32)))  # P̃ · 2^k_new
+        else:
+            p = tl.exp2(tl.fma(s5, _rows5(q_scale), _rows5(k_new.to(tl.float32) - m_safe)))
         unit = pow2(tl.maximum(e_blk + k_new[:, None], -126))
         p_hat = round_e2m1_f16x2_odd(p, _blocks5(unit.to(tl.float16)), _blocks5((unit * 6.0).to(tl.float16)), ASM)
         # l per row and block (lane): summed over the lanes once, after the loop
@@ -188,10 +209,10 @@ def quantize_p(qk, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl
 
 
 @triton.jit
-def _tile(qk, m_i, k_i, l_i, acc, V_base, start, svd,
+def _tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd,
           OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_N: tl.constexpr, QB: tl.constexpr, EXP_FLOOR: tl.constexpr, TMA: tl.constexpr, v_row,
-          ASM: tl.constexpr, FRESH_PV: tl.constexpr, P_E4M3: tl.constexpr):
+          ASM: tl.constexpr, FRESH_PV: tl.constexpr, P_E4M3: tl.constexpr, EXACT: tl.constexpr):
     """:func:`quantize_p` and P̂·V̂ of one key tile, given its logits from :func:`.tiles.tile_logits`:
     returns the updated (m, k, l, acc). TMA: ``V_base`` is a tensor descriptor of V̂ᵀ's rows
     (channels), this head's first at ``v_row``.
@@ -202,7 +223,8 @@ def _tile(qk, m_i, k_i, l_i, acc, V_base, start, svd,
     at three programs per SM, made every MMA wait for the previous one (warning C7512): Wan 720p
     loop 158.2 ms against 171.6 (H200). The pointer-load loop, not register-bound, is faster
     overlapping P̂·V̂ with the next tile (163.49 against 169.04 ms)."""
-    p8, m_new, k_new, l_i, alpha = quantize_p(qk, m_i, k_i, l_i, OCP, QMAX, PNQ, QB, EXP_FLOOR, ASM, P_E4M3)
+    p8, m_new, k_new, l_i, alpha = quantize_p(qk, q_scale, m_i, k_i, l_i, OCP, QMAX, PNQ, QB, EXP_FLOOR, ASM, P_E4M3,
+                                              EXACT)
     # V̂ᵀ is stored in P̂'s operand order, padded with zeros to whole tiles: plain loads
     if TMA:
         vt = V_base.load([v_row, start])
@@ -213,6 +235,16 @@ def _tile(qk, m_i, k_i, l_i, acc, V_base, start, svd,
     else:
         acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
     return m_new, k_new, l_i, acc
+
+
+@triton.jit
+def _tile_scale(q_scale, k_fac, EXACT: tl.constexpr):
+    """A key tile's factor from raw products to log2 units, per row; the fast form's held at or
+    above fp32's smallest normal (see :func:`_e4m3_attn_fwd`)."""
+    if EXACT:
+        return q_scale * k_fac
+    else:
+        return tl.maximum(q_scale * k_fac, 1.1754943508222875e-38)
 
 
 @triton.jit
@@ -229,7 +261,7 @@ def _e4m3_attn_fwd(
     HAS_MASK: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
     D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QB: tl.constexpr, EXP_FLOOR: tl.constexpr, TMA: tl.constexpr, K_TILE_ORDER: tl.constexpr,
-    ASM: tl.constexpr, FRESH_PV: tl.constexpr, P_E4M3: tl.constexpr = False,
+    ASM: tl.constexpr, FRESH_PV: tl.constexpr, P_E4M3: tl.constexpr = False, EXACT: tl.constexpr = True,
 ):
     """MXFP4 attention on e4m3 tensor cores. TMA (with K_TILE_ORDER: K̂ stored in tile key order,
     whole tiles): ``K8`` and ``V8T`` are tensor descriptors of K̂'s rows (B·H·SK_PAD) and V̂ᵀ's
@@ -239,8 +271,10 @@ def _e4m3_attn_fwd(
     offs_d = tl.arange(0, D)
     q = tl.load(Q8 + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     # logits in log2 units: dot(q8, k8) · q_fac · k_fac · scale · log2(e), k_fac per key tile (q_fac
-    # and k_fac powers of two: exact products, or 0 for heads of zeros or ~1e-30, whose factors
-    # multiply to below fp32's range: their logits are then 0, masked keys still -inf by a select)
+    # and k_fac powers of two: exact products). For heads of zeros or ~1e-30 the factors multiply to
+    # below fp32's normal range: EXACT scales first and selects masked keys to -inf after; the fast
+    # form multiplies the -inf of masked keys, so its factor is held at or above fp32's smallest
+    # normal (live logits stay ~0, as they are, and -inf · factor stays -inf, never NaN)
     q_scale = tl.load(QFac + bh * SQ + offs_m, mask=row_ok, other=1.0) * scale_log2
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -257,17 +291,17 @@ def _e4m3_attn_fwd(
     # tile), then the partial last tile
     n_full = (SK // BLOCK_N) * BLOCK_N
     for start in tl.range(0, n_full, BLOCK_N):
-        qk_scale = q_scale * tl.load(KF_base + start // BLOCK_N)
-        qk = tile_logits(q, qk_scale[:, None], K_base, M_base, start, SK, sks, sms, HAS_MASK, False, D, BLOCK_N, QB,
-                         False, K_TILE_ORDER, TMA, k_row)
-        m_i, k_i, l_i, acc = _tile(qk, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV,
-                                   BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, v_row, ASM, FRESH_PV, P_E4M3)
+        qk_scale = _tile_scale(q_scale, tl.load(KF_base + start // BLOCK_N), EXACT)
+        qk = tile_logits(q, qk_scale[:, None] if EXACT else 1.0, K_base, M_base, start, SK, sks, sms, HAS_MASK, False,
+                         D, BLOCK_N, QB, False, K_TILE_ORDER, TMA, k_row)
+        m_i, k_i, l_i, acc = _tile(qk, qk_scale, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV,
+                                   BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, v_row, ASM, FRESH_PV, P_E4M3, EXACT)
     if n_full < SK:
-        qk_scale = q_scale * tl.load(KF_base + n_full // BLOCK_N)
-        qk = tile_logits(q, qk_scale[:, None], K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True, D, BLOCK_N, QB,
-                         False, K_TILE_ORDER, TMA, k_row)
-        m_i, k_i, l_i, acc = _tile(qk, m_i, k_i, l_i, acc, V_base, n_full, svd, OCP, QMAX, PNQ, BLOCK_DV,
-                                   BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, v_row, ASM, FRESH_PV, P_E4M3)
+        qk_scale = _tile_scale(q_scale, tl.load(KF_base + n_full // BLOCK_N), EXACT)
+        qk = tile_logits(q, qk_scale[:, None] if EXACT else 1.0, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True,
+                         D, BLOCK_N, QB, False, K_TILE_ORDER, TMA, k_row)
+        m_i, k_i, l_i, acc = _tile(qk, qk_scale, m_i, k_i, l_i, acc, V_base, n_full, svd, OCP, QMAX, PNQ, BLOCK_DV,
+                                   BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, v_row, ASM, FRESH_PV, P_E4M3, EXACT)
 
     v_fac = tl.load(VFac + bh * BLOCK_DV + tl.arange(0, BLOCK_DV))  # acc is in units of V̂'s channel factors
     store_out_lse(Out, Lse, acc, v_fac[None, :], tl.sum(l_i, axis=1), m_i, k_i.to(tl.float32), b, h, offs_m, row_ok,
@@ -276,13 +310,14 @@ def _e4m3_attn_fwd(
 
 def attention_e4m3(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive, *, recipe: AttentionRecipe,
                    scale: float, out_dtype, dv: int, tma: bool | None = None, fresh_pv: bool | None = None,
-                   block_m=None, num_warps=None, num_stages=None):
+                   exact: bool = True, block_m=None, num_warps=None, num_stages=None):
     """The loop on :func:`.prepass.prepass_fp8`'s outputs for ``sk`` keys (``k_tile_order``: K̂'s
     rows are in tile key order, padded to whole tiles). ``tma``: K̂/V̂ᵀ tiles by TMA (None: where
     K̂ is in tile order, as the dispatch chose for the device; the CPU interpreter runs the TMA
     path when asked, which is how CI tests it). ``fresh_pv``: P̂·V̂ into a fresh accumulator
-    (:func:`_tile`; None: with TMA, where it was measured faster). Explicit launch values lift the
-    register cap."""
+    (:func:`_tile`; None: with TMA, where it was measured faster). ``exact``: the exponents'
+    exact form, right at any logit magnitude (:func:`quantize_p`); False only where every logit is
+    known to lie within :data:`FAST_LOGIT_BOUND` nats. Explicit launch values lift the register cap."""
     b, h, sq, d = q8.shape
     sk_pad, dvp = k8.shape[-2], v8t.shape[-2]
     tma = k_tile_order if tma is None else tma
@@ -320,7 +355,7 @@ def attention_e4m3(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive
         HAS_MASK=key_alive is not None, OCP=recipe.scale_rule is ScaleRule.OCP, QMAX=recipe.scale_rule.qmax,
         PNQ=recipe.row_sum is RowSum.QUANTIZED, D=d, BLOCK_DV=dvp, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
         QB=LANE_BLOCK, EXP_FLOOR=TILE_EXP_FLOOR, TMA=tma, K_TILE_ORDER=k_tile_order, P_E4M3=recipe.pv_format is Format.E4M3,
-        ASM=q8.is_cuda, FRESH_PV=tma if fresh_pv is None else fresh_pv,
+        ASM=q8.is_cuda, FRESH_PV=tma if fresh_pv is None else fresh_pv, EXACT=bool(exact),
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
         **({"maxnreg": TMA_REGISTER_BUDGET} if capped else {}),  # registers per thread (ptxas spills the rest)
     )

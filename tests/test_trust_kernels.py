@@ -484,3 +484,42 @@ def test_broadcast_key_masks_give_the_reference_result_gpu(method, shape):
         mask = _mask(shape, 1000, 1531, 103, density).cuda()
         a, la, b, lb = run_both(q, k + 0.5, v, method, mask)
         _gpu_rows_match(a, la, b, lb, what=(method, shape, density))
+
+
+@INTERPRETER_ONLY
+@pytest.mark.parametrize("method", ["mxattn", "mxattn-pv8"])
+def test_e4m3_loop_exponent_forms_agree_within_the_fast_bound_and_the_exact_one_runs_beyond(method, monkeypatch):
+    """The e4m3 loop has two forms of its exponents: the fast fused one for calls whose logit
+    bound lies within ``FAST_LOGIT_BOUND`` nats, the exact one beyond. Within the bound, on ordinary
+    and sharp rows (with a padding mask and a head of zeros), both equal the reference row by row;
+    the dispatch picks the fast one there and the exact one for logits past the bound."""
+    from fp4video.kernels import dispatch, loop_e4m3
+    from fp4video.kernels.dispatch import attention_prepared, key_padding, prepare
+
+    q, k, v = (rand(1, 2, 130, 64, seed=s) for s in (1, 2, 3))
+    q = q * torch.tensor([1.0, 6.0]).view(1, 2, 1, 1)  # a sharp head
+    q[:, 1, :7], k[:, 1] = 0.0, torch.where(torch.arange(130).view(1, 130, 1) < 90, k[:, 1], 0.0)
+    mask = torch.ones(1, 1, 1, 130, dtype=torch.bool)
+    mask[..., 100:] = False
+    want, lse_want = fp4_attention(q, k, v, method=method, attn_mask=mask, backend="reference", return_lse=True)
+    alive = key_padding(mask, 1, 130)
+    prepared = prepare(q, k, v, METHODS[method], alive)
+    forms = []
+    for exact in (False, True):
+        out, lse = attention_prepared(prepared, alive, recipe=METHODS[method], scale=64**-0.5, out_dtype=q.dtype,
+                                      dv=64, exact=exact)
+        # per row as tests/test_loops.py bounds the loops (a P̃ element on a rounding boundary may flip)
+        assert torch.isfinite(out).all() and torch.equal(torch.isinf(lse), torch.isinf(lse_want)), exact
+        assert row_cosine(out.double(), want.double()).min() > 0.99999, exact
+        fin = torch.isfinite(lse_want)
+        assert (lse[fin] - lse_want[fin]).abs().max() < 1e-4, exact
+        forms.append(out)
+    assert row_cosine(forms[0].double(), forms[1].double()).min() > 0.99999
+
+    seen = []
+    real = loop_e4m3.attention_e4m3
+    monkeypatch.setattr(dispatch, "attention_e4m3", lambda *a, **kw: seen.append(kw["exact"]) or real(*a, **kw))
+    fp4_attention(q, k, v, method=method, attn_mask=mask, backend="triton")
+    big = math.sqrt(4 * loop_e4m3.FAST_LOGIT_BOUND * 64**0.5 / 64)  # scale·D·max|q|·max|k| over the bound
+    fp4_attention(q.clamp(-1, 1) * big, k.clamp(-1, 1) * big, v, method=method, attn_mask=mask, backend="triton")
+    assert seen == [False, True]
