@@ -141,7 +141,7 @@ METHODS: dict[str, AttentionRecipe] = {
             name="mxattn-no-uos", qk_format=_MX, pv_format=_MX, scale_rule="ocp", hadamard=True, row_sum="quantized"
         ),
         AttentionRecipe(name="mxattn-no-pnq-uos", qk_format=_MX, pv_format=_MX, scale_rule="ocp", hadamard=True),
-        # Neither paper's, chosen from the op-level measurements (README, "Combinations of our own";
+        # Neither paper's, chosen from the op-level measurements (docs/accuracy.md, "Combinations of our own";
         # `fp4video accuracy` recomputes them): MXAttention plus SageAttention's K smoothing.
         # The Hadamard rotation turns a per-channel K mean into a few huge channels; removing
         # the mean first (exact, free in the pre-pass) lets the rotation do its job.

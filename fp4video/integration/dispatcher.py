@@ -34,7 +34,7 @@ def _internals():
         import diffusers
         from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
     except ImportError as e:
-        raise RuntimeError("fp4video's attention backends need diffusers (pip install 'fp4video[diffusers]')") from e
+        raise RuntimeError(f"fp4video's attention backends need diffusers, which did not import: {e}") from e
     needed = [hasattr(_AttentionBackendRegistry, a) for a in
               ("register", "_backends", "_supported_arg_names", "_supports_context_parallel", "_active_backend",
                "set_active_backend")]
