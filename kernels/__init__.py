@@ -7,9 +7,7 @@ fp4video's numerics modules. Triton is optional: without it (or without a CUDA t
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import warnings
 
 __all__ = ["supports", "attention", "triton_available"]
 
@@ -42,15 +40,3 @@ def attention(q, k, v, *, recipe, mask, scale):
 
     return attention_op(q, k, v, key_padding(mask, q.shape[0], k.shape[-2]), recipe.to_spec(), scale)
 
-
-#: modules renamed on 2026-12-01 (old name -> new), still reachable as attributes of the package
-RENAMED = {"attention_fwd": "dispatch", "attention_nvfp4": "loop_nvfp4", "attention_nvfp4_sm90": "loop_nvfp4_sm90",
-           "attention_scaled": "loop_scaled"}
-
-
-def __getattr__(name):
-    if name in RENAMED:
-        warnings.warn(f"fp4video.kernels.{name} is now fp4video.kernels.{RENAMED[name]}", DeprecationWarning,
-                      stacklevel=2)
-        return importlib.import_module(f"{__name__}.{RENAMED[name]}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

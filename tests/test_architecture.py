@@ -117,10 +117,8 @@ def test_only_the_dispatch_reads_the_environment(path):
 
 
 def test_public_import_paths_keep_working():
-    """What the README shows and what scripts import, and the modules renamed on 2026-12-01 (with a
-    DeprecationWarning naming the new module)."""
+    """What the README shows and what scripts import."""
     import importlib
-    import importlib.util
 
     import fp4video
     from fp4video import METHODS, AttentionRecipe, fp4_attention  # noqa: F401
@@ -131,18 +129,11 @@ def test_public_import_paths_keep_working():
     assert fp4video.install is install and fp4video.Policy is Policy
     importlib.import_module("fp4video.integration.tiny")
     importlib.import_module("fp4video.integration.dispatcher")
-    for package, old, new in (("fp4video.harness", "source000", "sageattention3"),
-                              ("fp4video.harness", "source001", "mxattention")):
-        with pytest.warns(DeprecationWarning, match=new):
-            assert getattr(importlib.import_module(package), old) is importlib.import_module(f"{package}.{new}")
+    for name in ("sageattention3", "mxattention", "robustness", "report"):
+        importlib.import_module(f"fp4video.harness.{name}")
     pytest.importorskip("triton")
     from fp4video import kernels
 
     assert callable(kernels.attention) and callable(kernels.supports)
-    for old, new in kernels.RENAMED.items():
-        if new == "loop_nvfp4_sm90" and importlib.util.find_spec("triton.experimental.gluon") is None:
-            continue
-        with pytest.warns(DeprecationWarning, match=new):
-            assert getattr(kernels, old) is importlib.import_module(f"fp4video.kernels.{new}")
-    with pytest.warns(DeprecationWarning):
-        assert kernels.attention_fwd.prepare is kernels.dispatch.prepare
+    dispatch = importlib.import_module("fp4video.kernels.dispatch")
+    assert kernels.dispatch is dispatch and callable(dispatch.prepare)
