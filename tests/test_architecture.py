@@ -54,6 +54,13 @@ def test_integration_does_not_import_the_cli_or_harness(path):
     assert not bad, f"{path.name} imports {bad}"
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "fp4video" / "harness").glob("*.py")), ids=lambda p: p.name)
+def test_the_harness_does_not_import_eval_or_the_cli(path):
+    """eval's self-check uses the harness's robustness inputs, so the harness sits below eval."""
+    bad = [m for m in _modules(path, "fp4video.harness") if m.startswith(("fp4video.eval", "fp4video.cli"))]
+    assert not bad, f"{path.name} imports {bad}"
+
+
 @pytest.mark.parametrize("path", KERNELS, ids=lambda p: p.name)
 def test_kernels_import_only_torch_triton_and_numerics(path):
     for m in _modules(path, package="fp4video.kernels"):

@@ -45,6 +45,7 @@ def run(args) -> int:
     JSON and markdown go out whole (atomic rename)."""
     from tqdm import tqdm
 
+    from ..eval.speed import speed_accuracy_plot
     from ..harness import report
     from ..integration.media import write_text_atomic
 
@@ -72,8 +73,7 @@ def run(args) -> int:
     plots = [] if args.no_plots else report.plots(result, args.out)
     if speed_text is not None:
         try:
-            plots.append(report.speed_accuracy_plot(result, speed_text, args.out / "speed_accuracy.png",
-                                                    args.speed_seq))
+            plots.append(speed_accuracy_plot(result, speed_text, args.out / "speed_accuracy.png", args.speed_seq))
         except ValueError as e:
             raise UsageError(f"--speed {args.speed}: {e}") from None
     elapsed = time.perf_counter() - t0

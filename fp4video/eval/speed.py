@@ -1,7 +1,8 @@
 """Speed tables as plots: the markdown tables ``fp4video bench kernel`` writes, read back and drawn.
 
 The markdown (what ``--out`` appends and ``BENCHMARKS.md`` holds) is the one record of a run;
-:func:`parse_kernel_tables` reads it, so a plot can always be redrawn from the committed numbers.
+:func:`parse_kernel_tables` reads it, so a plot can always be redrawn from the committed numbers;
+:func:`speed_accuracy_plot` sets it against the ``fp4video accuracy`` report.
 """
 
 from __future__ import annotations
@@ -123,5 +124,50 @@ def plot_kernel_tables(tables: list[KernelTable], path: Path, *, bar: float | No
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def speed_accuracy_plot(r: dict, bench_markdown: str, path: Path, seq: int | None = None) -> Path:
+    """Accuracy (cosine to fp64 on Gaussian inputs, and on the worst robustness input) against
+    measured kernel speed (× the best baseline of the same run), one point per method that has a
+    ``bench kernel`` row at sequence length ``seq`` (default: the longest) in ``bench_markdown``;
+    the last table with the method wins. Raises ValueError when no method has a speed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..recipe import METHODS
+
+    rows = [(row, t) for t in parse_kernel_tables(bench_markdown) for row in t.rows]
+    seq = seq or max((row.seq for row, _ in rows), default=None)
+    speed, where = {}, {}
+    for row, t in rows:
+        if row.seq == seq and row.kernel.startswith("fp4video "):
+            speed[row.kernel.removeprefix("fp4video ")] = row.ratio
+            where[row.kernel.removeprefix("fp4video ")] = t.where
+    rob = r["robustness"]
+    methods = [m for m in METHODS if m in speed and m in next(iter(rob.values()))]
+    if not methods:
+        raise ValueError(f"no fp4video method has a bench kernel row at S = {seq} in the given markdown")
+    fig, ax = plt.subplots(figsize=(7.4, 4.6))
+    for i, m in enumerate(methods):
+        gauss = 100 * rob["gaussian"][m]["cossim"]
+        worst = min(100 * rob[d][m]["cossim"] for d in rob)
+        ax.plot([speed[m]] * 2, [worst, gauss], "-", color="0.7", zorder=1)
+        ax.scatter([speed[m]], [gauss], color="tab:blue", zorder=2)
+        ax.scatter([speed[m]], [worst], color="tab:red", marker="v", zorder=2)
+        ax.annotate(m, (speed[m], gauss), textcoords="offset points", xytext=(4, 3 + 9 * (i % 3)), fontsize=8)
+    ax.scatter([], [], color="tab:blue", label="Gaussian inputs")
+    ax.scatter([], [], color="tab:red", marker="v", label="worst robustness input")
+    ax.axvline(1.0, color="k", lw=1, label="best bf16 baseline (same run)")
+    ax.set(xlabel=f"× best baseline at S = {seq} (pre-pass included)", ylabel="output CosSim to fp64 (%)",
+           title="fp4video methods: accuracy against measured speed\n" + sorted(set(where.values()))[-1])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower center")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
