@@ -13,7 +13,7 @@ __all__ = ["supports", "attention", "triton_available"]
 
 
 #: looked up once at import: torch.compile cannot trace importlib (a graph break inside
-#: fp4_attention's backend choice, found on the H200)
+#: fp4_attention's backend choice)
 _TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 

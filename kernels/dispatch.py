@@ -87,12 +87,12 @@ def _device_name(device: torch.device) -> str:
     return f"sm_{cap[0]}{cap[1]}"
 
 
-#: Architectures whose native FP4 MMAs the ``scaled`` loop was compiled for and checked offline
+#: Architectures whose native FP4 MMAs the ``scaled`` loop is compiled for and checked offline
 #: (``tests/test_offline_compile.py``: ``tcgen05.mma kind::mxf4`` / ``kind::mxf4nvf4 … block16`` on
 #: sm_100, ``mma.sync kind::mxf4nvf4`` on sm_120), with the oldest Triton that compiles it there:
 #: Triton 3.6, 3.7 and 3.8 fail on sm_100 (``'ttng.tmem_alloc' op uninitialized alloc must have a
 #: mutable memdesc type``; the NVFP4 form also in ``TritonGPUAccelerateMatmul``), 3.9 compiles it;
-#: on sm_120 3.6 to 3.9 all do (offline compiles, 2026-12-01). Other Blackwell-generation GPUs
+#: on sm_120 3.6 to 3.9 all do. Other Blackwell-generation GPUs
 #: (sm_103, sm_110, sm_121), and these with an older Triton, run the e4m3 loop (MXFP4; its FP8 MMAs
 #: every sm_89+ GPU has) or the bf16 NVFP4 loop until the native loop is checked there
 #: (``FP4VIDEO_MX_KERNEL=scaled`` / ``FP4VIDEO_NV_KERNEL=scaled`` try it).
@@ -214,9 +214,8 @@ def scaled_tma(device: torch.device) -> bool:
 def scaled_quad_order_on(recipe: AttentionRecipe, arch: str | None) -> bool:
     """Whether the dot_scaled loop reads K̂ in the quad key order on ``arch`` (``"sm_120"``, …;
     :func:`.key_order.quad_key_order`): its pointer-load loop with FP4 P·V on consumer Blackwell
-    (sm_12x: ``mma.sync``, whose P̂ operand it then places without a shared-memory exchange; offline,
-    Triton 3.9: ``mxattn`` 15.2 → 13.6, ``nvfp4`` 17.0 → 13.6, ``sage3`` 17.9 → 14.4 SASS
-    instructions per element of S). Elsewhere K̂ stays in key order: the warp-specialized loop of
+    (sm_12x: ``mma.sync``, whose P̂ operand it then places without a shared-memory exchange).
+    Elsewhere K̂ stays in key order: the warp-specialized loop of
     sm_10x passes P through tensor memory, and the FP8-P·V form's P̂ operand has another layout."""
     return (recipe.pv_format is not Format.E4M3 and arch not in (None, "interpreter")
             and arch_capability(arch)[0] == 12)
@@ -228,8 +227,8 @@ def scaled_quad_order(recipe: AttentionRecipe, device: torch.device) -> bool:
 
 
 def nv_kernel(qh: torch.Tensor, vh: torch.Tensor, launch_given: bool) -> str:
-    """Which NVFP4 loop runs these pre-pass outputs: ``"sm90"`` (the Gluon ping-pong, measured
-    faster on the H200) where it can run, for its ``DEFAULT_SHAPES``, when no launch options
+    """Which NVFP4 loop runs these pre-pass outputs: ``"sm90"`` (the Gluon ping-pong, the faster
+    one on Hopper) where it can run, for its ``DEFAULT_SHAPES``, when no launch options
     (``block_m``, ...: the Triton loop's) are given; else ``"triton"``. ``FP4VIDEO_NV_KERNEL``
     forces one; a forced ``sm90`` raises where it cannot run (or where this Triton has no Gluon)."""
     forced = _env("FP4VIDEO_NV_KERNEL")

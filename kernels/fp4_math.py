@@ -123,8 +123,8 @@ def round_e2m1_f16x2_odd(p, unit, six_units, ASM: tl.constexpr):
     the rate at which the GPU's approximate exp2 already moves p across a midpoint). The rounding
     itself is :func:`round_e2m1_at_scale`'s on f16 pairs with magic 512·binade (binade <= 64:
     needs p < 128 — six_units <= 96); ``unit`` (a power of two, 2^-11 to 16 where the result
-    matters) and ``six_units`` = 6·unit as f16. ASM (the GPU): inline PTX, 8 instructions per
-    pair (sm_80+); else the same arithmetic in fp32 (bit for bit for unit >= 2^-11)."""
+    matters) and ``six_units`` = 6·unit as f16. ASM (the GPU): inline PTX on f16 pairs
+    (sm_80+); else the same arithmetic in fp32 (bit for bit for unit >= 2^-11)."""
     if ASM:
         asm: tl.constexpr = ("{ .reg .b32 x, b, c; "
                              "cvt.rz.f16x2.f32 x, $2, $1; or.b32 x, x, 0x00010001; "
@@ -147,8 +147,8 @@ def e2m1_times_scale(x, scale, OUT_DTYPE: tl.constexpr, PACKED: tl.constexpr):
 
     PACKED (the GPU; no inline PTX in the interpreter): x is rounded in fp32 but converted before
     its saturation and scaling, which then run on pairs of 16-bit values — ``min`` and ``fma``
-    on ``.bf16x2`` / ``.f16x2`` registers (sm_80+): one instruction per element fewer than the
-    same two steps in fp32 (half an instruction each instead of one)."""
+    on ``.bf16x2`` / ``.f16x2`` registers (sm_80+): two elements an instruction, where the same two
+    steps in fp32 take one instruction each element."""
     if PACKED and OUT_DTYPE != tl.float32:
         q = round_e2m1_unsaturated(x, 1.0).to(OUT_DTYPE)  # exact: E2M1 grid values (x < 9: at most 8)
         s = tl.broadcast_to(scale.to(OUT_DTYPE), q.shape)  # exact: E4M3 values
@@ -279,7 +279,7 @@ def e2m1_pack_hw(lo, hi):
     per pair, ``lo`` in the low nibble, by Blackwell's conversion (``cvt.rn.satfinite.e2m1x2.f32``,
     sm_100+ only; the value of its first source goes to the upper nibble): round to nearest even,
     saturating at 6 — :func:`round_e2m1_at_scale` at unit 1 and :func:`e2m1_magnitude_codes`, bit
-    for bit, in half an instruction per element."""
+    for bit, one conversion for each pair."""
     return tl.inline_asm_elementwise(E2M1_PACK_ASM, "=r,r,r,r,r,r,r,r,r", [lo, hi], dtype=tl.uint8, is_pure=True,
                                      pack=4)
 
@@ -419,7 +419,7 @@ def nv_pack_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, QB: tl.constexpr):
 @triton.jit
 def div_const_rn(a, D: tl.constexpr, RCP_D: tl.constexpr):
     """rn(a / D) for fp32 a >= 0 and a constant D, without a division (a correctly rounded
-    ``div_rn`` costs ~10 instructions and a slow-path branch): q0 = rn(a · rn(1/D)) is within an
+    ``div_rn`` is a longer sequence with a slow-path branch): q0 = rn(a · rn(1/D)) is within an
     ulp, its residual a - D·q0 is exact as an FMA, and one more FMA rounds correctly — for the
     divisors used here (6 and 448·6), as ``tests/test_fp4_math.py`` checks for every fp32 mantissa
     (results below 2^-126 may differ: far below where this is used). ``RCP_D``: rn(1/D)."""
@@ -482,7 +482,7 @@ def nvfp4_block_scale(amax, HW: tl.constexpr):
     """NVFP4's E4M3 block scale round_e4m3(amax / 6), the division correctly rounded in fp32 (as
     the reference's); 0 for blocks too small for E4M3 (they quantize to 0). HW (the GPU, sm_89+):
     the rounding by the hardware's conversion to E4M3 and back (``cvt.rn.satfinite``, two scales
-    per instruction: ~2 instructions per scale instead of ~13; the same rounding, ties to even,
+    per instruction, far shorter than the fp32 arithmetic; the same rounding, ties to even,
     subnormals, saturation at 448 — ``tests/test_fp4_math.py`` compares the two); else in fp32
     arithmetic (:func:`round_e4m3_abs`: the interpreter's fp8 conversion is not that rounding)."""
     if HW:

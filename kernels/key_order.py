@@ -75,8 +75,7 @@ def quad_key_order(rows):
     A operand wants lane t to hold 8 consecutive keys, 8t … 8t + 7. With K̂'s rows so ordered, the
     lane's columns of S are those keys, and P's packed codes, relabelled from byte 4j + t to byte
     4t + j (:func:`.loop_scaled._codes_in_key_order`: two index digits swap, no data moves), are in
-    key order where the MMA wants them — no byte-wise exchange through shared memory (offline,
-    sm_120: 1.6–3.5 SASS instructions per element of S fewer). MXFP4's P blocks of 32 keys are
+    key order where the MMA wants them — no byte-wise exchange through shared memory. MXFP4's P blocks of 32 keys are
     whole groups; NVFP4's of 16 are the columns of one t // 2."""
     k = rows % 32
     return rows - k + 8 * ((k // 2) % 4) + 2 * (k // 8) + k % 2

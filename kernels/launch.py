@@ -1,4 +1,4 @@
-"""Launch settings: frozen objects, each with the reason it was chosen, and the shared-memory
+"""Launch settings: frozen objects, each with the reason for it, and the shared-memory
 limits that decide how many software-pipelining stages fit a GPU."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 
-#: The architectures fp4video's launch tables were compiled for (offline, Triton 3.9, head dim 128):
+#: The architectures fp4video's launch tables are compiled for (offline, Triton 3.9, head dim 128):
 #: Hopper, datacenter Blackwell (B200 / GB200), consumer and workstation Blackwell (RTX 50, PRO 6000).
 TABLE_ARCHS = ("sm_90", "sm_100", "sm_120")
 

@@ -54,19 +54,16 @@ TMA_SHARED_MEMORY = {"sm_90": {2: 73892, 3: 106696}, "sm_100": {2: 57524, 3: 903
 POINTER_LAUNCH = LoopLaunch(
     64, 4, 3, shared_memory=POINTER_SHARED_MEMORY,
     reason="64 rows and one warpgroup per program, so that two programs share an SM and one's MMAs overlap "
-           "the other's softmax (H200, 2026-11-30: 32.41 ms against 36.16 at 128/8/3, Wan 480p); 2 stages "
-           "on Ada's 99 KB")
+           "the other's softmax; 2 stages on Ada's 99 KB")
 #: TMA loads (Hopper)
 TMA_LAUNCH = LoopLaunch(
     64, 4, 2, shared_memory=TMA_SHARED_MEMORY, shapes={"sm_120": (128, 8)},
-    reason="2 stages and at most 168 registers let three programs share an SM (H200, 2026-11-30: 158.24 ms "
-           "at Wan 720p against 165.59 at 3 stages). sm_120 (mma.sync): 128 rows and 8 warps, a warp's 16 rows "
-           "each, where at 64 rows and 4 warps Triton splits the tile's keys across the warps and P goes "
-           "through shuffles and shared memory (offline, Triton 3.9, 2026-12-03: 12.4 against 22.8 SASS "
-           "instructions per element of S, 2 against 6 spill accesses a key tile; masked 18.8 against 24.2)")
+    reason="2 stages and at most 168 registers let three programs share an SM. sm_120 (mma.sync): 128 rows "
+           "and 8 warps, a warp's 16 rows each, where at 64 rows and 4 warps Triton splits the tile's keys "
+           "across the warps and P goes through shuffles and shared memory")
 #: registers per thread that let three 64-row TMA programs share an SM (3 × 128 threads × 168 ≤ 64 K;
 #: the unmasked loop takes 167 by itself, a masked one 202 uncapped): the cap of masked launches of
-#: that shape (HunyuanVideo 720p 280.30 ms against 361.89 uncapped, H200, 2026-11-30)
+#: that shape
 TMA_REGISTER_BUDGET = 168
 
 
@@ -75,10 +72,9 @@ def pointer_loop_unsupported_reason(device, recipe: AttentionRecipe,
     """Why the pointer-load loop must not run this recipe on this device, or None. On Hopper
     (sm_90) the loop's P̂·V̂ is an asynchronous warpgroup MMA reading P̂ from registers, which
     Triton does not keep reserved until the MMA completes; with P̂ in E4M3 (the FP8-P·V methods)
-    the registers are reused under it: H200, Triton 3.6, 2026-12-01, ``mxattn-pv8`` by pointer
-    loads had 54–98 % of its 2,048 rows wrong at S = 1,024 (zeros or off, different rows run to
-    run; ``fp8`` likewise), the TMA loop none (``tests/test_loops.py``); the dot_scaled loop's FP8-P·V
-    form (``FP4VIDEO_MX_KERNEL=scaled`` on Hopper: the same pattern) had 1,835–1,988 of 4,000 wrong.
+    the registers are reused under it, and rows come out wrong (zeros or off, different rows run to
+    run); the TMA loop is right (``tests/test_loops.py``), and the dot_scaled loop's FP8-P·V form
+    (``FP4VIDEO_MX_KERNEL=scaled`` on Hopper) has the same fault.
     Elsewhere the loops' MMAs do not read P̂ asynchronously from registers (Ada's and consumer
     Blackwell's ``mma.sync`` is synchronous; datacenter Blackwell's ``tcgen05`` reads memory)."""
     if recipe.pv_format is not Format.E4M3 or getattr(device, "type", None) != "cuda":
@@ -107,7 +103,7 @@ def _rows5(x):
 def _block_reduce(x5, MAX: tl.constexpr):
     """Per-block maxima (MAX) or sums (row, t) of the 5-d view: e, then b, then a. In-thread
     reductions are chains of dependent instructions, and trees of 2, 4 and 4 are shorter than one
-    chain of 16 (the row sum's chain cost 3% of the loop on the H200)."""
+    chain of 16."""
     if MAX:
         return tl.max(tl.max(tl.max(x5, axis=4), axis=2), axis=1)
     else:
@@ -136,8 +132,8 @@ def quantize_p(qk, q_scale, m_i, k_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr
     - fast: ``qk`` holds the raw products and ``q_scale`` (per row, > 0) turns them into log2 units;
       the exponent is one ``fma(qk, q_scale, k - m)``. Its rounding residual is at most half an ulp
       of m, harmless while |m| is bounded (past ~1e7 nats it moves P̃ out of its block scales'
-      range, and the k in k - m is lost once |m| reaches 2^24), and it costs a third of the
-      exact form's instructions per element.
+      range, and the k in k - m is lost once |m| reaches 2^24), and it is cheaper than the
+      exact form.
 
     Returns (P̂ as the e4m3 A operand of P̂·V̂, m_new, k_new, l_new, alpha): the caller
     rescales its accumulator by alpha and adds P̂·V̂. ``l`` is kept per row and P block (each
@@ -220,9 +216,8 @@ def _tile(qk, q_scale, m_i, k_i, l_i, acc, V_base, start, svd,
     FRESH_PV (the TMA launch): P̂·V̂ goes into a fresh accumulator and is added to the rescaled one
     by an FMA, so the MMA is awaited within its tile. Left in flight into the next tile, its
     accumulator and P̂ stay reserved while the next tile's Q̂·K̂ᵀ runs, and ptxas, short of registers
-    at three programs per SM, made every MMA wait for the previous one (warning C7512): Wan 720p
-    loop 158.2 ms against 171.6 (H200). The pointer-load loop, not register-bound, is faster
-    overlapping P̂·V̂ with the next tile (163.49 against 169.04 ms)."""
+    at three programs per SM, makes every MMA wait for the previous one (warning C7512). The
+    pointer-load loop, not register-bound, is faster overlapping P̂·V̂ with the next tile."""
     p8, m_new, k_new, l_i, alpha = quantize_p(qk, q_scale, m_i, k_i, l_i, OCP, QMAX, PNQ, QB, EXP_FLOOR, ASM, P_E4M3,
                                               EXACT)
     # V̂ᵀ is stored in P̂'s operand order, padded with zeros to whole tiles: plain loads
@@ -315,7 +310,7 @@ def attention_e4m3(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive
     rows are in tile key order, padded to whole tiles). ``tma``: K̂/V̂ᵀ tiles by TMA (None: where
     K̂ is in tile order, as the dispatch chose for the device; the CPU interpreter runs the TMA
     path when asked, which is how CI tests it). ``fresh_pv``: P̂·V̂ into a fresh accumulator
-    (:func:`_tile`; None: with TMA, where it was measured faster). ``exact``: the exponents'
+    (:func:`_tile`; None: with TMA, where it is faster). ``exact``: the exponents'
     exact form, right at any logit magnitude (:func:`quantize_p`); False only where every logit is
     known to lie within :data:`FAST_LOGIT_BOUND` nats. Explicit launch values lift the register cap."""
     b, h, sq, d = q8.shape

@@ -8,15 +8,13 @@ Q̂·K̂ᵀ of tile j with P̂·V̂ of tile j-1 — so one warpgroup's softmax a
 while the other's MMAs do. K̂/V̂ tiles come by TMA into three buffers (mbarriers ``ready``);
 each warpgroup releases a buffer after its P̂·V̂ (``empty``, two arrivals) and warpgroup 0
 refills it with tile j+2. A warpgroup waits for its own P̂·V̂ before its softmax: leaving it in
-flight under the softmax measured slower for both NVFP4 methods once the quantization got
-cheaper (H200, 2026-11-30; docs/history.md).
+flight under the softmax is slower for both NVFP4 methods.
 
 Why partitions: within one partition Triton's shared-memory barrier analysis puts CTA-wide
 barriers around mbarrier and TMA operations, which make the warpgroups meet every key tile
-(that version measured 21% slower, docs/history.md); inside a partition they are partition
-barriers. Gluon has no CPU
+(and slow them down); inside a partition they are partition barriers. Gluon has no CPU
 interpreter: CI compiles this kernel for sm_90 offline; the GPU tests compare it with the Triton
-loop, element for element, on the H200.
+loop, element for element, on Hopper.
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ BLOCK_M, NUM_BUFFERS = 128, 3
 #: registers per thread of warpgroup 1's partition (warpgroup 0 gets the rest of the 64 K)
 CONSUMER_REGS = 232
 
-# Triton 3.6 names, renamed later: TMA load, CTA barrier
+# TMA load and CTA barrier under either Triton's names (3.6's or the newer ones)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
@@ -229,8 +227,8 @@ def unsupported_reason(qh: torch.Tensor, vh: torch.Tensor) -> str | None:
     return None
 
 
-#: (head dim, value head dim) this kernel runs by default: the shapes it was checked on, on the
-#: H200, against the Triton loop element for element; others take the Triton loop unless
+#: (head dim, value head dim) this kernel runs by default: the shapes the GPU tests check against
+#: the Triton loop element for element on Hopper; others take the Triton loop unless
 #: ``FP4VIDEO_NV_KERNEL=sm90``
 DEFAULT_SHAPES = {(128, 128)}
 

@@ -18,9 +18,8 @@ columns, as the MMA's scale blocks are.
 On sm_100+ (``HW_E2M1``) P is rounded to E2M1 and packed by the hardware conversion
 (``cvt.rn.satfinite.e2m1x2.f32``: round to nearest even, saturating at 6, the reference's rounding),
 and PNQ's row sum reads the rounded values back by the reverse conversion (``cvt.rn.f16x2.e2m1x2``):
-half an instruction per element each, instead of the magic-number rounding, the code extraction and
-the nibble packing (offline, Triton 3.9: ``mxattn`` 18.7 → 11.5 SASS instructions per element of S
-on sm_100, 27.7 → 17.0 on sm_120). Elsewhere, the interpreter included, the fp32 rounding runs
+one conversion for each pair of elements, in place of the magic-number rounding, the code extraction
+and the nibble packing. Elsewhere, the interpreter included, the fp32 rounding runs
 (:func:`_packed_p`; its equality with the reference's rounding and packing is tested exhaustively).
 
 On Hopper and older, Triton emulates ``dot_scaled`` (operands upcast to bf16), so the e4m3 kernel
@@ -77,8 +76,7 @@ def _code_block_sums(packed, pairs, NB: tl.constexpr, QB: tl.constexpr, WS: tl.c
     """Per-block sums (BLOCK_M, NB) fp32 of P's rounded values in units of their block scales, from
     :func:`_packed_p`'s outputs. In datacenter Blackwell's warp-specialized loop (F32X2 and WS) from
     the codes by :func:`.fp4_math.e2m1_block_sums_hw` (each byte converted back to an f16 pair, the
-    pairs added two lanes an instruction: offline, sm_100 ``sage3-hpnq`` 10.6 → 10.0 instructions per
-    element over the partitions), whose blocks must be whole in a thread — what that loop's S tile
+    pairs added two lanes an instruction), whose blocks must be whole in a thread — what that loop's S tile
     layout gives (tests/test_offline_compile.py reads it off the compiled loop); else
     :func:`_block_sums` of the pair sums (WS: in fp16). The same values: every sum is exact."""
     if F32X2 and WS:
@@ -88,7 +86,7 @@ def _code_block_sums(packed, pairs, NB: tl.constexpr, QB: tl.constexpr, WS: tl.c
 
 @triton.jit
 def _codes_in_key_order(p4):
-    """Packed P codes of an S tile whose K̂ rows were in :func:`.key_order.quad_key_order` (byte
+    """Packed P codes of an S tile whose K̂ rows are in :func:`.key_order.quad_key_order` (byte
     4j + t of each 32 keys holds keys 8t + 2j, 8t + 2j + 1), relabelled into key order (byte 4t + j):
     the digits j (a register) and t (a lane) swap places in the index, no data moves, and each lane
     holds the 4 consecutive bytes the FP4 MMA's A operand takes from it."""
@@ -112,8 +110,8 @@ def _probe():
     pass
 
 
-#: whether this module's kernels run in Triton's CPU interpreter, as ``triton.jit`` decided it when
-#: they were defined (an ``InterpretedFunction`` there, on every Triton from the declared 3.2 floor)
+#: whether this module's kernels run in Triton's CPU interpreter, as ``triton.jit`` decides it when
+#: they are defined (an ``InterpretedFunction`` there, on every Triton from the declared 3.2 floor)
 _INTERPRETED = tl.constexpr(isinstance(_probe, InterpretedFunction))
 
 
@@ -123,12 +121,9 @@ def _block_exp2(x):
     logits — by libdevice's exp2: the same instruction as ``tl.exp2`` (``ex2.approx.ftz.f32``), but
     an op Triton's warp-specialization partitioner (Triton 3.9, sm_100) leaves in the softmax
     partition. A ``tl.exp2`` of this size it moves, with everything it depends on, into the default
-    partition: as one op it drew the tile's logits there (a 24-register partition that spilled them
-    and handed them on through shared memory: ``mxattn`` 13.9 SASS instructions per element over
-    the partitions, 141 spill accesses a key tile); split in pieces of 128 × 2 one piece still went
-    (a default partition of 8 warps for it: ``mxattn`` 9.4, against 8.6 this way; NVFP4, which
-    instead took each block's maximum over its P̃ elements, 9.3 / 10.1 / 11.8 against 8.9 / 9.8 /
-    11.5 for ``nvfp4`` / ``sage3`` / ``sage3-hpnq``; offline, all partitions). Interpreted (no
+    partition, which then draws the tile's logits there (a 24-register partition that spills them
+    and hands them on through shared memory); split in pieces, one piece still goes
+    (``tests/test_offline_compile.py`` checks that no partition spills). Interpreted (no
     libdevice there): ``tl.exp2``."""
     if _INTERPRETED:
         return tl.exp2(x)
@@ -142,14 +137,13 @@ def _mx_p(qk, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr
     :func:`.tiles.scaled_masked`): (packed codes, E8M0 scale bytes, m_new, l_new, alpha). The block
     holding the row maximum gets exactly exp2(0) = 1. Each element is computed in units of its block
     scale, exp2((qk - m) - e): the difference with the row maximum first (exact near it), then the
-    block exponent, so neither is lost at any logit magnitude (one fused qk · scale - (m + e) kept
-    the product's rounding residual and dropped e from m + e once |m| reached 2^24: rows of zeros
+    block exponent, so neither is lost at any logit magnitude (one fused qk · scale - (m + e) keeps
+    the product's rounding residual and drops e from m + e once |m| reaches 2^24: rows of zeros
     past 1e7 nats). WS (the warp-specialized loop):
-    PNQ's block sums added in fp16 (exact: at most 192, in halves), converted once a block (offline,
-    sm_100 ``mxattn`` 10.6 → 10.4 instructions per element over the partitions; sm_120's loop, which
-    it lengthens, keeps fp32). F32X2 (datacenter Blackwell): the exp2 arguments two lanes an
-    instruction, and in the warp-specialized loop PNQ's block sums from the codes
-    (:func:`_code_block_sums`); the same values (sm_100 ``mxattn`` 8.6 → 7.7)."""
+    PNQ's block sums added in fp16 (exact: at most 192, in halves), converted once a block (shorter
+    on sm_100; sm_120's loop, which it lengthens, keeps fp32). F32X2 (datacenter Blackwell): the exp2
+    arguments two lanes an instruction, and in the warp-specialized loop PNQ's block sums from the
+    codes (:func:`_code_block_sums`); the same values."""
     BLOCK_M: tl.constexpr = qk.shape[0]
     BLOCK_N: tl.constexpr = qk.shape[1]
     NB: tl.constexpr = BLOCK_N // QB
@@ -182,16 +176,15 @@ def _nv_p(qk, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ
     so a block of 16 keys is the columns of one t // 2, and a lane holds half a block); the codes
     come out in that order too. F32X2 (datacenter Blackwell): the exp2 arguments and P̃'s scaling by
     the block reciprocals two lanes an instruction, PNQ's block sums as :func:`_mx_p`'s (the same
-    values; sm_100 ``sage3-hpnq`` 11.5 → 9.97). WS (the warp-specialized loop): PNQ's block sums added in fp16
-    (exact: at most 96, in halves), converted once a block (sm_100 ``sage3-hpnq`` 14.7 → 14.4). The
+    values). WS (the warp-specialized loop): PNQ's block sums added in fp16
+    (exact: at most 96, in halves), converted once a block. The
     block maxima's exp2 is :func:`_block_exp2`'s (Triton's partitioner keeps it with the softmax;
-    taking each block's maximum over its P̃ elements instead cost more: sm_120 ``sage3`` 16.2
-    against 14.4, sm_100 9.8 against 10.1). PNQ with TWO_LEVEL
+    taking each block's maximum over its P̃ elements instead costs more). PNQ with TWO_LEVEL
     (``sage3-hpnq``): ``l`` is kept in units of r, as the accumulator, and rescaled by the same
     acc_scale (the caller's LSE adds log2 r; out = acc / l, the factor's rounding cancels): a row
-    sum multiplied by r_new tied the tile's E2M1 packing to the two-level factors, which Triton's
-    partitioner computes in the correction partition, and the scaled P̃ went there through 118 KB
-    of shared memory (sm_100 14.4 → 13.3, with the scales by ``tcgen05.cp`` 11.8)."""
+    sum multiplied by r_new would tie the tile's E2M1 packing to the two-level factors, which Triton's
+    partitioner computes in the correction partition, and send the scaled P̃ there through shared
+    memory."""
     BLOCK_M: tl.constexpr = qk.shape[0]
     BLOCK_N: tl.constexpr = qk.shape[1]
     NB: tl.constexpr = BLOCK_N // QB
@@ -232,15 +225,14 @@ def _nv_p(qk, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ
     alpha = tl.exp2(m_i - m_safe)
     if PNQ and QUAD:  # pair 4j + t of each 32 keys: the block of t // 2. Within the lane first (j), scaled
         # by the block's scale, summed over the lane's blocks, and only then across the lanes (t % 2):
-        # a shuffle a row, not one a block (offline, sm_120: sage3-hpnq 17.0 -> 15.5 with the fp16 sums)
+        # a shuffle a row, not one a block
         # (row, group, t // 2, t % 2); the lane's four pair sums added in fp16 (exact: at most 48, in halves)
         lane = tl.sum(tl.reshape(pairs, (BLOCK_M, BLOCK_N // 32, 4, 2, 2)), axis=2, dtype=tl.float16).to(tl.float32)
         lane = lane * tl.reshape(scale, (BLOCK_M, BLOCK_N // 32, 2))[:, :, :, None]
         part = tl.sum(tl.sum(tl.sum(lane, axis=1), axis=1), axis=1)
     elif PNQ:  # the row sum of P̂ = q · scale (· r_new)
         part = tl.sum(_code_block_sums(packed, pairs, NB, QB, WS, F32X2) * scale, axis=1)
-    else:  # the row at once (offline, sm_120: across the lanes once a row, not once a block: 0.9 instructions
-        # per element fewer)
+    else:  # the row at once: across the lanes once a row, not once a block
         part = tl.sum(tl.reshape(p, (BLOCK_M, BLOCK_N)), axis=1)
     if PNQ and TWO_LEVEL:  # l in units of r, as the accumulator (rescaled alike; the caller's LSE adds log2 r)
         l_new = tl.fma(alpha * acc_ratio, l_i, part)
@@ -329,7 +321,7 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
         k_sc = tl.load(KS_base + keys[:, None] * (D // QB) + nb_d[None, :], mask=key_ok[:, None], other=127)
         qk = tl.dot_scaled(q4, q_sc, "e2m1", tl.trans(k4), k_sc, "e2m1")
     # log2 units, dead keys -inf; the product two lanes an instruction on datacenter Blackwell except
-    # in the FP8-P·V form (offline, sm_100: a spill access a key tile there)
+    # in the FP8-P·V form, where it spills
     qk = scaled_masked(qk, scale_log2, M_base, held, SK, sms, HAS_MASK, TAIL, F32X2 and not P_E4M3)
     if P_E4M3:  # FP8 P·V: P̂ and V̂ᵀ in E4M3 on the FP8 MMA
         p8, m_new, k_i, l_i, alpha = _e4m3_p(qk, m_i, k_i, l_i, PNQ, HW_E4M3, F32X2)
@@ -339,9 +331,7 @@ def _scaled_tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_
             v8t = tl.load(V_base + dv[:, None] * svd + keys[None, :])  # padded to whole tiles: no mask
         # the rescaled accumulator plus P̂·V̂, as the FP4-P form writes it: the warp-specialized loop's
         # MMA then adds into the accumulator in tensor memory, the correction partition rescales it
-        # there (as an FMA of a fresh product, that partition read both and spilled: offline, sm_100,
-        # 8.9 instructions per element over the partitions, 18 spill accesses a tile, 129 KB of
-        # shared memory, against 8.8, 0 and 63 KB)
+        # there (as an FMA of a fresh product, that partition reads both and spills)
         acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(v8t))
     else:
         if NV:
@@ -495,34 +485,30 @@ def interpreter_reads_e4m3_scales() -> bool:
 #: Shared memory (bytes), compiled offline (Triton 3.9, head dim 128, masked, 8 warps): the same at 1-3
 #: stages, the FP8-P·V form's (the most: ``sage3-pv8``; the FP4-P forms 32768)
 SHARED_MEMORY = {"sm_100": {1: 37888, 2: 37888, 3: 37888}, "sm_120": {1: 33792, 2: 33792, 3: 33792}}
-LAUNCH = LoopLaunch(128, 8, 2, shared_memory=SHARED_MEMORY, reason="not tuned: no Blackwell GPU has run it")
+LAUNCH = LoopLaunch(128, 8, 2, shared_memory=SHARED_MEMORY, reason="not tuned on a Blackwell GPU")
 #: The warp-specialized loop of sm_100 (K̂ / V̂ᵀ codes and block scales by TMA), compiled offline
 #: (Triton 3.9, head dim 128, masked): the most shared memory any method of the format takes
 TMA_SHARED_MEMORY = {"mx": {"sm_100": {1: 27928, 2: 45320, 3: 62792}},
                      "nv": {"sm_100": {1: 31096, 2: 49512, 3: 68008}},
                      "pv8": {"sm_100": {1: 38840, 2: 64440, 3: 90088}}}  # FP8 P·V: the larger of the two methods
-#: Per format, offline (Triton 3.9): 8 softmax warps. SASS instructions per element of S over all the
-#: partitions' loops (``python -m fp4video.kernels.report``), the softmax partition's apart, and the
-#: loops' spill accesses a key tile: MXFP4 ``mxattn`` 8.6 (6.6) and 0, ``mxfp4-ocp`` 7.2 (5.2) and 0;
-#: NVFP4 ``nvfp4`` 8.9 (6.9) and 0, ``sage3`` 9.8 (7.3) and 0, ``sage3-hpnq`` 11.5 (8.9) and 0 (at 4
-#: softmax warps the two-level P state spills); the FP8-P·V methods 8.8 (6.5) and 0 (at 4 about 9.4
-#: in the softmax loop alone, with 2.2 KB of spills), their accumulator single-buffered in tensor
-#: memory (double, with S's two buffers and P̂ for the MMA, it needs 576 of the 512 columns and Triton
-#: compiles the kernel to a trap). What got them there (2026-12-02): the block maxima's exp2 by
-#: :func:`_block_exp2` (as one ``tl.exp2`` it drew the tile's logits into a spilling default
-#: partition: ``mxattn`` 13.9, 141 spill accesses); K̂'s and V̂ᵀ's block scales by TMA in
-#: :func:`scale_chunks`'s layout, to tensor memory by ``tcgen05.cp`` (SC_TMA): a one-warp MMA
-#: partition (by pointer loads it had four, storing the scales from registers: ``mxattn`` 10.4,
-#: ``nvfp4`` 10.5, ``sage3`` 11.4, the FP8-P·V methods 9.5–9.7)
+#: Per format, offline (Triton 3.9): 8 softmax warps, with which no partition's loop spills (at 4 the
+#: two-level P state of ``sage3-hpnq`` and the FP8-P·V methods' softmax spill;
+#: ``python -m fp4video.kernels.report`` counts both, ``tests/test_offline_compile.py`` checks them).
+#: The FP8-P·V methods' accumulator is single-buffered in tensor memory (double, with S's two buffers
+#: and P̂ for the MMA, it needs 576 of the 512 columns and Triton compiles the kernel to a trap). The
+#: block maxima's exp2 is :func:`_block_exp2`'s, which keeps the tile's logits in the softmax
+#: partition; K̂'s and V̂ᵀ's block scales come by TMA in :func:`scale_chunks`'s layout, to tensor
+#: memory by ``tcgen05.cp`` (SC_TMA), so the MMA partition is one warp (by pointer loads it takes
+#: four, storing the scales from registers)
 TMA_LAUNCH = {
     "mx": LoopLaunch(128, 8, 2, shared_memory=TMA_SHARED_MEMORY["mx"],
-                     reason="not tuned on a GPU (none here is Blackwell): 8 softmax warps, 2 stages"),
+                     reason="not tuned on a Blackwell GPU: 8 softmax warps, 2 stages"),
     "nv": LoopLaunch(128, 8, 2, shared_memory=TMA_SHARED_MEMORY["nv"],
-                     reason="not tuned on a GPU (none here is Blackwell): 8 softmax warps, 2 stages"),
+                     reason="not tuned on a Blackwell GPU: 8 softmax warps, 2 stages"),
     "mx-pv8": LoopLaunch(128, 8, 2, shared_memory=TMA_SHARED_MEMORY["pv8"],
-                         reason="not tuned on a GPU (none here is Blackwell): 8 softmax warps, 2 stages"),
+                         reason="not tuned on a Blackwell GPU: 8 softmax warps, 2 stages"),
     "nv-pv8": LoopLaunch(128, 8, 2, shared_memory=TMA_SHARED_MEMORY["pv8"],
-                         reason="not tuned on a GPU (none here is Blackwell): 8 softmax warps, 2 stages"),
+                         reason="not tuned on a Blackwell GPU: 8 softmax warps, 2 stages"),
 }
 
 
@@ -616,7 +602,7 @@ def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float,
     """The loop on :func:`.prepass.prepass_packed`'s output (its six tensors, MXFP4 or NVFP4).
     ``tma``: K̂ / V̂ᵀ codes by TMA (the CPU interpreter runs it when asked, which is how CI tests it);
     ``ws``: the warp-specialized loop (None: where :func:`warp_specialized`; TMA only);
-    ``quad_order``: K̂ was written in the quad key order (``prepass_packed(..., quad_order=True)``:
+    ``quad_order``: K̂ is written in the quad key order (``prepass_packed(..., quad_order=True)``:
     the pointer-load loop of consumer Blackwell, FP4 P·V). Returns (out, lse)."""
     nv = recipe.qk_format is Format.NVFP4
     pv8 = recipe.pv_format is Format.E4M3

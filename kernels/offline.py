@@ -194,8 +194,8 @@ def partition_issue(loops: list[collections.Counter], parts: list[tuple[str, int
 def ptxas_report(ptx: str, bin_dir: str, tmp: str, arch: int = 90):
     """(registers, spill-store bytes, serialization warnings) as ``ptxas -v`` reports them for
     sm_{arch}a, from the first of Triton's ptxas that takes this PTX version; None if none does.
-    C7513: ptxas found a register hazard between asynchronous MMAs and made them all wait; C7512:
-    it had too few registers to keep them in flight, and did the same."""
+    C7513: ptxas finds a register hazard between asynchronous MMAs and makes them all wait; C7512:
+    it has too few registers to keep them in flight, and does the same."""
     path = os.path.join(tmp, "kernel.ptx")
     with open(path, "w") as f:
         f.write(ptx)

@@ -45,13 +45,13 @@ V_SHARED_MEMORY = {"sm_90": {1: 49152, 2: 73728, 3: 90112}}
 class PrepassLaunch:
     """How the pre-pass kernels are launched (``tools/prepass_bandwidth.py --sweep`` times the
     alternatives on a GPU: pass ``dataclasses.replace(PREPASS_LAUNCH, ...)`` as ``launch=``). The
-    defaults were measured on an H200 (Wan 480p, 2026-11-30)."""
+    defaults are the fastest it finds on Hopper."""
 
     #: rows per program of the row launches (Q; K outside the e4m3 path)
     block_s: int = 64
     #: warps per program of those launches
     row_warps: int = 4
-    #: warps per key tile of K on the e4m3 path (4 and 8 measured equal)
+    #: warps per key tile of K on the e4m3 path (8 is no faster)
     tile_warps: int = 4
     #: row blocks per program of the rotating launches (one read of the Hadamard matrix)
     blocks_per_program: int = 8
@@ -59,21 +59,20 @@ class PrepassLaunch:
     row_stages: int = 2
     tile_stages: int = 2
     #: the e4m3 Q launch is persistent, this many programs per SM striding over all heads' row
-    #: blocks, with this many stages: 0.170 ms against 0.177 not persistent (3 per SM: 0.175)
+    #: blocks, with this many stages: persistent, fewer launches than programs
     q8_programs_per_sm: int = 2
     q8_stages: int = 3
-    #: K's per-tile e4m3 launch persistent (None: not; measured no faster, 0.207 against 0.203 ms)
+    #: K's per-tile e4m3 launch persistent (None: not; persistent is no faster there)
     tile_programs_per_sm: int | None = None
-    #: warps of the V launches (8 measured 2x slower)
+    #: warps of the V launches (8 are slower)
     v_warps: int = 4
-    #: key tiles per program of V's channel maxima (one atomic per channel and program): 0.101 ms
-    #: against 0.109 with one
+    #: key tiles per program of V's channel maxima (one atomic per channel and program: fewer
+    #: atomics than with one)
     v_tiles_amax: int = 4
     #: channels per program of the transposed V launches (of 32, 64, 128: fastest)
     v_channels: int = 128
     #: e4m3 V of bf16/fp16 inputs is transposed by the tensor cores (exact): 64 channels and 4 key
-    #: tiles per program (Π read once for all): 0.167 ms against 0.188 with one tile; 3 stages
-    #: (2: 0.171 ms)
+    #: tiles per program (Π read once for all); 3 stages
     v_channels_mma: int = 64
     v_tiles_mma: int = 4
     v_stages: int = 3
@@ -263,8 +262,8 @@ def _prepass_v(
     """V: quantized along tokens (blocks of QB consecutive keys per channel); each program takes
     BLOCK_S tokens of BLOCK_DV of the DV_PAD channels (grid axis 2) — the tensor-core transposed
     e4m3 path TILES such tiles. (Several tiles per program, with the next tile's loads issued
-    before this one's arithmetic, measured slower on the H200 for the other paths: more
-    registers, fewer programs per SM.)
+    before this one's arithmetic, is slower for the other paths: more registers, fewer programs
+    per SM.)
 
     OUT: 0 writes Out's dtype; FP8_AMAX folds each channel's largest |v| (before quantization:
     the shift follows from it, :func:`.fp4_math.fp8_shift_from_raw_max`) into Amax[b, h, :];
@@ -502,7 +501,7 @@ class _PrePass:
             *out.stride()[:3],
             HAS_ALIVE=is_k and self.key_alive is not None, SMOOTH=mean.dim() == 3, ROTATE=self.recipe.hadamard,
             # fp32-accurate rotation on tensor cores on the GPU (ieee fp32 dots spill at D=128 and
-            # ran 10x slower on the H200); exact fp32 in the interpreter
+            # are far slower); exact fp32 in the interpreter
             ROT_PRECISION="bf16" if self.dev.type == "cuda" else "ieee",
             ROT_PARTS=self.rotation_parts(x, smooth=mean.dim() == 3),
             FMT=FMT_CODE[fmt], QB=fmt.block if fmt and fmt.fp4 else 32, OCP=rule is ScaleRule.OCP, QMAX=rule.qmax,
