@@ -1,6 +1,6 @@
 """``fp4video check``: every method's kernel against the reference on this GPU (random and sharp
 inputs, every row, the LSE), and one timing against SDPA and any installed peer; a table on screen
-and a JSON report. About two minutes on an H200. Run it on a GPU this project has not run on
+and a JSON report. Run it on a GPU this project has not run on
 (Blackwell) and send the JSON back."""
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """The GPU's SM clock and board power while a benchmark runs, read from NVML.
 
 On a power-limited GPU the clock a kernel runs at depends on the power it draws, and that depends
-on the data as well as on the code: at Wan2.2 720p every attention kernel timed on an H200 on
-2026-12-03 (SDPA's, FlashAttention-3's, fp4video's loops) ran at its 700 W limit, at 1,523–1,874 MHz
-instead of 1,980 (NVML). A speed ratio
-between two kernels is then a ratio of clock cycles *and* of clocks; ``bench kernel`` prints both
-sides with :class:`ClockSampler`.
+on the data as well as on the code: at video-model sizes attention kernels (SDPA's,
+FlashAttention-3's, fp4video's loops) can run at the board's power limit, below the top clock. A
+speed ratio between two kernels is then a ratio of clock cycles *and* of clocks; ``bench kernel``
+prints both sides with :class:`ClockSampler`.
 
 NVML comes from ``nvidia-ml-py`` (``pip install fp4video[bench]``); without it, or without an
 NVIDIA driver, the sampler reports why and the tables leave the columns empty.

@@ -22,11 +22,11 @@ class KernelRow:
     kernel: str  # e.g. "fp4video mxattn", "cuDNN SDPA bf16 (best bf16)"
     ms: float
     ratio: float  # × the best (bf16) baseline of the same run
-    #: The tables written since peers are timed: × each peer column (None: "n/a"), cosine to fp32.
+    #: × each peer column (None: "n/a"), cosine to fp32 (empty in tables without those columns).
     x_peers: tuple[float | None, ...] = ()
     cos_fp32: float | None = None
-    #: The tables written since the clock is sampled: mean SM clock (MHz) and the share of the
-    #: timing at the power cap (None: not sampled, or an older table).
+    #: Mean SM clock (MHz) and the share of the timing at the power cap (None: not sampled, or a
+    #: table without those columns).
     mhz: float | None = None
     capped: float | None = None
 
