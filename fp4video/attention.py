@@ -221,7 +221,7 @@ def _reference(q, k, v, recipe, mask, scale):
         return reference.poison_heads(out, lse, bad)
     # the finite-output guarantee: raises beyond the logit bound, rescales by powers of two within it
     ranges = reference.input_ranges(q, k, v, key_alive)
-    plan = reference.plan_ranges(reference.range_summary(ranges, scale, q.shape[-1]).tolist(), scale)
+    plan = reference.plan_ranges(reference.range_summary(ranges, scale, q.shape[-1]).tolist(), scale, q.dtype)
     v_factor = None
     if plan.needed:
         q, k, v, scale, v_factor = reference.rescale_inputs(q, k, v, ranges, plan, scale)

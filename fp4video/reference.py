@@ -48,6 +48,7 @@ __all__ = [
     "input_ranges",
     "range_summary",
     "RangePlan",
+    "SCALE_EXP",
     "plan_ranges",
     "rescale_inputs",
     "rescale_output",
@@ -207,32 +208,65 @@ def range_summary(ranges: torch.Tensor, scale: float, head_dim: int) -> torch.Te
 @dataclass(frozen=True)
 class RangePlan:
     """The exact power-of-two rescaling a call needs (:func:`plan_ranges`): Q by 2^-q_shift, K by
-    2^-k_shift (the scale by 2^(q_shift + k_shift)), and V per head when ``v_rescale``."""
+    2^-k_shift (either may be negative: a scale-up) with the scale times 2^(q_shift + k_shift), or
+    the scale replaced by 1 (``unit_scale``: Q or K is all zeros, so every logit is 0 whatever the
+    scale); V per head when ``v_rescale``."""
 
     q_shift: int = 0
     k_shift: int = 0
     v_rescale: bool = False
+    unit_scale: bool = False
 
     @property
     def needed(self) -> bool:
-        return bool(self.q_shift or self.k_shift or self.v_rescale)
+        return bool(self.q_shift or self.k_shift or self.v_rescale or self.unit_scale)
 
 
-def _shift_for(amax: float, top_exp: int) -> int:
-    """The s >= 0 with amax · 2^-s < 2^top_exp (0 when amax already is)."""
-    return max(0, math.frexp(amax)[1] - top_exp) if amax > 0 else 0
+#: The scale the kernels are handed lies within 2^±SCALE_EXP after the plan (fp32 holds it, its
+#: product with log2(e) and with every Q̂·K̂ᵀ the bound allows): a larger or smaller one is moved
+#: into Q and K, exactly.
+SCALE_EXP = 64
 
 
-def plan_ranges(summary, scale: float) -> RangePlan:
+def _exp2_of(x: float) -> int:
+    """The e with 2^(e-1) <= x < 2^e (x > 0)."""
+    return math.frexp(x)[1]
+
+
+def plan_ranges(summary, scale: float, dtype: torch.dtype = torch.float32) -> RangePlan:
     """Check :func:`range_summary`'s values (a sequence of four floats) against the finite-output
-    guarantee and say what to rescale; raises ValueError beyond :data:`LOGIT_BOUND`."""
+    guarantee and say what to rescale; raises ValueError beyond :data:`LOGIT_BOUND`. Q and K of
+    ``dtype`` stay below 2^QK_RESCALE_EXP (fp16: 2^14) and the scale within 2^±SCALE_EXP: the logits'
+    bound guarantees both can hold at once."""
     aq, ak, av, logit = (float(x) for x in summary)
     if not logit <= LOGIT_BOUND:
         raise ValueError(
             f"q, k and scale: a head's logits may reach scale·D·max|q|·max|k| = {logit:.3g} nats, beyond the "
             f"{LOGIT_BOUND:.3g} (2^64) within which fp4_attention returns finite results; rescale q or k, "
             f"or lower scale (max|q| = {aq:.3g}, max|k| = {ak:.3g}, scale = {float(scale):.3g})")
-    return RangePlan(_shift_for(aq, QK_RESCALE_EXP), _shift_for(ak, QK_RESCALE_EXP), av >= 2.0**V_RESCALE_EXP)
+    v_rescale = av >= 2.0**V_RESCALE_EXP
+    if not (aq > 0 and ak > 0):
+        return RangePlan(0, 0, v_rescale, unit_scale=not 2.0**-SCALE_EXP <= float(scale) <= 2.0**SCALE_EXP)
+    top = min(QK_RESCALE_EXP, _exp2_of(torch.finfo(dtype).max) - 2)
+    eq, ek = _exp2_of(aq), _exp2_of(ak)
+    qs, ks = max(0, eq - top), max(0, ek - top)
+    es = _exp2_of(float(scale)) + qs + ks  # the scale handed on lies below 2^es
+    if es > SCALE_EXP:  # scale Q and K up (into their headroom), the scale down
+        need = es - SCALE_EXP
+        for _ in range(2):
+            if need > 0 and top - (eq - qs) >= top - (ek - ks):
+                up = min(need, top - (eq - qs)); qs -= up; need -= up
+            if need > 0:
+                up = min(need, top - (ek - ks)); ks -= up; need -= up
+    elif es < -SCALE_EXP + 1:  # scale Q and K down, the scale up
+        need = -SCALE_EXP + 1 - es
+        down = min(need, max(0, (eq - qs) - (ek - ks)))  # the larger first
+        qs += down; need -= down
+        down = min(need, max(0, (ek - ks) - (eq - qs)))
+        ks += down; need -= down
+        qs += (need + 1) // 2
+        ks += need // 2
+    return RangePlan(qs, ks, v_rescale)
 
 
 def _v_shift(ranges: torch.Tensor) -> torch.Tensor:
@@ -241,19 +275,25 @@ def _v_shift(ranges: torch.Tensor) -> torch.Tensor:
     return torch.exp2((e - V_RESCALE_EXP).clamp(min=0).float())
 
 
+def _times_pow2(x: torch.Tensor, e: int) -> torch.Tensor:
+    """``x · 2^e``, exact, in two factors (a shift past 2^±127 has no fp32 factor of its own)."""
+    return x * 2.0 ** (e // 2) * 2.0 ** (e - e // 2)
+
+
 def rescale_inputs(q, k, v, ranges: torch.Tensor, plan: RangePlan, scale: float):
     """(q, k, v, scale, V's factor per head (B, H) or None) rescaled by ``plan``: exact, powers of
     two (values over 2^190 below their tensor's largest may flush to zero). New tensors where a
     factor applies; the caller's are never modified."""
     if plan.q_shift:
-        q = q * 2.0**-plan.q_shift
+        q = _times_pow2(q, -plan.q_shift)
     if plan.k_shift:
-        k = k * 2.0**-plan.k_shift
+        k = _times_pow2(k, -plan.k_shift)
     v_factor = None
     if plan.v_rescale:
         v_factor = _v_shift(ranges)
         v = v * (1.0 / v_factor).to(v.dtype)[..., None, None]
-    return q, k, v, float(scale) * 2.0 ** (plan.q_shift + plan.k_shift), v_factor
+    scale = 1.0 if plan.unit_scale else math.ldexp(float(scale), plan.q_shift + plan.k_shift)
+    return q, k, v, scale, v_factor
 
 
 def rescale_output(out: torch.Tensor, v_factor: torch.Tensor | None) -> torch.Tensor:

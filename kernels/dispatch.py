@@ -341,12 +341,14 @@ def attention_with_key_alive(q, k, v, *, recipe: AttentionRecipe, key_alive, sca
 
     bad = nonfinite_heads(q, k, v, key_alive)  # the NaN/Inf policy: those heads' outputs become NaN
     alive = None if key_alive is None else key_alive[:, None, :]
-    ranges = input_ranges(q, k, v, alive, bad)
+    # nothing is read back while a CUDA graph is captured: the ranges are not even computed there
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    ranges = None if capturing else input_ranges(q, k, v, alive, bad)
     mean = k_smoothing_mean(k, key_alive) if recipe.smooth_k else None
     prepared, has_bad, summary = _prepare_checked(q, k, v, recipe, key_alive, mean, bad,
-                                                  range_summary(ranges, scale, q.shape[-1]))
+                                                  None if ranges is None else range_summary(ranges, scale, q.shape[-1]))
     v_factor = None
-    if summary is not None and (plan := plan_ranges(summary, scale)).needed:
+    if summary is not None and (plan := plan_ranges(summary, scale, q.dtype)).needed:
         q, k, v, scale, v_factor = rescale_inputs(q, k, v, ranges, plan, scale)
         mean = k_smoothing_mean(k, key_alive) if recipe.smooth_k else None
         prepared, has_bad, _ = _prepare_checked(q, k, v, recipe, key_alive, mean, bad)

@@ -34,8 +34,9 @@ from .tiles import LOG2E, key_mask, kv_bases, outputs, program_rows, store_out_l
 #: maximum keep a fixed shift; their weights are below 1e-18)
 TILE_EXP_FLOOR = -60
 #: the largest logit bound (nats; :func:`fp4video.reference.range_summary`) under which the loop runs
-#: its exponents' fast form (:func:`quantize_p`): there |m| < 2^17 in log2 units, so the fused form's
-#: residual moves P̃ by under 2^-7 of a binade; above it, the exact form
+#: its exponents' fast form (:func:`quantize_p`): there |m| < 2^18 in log2 units (2^17, twice over for
+#: the smooth-K methods, whose loop sees q·(k - mean)), so the fused form's residual moves P̃ by under
+#: 2^-6 of a binade; above it, the exact form
 FAST_LOGIT_BOUND = 2.0**16
 
 #: V channels whose block maxima span more than this many binades lose bits in the e4m3 loop:

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from fp4video.integration import FP4Processor, Policy, install, uninstall  # noqa: E402
+from fp4video.integration import FP4Processor, Policy, install, installed_context, uninstall  # noqa: E402
 from fp4video.integration.routing import BACKEND  # noqa: E402
 from fp4video.integration.config import ConfigError, load_config  # noqa: E402
 from fp4video.integration.tiny import TINY_SIZES, tiny_wan_pipeline  # noqa: E402
@@ -542,7 +542,7 @@ def test_policy_that_does_not_fit_the_model_is_refused_or_warned(pipe):
         assert not any(hasattr(m, "_fp4video_block") for m in model.modules())
         assert not any(isinstance(p, FP4Processor) for p in model.attn_processors.values())
         assert not any(getattr(p, "_attention_backend", None) is not None for p in model.attn_processors.values())
-    assert getattr(pipe, "_fp4video_context", None) is None
+    assert all(installed_context(m) is None for m in (pipe.transformer, pipe.transformer_2))
     every = Policy.model_validate({"method": "mxattn", "rules": [{"method": "fp16", "steps": {"last": 50}}]})
     install(pipe, every)
     try:

@@ -192,6 +192,55 @@ def test_kernels_rescale_v_and_qk_as_the_reference_does(method):
     assert torch.equal(fp4_attention(q * 2.0**70, k * 2.0**-70, v, method=method, backend="triton"), want)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("method", ["fp16", "mxattn", "sage3", "fp8"])
+@pytest.mark.parametrize("log_q, log_k, log_scale", [(-100, -100, 200), (100, 100, -200), (124, -131, 7),
+                                                     (-131, 124, 7), (0, 0, 90)])
+def test_scales_beyond_fp32_move_into_q_and_k(method, backend, log_q, log_k, log_scale):
+    """A scale fp32 cannot hold (or whose product with the rescaled Q·K overflows it), with Q and K
+    whose logits stay ordinary: Q·2^a, K·2^b, scale·2^c with a + b + c = 0 are the same logits, and
+    the call gives what the unscaled call gives (the scale moves into Q and K by exact powers of two;
+    a subnormal K included). ``(0, 0, 90)``: ordinary Q and K, a scale of 2^90 — logits of ~2^90
+    nats are beyond the bound and refused."""
+    q, k, v = rand(1, 2, 16, 64, seed=19), rand(1, 2, 130, 64, seed=20), rand(1, 2, 130, 64, seed=21)
+    scale = math.ldexp(64**-0.5, log_scale)
+    if log_q + log_k + log_scale:
+        with pytest.raises(ValueError, match="q, k and scale"):
+            fp4_attention(q, k, v, method=method, scale=scale, backend=backend)
+        return
+    want, lse_want = fp4_attention(q, k, v, method=method, return_lse=True, backend=backend)
+    got, lse = fp4_attention(q * 2.0**log_q, k * 2.0**log_k, v, method=method, scale=scale, return_lse=True,
+                             backend=backend)
+    assert torch.isfinite(got).all() and torch.isfinite(lse).all()
+    assert float(row_cosine(got, want).min()) > 0.99999 and float((lse - lse_want).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("method", ["fp16", "mxattn", "fp8"])
+def test_zero_q_with_any_scale_attends_uniformly(method, backend):
+    """Q of zeros: every logit is 0 whatever the scale, even one fp32 cannot hold (1e300): the
+    output is V's mean over the keys (up to V's own quantization) and the LSE log(Sk)."""
+    q, v = torch.zeros(1, 2, 8, 64), rand(1, 2, 130, 64, seed=22)
+    out, lse = fp4_attention(q, rand(1, 2, 130, 64, seed=23), v, method=method, scale=1e300, return_lse=True,
+                             backend=backend)
+    assert torch.isfinite(out).all() and torch.allclose(lse, torch.full_like(lse, math.log(130)), atol=1e-5)
+    assert float(row_cosine(out, v.double().mean(-2, keepdim=True).expand_as(out)).min()) > 0.99
+
+
+@pytest.mark.parametrize("method", ["fp8"])
+def test_fp8_tier_keeps_cosine_098_on_every_robustness_input(method):
+    """The FP8 tier is what users place where FP4 is not good enough: on every input of the
+    robustness table (outlier channels ×30, sinks, sharp attention, K/V means, V outliers, all at
+    once) its cosine to fp64 stays at 0.98 or above (the Hadamard rotation of Q and K before the
+    E4M3 rounding: without it, 0.898 on outlier channels and 0.780 on all of them)."""
+    from fp4video.harness.robustness import DISTRIBUTIONS, make_inputs
+
+    for name, sharp in DISTRIBUTIONS.items():
+        q, k, v = make_inputs(sharp, seed=0)
+        out = fp4_attention(q, k, v, method=method, backend="reference")
+        assert cossim(out, attention64(q, k, v)[0]) >= 0.98, name
+
+
 @FAST
 @example(method="mxattn", log_v=127, log_qk=100, seed=0)
 @example(method="fp16", log_v=127, log_qk=0, seed=1)
@@ -318,3 +367,17 @@ def test_gpu_finite_output_range_on_both_sides_of_the_bound(method, device):
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     ref, _ = attention64(qw, k, v, scale=scale * 0.999)
     assert float(row_cosine(out, ref).min()) > (0.999 if method == "fp16" else 0.95)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", SMOOTH_K)
+def test_gpu_smooth_k_output_and_lse_are_bit_equal_batched_and_per_head(method, device):
+    """The kernels on the GPU: a batched call's output and LSE are bit for bit those of each batch
+    and each head called alone (K's mean and the LSE shift are reduced per head, whatever the batch)."""
+    q, k, v = (rand(2, 3, 200, 128, seed=40 + i, dtype=torch.bfloat16).to(device) for i in range(3))
+    out, lse = fp4_attention(q, k, v, method=method, return_lse=True)
+    for b in range(2):
+        for h in range(3):
+            o1, l1 = fp4_attention(q[b:b + 1, h:h + 1], k[b:b + 1, h:h + 1], v[b:b + 1, h:h + 1], method=method,
+                                   return_lse=True)
+            assert torch.equal(o1, out[b:b + 1, h:h + 1]) and torch.equal(l1, lse[b:b + 1, h:h + 1]), (b, h)

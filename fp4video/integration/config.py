@@ -67,8 +67,6 @@ class RunConfig(BaseModel):
         return self
 
 
-CONFIG_MODELS = (RunConfig, ParallelSettings)
-
 #: The embedded default: MXAttention's Wan2.2 main-table policy on the tiny two-expert model.
 DEFAULT_CONFIG = RunConfig(
     model="tiny",
