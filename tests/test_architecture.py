@@ -6,6 +6,7 @@ private names, and read the environment in one place (the dispatch)."""
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,8 @@ def test_kernels_import_only_torch_triton_and_numerics(path):
         # the offline compiler and its report are tools inside the package: they also read files and run ptxas
         tooling = {"argparse", "collections", "json", "re", "subprocess", "sys", "tempfile"} \
             if path.stem in ("offline", "report") else set()
+        if path.stem == "__init__":  # hands a top-level ``kernels`` import over (sys.modules)
+            tooling = {"sys"}
         assert top in {"torch", "triton", "fp4video", "__future__", "math", "functools", "os", "dataclasses",
                        "typing", "importlib", "warnings"} | tooling, f"{path.name} imports {m}"
         if top == "fp4video" and m != "fp4video":  # numerics only, never the API / harness / CLI
@@ -145,3 +148,20 @@ def test_public_import_paths_keep_working():
     assert callable(kernels.attention) and callable(kernels.supports)
     dispatch = importlib.import_module("fp4video.kernels.dispatch")
     assert kernels.dispatch is dispatch and callable(dispatch.prepare)
+
+
+def test_a_checkouts_kernels_folder_hands_over_to_an_installed_kernels_package(tmp_path):
+    """``kernels/`` is fp4video.kernels; run from a checkout's root (``python -m pytest``, ``python
+    -c``), it is also found as a top-level ``kernels`` and shadowed Hugging Face's ``kernels``, which
+    transformers imports whenever it is installed (diffusers then failed to load its LoRA support).
+    The top-level import gets the installed package instead."""
+    import subprocess
+    import sys
+
+    site = tmp_path / "site" / "kernels"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("MARK = 'installed'\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    run = subprocess.run([sys.executable, "-c", "import kernels, fp4video.kernels as k; print(kernels.MARK, "
+                          "k.__name__)"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.stdout.split() == ["installed", "fp4video.kernels"], run.stderr[-2000:]
