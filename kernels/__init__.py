@@ -13,7 +13,7 @@ if __name__ == "kernels":
     # This folder is installed as ``fp4video.kernels``. It becomes a top-level ``kernels`` only when
     # a checkout's root is on sys.path (``python -m ...`` run from it), where it shadows Hugging
     # Face's ``kernels`` package, which transformers imports whenever that is installed: hand such an
-    # import the installed package instead, or fail as a missing one would.
+    # import the installed package instead.
     import importlib.machinery
     import os
     import sys
@@ -21,13 +21,12 @@ if __name__ == "kernels":
     _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _spec = importlib.machinery.PathFinder.find_spec(
         "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
-    if _spec is None:
-        del sys.modules[__name__]
-        raise ModuleNotFoundError("no module named 'kernels' outside fp4video's checkout (its kernels/ folder is "
-                                  "fp4video.kernels)", name="kernels")
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules[__name__] = _module  # what the import statement returns
-    _spec.loader.exec_module(_module)
+    if _spec is not None:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules[__name__] = _module  # what the import statement returns
+        _spec.loader.exec_module(_module)
+    # else: none is installed, and this module loads as it is (version-less: transformers' probe then
+    # counts Hugging Face's package as absent)
 
 __all__ = ["supports", "attention", "triton_available"]
 

@@ -225,7 +225,9 @@ def test_random_install_uninstall_sequences_keep_the_routing_consistent(shared, 
     for model in models:
         assert _stock_state(model) == state[id(model)]
         assert torch.equal(_forward(model, kw), stock[id(model)])
-    assert not routing._ROUTED and _stack_is_empty()
+    # (other tests' installations may stay routed: only these models' processors are checked)
+    assert not any(routing.is_routed(p) for m in models for p in m.attn_processors.values())
+    assert _stack_is_empty()
     _assert_backend_refuses_outside_install()
 
 

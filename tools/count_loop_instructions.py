@@ -80,7 +80,7 @@ def compile_loop_kernel(args):
         rule = ScaleRule.OCP if args.ocp else ScaleRule.UOS
         consts = dict(HAS_MASK=args.mask, OCP=args.ocp, QMAX=rule.qmax, PNQ=True, D=128, BLOCK_DV=128,
                       BLOCK_M=launch.block_m, BLOCK_N=128, QB=32, EXP_FLOOR=TILE_EXP_FLOOR, TMA=tma, K_TILE_ORDER=tma,
-                      ASM=True, FRESH_PV=tma and not args.pv_into_acc, P_E4M3=args.pv8)
+                      ASM=True, FRESH_PV=tma and not args.pv_into_acc, P_E4M3=args.pv8, EXACT=args.exact)
         stages, warps = launch.num_stages, launch.num_warps
         max_registers = args.max_registers
         if max_registers is None and tma and args.mask:  # as the masked TMA loop is launched
@@ -122,6 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pv-into-acc", action="store_true",
                     help="mx: P̂·V̂ accumulated into the rescaled accumulator, awaited in the next tile (the TMA "
                          "loop's default is a fresh accumulator, FRESH_PV)")
+    ap.add_argument("--exact", action="store_true",
+                    help="mx: the e4m3 loop's exact exponents (calls past its fast logit bound) instead of the fused form")
     ap.add_argument("--max-registers", type=int, help="mx: cap the registers per thread (maxnreg)")
     ap.add_argument("--pv8", action="store_true", help="mx / nvfp4: P̃ in E4M3 (the FP8-P·V methods) instead of FP4")
     ap.add_argument("--top", type=int, default=16, help="opcodes to list")
