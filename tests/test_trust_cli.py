@@ -41,7 +41,7 @@ def cli(capsys, *argv) -> tuple[int, str]:
         rc = main([str(a) for a in argv])
     except SystemExit as e:  # argparse's own errors
         rc = e.code
-    except KeyboardInterrupt:  # (uncaught, it would stop the whole test session)
+    except KeyboardInterrupt:  # (uncaught, it would stop the whole pytest run)
         pytest.fail("KeyboardInterrupt escaped main()")
     return rc, shown(capsys.readouterr().err)
 
