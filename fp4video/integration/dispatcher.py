@@ -16,10 +16,12 @@ says what to do instead when a diffusers release changes them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..recipe import METHODS
 
 __all__ = ["register_attention_backends", "register_backend", "backend_name", "reset_attention_backend",
-           "active_backend", "set_active_backend"]
+           "active_backend", "set_active_backend", "AttentionCall", "diffusers_backend"]
 
 PREFIX = "fp4video_"
 
@@ -60,24 +62,70 @@ def _member(enum_cls, value: str):
     return member
 
 
+@dataclass(frozen=True)
+class AttentionCall:
+    """One call of a diffusers attention backend, as the dispatcher makes it: ``query``, ``key``,
+    ``value`` (B, S, H, D), and the options every backend function receives."""
+
+    query: object
+    key: object
+    value: object
+    attn_mask: object = None
+    dropout_p: float = 0.0
+    is_causal: bool = False
+    scale: float | None = None
+    enable_gqa: bool = False
+    return_lse: bool = False
+    parallel_config: object = None
+
+    def unsupported_options(self) -> list[str]:
+        """The options set on this call that softmax(q·kᵀ·scale)·v with a key mask does not cover."""
+        return ([f"dropout_p={self.dropout_p}"] if self.dropout_p else []) + (["is_causal"] if self.is_causal else []) + (
+            ["enable_gqa"] if self.enable_gqa else [])
+
+    def dispatch_kwargs(self) -> dict:
+        """The call as ``dispatch_attention_fn``'s keyword arguments (its LSE asked for through
+        ``attention_kwargs``, as diffusers' context-parallel code asks for it)."""
+        kw = dict(attn_mask=self.attn_mask, dropout_p=self.dropout_p, is_causal=self.is_causal, scale=self.scale,
+                  enable_gqa=self.enable_gqa, parallel_config=self.parallel_config)
+        if self.return_lse:
+            kw["attention_kwargs"] = {"return_lse": True}
+        return kw
+
+
+def diffusers_backend(fn):
+    """``fn(call: AttentionCall)`` as a function with the signature diffusers' dispatcher calls
+    backends with (it passes only the arguments a backend's signature names): the one place where
+    that signature is adapted."""
+
+    def backend(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+                scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False, _parallel_config=None):
+        return fn(AttentionCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                                _parallel_config))
+
+    # (not functools.wraps: diffusers reads the accepted arguments from inspect.signature, which
+    # would follow __wrapped__ to fn's)
+    backend.__name__, backend.__qualname__, backend.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+    return backend
+
+
 def _backend_fn(method: str):
     from ..attention import fp4_attention
     from .parallel import context_parallel_attention
 
-    def attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
-                  scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
-                  _parallel_config=None):
-        if dropout_p or is_causal or enable_gqa:
+    def attention(call: AttentionCall):
+        if call.unsupported_options():
             raise ValueError(f"the {backend_name(method)} backend has no dropout, causal mask or GQA "
-                             f"(got dropout_p={dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa})")
-        if _parallel_config is not None:
-            return context_parallel_attention(query, key, value, method=method, parallel_config=_parallel_config,
-                                              attn_mask=attn_mask, scale=scale, return_lse=return_lse)
-        return fp4_attention(query, key, value, method=method, layout="bshd", attn_mask=attn_mask, scale=scale,
-                             return_lse=return_lse)
+                             f"(got {', '.join(call.unsupported_options())})")
+        if call.parallel_config is not None:
+            return context_parallel_attention(call.query, call.key, call.value, method=method,
+                                              parallel_config=call.parallel_config, attn_mask=call.attn_mask,
+                                              scale=call.scale, return_lse=call.return_lse)
+        return fp4_attention(call.query, call.key, call.value, method=method, layout="bshd", attn_mask=call.attn_mask,
+                             scale=call.scale, return_lse=call.return_lse)
 
     attention.__name__ = attention.__qualname__ = f"{backend_name(method)}_attention"
-    return attention
+    return diffusers_backend(attention)
 
 
 def register_backend(name: str, fn):

@@ -105,6 +105,7 @@ def install(pipe, policy: Policy | str | None = None, *, backend: str = "auto", 
     # every model is checked before any is changed: an error leaves the pipeline as it was
     all_sites = [_checked_sites(model, policy) for _, model in models]
     _check_rules_can_match(pipe, policy, models, all_sites)
+    ctx.external, ctx.fp16_exact = _resolve_backends(policy, models)
     for _, model in models:
         unrouted = _unrouted(model)
         if unrouted:
@@ -119,6 +120,38 @@ def install(pipe, policy: Policy | str | None = None, *, backend: str = "auto", 
         hook = model.register_forward_pre_hook(_step_hook(pipe, ctx, expert), with_kwargs=True)
         model._fp4video_saved = _Installed(ctx, routed, hook, through)
     return ctx
+
+
+def _resolve_backends(policy: Policy, models) -> tuple[dict, object]:
+    """The external backends ``policy`` names, each made ready for the transformers' device and
+    dtype (a probe call), and the backend of its fp16 tier (None: stock). A backend that is not
+    installed or cannot run there is refused here, with the reason, before anything is changed."""
+    from .backends import BackendUnavailable, fastest_exact, resolve
+
+    places = []
+    for _, model in models:
+        p = next(model.parameters(), None)
+        place = (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
+        if place not in places:
+            places.append(place)
+    if len(places) > 1 and (policy.external_backends() or policy.fp16_backend != "stock"):
+        raise ValueError("the transformers are on different devices or dtypes ("
+                         + ", ".join(f"{d} {str(t).removeprefix('torch.')}" for d, t in places)
+                         + "): move them to one before installing a policy that names external backends")
+    if not places:
+        return {}, None
+    device, dtype = places[0]
+    external, fp16 = {}, None
+    try:
+        for name in policy.external_backends():
+            external[name] = resolve(name, device=device, dtype=dtype)
+        if policy.fp16_backend == "fastest":
+            fp16, _ = fastest_exact(device=device, dtype=dtype)
+        elif policy.fp16_backend != "stock":
+            fp16 = external[policy.fp16_backend]
+    except BackendUnavailable as e:
+        raise BackendUnavailable(f"the policy cannot be installed: {e}") from None
+    return external, fp16
 
 
 def uninstall(pipe) -> None:

@@ -1,13 +1,27 @@
 """Precision policies: which attention method runs for each call (block, denoising step, attention
 kind, Wan2.2 expert), loaded from YAML and validated.
 
-Rules are tried in order; the first whose conditions all match picks the method, otherwise the
-policy's default ``method`` applies. Example (MXAttention's Wan2.2 main table)::
+Rules are tried in order; the first whose conditions all match picks the attention, otherwise the
+policy's default applies. Example (MXAttention's Wan2.2 main table)::
 
     method: mxattn
     rules:
       - {method: fp16, blocks: [0]}          # block 0 in high precision
       - {method: fp16, steps: {last: 2}}     # and the final two denoising steps
+
+A rule (and the default) names either one of fp4video's methods (``method:``) or an external
+attention backend (``backend:``): any backend of the installed diffusers' dispatcher by its
+diffusers name, or a peer diffusers lacks (:mod:`fp4video.integration.backends`)::
+
+    method: mxattn-pv8
+    fp16_backend: fastest                    # the fp16 tier on the fastest exact backend installed
+    fallback: {backend: native}              # calls a backend cannot take (a mask, an LSE) go here
+    rules:
+      - {backend: fa3_fp8, kinds: [self]}
+      - {method: fp16, steps: {last: 2}}
+
+Calls are routed by *target*: a method name (``"mxattn"``) or ``"backend:<name>"``; recorded calls
+carry the target that actually ran.
 """
 
 from __future__ import annotations
@@ -26,10 +40,43 @@ KINDS = ("self", "cross", "image", "joint")
 EXPERTS = ("high_noise", "low_noise")
 
 
+#: How a target names an external backend: ``"backend:" + name``.
+BACKEND_TARGET = "backend:"
+
+
 def _check_method(v: str) -> str:
     if v not in METHODS:
-        raise ValueError(f"unknown method {v!r}; allowed: {', '.join(METHODS)}")
+        hint = ""
+        if isinstance(v, str) and not v.startswith(BACKEND_TARGET):
+            try:
+                from .backends import backend_names
+
+                if v in backend_names():
+                    hint = f" ({v!r} is an external attention backend: name it as `backend: {v}`)"
+            except ImportError:
+                pass
+        raise ValueError(f"unknown method {v!r}; allowed: {', '.join(METHODS)}{hint}")
     return v
+
+
+def _check_backend(v: str | None) -> str | None:
+    if v is None:
+        return v
+    from .backends import check_backend_name
+
+    if isinstance(v, str) and v in METHODS:
+        raise ValueError(f"{v!r} is one of fp4video's methods: name it as `method: {v}`")
+    return check_backend_name(v)
+
+
+def target_of(method: str | None, backend: str | None) -> str:
+    """The routing target of a ``method`` / ``backend`` pair (exactly one given)."""
+    return method if backend is None else BACKEND_TARGET + backend
+
+
+def backend_of(target: str) -> str | None:
+    """The external backend a target names, None for an fp4video method."""
+    return target[len(BACKEND_TARGET):] if target.startswith(BACKEND_TARGET) else None
 
 
 def _not_bool(v):
@@ -98,10 +145,11 @@ class StepRange(_Strict):
 
 
 class Rule(_Strict):
-    """One rule: ``method`` for the calls that match every condition given (a condition left out
-    matches every call)."""
+    """One rule: ``method`` (an fp4video method) or ``backend`` (an external backend) for the calls
+    that match every condition given (a condition left out matches every call)."""
 
-    method: str
+    method: str | None = None
+    backend: str | None = Field(None, description="an external attention backend (diffusers' name, or a peer)")
     blocks: list[StrictInt] | None = Field(None, description="transformer block indices (0-based)")
     steps: StepRange | None = None
     kinds: list[Literal["self", "cross", "image", "joint"]] | None = None
@@ -110,7 +158,24 @@ class Rule(_Strict):
     @field_validator("method")
     @classmethod
     def _known_method(cls, v):
-        return _check_method(v)
+        return None if v is None else _check_method(v)
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v):
+        return _check_backend(v)
+
+    @model_validator(mode="after")
+    def _method_or_backend(self):
+        if (self.method is None) == (self.backend is None):
+            raise ValueError("give exactly one of method (an fp4video method) and backend (an external attention "
+                             f"backend), got {'both' if self.method else 'neither'}")
+        return self
+
+    @property
+    def target(self) -> str:
+        """What the rule routes its calls to: the method name, or ``"backend:<name>"``."""
+        return target_of(self.method, self.backend)
 
     @field_validator("blocks")
     @classmethod
@@ -129,7 +194,7 @@ class Rule(_Strict):
 
     def describe(self) -> str:
         """The rule as one YAML-like line, for messages."""
-        parts = [f"method: {self.method}"]
+        parts = [f"method: {self.method}" if self.backend is None else f"backend: {self.backend}"]
         for name in ("blocks", "kinds", "experts"):
             if getattr(self, name) is not None:
                 parts.append(f"{name}: {getattr(self, name)}")
@@ -156,14 +221,40 @@ class Rule(_Strict):
         return True
 
 
+class Fallback(_Strict):
+    """Where a call goes that its target cannot take: an fp4video method or an external backend."""
+
+    method: str | None = None
+    backend: str | None = None
+
+    _known_method = field_validator("method")(classmethod(lambda cls, v: None if v is None else _check_method(v)))
+    _known_backend = field_validator("backend")(classmethod(lambda cls, v: _check_backend(v)))
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.method is None) == (self.backend is None):
+            raise ValueError("a fallback gives exactly one of method and backend")
+        return self
+
+    @property
+    def target(self) -> str:
+        return target_of(self.method, self.backend)
+
+
 class Policy(_Strict):
-    """A precision policy. ``fallback``: what to do when the FP4 path refuses a call (an input it
-    does not support): ``"error"`` raises, ``"stock"`` runs diffusers' own attention for that call
-    and counts it in the generation summary."""
+    """A precision policy. ``method`` (or ``backend``): the default for calls no rule matches.
+    ``fallback``: what to do when a call's target refuses it (an input the FP4 path or an external
+    backend does not take): ``"error"`` raises, ``"stock"`` runs diffusers' own attention for that
+    call, ``{method: ...}`` / ``{backend: ...}`` runs that target; each fallback is counted and
+    recorded. ``fp16_backend``: what method ``fp16`` runs on: ``"stock"`` (the processor's own
+    backend, the stock output), ``"fastest"`` (the fastest exact backend installed, chosen at
+    install: :data:`fp4video.integration.backends.EXACT_PREFERENCE`) or an exact backend's name."""
 
     method: str = "mxattn"
+    backend: str | None = Field(None, description="the default as an external backend (instead of method)")
     rules: list[Rule] = []
-    fallback: Literal["error", "stock"] = "error"
+    fallback: Literal["error", "stock"] | Fallback = "error"
+    fp16_backend: str = "stock"
     refiner: StrictBool = Field(False, description="quantize the attention outside the transformer blocks too "
                                                   "(HunyuanVideo's token refiner); block rules never match it")
 
@@ -171,6 +262,52 @@ class Policy(_Strict):
     @classmethod
     def _known_method(cls, v):
         return _check_method(v)
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v):
+        return _check_backend(v)
+
+    @field_validator("fp16_backend")
+    @classmethod
+    def _exact_backend(cls, v):
+        if v in ("stock", "fastest"):
+            return v
+        from .backends import is_exact
+
+        try:
+            _check_backend(v)
+        except ValueError as e:
+            raise ValueError(f"fp16_backend is stock, fastest or an exact backend's name: {e}") from None
+        if not is_exact(v):
+            raise ValueError(f"fp16_backend {v!r} quantizes: the fp16 tier needs an exact backend (stock, fastest, "
+                             "native, _native_cudnn, flash, _flash_3, ...)")
+        return v
+
+    @model_validator(mode="after")
+    def _default_is_method_or_backend(self):
+        if self.backend is not None and "method" in self.model_fields_set:
+            raise ValueError("give method or backend as the default, not both")
+        return self
+
+    @property
+    def target(self) -> str:
+        """The default target: ``backend:<name>`` when ``backend`` is given, else ``method``."""
+        return target_of(self.method if self.backend is None else None, self.backend)
+
+    def targets(self) -> list[str]:
+        """Every target the policy can route a call to (default, rules, fallback), in order, once each."""
+        out = [self.target, *(r.target for r in self.rules)]
+        if isinstance(self.fallback, Fallback):
+            out.append(self.fallback.target)
+        return list(dict.fromkeys(out))
+
+    def external_backends(self) -> list[str]:
+        """The external backends the policy names (its fp16 tier's too, when named)."""
+        names = [backend_of(t) for t in self.targets() if backend_of(t) is not None]
+        if self.fp16_backend not in ("stock", "fastest"):
+            names.append(self.fp16_backend)
+        return list(dict.fromkeys(names))
 
     @model_validator(mode="after")
     def _every_rule_can_match(self):
@@ -248,10 +385,11 @@ class Policy(_Strict):
 
     def method_for(self, *, block: int, step: int | None, num_steps: int | None, kind: str,
                    expert: str | None) -> str:
+        """The target of a call: an fp4video method name, or ``"backend:<name>"``."""
         for rule in self.rules:
             if rule.matches(block=block, step=step, num_steps=num_steps, kind=kind, expert=expert):
-                return rule.method
-        return self.method
+                return rule.target
+        return self.target
 
 
 @dataclass(frozen=True)
@@ -289,13 +427,16 @@ def _unmet(rule: Rule, space: CallSpace) -> str:
 
 
 def as_policy(policy, what: str = "policy") -> "Policy":
-    """``policy`` as a :class:`Policy`: a Policy, a method name (that method everywhere) or None
-    (``"mxattn"``); anything else is a ``TypeError``, an unknown method name a ``ValueError``."""
+    """``policy`` as a :class:`Policy`: a Policy, a method name (that method everywhere), a
+    ``"backend:<name>"`` (that external backend everywhere) or None (``"mxattn"``); anything else is
+    a ``TypeError``, an unknown name a ``ValueError``."""
     if policy is None:
         return Policy()
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, str):
+        if policy.startswith(BACKEND_TARGET):
+            return Policy(backend=backend_of(policy))
         return Policy(method=_check_method(policy))
     raise TypeError(f"{what} must be a fp4video Policy, a method name ({', '.join(METHODS)}) or None, got "
                     f"{type(policy).__name__} {policy!r:.60}" + (" (Policy.model_validate(mapping) reads a mapping)"

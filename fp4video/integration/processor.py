@@ -43,6 +43,14 @@ class AttentionContext:
     fallbacks: Counter = field(default_factory=Counter)
     #: {model.site: processor class} of block attention left as it was (not through the dispatcher)
     unrouted: dict = field(default_factory=dict)
+    #: {name: ExternalBackend}: the external backends the policy names, resolved at install
+    external: dict = field(default_factory=dict)
+    #: the backend method ``fp16`` runs on (None: the processor's own, the stock output)
+    fp16_exact: object = None
+    #: ``observer(site=, kind=, call=, out=, ran=)`` after every routed call (calibration's measurements)
+    observer: object = None
+    #: ``override(site_name, block, kind) -> target or None``: a target that replaces the policy's for a call
+    override: object = None
 
     def __post_init__(self):
         """The policy, backend and recording flag checked here, not at the first attention call
@@ -53,7 +61,12 @@ class AttentionContext:
         if not isinstance(self.record, bool):
             raise TypeError(f"record must be True or False, got {type(self.record).__name__} {self.record!r:.40}")
 
-    def method_for(self, block: int, kind: str) -> str:
+    def method_for(self, block: int, kind: str, site: str | None = None) -> str:
+        """The target of a call (the override's where it gives one, else the policy's)."""
+        if self.override is not None:
+            target = self.override(site, block, kind)
+            if target is not None:
+                return target
         return self.policy.method_for(block=block, step=self.step, num_steps=self.num_steps, kind=kind,
                                       expert=self.expert)
 
@@ -119,6 +132,11 @@ class FP4Processor:
             if method is not None and not isinstance(method, str):
                 raise TypeError(f"method must be a method name, got {type(method).__name__} {method!r:.40}")
             context = AttentionContext(policy=as_policy(policy if policy is not None else method))
+        p = context.policy
+        if p.external_backends() or p.fp16_backend != "stock" or not isinstance(p.fallback, str):
+            raise ValueError("FP4Processor runs fp4video's own methods with fallback error or stock; a policy naming "
+                             "external attention backends, an fp16_backend or a fallback target runs through "
+                             "fp4video.install(pipe, policy)")
         self.context = context
 
     # --- the one numerics decision -----------------------------------------------------------

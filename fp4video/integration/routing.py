@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .dispatcher import AttentionCall, diffusers_backend
 from .parallel import uses_ring
+from .policy import backend_of
 from .sites import Site
 
 __all__ = ["BACKEND", "route", "unroute", "call_kind", "possible_kinds", "boolean_mask"]
@@ -141,55 +143,100 @@ def boolean_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     return keep
 
 
-def _backend(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
-             scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False, _parallel_config=None):
-    """The ``fp4video_policy`` diffusers backend: the policy's method for this call."""
+class _Refused(Exception):
+    """A call its target cannot take: ``reason`` for messages, ``original`` the error to re-raise
+    under ``fallback: error`` (None: a one-line ValueError is raised)."""
+
+    def __init__(self, reason: str, original: BaseException | None = None):
+        super().__init__(reason)
+        self.reason, self.original = reason, original
+
+
+def _policy_attention(a: AttentionCall):
+    """The ``fp4video_policy`` diffusers backend: the policy's target for this call."""
     stack = _stack()
     if not stack or not stack[-1].route.active:
         raise RuntimeError(f"diffusers called the {BACKEND} attention backend outside an attention module fp4video "
                            "routed: use fp4video.install(pipe, policy), not set_attention_backend, for it")
     call = stack[-1]
     route, site, ctx = call.route, call.site, call.route.ctx
-    kind = call_kind(call, query, key)
-    method = ctx.method_for(site.block, kind)
-    used = method
+    kind = call_kind(call, a.query, a.key)
+    target = ctx.method_for(site.block, kind, site=site.name)
     call.attended += 1
     route.attended.add(site.name)
-    unsupported = ([f"dropout_p={dropout_p}"] if dropout_p else []) + (["is_causal"] if is_causal else []) + (
-        ["enable_gqa"] if enable_gqa else [])
-    ring = uses_ring(_parallel_config)
-    # stock attention cannot split replicated context tokens (fp4video's HunyuanVideo plan): its fp16
-    # runs fp4video's unquantized attention there, as under ring (which merges partial results by their LSE)
-    replicated = _parallel_config is not None and kind == "joint" and route.replicated_context
-    if method == "fp16" and not ring and not replicated:
-        out = _stock(call, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                     _parallel_config)
-    else:
-        try:
-            if unsupported:
-                raise ValueError(f"fp4video's methods have no {', '.join(unsupported)} ({site.name})")
-            out = _fp4(route, call, kind, method, query, key, value, boolean_mask(attn_mask), scale, return_lse,
-                       _parallel_config)
-        except (ValueError, TypeError, NotImplementedError) as e:
-            if ctx.policy.fallback != "stock":
-                raise
-            ctx.fallbacks[f"{kind}: {e}"] += 1
-            used = "stock-fallback"
-            out = _stock(call, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                         _parallel_config)
-    ctx.record_call(site.block, kind, used, _parallel_config, site=site.name)
+    try:
+        out, ran, extra = _run(call, kind, target, a)
+    except _Refused as refused:
+        fallback = ctx.policy.fallback
+        if fallback == "error":
+            if refused.original is not None:
+                raise refused.original
+            raise ValueError(f"{site.name} ({kind} attention): {target} {refused.reason}; the policy's fallback is "
+                             "error (fallback: stock, or {method: ...} / {backend: ...}, sends such calls elsewhere)"
+                             ) from None
+        ctx.fallbacks[f"{kind}: {refused.reason}"] += 1
+        if fallback == "stock":
+            out, ran, extra = _stock(call, a), "stock-fallback", {}
+        else:
+            try:
+                out, ran, extra = _run(call, kind, fallback.target, a)
+            except _Refused as again:
+                raise ValueError(f"{site.name} ({kind} attention): {target} {refused.reason}, and the policy's "
+                                 f"fallback {fallback.target} {again.reason}") from None
+        extra = {**extra, "planned": target}
+    ctx.record_call(site.block, kind, ran, a.parallel_config, site=site.name, **extra)
+    if ctx.observer is not None:
+        ctx.observer(site=site, kind=kind, call=a, out=out, ran=ran)
     return out
 
 
-def _stock(call, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-           parallel_config):
+_backend = diffusers_backend(_policy_attention)
+
+
+def _run(call: _Call, kind: str, target: str, a: AttentionCall):
+    """Run ``target`` on the call: (output, the target that ran, extra record fields); :class:`_Refused`
+    when the target cannot take it."""
+    route, ctx = call.route, call.route.ctx
+    ring = uses_ring(a.parallel_config)
+    # stock attention cannot split replicated context tokens (fp4video's HunyuanVideo plan): its fp16
+    # runs fp4video's unquantized attention there, as under ring (which merges partial results by their LSE)
+    replicated = a.parallel_config is not None and kind == "joint" and route.replicated_context
+    if target == "fp16" and not ring and not replicated:
+        exact = ctx.fp16_exact
+        if exact is None:
+            return _stock(call, a), "fp16", {}
+        why = exact.why_not(a)
+        if why is None:
+            return exact.run(a), "fp16", {"exact_backend": exact.name}
+        # the stock backend is exact too: the same tier, recorded and counted
+        ctx.fallbacks[f"{kind}: fp16 on {exact.name}: it {why}"] += 1
+        return _stock(call, a), "fp16", {"exact_backend": "stock"}
+    name = backend_of(target)
+    if name is not None:
+        backend = ctx.external.get(name)
+        if backend is None:
+            raise RuntimeError(f"backend {name!r} was not resolved at install (install the policy with fp4video.install)")
+        why = backend.why_not(a)
+        if why is not None:
+            raise _Refused(why)
+        try:
+            return backend.run(a), target, {}
+        except (ValueError, NotImplementedError) as e:  # a check inside the backend function
+            raise _Refused(f"refused it ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    try:
+        if a.unsupported_options():
+            raise ValueError(f"fp4video's methods have no {', '.join(a.unsupported_options())} ({call.site.name})")
+        out = _fp4(route, call, kind, target, a.query, a.key, a.value, boolean_mask(a.attn_mask), a.scale,
+                   a.return_lse, a.parallel_config)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        raise _Refused(f"cannot take it ({e})", e) from None
+    return out, target, {}
+
+
+def _stock(call, a: AttentionCall):
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    backend = call.stock_backend
-    kw = {"attention_kwargs": {"return_lse": True}} if return_lse else {}
-    return dispatch_attention_fn(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                 scale=scale, enable_gqa=enable_gqa, backend=backend, parallel_config=parallel_config,
-                                 **kw)
+    return dispatch_attention_fn(a.query, a.key, a.value, **a.dispatch_kwargs(), backend=call.stock_backend)
 
 
 def _fp4(route, call, kind, method, q, k, v, mask, scale, return_lse, parallel_config):
