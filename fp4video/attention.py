@@ -108,20 +108,22 @@ def _check_scale(scale, head_dim: int) -> float:
     return value
 
 
-def _resolve_backend(backend, recipe, q, mask):
+def _resolve_backend(backend, recipe, q, v, mask) -> str:
+    """``"triton"`` or ``"reference"``: where this call runs (the kernels' plan, :func:`.kernels.plan.plan`,
+    says whether they can)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
         return "reference"
-    from . import kernels
+    from .kernels.plan import plan
 
-    supported, why = kernels.supports(recipe, q, mask)
+    kernel_plan = plan(recipe, q, v, mask)
     if backend == "triton":
-        if not supported:
-            raise NotImplementedError(f"backend='triton' cannot run this call: {why}")
+        if not kernel_plan.runnable:
+            raise NotImplementedError(f"backend='triton' cannot run this call: {kernel_plan.reason}")
         return "triton"
     # "auto" never picks the CPU interpreter (a test tool, far slower than the reference)
-    return "triton" if supported and q.is_cuda else "reference"
+    return "triton" if kernel_plan.runnable and q.is_cuda else "reference"
 
 
 def fp4_attention(
@@ -175,13 +177,13 @@ def fp4_attention(
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
 
-    path = _resolve_backend(backend, recipe, qb, mask)
+    path = _resolve_backend(backend, recipe, qb, vb, mask)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     with torch.no_grad():
-        if path == "triton":
-            from . import kernels
+        if path == "triton":  # the fp4video::attention custom op (torch.compile and CUDA graphs see one op)
+            from .kernels.dispatch import attention, key_padding
 
-            out, lse = kernels.attention(qb, kb, vb, recipe=recipe, mask=mask, scale=scale)
+            out, lse = attention(qb, kb, vb, key_padding(mask, b, sk), recipe.to_spec(), scale)
         else:
             out, lse = _reference(qb, kb, vb, recipe, mask, scale)
     if grad:  # inference-only: a backward through the op raises instead of returning zeros

@@ -28,7 +28,7 @@ if __name__ == "kernels":
     # else: none is installed, and this module loads as it is (version-less: transformers' probe then
     # counts Hugging Face's package as absent)
 
-__all__ = ["supports", "attention", "triton_available"]
+__all__ = ["supports", "triton_available"]
 
 
 #: looked up once at import: torch.compile cannot trace importlib (a graph break inside
@@ -41,21 +41,9 @@ def triton_available() -> bool:
 
 
 def supports(recipe, q, mask=None) -> tuple[bool, str]:
-    """Whether the fused kernel can run this call, and if not, why (for the error message)."""
-    if not triton_available():
-        return False, "Triton is not installed (pip install 'fp4video[triton]')"
-    from .dispatch import supports as _supports
+    """Whether the fused kernels can run this call, and if not, why (for the error message):
+    :func:`.plan.plan`, which also says how they run it."""
+    from .plan import plan
 
-    return _supports(recipe, q, mask)
-
-
-def attention(q, k, v, *, recipe, mask, scale):
-    """Through the ``fp4video::attention`` custom op (torch.compile / CUDA graphs see one opaque op)."""
-    ok, why = supports(recipe, q, mask)
-    if not ok:
-        raise NotImplementedError(why)
-    from .dispatch import key_padding
-    from .ops import attention_op
-
-    return attention_op(q, k, v, key_padding(mask, q.shape[0], k.shape[-2]), recipe.to_spec(), scale)
-
+    p = plan(recipe, q, mask=mask)
+    return p.runnable, p.reason

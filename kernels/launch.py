@@ -96,18 +96,3 @@ class LoopLaunch:
         stages = num_stages or fitting_stages(device, self.num_stages, self.shared_memory)
         rows, warps = self.shape(device_arch(device))
         return block_m or rows, num_warps or warps, stages
-
-
-def tma_unsupported_reason(device: torch.device) -> str | None:
-    """Why a loop cannot read its tiles by TMA on this device, or None: TMA needs sm_90+ (Hopper's
-    bulk tensor copies; Ada, sm_89, has none) and a Triton with host tensor descriptors (3.3+)."""
-    if device.type != "cuda":
-        return f"not a CUDA device ({device})"
-    cap = torch.cuda.get_device_capability(device)
-    if cap < (9, 0):
-        return f"sm_{cap[0]}{cap[1]} has no TMA (sm_90+)"
-    import importlib.util
-
-    if importlib.util.find_spec("triton.tools.tensor_descriptor") is None:
-        return "this Triton has no host tensor descriptors (3.3+)"
-    return None

@@ -19,6 +19,8 @@ from fp4video.reference import KEY_TILE
 
 from .fp4_math import fake_quant_rows
 from .launch import LoopLaunch
+from .operands import WorkOperands
+from .plan import Plan
 from .tiles import key_mask, next_pow2, outputs, program_rows, store_out_lse
 
 #: P quantization modes (constexpr): none (``fp16``), MXFP4 blocks of QB keys
@@ -100,12 +102,16 @@ def _bf16_attn_fwd(
                   tl.arange(0, BLOCK_DV), DV, sob, soh, sos, sod, slb, slh, sls)
 
 
-def attention_bf16(qh, kh, vh, key_alive, *, recipe: AttentionRecipe, scale: float, out_dtype,
-                   block_m=None, num_warps=None, num_stages=None):
-    """The loop on :func:`.prepass.prepass`'s outputs (or the inputs themselves for ``fp16``): (B, H, S, D)
-    views, any strides. Returns (out (B, H, Sq, Dv) in ``out_dtype``, lse fp32)."""
+def attention_bf16(ops: WorkOperands, key_alive, plan: Plan, *, recipe: AttentionRecipe, scale: float, out_dtype,
+                   dv: int, exact: bool = True, block_m=None, num_warps=None, num_stages=None):
+    """The loop on :func:`.prepass.prepass`'s operands (or the inputs themselves for ``fp16``): (B, H,
+    S, D) views, any strides. The loop has one exponent form, exact at any logit magnitude (``exact``
+    is the call's uniform argument). Returns (out (B, H, Sq, Dv) in ``out_dtype``, lse fp32)."""
+    qh, kh, vh = ops.q, ops.k, ops.v
     b, h, sq, dqk = qh.shape
-    sk, dv = kh.shape[-2], vh.shape[-1]
+    sk = kh.shape[-2]
+    if dv != vh.shape[-1]:
+        raise ValueError(f"dv={dv}, but V̂ has {vh.shape[-1]} channels")
     dev = qh.device
     out, lse = outputs(qh.shape, dv, dev, out_dtype)
     km = key_mask(key_alive, dev)

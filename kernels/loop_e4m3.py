@@ -27,7 +27,9 @@ from fp4video.reference import KEY_TILE
 
 from .fp4_math import e4m3_p_shift, mx_block_exponent, pow2, round_e2m1_f16x2_odd, round_e4m3_signed
 from .key_order import LANE_BLOCK, as_mma_operand
-from .launch import LoopLaunch, tma_unsupported_reason
+from .launch import LoopLaunch
+from .operands import FP8Operands
+from .plan import Plan, tma_reason, pointer_loop_reason
 from .tiles import LOG2E, key_mask, kv_bases, outputs, program_rows, store_out_lse, tile_logits
 
 #: lowest block exponent a key tile's shift follows (tiles entirely below 2^-60 of the row
@@ -66,26 +68,6 @@ TMA_LAUNCH = LoopLaunch(
 #: the unmasked loop takes 167 by itself, a masked one 202 uncapped): the cap of masked launches of
 #: that shape
 TMA_REGISTER_BUDGET = 168
-
-
-def pointer_loop_unsupported_reason(device, recipe: AttentionRecipe,
-                                    loop: str = "the pointer-load e4m3 loop") -> str | None:
-    """Why the pointer-load loop must not run this recipe on this device, or None. On Hopper
-    (sm_90) the loop's P̂·V̂ is an asynchronous warpgroup MMA reading P̂ from registers, which
-    Triton does not keep reserved until the MMA completes; with P̂ in E4M3 (the FP8-P·V methods)
-    the registers are reused under it, and rows come out wrong (zeros or off, different rows run to
-    run); the TMA loop is right (``tests/test_loops.py``), and the dot_scaled loop's FP8-P·V form
-    (``FP4VIDEO_MX_KERNEL=scaled`` on Hopper) has the same fault.
-    Elsewhere the loops' MMAs do not read P̂ asynchronously from registers (Ada's and consumer
-    Blackwell's ``mma.sync`` is synchronous; datacenter Blackwell's ``tcgen05`` reads memory)."""
-    if recipe.pv_format is not Format.E4M3 or getattr(device, "type", None) != "cuda":
-        return None
-    import torch
-
-    if torch.cuda.get_device_capability(device)[0] == 9:
-        return (f"on Hopper {loop} computes wrong rows for the FP8-P·V methods (an asynchronous "
-                "MMA's register operand is not kept reserved); they run the e4m3 loop by TMA there")
-    return None
 
 
 @triton.jit
@@ -304,27 +286,26 @@ def _e4m3_attn_fwd(
                   tl.arange(0, BLOCK_DV), DV, sob, soh, sos, sod, slb, slh, sls)
 
 
-def attention_e4m3(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive, *, recipe: AttentionRecipe,
-                   scale: float, out_dtype, dv: int, tma: bool | None = None, fresh_pv: bool | None = None,
-                   exact: bool = True, block_m=None, num_warps=None, num_stages=None):
-    """The loop on :func:`.prepass.prepass_fp8`'s outputs for ``sk`` keys (``k_tile_order``: K̂'s
-    rows are in tile key order, padded to whole tiles). ``tma``: K̂/V̂ᵀ tiles by TMA (None: where
-    K̂ is in tile order, as the dispatch chose for the device; the CPU interpreter runs the TMA
-    path when asked, which is how CI tests it). ``fresh_pv``: P̂·V̂ into a fresh accumulator
-    (:func:`_tile`; None: with TMA, where it is faster). ``exact``: the exponents'
-    exact form, right at any logit magnitude (:func:`quantize_p`); False only where every logit is
-    known to lie within :data:`FAST_LOGIT_BOUND` nats. Explicit launch values lift the register cap."""
+def attention_e4m3(ops: FP8Operands, key_alive, plan: Plan, *, recipe: AttentionRecipe, scale: float, out_dtype,
+                   dv: int, exact: bool = True, fresh_pv: bool | None = None, block_m=None, num_warps=None,
+                   num_stages=None):
+    """The loop on :func:`.prepass.prepass_fp8`'s operands, K̂/V̂ᵀ tiles by TMA where ``plan.tma``
+    (K̂ then in tile key order; the CPU interpreter runs the TMA path when asked, which is how CI
+    tests it). ``exact``: the exponents' exact form, right at any logit magnitude
+    (:func:`quantize_p`); False only where every logit is known to lie within
+    :data:`FAST_LOGIT_BOUND` nats. ``fresh_pv``: P̂·V̂ into a fresh accumulator (:func:`_tile`;
+    None: with TMA, where it is faster). Explicit launch values lift the register cap."""
+    q8, k8, v8t, sk, tma = ops.q8, ops.k8, ops.v8t, ops.sk, plan.tma
     b, h, sq, d = q8.shape
     sk_pad, dvp = k8.shape[-2], v8t.shape[-2]
-    tma = k_tile_order if tma is None else tma
-    if tma and not k_tile_order:
-        raise ValueError("tma=True copies K̂ tiles as stored: it needs K̂ in tile key order "
+    if tma and not ops.k_tile_order:
+        raise ValueError("a TMA plan copies K̂ tiles as stored: it needs K̂ in tile key order "
                          "(prepass_fp8(..., k_tile_order=True))")
-    if tma and q8.is_cuda and (reason := tma_unsupported_reason(q8.device)):
-        raise ValueError(f"tma=True, but the e4m3 loop cannot copy tiles by TMA here: {reason}")
-    if not tma and (reason := pointer_loop_unsupported_reason(q8.device, recipe)):
-        raise ValueError(f"{recipe.name} by pointer loads (tma=False): {reason}")
-    if v8t.shape[-1] % KEY_TILE or (k_tile_order and sk_pad % KEY_TILE):
+    if tma and q8.is_cuda and (reason := tma_reason(plan.arch)):
+        raise ValueError(f"a TMA plan, but the e4m3 loop cannot copy tiles by TMA here: {reason}")
+    if not tma and (reason := pointer_loop_reason(plan.arch, recipe)):
+        raise ValueError(f"{recipe.name} by pointer loads: {reason}")
+    if v8t.shape[-1] % KEY_TILE or (ops.k_tile_order and sk_pad % KEY_TILE):
         raise ValueError(f"V̂ᵀ (and K̂ in tile order) must be padded to whole key tiles of {KEY_TILE} (prepass_fp8 "
                          f"does), got {v8t.shape[-1]} (and {sk_pad})")
     dev = q8.device
@@ -342,7 +323,7 @@ def attention_e4m3(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive
         kt = TensorDescriptor.from_tensor(k8.reshape(b * h * sk_pad, d), [KEY_TILE, d])
         vt = TensorDescriptor.from_tensor(v8t.reshape(b * h * dvp, v8t.shape[-1]), [dvp, KEY_TILE])
     _e4m3_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
-        q8, q_fac, kt, k_fac, vt, v_fac, km, out, lse,
+        q8, ops.q_fac, kt, ops.k_fac, vt, ops.v_fac, km, out, lse,
         h, sq, sk, dv,
         *q8.stride()[:3], *k8.stride()[:3], *v8t.stride()[:3],
         km.stride(0), km.stride(1), sk_pad,
@@ -350,7 +331,7 @@ def attention_e4m3(q8, q_fac, k8, k_fac, v8t, v_fac, sk, k_tile_order, key_alive
         scale * LOG2E,
         HAS_MASK=key_alive is not None, OCP=recipe.scale_rule is ScaleRule.OCP, QMAX=recipe.scale_rule.qmax,
         PNQ=recipe.row_sum is RowSum.QUANTIZED, D=d, BLOCK_DV=dvp, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
-        QB=LANE_BLOCK, EXP_FLOOR=TILE_EXP_FLOOR, TMA=tma, K_TILE_ORDER=k_tile_order, P_E4M3=recipe.pv_format is Format.E4M3,
+        QB=LANE_BLOCK, EXP_FLOOR=TILE_EXP_FLOOR, TMA=tma, K_TILE_ORDER=ops.k_tile_order, P_E4M3=recipe.pv_format is Format.E4M3,
         ASM=q8.is_cuda, FRESH_PV=tma if fresh_pv is None else fresh_pv, EXACT=bool(exact),
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
         **({"maxnreg": TMA_REGISTER_BUDGET} if capped else {}),  # registers per thread (ptxas spills the rest)

@@ -36,6 +36,8 @@ from fp4video.reference import KEY_TILE, TWO_LEVEL_P_FLOOR, TWO_LEVEL_P_RANGE
 from .fp4_math import (const_div_rn, div_const_rn, e2m1_times_scale, nvfp4_block_scale, pow2, recip_rn_few_bits,
                        round_e2m1_at_scale, round_e4m3_signed)
 from .launch import LoopLaunch
+from .operands import TileOperands
+from .plan import Plan
 from .tiles import LOG2E, key_mask, next_pow2, outputs, program_rows, store_out_lse, tile_logits
 
 #: rn(1 / (448·6)) in fp32, for div_const_rn
@@ -290,13 +292,16 @@ def nv_launch_args(qh, kh, vh, key_alive, *, sk: int, recipe: AttentionRecipe, s
     return out, lse, args, meta
 
 
-def attention_nvfp4(qh, kh, vh, key_alive, *, sk: int, recipe: AttentionRecipe, scale: float, out_dtype,
-                    block_m=None, num_warps=None, num_stages=None):
-    """The NVFP4 loop on :func:`.prepass.prepass_tiles`' outputs (contiguous along D) for ``sk`` keys."""
-    out, lse, args, meta = nv_launch_args(qh, kh, vh, key_alive, sk=sk, recipe=recipe, scale=scale,
+def attention_nvfp4(ops: TileOperands, key_alive, plan: Plan, *, recipe: AttentionRecipe, scale: float, out_dtype,
+                    dv: int, exact: bool = True, block_m=None, num_warps=None, num_stages=None):
+    """The NVFP4 loop on :func:`.prepass.prepass_tiles`' operands (contiguous along D). The loop has
+    one exponent form, exact at any logit magnitude (``exact`` is the call's uniform argument)."""
+    qh, kh, vh = ops.q, ops.k, ops.v
+    if dv != vh.shape[-1]:
+        raise ValueError(f"dv={dv}, but V̂ has {vh.shape[-1]} channels")
+    out, lse, args, meta = nv_launch_args(qh, kh, vh, key_alive, sk=ops.sk, recipe=recipe, scale=scale,
                                           out_dtype=out_dtype)
     b, h, sq, _ = qh.shape
-    dv = vh.shape[-1]
     block_dv = next_pow2(dv)
     block_m, num_warps, num_stages = LAUNCH.resolve(qh.device, block_m, num_warps, num_stages)
     cap = torch.cuda.get_device_capability(qh.device) if qh.is_cuda else (0, 0)

@@ -30,6 +30,9 @@ from fp4video.recipe import AttentionRecipe
 from fp4video.reference import KEY_TILE
 
 from .key_order import mma_key_order
+from .operands import TileOperands
+from .launch import device_arch
+from .plan import Plan, gluon_reason
 from .loop_nvfp4 import nv_launch_args, nv_quantize_p, nv_row_vector
 from .tiles import store_out_lse
 
@@ -213,36 +216,28 @@ def _nv_attn_fwd_sm90(
 
 
 def unsupported_reason(qh: torch.Tensor, vh: torch.Tensor) -> str | None:
-    """Why this kernel cannot run these pre-pass outputs, or None: it is built for Hopper (sm_90),
-    bf16 operands, head dims 64 and 128 and a power-of-two value head dim up to 128."""
-    if not qh.is_cuda or torch.cuda.get_device_capability(qh.device) != (9, 0):
-        return f"it runs on sm_90 (Hopper) GPUs only, got {qh.device}"
-    if qh.dtype != torch.bfloat16:
-        return f"it takes bf16 operands, got {qh.dtype}"
-    if qh.shape[-1] not in (64, 128):
-        return f"it takes head dims 64 and 128, got {qh.shape[-1]}"
-    dv = vh.shape[-1]
-    if dv < 16 or dv & (dv - 1) or dv > 128:
-        return f"it takes a power-of-two value head dim in [16, 128], got {dv}"
-    return None
+    """Why this kernel cannot run these pre-pass outputs, or None (:func:`.plan.gluon_reason`)."""
+    return gluon_reason(device_arch(qh.device), qh.dtype, qh.shape[-1], vh.shape[-1])
 
 
-#: (head dim, value head dim) this kernel runs by default: the shapes the GPU tests check against
-#: the Triton loop element for element on Hopper; others take the Triton loop unless
-#: ``FP4VIDEO_NV_KERNEL=sm90``
-DEFAULT_SHAPES = {(128, 128)}
-
-
-def attention_nvfp4_sm90(qh, kh, vh, key_alive, *, sk: int, recipe: AttentionRecipe, scale: float, out_dtype):
-    """The ping-pong NVFP4 loop on :func:`.prepass.prepass_tiles`' outputs for ``sk`` keys."""
+def attention_nvfp4_sm90(ops: TileOperands, key_alive, plan: Plan, *, recipe: AttentionRecipe, scale: float,
+                         out_dtype, dv: int, exact: bool = True, block_m=None, num_warps=None, num_stages=None):
+    """The ping-pong NVFP4 loop on :func:`.prepass.prepass_tiles`' operands. Its launch is fixed
+    (explicit launch values are an error); one exponent form, exact at any logit magnitude."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    qh, kh, vh = ops.q, ops.k, ops.v
+    if any(x is not None for x in (block_m, num_warps, num_stages)):
+        raise ValueError("the sm_90 NVFP4 kernel takes no launch values (block_m, num_warps, num_stages)")
     reason = unsupported_reason(qh, vh)
     if reason:
         raise ValueError(f"the sm_90 NVFP4 kernel cannot run this: {reason}")
-    out, lse, args, meta = nv_launch_args(qh, kh, vh, key_alive, sk=sk, recipe=recipe, scale=scale, out_dtype=out_dtype)
+    if dv != vh.shape[-1]:
+        raise ValueError(f"dv={dv}, but V̂ has {vh.shape[-1]} channels")
+    out, lse, args, meta = nv_launch_args(qh, kh, vh, key_alive, sk=ops.sk, recipe=recipe, scale=scale,
+                                          out_dtype=out_dtype)
     b, h, sq, d = qh.shape
-    dv, sk_pad = vh.shape[-1], kh.shape[-2]
+    sk_pad = kh.shape[-2]
     # K̂, V̂ as (B·H·Sk_pad, ·) row tables for TMA (the pre-pass writes them contiguous)
     k_rows, v_rows = kh.reshape(b * h * sk_pad, d), vh.reshape(b * h * sk_pad, dv)
     kd = TensorDescriptor(k_rows, list(k_rows.shape), list(k_rows.stride()), [KEY_TILE, d], _smem_layout(KEY_TILE, d))

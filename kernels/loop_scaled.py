@@ -45,7 +45,9 @@ from .fp4_math import (e2m1_block_sums_hw, e2m1_magnitude_codes, e2m1_pack_hw, e
                        round_e4m3_signed)
 from .key_order import quad_key_order
 from .launch import LoopLaunch
-from .loop_e4m3 import TILE_EXP_FLOOR, pointer_loop_unsupported_reason
+from .operands import PackedOperands
+from .plan import WS_MAJORS, Plan, pointer_loop_reason
+from .loop_e4m3 import TILE_EXP_FLOOR
 from .loop_nvfp4 import block_scale_and_reciprocal, two_level_factors
 from .tiles import LOG2E, key_mask, kv_bases, outputs, program_rows, scaled_masked, store_out_lse
 
@@ -458,30 +460,6 @@ def _scaled_attn_fwd(
                       tl.arange(0, BLOCK_DV), DV, sob, soh, sos, sod, slb, slh, sls)
 
 
-@triton.jit
-def _e4m3_scaled_probe(A, S, Out):
-    """One 16 × 64 by 64 × 16 NVFP4 product: every code 2 (the value 1.0), every E4M3 scale byte
-    0x38 (1.0): each output is 64."""
-    rows, half, groups = tl.arange(0, 16), tl.arange(0, 32), tl.arange(0, 4)
-    a = tl.load(A + rows[:, None] * 32 + half[None, :])
-    s = tl.load(S + rows[:, None] * 4 + groups[None, :]).to(tl.float8e4nv, bitcast=True)
-    tl.store(Out + rows[:, None] * 16 + rows[None, :], tl.dot_scaled(a, s, "e2m1", tl.trans(a), s, "e2m1"))
-
-
-def interpreter_reads_e4m3_scales() -> bool:
-    """Whether Triton's CPU interpreter computes ``tl.dot_scaled`` with E4M3 scales as the GPU does
-    (Triton 3.9's decodes every scale as E8M0: an NVFP4 product then comes out wrong). Runs one
-    tiny product; call it only under ``TRITON_INTERPRET=1``."""
-    a = torch.full((16, 32), 0x22, dtype=torch.uint8)  # two codes 2 (1.0) per byte
-    s = torch.full((16, 4), 0x38, dtype=torch.uint8)  # E4M3 1.0
-    out = torch.zeros(16, 16)
-    try:
-        _e4m3_scaled_probe[(1,)](a, s, out)
-    except Exception:  # an interpreter without dot_scaled
-        return False
-    return bool((out == 64.0).all())
-
-
 #: Shared memory (bytes), compiled offline (Triton 3.9, head dim 128, masked, 8 warps): the same at 1-3
 #: stages, the FP8-P·V form's (the most: ``sage3-pv8``; the FP4-P forms 32768)
 SHARED_MEMORY = {"sm_100": {1: 37888, 2: 37888, 3: 37888}, "sm_120": {1: 33792, 2: 33792, 3: 33792}}
@@ -515,19 +493,6 @@ TMA_LAUNCH = {
 def tma_launch_key(nv: bool, pv8: bool) -> str:
     """The :data:`TMA_LAUNCH` entry of a method: its Q·K format, and FP8 P·V apart."""
     return ("nv" if nv else "mx") + ("-pv8" if pv8 else "")
-
-
-#: compute-capability majors whose loop runs warp-specialized (datacenter Blackwell's tcgen05 MMAs)
-WS_MAJORS = (10, 11)
-
-
-def warp_specialized(device) -> bool:
-    """Whether the dispatch runs this loop warp-specialized (and by TMA) on this device: on
-    datacenter Blackwell (sm_10x, sm_11x: ``tcgen05`` MMAs, which Triton 3.9's warp specialization
-    splits into load, MMA, correction and softmax partitions, checked offline). Consumer
-    Blackwell's ``mma.sync`` loop gets no MMA partition and TMA alone did not shorten it (offline),
-    so it keeps pointer loads."""
-    return getattr(device, "type", None) == "cuda" and torch.cuda.get_device_capability(device)[0] in WS_MAJORS
 
 
 #: one chunk of :func:`scale_chunks`: 32 × 16 bytes, a 32-row × 128-bit piece of tensor memory's scale
@@ -596,38 +561,40 @@ def _scale_descriptor(chunks: torch.Tensor):
     return TensorDescriptor.from_tensor(chunks, [1, *chunks.shape[1:]])
 
 
-def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float, out_dtype, dv: int, block_m=None,
-                     num_warps=None, num_stages=None, tma: bool = False, ws: bool | None = None,
-                     quad_order: bool = False):
-    """The loop on :func:`.prepass.prepass_packed`'s output (its six tensors, MXFP4 or NVFP4).
-    ``tma``: K̂ / V̂ᵀ codes by TMA (the CPU interpreter runs it when asked, which is how CI tests it);
-    ``ws``: the warp-specialized loop (None: where :func:`warp_specialized`; TMA only);
-    ``quad_order``: K̂ is written in the quad key order (``prepass_packed(..., quad_order=True)``:
-    the pointer-load loop of consumer Blackwell, FP4 P·V). Returns (out, lse)."""
+def attention_packed(ops: PackedOperands, key_alive, plan: Plan, *, recipe: AttentionRecipe, scale: float, out_dtype,
+                     dv: int, exact: bool = True, block_m=None, num_warps=None, num_stages=None):
+    """The loop on :func:`.prepass.prepass_packed`'s operands (MXFP4 or NVFP4 Q·K, FP4 or FP8 P·V).
+    ``plan.tma``: K̂ / V̂ᵀ codes by TMA (the CPU interpreter runs it when asked, which is how CI
+    tests it); ``plan.warp_specialized``: the warp-specialized loop (TMA only); ``plan.key_order``
+    ``"quad"``: K̂ is in the quad key order (``prepass_packed(..., quad_order=True)``: the
+    pointer-load loop of consumer Blackwell, FP4 P·V). The loop has one exponent form, exact at any
+    logit magnitude (``exact`` is the call's uniform argument). Returns (out, lse)."""
     nv = recipe.qk_format is Format.NVFP4
     pv8 = recipe.pv_format is Format.E4M3
+    tma, ws, quad_order = plan.tma, plan.warp_specialized, ops.quad_order
     if recipe.qk_format not in (Format.MXFP4, Format.NVFP4) or recipe.pv_format not in (recipe.qk_format, Format.E4M3):
         raise ValueError(f"{recipe.name}: the dot_scaled loop runs MXFP4 or NVFP4 Q·K with P·V in the same format or "
                          f"in E4M3, not {recipe.qk_format} / {recipe.pv_format}")
+    if quad_order != (plan.key_order == "quad"):
+        raise ValueError(f"the operands' K̂ is {'' if quad_order else 'not '}in the quad key order, the plan's "
+                         f"{plan.key_order!r}: prepare them with the plan")
+    q4, k4, v4t = ops.q4, ops.k4, ops.v
     if pv8:  # FP8 P·V: V̂ᵀ e4m3 in key order with its channel factors
-        q4, qs, k4, ks, v4t, vs, g_q, g_k = tensors
         qb = Format.NVFP4.block if nv else 32
         d = q4.shape[-1] * qb // (qb // 2 + 1) if nv else q4.shape[-1] * 2
         sk_pad = v4t.shape[-1]
-        gqk, gv = (g_q * g_k).reshape(-1).contiguous(), q4.new_ones(1, dtype=torch.float32)
-        if nv:
-            qs, ks = q4, k4
-        if reason := pointer_loop_unsupported_reason(q4.device, recipe, "the dot_scaled loop's FP8-P·V form"):
+        gqk, gv = (ops.g_q * ops.g_k).reshape(-1).contiguous(), q4.new_ones(1, dtype=torch.float32)
+        qs, ks, vs = (q4, k4, ops.v_fac) if nv else (ops.q_scale, ops.k_scale, ops.v_fac)
+        if reason := (pointer_loop_reason(plan.arch, recipe, "the dot_scaled loop's FP8-P·V form")):
             raise ValueError(f"{recipe.name}: {reason}")
     elif nv:
-        q4, k4, v4t, g_q, g_k, g_v = tensors
         qb = Format.NVFP4.block
         d = q4.shape[-1] * qb // (qb // 2 + 1)  # rows of D/2 code bytes and D/16 scale bytes
         sk_pad = -(-k4.shape[-2] // KEY_TILE) * KEY_TILE  # (K̂'s and V̂ᵀ's rows are padded to 16 bytes)
         qs = ks = vs = None
-        gqk, gv = (g_q * g_k).reshape(-1).contiguous(), g_v.reshape(-1).contiguous()
+        gqk, gv = (ops.g_q * ops.g_k).reshape(-1).contiguous(), ops.g_v.reshape(-1).contiguous()
     else:
-        q4, qs, k4, ks, v4t, vs = tensors
+        qs, ks, vs = ops.q_scale, ops.k_scale, ops.v_scale
         qb = recipe.pv_format.block
         d, sk_pad = q4.shape[-1] * 2, v4t.shape[-1] * 2
         gqk = gv = q4.new_ones(1, dtype=torch.float32)
@@ -636,12 +603,10 @@ def attention_packed(*tensors, key_alive, recipe: AttentionRecipe, scale: float,
     dev = q4.device
     out, lse = outputs((b, h, sq, d), dv, dev, out_dtype)
     km = key_mask(key_alive, dev)
-    ws = tma and warp_specialized(dev) if ws is None else ws
     if quad_order and (tma or pv8):
-        raise ValueError("quad_order: K̂'s rows in the quad key order are read by pointer loads (tma=False), "
-                         "for FP4 P·V")
+        raise ValueError("the quad key order: K̂'s rows are read by pointer loads (no TMA), for FP4 P·V")
     if ws and not tma:
-        raise ValueError("ws=True: the warp-specialized loop reads K̂ / V̂ᵀ by TMA (tma=True)")
+        raise ValueError("a warp-specialized plan reads K̂ / V̂ᵀ by TMA (tma=True)")
     launch = TMA_LAUNCH[tma_launch_key(nv, pv8)] if tma else LAUNCH
     block_m, num_warps, num_stages = launch.resolve(dev, block_m, num_warps, num_stages)
     cap = torch.cuda.get_device_capability(dev) if q4.is_cuda else (0, 0)

@@ -27,6 +27,7 @@ from .fp4_math import (e4m3_pow2_shift, fake_quant_rows, fp8_shift_from_raw_max,
                        round_e2m1_signed, round_e4m3_signed)
 from .key_order import as_mma_operand, key_order_matrix, quad_key_order, tile_key_position
 from .launch import fitting_stages
+from .operands import FP8Operands, PackedOperands, TileOperands, WorkOperands
 from .tiles import next_pow2
 
 FMT_CODE = {None: 0, Format.MXFP4: 1, Format.NVFP4: 2, Format.E4M3: 3}
@@ -439,7 +440,7 @@ def _sign_hadamard(dp: int, d: int, device: torch.device, dtype: torch.dtype) ->
     return hm
 
 
-class _PrePass:
+class PrePass:
     """Launches of the row (Q, K) and V pre-pass kernels for one attention call."""
 
     def __init__(self, q, k, v, recipe, key_alive, mean=None, launch: PrepassLaunch = PREPASS_LAUNCH):
@@ -582,7 +583,7 @@ class _PrePass:
         self.rows(self.q, self.sq, False, 0, q_hat, tscale=ts_q)
         self.rows(self.k, self.sk, True, 0, k_hat, tscale=ts_k)
         self.values(0, v_hat, tscale=ts_v)
-        return q_hat, k_hat, v_hat
+        return WorkOperands(q_hat, k_hat, v_hat)
 
     def run_tiles(self, work_dtype):
         """:meth:`run` with K̂ and V̂ in tile key order (:func:`tile_key_position`), (B, H, Sk_pad, ·)
@@ -597,7 +598,7 @@ class _PrePass:
         self.rows(self.k, self.sk, True, TILE_ROWS, k_hat, tscale=ts_k)
         amax = self.channel_maxima(next_pow2(self.dv)) if self.recipe.pv_format is Format.E4M3 else None
         self.values(TILE_ROWS, v_hat, amax=amax, tscale=ts_v)
-        return q_hat, k_hat, v_hat
+        return TileOperands(q_hat, k_hat, v_hat, self.sk)
 
     def channel_maxima(self, width: int) -> torch.Tensor:
         """Each V channel's largest |v| over the live keys, as fp32 bits (B, H, ``width``) int32
@@ -648,15 +649,14 @@ class _PrePass:
         v4t = torch.empty(self.b, self.h, next_pow2(self.dv, floor=32), nv_row_bytes(sk_pad), device=self.dev,
                           dtype=torch.uint8)
         self.values(E2M1_PACKED, v4t, tscale=ts_v)
-        return q4, k4, v4t, g_q, g_k, g_v
+        return PackedOperands(q4, k4, v4t, g_q=g_q, g_k=g_k, g_v=g_v, quad_order=quad)
 
     def run_packed_pv8(self):
         """The FP8-P·V methods on the dot_scaled loop: Q̂ and K̂ packed by :meth:`packed_qk` (MXFP4
         codes and E8M0 scales; NVFP4 rows of codes and scale bytes, with the heads' tensor scales),
         V̂ᵀ in E4M3 with its channels' power-of-two factors as :meth:`run_fp8` makes it, its tokens in
-        key order as the kernel writes them (the dot_scaled loop's P is in key order). Returns (q4,
-        q_scale, k4, k_scale, v8t, v_fac, g_q, g_k): the scales None and the tensor scales ones where
-        NVFP4 / MXFP4 has none."""
+        key order as the kernel writes them (the dot_scaled loop's P is in key order); the tensor
+        scales ones where MXFP4 has none."""
         q4, q_scale, k4, k_scale, (g_q, g_k, _), _ = self.packed_qk()
         b, h, dev = self.b, self.h, self.dev
         dvp = next_pow2(self.dv, floor=32)
@@ -666,7 +666,7 @@ class _PrePass:
         v_bmin = torch.full((b, h, dvp), 0x7F800000, device=dev, dtype=torch.int32)
         self.values(FP8_AMAX, v8, amax=v_amax, fac=v_bmin)
         self.values(FP8_HEAD, v8, amax=v_amax, fac=v_fac, key_order=False)
-        return q4, q_scale, k4, k_scale, v8, v_fac, g_q, g_k
+        return PackedOperands(q4, k4, v8, q_scale=q_scale, k_scale=k_scale, v_fac=v_fac, g_q=g_q, g_k=g_k)
 
     def run_packed(self, quad=False):
         """``quad``: K̂'s rows (and MXFP4 scales) in the quad key order (FP4 P·V only)."""
@@ -682,7 +682,7 @@ class _PrePass:
         v4t = torch.empty(self.b, self.h, dvp, sk_pad // 2, device=self.dev, dtype=torch.uint8)
         v_scale = torch.empty(self.b, self.h, dvp, sk_pad // 32, device=self.dev, dtype=torch.uint8)
         self.values(E2M1_PACKED, v4t, fac=v_scale)
-        return q4, q_scale, k4, k_scale, v4t, v_scale
+        return PackedOperands(q4, k4, v4t, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, quad_order=quad)
 
     def run_fp8(self, k_tile_order=False):
         b, h, dev, f8 = self.b, self.h, self.dev, torch.float8_e4m3fn
@@ -705,19 +705,22 @@ class _PrePass:
         self.values(FP8_HEAD, v8, amax=v_amax, fac=v_fac)
         # binades between each channel's largest and smallest nonzero block maximum (the bits of
         # non-negative floats order as integers; channels without a nonzero block: 0)
-        self.v_span = torch.where(v_bmin < 0x7F800000, (v_amax >> 23) - (v_bmin >> 23), 0)
-        return q8, q_fac, k8, k_fac, v8, v_fac
+        v_span = torch.where(v_bmin < 0x7F800000, (v_amax >> 23) - (v_bmin >> 23), 0)
+        return FP8Operands(q8, q_fac, k8, k_fac, v8, v_fac, self.sk, k_tile_order,
+                           v_span=None if self.recipe.pv_format is Format.E4M3 else v_span)
 
 
-def prepass(q, k, v, recipe: AttentionRecipe, key_alive, work_dtype, mean=None, launch=PREPASS_LAUNCH):
-    """(q̂, k̂, v̂) for the attention kernel, in ``work_dtype``. ``key_alive``: (B, Sk) bool or None."""
-    return _PrePass(q, k, v, recipe, key_alive, mean, launch).run(work_dtype)
+def prepass(q, k, v, recipe: AttentionRecipe, key_alive, work_dtype, mean=None, launch=PREPASS_LAUNCH) -> WorkOperands:
+    """Q̂, K̂, V̂ for the bf16 loop, in ``work_dtype``. ``key_alive``: (B, Sk) bool or None; ``mean``:
+    K's smoothing mean (:func:`.checks.k_smoothing_mean`) where the caller has it."""
+    return PrePass(q, k, v, recipe, key_alive, mean, launch).run(work_dtype)
 
 
-def prepass_tiles(q, k, v, recipe: AttentionRecipe, key_alive, work_dtype, mean=None, launch=PREPASS_LAUNCH):
+def prepass_tiles(q, k, v, recipe: AttentionRecipe, key_alive, work_dtype, mean=None,
+                  launch=PREPASS_LAUNCH) -> TileOperands:
     """:func:`prepass` with K̂ and V̂ in tile key order, padded with zero rows to whole key tiles
-    of 128 (B, H, Sk_pad, ·): the NVFP4 loops' input (:mod:`.loop_nvfp4`)."""
-    return _PrePass(q, k, v, recipe, key_alive, mean, launch).run_tiles(work_dtype)
+    of 128 (B, H, Sk_pad, ·): the NVFP4 loops' operands (:mod:`.loop_nvfp4`)."""
+    return PrePass(q, k, v, recipe, key_alive, mean, launch).run_tiles(work_dtype)
 
 
 def nv_row_bytes(n: int) -> int:
@@ -726,49 +729,28 @@ def nv_row_bytes(n: int) -> int:
     return -(-(n // 2 + n // Format.NVFP4.block) // 16) * 16
 
 
-def prepass_packed(q, k, v, recipe: AttentionRecipe, key_alive, mean=None, launch=PREPASS_LAUNCH, quad_order=False):
-    """MXFP4 Q̂, K̂, V̂ as packed E2M1 codes (two per byte, the first in the low nibble) and E8M0
-    scales (uint8, exponent + 127), the storage ``tl.dot_scaled`` and Blackwell's FP4 MMAs take.
-
-    Returns ``(q4 (B, H, Sq, D/2), q_scale (B, H, Sq, D/32), k4, k_scale, v4t (B, H, Dv_pad,
-    Sk_pad/2), v_scale (B, H, Dv_pad, Sk_pad/32))``; V is transposed (blocks run along tokens) and
-    padded with zero codes to a multiple of 128 tokens.
-
-    NVFP4 recipes (``nvfp4``, ``sage3``, ``sage3-hpnq``): ``(q4 (B, H, Sq, D/2 + D/16), k4 (B, H,
-    Sk, D/2 + D/16), v4t (B, H, Dv_pad, Sk_pad/2 + Sk_pad/16), g_q, g_k, g_v (B, H))``: each row
-    holds its codes, then its E4M3 block-scale bytes (blocks of 16), and ``g`` are the heads'
-    power-of-two tensor scales.
-
-    FP8-P·V recipes (``mxattn-pv8``, ``sage3-pv8``): :meth:`_PrePass.run_packed_pv8`'s eight tensors.
-
-    ``quad_order`` (consumer Blackwell's loop, FP4 P·V): K̂'s rows, and MXFP4's K scales, in
-    :func:`.key_order.quad_key_order` within each 32 keys (views of whole groups' rows).
-    """
-    return _PrePass(q, k, v, recipe, key_alive, mean, launch).run_packed(quad_order)
+def prepass_packed(q, k, v, recipe: AttentionRecipe, key_alive, mean=None, launch=PREPASS_LAUNCH,
+                   quad_order=False) -> PackedOperands:
+    """Q̂, K̂, V̂ as packed E2M1 codes with their block scales, as :class:`.operands.PackedOperands`
+    describes per format: MXFP4 and NVFP4 (``nvfp4``, ``sage3``, ``sage3-hpnq``) Q·K, FP4 or FP8
+    (``mxattn-pv8``, ``sage3-pv8``) P·V. V is transposed (blocks run along tokens) and padded with
+    zero codes to a multiple of 128 tokens. ``quad_order`` (consumer Blackwell's loop, FP4 P·V):
+    K̂'s rows, and MXFP4's K scales, in :func:`.key_order.quad_key_order` within each 32 keys."""
+    return PrePass(q, k, v, recipe, key_alive, mean, launch).run_packed(quad_order)
 
 
 def prepass_fp8(q, k, v, recipe: AttentionRecipe, key_alive, k_tile_order: bool = False, mean=None,
-                launch=PREPASS_LAUNCH):
-    """MXFP4 Q̂, K̂, V̂ as e4m3 for fp8 tensor cores, with power-of-two factors.
-
-    Returns ``(q8, q_fac (B, H, Sq), k8, k_fac (B, H, Sk / 128 rounded up), v8t, v_fac (B, H,
-    Dv_padded))``: the dequantized value is ``q8 · q_fac`` (per query row), ``k8 · k_fac`` (per
-    key tile of 128, the attention loop's: one factor per tile of S; ``k_tile_order``: ``k8`` is
-    (B, H, Sk rounded up to whole tiles, D), its rows within each tile in the loops' key order, as
-    a TMA box copies them to the loop: :func:`.key_order.k8_in_key_order`), ``v8t · v_fac``
-    (per channel; ``v8t`` is (B, H, Dv_padded, Sk rounded up to whole key tiles of 128), V
-    transposed, its tokens within each tile in the order the attention loop's P̂ operand holds them:
-    :func:`.key_order.v8t_key_order`). E2M1 × 2^e is exact in e4m3 when the block's exponent is within 16 of the
-    row's / key tile's / channel's largest value exponent (see :func:`.fp4_math.fp8_shift`); blocks
-    further below lose low bits (e4m3 subnormals) or flush to zero.
+                launch=PREPASS_LAUNCH) -> FP8Operands:
+    """Q̂, K̂, V̂ as E4M3 for fp8 tensor cores, with power-of-two factors (:class:`.operands.FP8Operands`;
+    ``k_tile_order``: K̂'s rows within each tile in the loops' key order, as a TMA box copies them to
+    the loop: :func:`.key_order.k8_in_key_order`). E2M1 × 2^e is exact in e4m3 when the block's
+    exponent is within 16 of the row's / key tile's / channel's largest value exponent (see
+    :func:`.fp4_math.fp8_shift`); blocks further below lose low bits (e4m3 subnormals) or flush to
+    zero, which is what ``v_span`` lets the call check for V.
     """
-    return _PrePass(q, k, v, recipe, key_alive, mean, launch).run_fp8(k_tile_order)
+    return PrePass(q, k, v, recipe, key_alive, mean, launch).run_fp8(k_tile_order)
 
 
-def prepass_fp8_window(q, k, v, recipe: AttentionRecipe, key_alive, k_tile_order: bool = False, mean=None,
-                       launch=PREPASS_LAUNCH):
-    """:func:`prepass_fp8` and, beside its outputs, the widest span of V's channels in binades (an int
-    tensor on the device, (B, H, Dv_padded): largest over smallest nonzero block maximum), which
-    says whether the e4m3 loop is exact here (:data:`.loop_e4m3.E4M3_V_SPAN_LIMIT`)."""
-    p = _PrePass(q, k, v, recipe, key_alive, mean, launch)
-    return p.run_fp8(k_tile_order), p.v_span
+#: the pre-pass's jit kernels, by public names: what offline compilation compiles
+ROWS_KERNEL = _prepass_rows
+V_KERNEL = _prepass_v

@@ -26,7 +26,7 @@ from fp4video.formats import Format, ScaleRule
 from fp4video.recipe import METHODS, PScale, RowSum
 from fp4video.reference import TWO_LEVEL_P_RANGE
 
-from .dispatch import mx_kernel_on, nv_scaled_on, scaled_quad_order_on
+from .plan import WS_MAJORS, plan_on
 from .launch import SHARED_MEMORY_LIMIT, stages_that_fit
 from .offline import (WAN_480P_INTS, compile_kernel, loop_opcodes, partition_issue, ptxas_report, sass_lines,
                       sass_loops, sass_mma_loop, tool_path, ttgir_partitions)
@@ -69,14 +69,13 @@ def _loop(method: str, arch: int):
     limit = SHARED_MEMORY_LIMIT[target]
     mx_common = dict(OCP=r.scale_rule is ScaleRule.OCP, QMAX=r.scale_rule.qmax, PNQ=r.row_sum is RowSum.QUANTIZED,
                      HAS_MASK=False, D=128, BLOCK_DV=128, BLOCK_N=128)
-    mx = mx_kernel_on(r, target)  # the dispatch's choice, by architecture
-    if mx == "scaled" or nv_scaled_on(r, target):
-        from .loop_scaled import LAUNCH, SCALE_CHUNK, TMA_LAUNCH, WS_MAJORS, scale_chunks_fit, tma_launch_key, KERNEL as fn
+    plan = plan_on(r, target)  # the call's plan on that architecture
+    if plan.loop == "scaled":
+        from .loop_scaled import LAUNCH, SCALE_CHUNK, TMA_LAUNCH, scale_chunks_fit, tma_launch_key, KERNEL as fn
 
         nv = qk is Format.NVFP4
         pv8 = pv is Format.E4M3  # FP8 P·V: V̂ᵀ e4m3 with its channel factors
-        # K̂ / V̂ᵀ codes by TMA where the loop is warp-specialized (loop_scaled.warp_specialized: sm_10x / sm_11x)
-        tma = arch // 10 in WS_MAJORS
+        tma = plan.tma  # K̂ / V̂ᵀ codes by TMA where the loop is warp-specialized
         launch = TMA_LAUNCH[tma_launch_key(nv, pv8)] if tma else LAUNCH
         stages = stages_that_fit(target, limit, launch.num_stages, launch.shared_memory)
         codes = "tensordesc<u8[128, 64]>" if tma else "*u8"
@@ -92,11 +91,11 @@ def _loop(method: str, arch: int):
                 ptr["VS"] = box
         consts = dict(mx_common, NV=nv, TWO_LEVEL=r.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
                       FAST_RCP=True, HW_E4M3=True, HW_E2M1=arch >= 100, BLOCK_M=launch.block_m, QB=qb,
-                      TMA=tma, WS=tma, P_E4M3=pv8, QUAD=scaled_quad_order_on(r, target), SC_TMA=sc_tma,
+                      TMA=tma, WS=plan.warp_specialized, P_E4M3=pv8, QUAD=plan.key_order == "quad", SC_TMA=sc_tma,
                       F32X2=arch // 10 in WS_MAJORS)
         return ("loop_scaled._scaled_attn_fwd", fn, consts, ptr, launch.block_m * 128 // (launch.num_warps * 32),
                 dict(num_warps=launch.num_warps, num_stages=stages, enable_fp_fusion=False), False)
-    if mx == "fp8":
+    if plan.loop == "e4m3":
         from .key_order import LANE_BLOCK
         from .loop_e4m3 import TILE_EXP_FLOOR, TMA_LAUNCH, KERNEL as fn
 
@@ -110,10 +109,10 @@ def _loop(method: str, arch: int):
                       EXACT=False)  # the exponents' form calls within the fast logit bound run
         return ("loop_e4m3._e4m3_attn_fwd", fn, consts, ptr, block_m * 128 // (num_warps * 32),
                 dict(num_warps=num_warps, num_stages=stages, enable_fp_fusion=False), False)
-    if qk is Format.NVFP4:
+    if plan.loop in ("nvfp4", "nvfp4_sm90"):
         nv = dict(HAS_MASK=False, TWO_LEVEL=r.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
                   PNQ=r.row_sum is RowSum.QUANTIZED, D=128, BLOCK_DV=128, BLOCK_N=128)
-        if target == "sm_90" and pv is not Format.E4M3:
+        if plan.loop == "nvfp4_sm90":
             from triton.experimental.gluon import language as gl
 
             from .loop_nvfp4_sm90 import CONSUMER_REGS, NUM_BUFFERS, KERNEL as fn

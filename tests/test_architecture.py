@@ -120,9 +120,9 @@ def test_kernel_modules_use_no_private_name_of_another(path):
 
 
 @pytest.mark.parametrize("path", KERNELS, ids=lambda p: p.name)
-def test_only_the_dispatch_reads_the_environment(path):
+def test_only_the_plan_reads_the_environment(path):
     text = path.read_text()
-    if path.name == "dispatch.py":
+    if path.name == "plan.py":
         return
     assert "os.environ" not in text and "getenv" not in text, f"{path.name} reads the environment"
 
@@ -145,7 +145,7 @@ def test_public_import_paths_keep_working():
     pytest.importorskip("triton")
     from fp4video import kernels
 
-    assert callable(kernels.attention) and callable(kernels.supports)
+    assert callable(kernels.supports) and callable(kernels.plan.plan)
     dispatch = importlib.import_module("fp4video.kernels.dispatch")
     assert kernels.dispatch is dispatch and callable(dispatch.prepare)
 

@@ -16,7 +16,7 @@ from conftest import rand  # noqa: E402
 def test_custom_op_passes_opcheck(method, device):
     """Schema, fake (meta) implementation and AOT dispatch of ``torch.ops.fp4video.attention``
     agree with the real kernel (torch.library.opcheck runs both and compares)."""
-    from fp4video.kernels.ops import attention_op
+    from fp4video.kernels.dispatch import attention as attention_op
 
     dev = device
     q = rand(1, 40, 2, 64, seed=40, device=dev).transpose(1, 2)  # a bshd view, as diffusers passes

@@ -1,5 +1,5 @@
-"""Which loop runs where: the dispatch's architecture choices and environment overrides, and the
-launches that must fit each GPU's shared memory."""
+"""Which loop runs where: the plan's ladder by architecture, Triton version and environment
+overrides, and the launches that must fit each GPU's shared memory."""
 
 from __future__ import annotations
 
@@ -12,20 +12,33 @@ pytest.importorskip("triton")
 from conftest import rand  # noqa: E402
 
 
-def test_nvfp4_kernel_choice_without_hopper(monkeypatch):
-    """Where the ping-pong kernel cannot run (here: CPU tensors), the Triton loop runs; forcing it
-    there, or an unknown FP4VIDEO_NV_KERNEL, is an error naming the problem."""
-    from fp4video.kernels.dispatch import nv_kernel as choose
+def test_nvfp4_kernel_choice(monkeypatch):
+    """The Gluon ping-pong loop runs NVFP4 with FP4 P·V on Hopper at head dims 128 (its default
+    shapes) unless the caller sets launch values; elsewhere — other architectures, the interpreter,
+    other head dims, FP8 P·V — the Triton loop. Forcing it where it cannot run, or an unknown
+    FP4VIDEO_NV_KERNEL, is an error naming the problem."""
+    from fp4video.kernels.plan import plan_on
 
-    x = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16)
     monkeypatch.delenv("FP4VIDEO_NV_KERNEL", raising=False)
-    assert choose(x, x, launch_given=False) == "triton"
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    sage3 = METHODS["sage3"]
+    assert plan_on(sage3, "sm_90").loop == "nvfp4_sm90"
+    assert plan_on(sage3, "sm_90", launch_given=True).loop == "nvfp4"
+    assert plan_on(sage3, "sm_90", head_dim=64).loop == "nvfp4"  # (not a default shape: forced only)
+    assert plan_on(METHODS["sage3-pv8"], "sm_90").loop == "nvfp4"
+    for arch in ("sm_89", "sm_80", "interpreter"):
+        assert plan_on(sage3, arch).loop == "nvfp4", arch
     monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "sm90")
+    assert plan_on(sage3, "sm_90", head_dim=64).loop == "nvfp4_sm90"
     with pytest.raises(ValueError, match="sm_90"):
-        choose(x, x, launch_given=False)
+        plan_on(sage3, "interpreter")
+    with pytest.raises(ValueError, match="no launch options"):
+        plan_on(sage3, "sm_90", launch_given=True)
+    monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "triton")
+    assert plan_on(sage3, "sm_90").loop == "nvfp4"
     monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "gluon")
     with pytest.raises(ValueError, match="must be 'scaled', 'sm90' or 'triton'"):
-        choose(x, x, launch_given=False)
+        plan_on(sage3, "sm_90")
 
 
 def test_launches_fit_the_shared_memory_of_the_gpu(monkeypatch):
@@ -88,29 +101,29 @@ def test_native_fp4_loop_only_where_it_was_compiled(monkeypatch):
     the e4m3 loop on every other sm_89+ GPU — the Blackwell-generation ones not named too (sm_103,
     sm_110, sm_121) — and the bf16 loop before sm_89; ``mxattn-pv8`` (MXFP4 Q·K, FP8 P·V) follows
     them (the dot_scaled loop with FP8 P·V), ``fp8`` (E4M3 Q·K) the e4m3 loop everywhere."""
-    from fp4video.kernels import dispatch
+    from fp4video.kernels import plan
 
     monkeypatch.delenv("FP4VIDEO_MX_KERNEL", raising=False)
-    cuda = torch.device("cuda", 0)
-    want = {(8, 0): None, (8, 9): "fp8", (9, 0): "fp8", (10, 0): "scaled", (10, 3): "fp8", (11, 0): "fp8",
-            (12, 0): "scaled", (12, 1): "fp8"}
-    monkeypatch.setattr(dispatch, "triton_version", lambda: (3, 9))
-    for cap, kernel in want.items():
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
-        assert dispatch.mx_kernel(METHODS["mxattn"], cuda) == kernel, cap
+    want = {"sm_80": "bf16", "sm_89": "e4m3", "sm_90": "e4m3", "sm_100": "scaled", "sm_103": "e4m3",
+            "sm_110": "e4m3", "sm_120": "scaled", "sm_121": "e4m3"}
+    monkeypatch.setattr(plan, "triton_version", lambda: (3, 9))
+    for arch, loop in want.items():
+        assert plan.plan_on(METHODS["mxattn"], arch).loop == loop, arch
         # mxattn-pv8: its Q·K on the native FP4 MMA where mxattn's runs, else the e4m3 loop
-        assert dispatch.mx_kernel(METHODS["mxattn-pv8"], cuda) == (None if cap < (8, 9) else
-                                                                  "scaled" if kernel == "scaled" else "fp8"), cap
-        assert dispatch.mx_kernel(METHODS["fp8"], cuda) == (None if cap < (8, 9) else "fp8"), cap
+        assert plan.plan_on(METHODS["mxattn-pv8"], arch).loop == (None if arch == "sm_80" else
+                                                                 "scaled" if loop == "scaled" else "e4m3"), arch
+        assert plan.plan_on(METHODS["fp8"], arch).loop == (None if arch == "sm_80" else "e4m3"), arch
+    assert "sm_89+" in plan.plan_on(METHODS["fp8"], "sm_80").reason
     # Triton 3.6 to 3.8 cannot compile the native loop for sm_100 (offline compiles): the e4m3 loop
     # there; sm_120's compiles from 3.6
-    for version, on_100, on_120 in (((3, 8), "fp8", "scaled"), ((3, 6), "fp8", "scaled"), ((3, 5), "fp8", "fp8")):
-        monkeypatch.setattr(dispatch, "triton_version", lambda v=version: v)
-        for cap, kernel in (((10, 0), on_100), ((12, 0), on_120)):
-            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
-            assert dispatch.mx_kernel(METHODS["mxattn"], cuda) == kernel, (version, cap)
+    for version, on_100, on_120 in (((3, 8), "e4m3", "scaled"), ((3, 6), "e4m3", "scaled"), ((3, 5), "e4m3", "e4m3")):
+        monkeypatch.setattr(plan, "triton_version", lambda v=version: v)
+        for arch, loop in (("sm_100", on_100), ("sm_120", on_120)):
+            assert plan.plan_on(METHODS["mxattn"], arch).loop == loop, (version, arch)
     monkeypatch.setenv("FP4VIDEO_MX_KERNEL", "scaled")
-    assert dispatch.mx_kernel(METHODS["mxattn"], cuda) == "scaled"  # the override tries it anywhere
+    assert plan.plan_on(METHODS["mxattn"], "sm_90").loop == "scaled"  # the override tries it anywhere
+    monkeypatch.setenv("FP4VIDEO_MX_KERNEL", "bf16")
+    assert plan.plan_on(METHODS["mxattn"], "sm_90").loop == "bf16"
 
 
 def test_nvfp4_methods_take_the_native_loop_where_it_compiles(monkeypatch):
@@ -118,42 +131,48 @@ def test_nvfp4_methods_take_the_native_loop_where_it_compiles(monkeypatch):
     scales where the MXFP4 methods run theirs (sm_100 with Triton 3.9+, sm_120 with 3.6+), the
     NVFP4 bf16 loops elsewhere (the interpreter included, unless asked); sage3-pv8 (FP8 P·V) too;
     ``FP4VIDEO_NV_KERNEL=scaled`` asks for it anywhere, ``=triton`` / ``=sm90`` never."""
-    from fp4video.kernels import dispatch
+    from fp4video.kernels import plan
 
     monkeypatch.delenv("FP4VIDEO_NV_KERNEL", raising=False)
-    monkeypatch.setattr(dispatch, "triton_version", lambda: (3, 9))
+    monkeypatch.setattr(plan, "triton_version", lambda: (3, 9))
+
+    def scaled(method, arch):
+        return plan.plan_on(METHODS[method], arch).loop == "scaled"
+
     for arch, want in (("sm_100", True), ("sm_120", True), ("sm_90", False), ("sm_103", False), ("sm_121", False),
-                       ("interpreter", False), (None, False)):
+                       ("interpreter", False)):
         for method in ("nvfp4", "sage3", "sage3-hpnq"):
-            assert dispatch.nv_scaled_on(METHODS[method], arch) is want, (method, arch)
-        assert dispatch.nv_scaled_on(METHODS["sage3-pv8"], arch) is want  # its Q·K native, P·V on FP8 MMAs
-        assert dispatch.nv_scaled_on(METHODS["mxattn"], arch) is False
-    monkeypatch.setattr(dispatch, "triton_version", lambda: (3, 6))
-    assert not dispatch.nv_scaled_on(METHODS["sage3"], "sm_100") and dispatch.nv_scaled_on(METHODS["sage3"], "sm_120")
+            assert scaled(method, arch) is want, (method, arch)
+        assert scaled("sage3-pv8", arch) is want  # its Q·K native, P·V on FP8 MMAs
+    assert not scaled("mxattn", "sm_90")
+    monkeypatch.setattr(plan, "triton_version", lambda: (3, 6))
+    assert not scaled("sage3", "sm_100") and scaled("sage3", "sm_120")
     monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "scaled")
     with pytest.raises(ValueError, match=r"Triton 3\.6 cannot compile the NVFP4 dot_scaled loop for sm_90 \(Triton 3\.8\+"):
-        dispatch.nv_scaled_on(METHODS["sage3"], "sm_90")
+        scaled("sage3", "sm_90")
     with pytest.raises(ValueError, match=r"for sm_100 \(Triton 3\.9\+"):
-        dispatch.nv_scaled_on(METHODS["sage3"], "sm_100")
-    monkeypatch.setattr(dispatch, "triton_version", lambda: (3, 9))
-    assert dispatch.nv_scaled_on(METHODS["sage3"], "sm_90") and dispatch.nv_scaled_on(METHODS["sage3"], "sm_100")
-    for other in ("triton", "sm90"):
-        monkeypatch.setenv("FP4VIDEO_NV_KERNEL", other)
-        assert not dispatch.nv_scaled_on(METHODS["sage3"], "sm_100")
+        scaled("sage3", "sm_100")
+    monkeypatch.setattr(plan, "triton_version", lambda: (3, 9))
+    assert scaled("sage3", "sm_90") and scaled("sage3", "sm_100")
+    monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "triton")
+    assert plan.plan_on(METHODS["sage3"], "sm_100").loop == "nvfp4"
+    monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "sm90")  # the Gluon loop, which runs on Hopper only
+    with pytest.raises(ValueError, match="FP4VIDEO_NV_KERNEL=sm90: it runs on sm_90"):
+        plan.plan_on(METHODS["sage3"], "sm_100")
 
 
 def test_forcing_the_nvfp4_dot_scaled_loop_in_the_interpreter_is_refused(monkeypatch):
     """Triton's interpreter reads E4M3 scales as E8M0: asked to run the native NVFP4 loop there
     (without the tests' decoding fixture), the dispatch refuses rather than compute wrong products."""
     pytest.importorskip("triton")
-    from fp4video.kernels import dispatch
-    from fp4video.kernels.loop_scaled import interpreter_reads_e4m3_scales
+    from fp4video.kernels.interpreter import interpreter_reads_e4m3_scales
+    from fp4video.kernels.plan import plan_on
 
     if torch.cuda.is_available() or interpreter_reads_e4m3_scales():
         pytest.skip("needs the CPU interpreter as Triton ships it")
     monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "scaled")
     with pytest.raises(ValueError, match="interpreter reads dot_scaled's E4M3 scales as E8M0"):
-        dispatch.nv_scaled_on(METHODS["nvfp4"], "interpreter")
+        plan_on(METHODS["nvfp4"], "interpreter")
 
 
 def test_tma_loop_where_the_gpu_has_tma(monkeypatch):
@@ -161,30 +180,39 @@ def test_tma_loop_where_the_gpu_has_tma(monkeypatch):
     not in the CPU interpreter unless asked; the pre-pass stores K̂ in tile order exactly there.
     ``FP4VIDEO_MX_TMA=0`` turns it off; ``=1`` where it cannot run, or another value, is an error
     naming the problem."""
-    from fp4video.kernels import dispatch as af
+    from fp4video.kernels import dispatch
+    from fp4video.kernels.operands import FP8Operands
+    from fp4video.kernels.plan import plan, plan_on
 
     monkeypatch.delenv("FP4VIDEO_MX_TMA", raising=False)
-    cuda = torch.device("cuda", 0)
-    for cap, want in (((8, 9), False), ((9, 0), True), ((10, 0), True), ((8, 0), False)):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
-        assert af.tma_loop(cuda) is want, cap
+    mxattn = METHODS["mxattn"]
+    monkeypatch.setenv("FP4VIDEO_MX_KERNEL", "fp8")  # (the e4m3 loop on Blackwell too)
+    for arch, want in (("sm_89", False), ("sm_90", True), ("sm_100", True), ("sm_80", False)):
+        got = plan_on(mxattn, arch)
+        assert got.loop == "e4m3" and got.tma is want and got.key_order == ("tile" if want else "key"), arch
         monkeypatch.setenv("FP4VIDEO_MX_TMA", "0")
-        assert af.tma_loop(cuda) is False
+        assert plan_on(mxattn, arch).tma is False
         monkeypatch.setenv("FP4VIDEO_MX_TMA", "1")
         if want:
-            assert af.tma_loop(cuda) is True
+            assert plan_on(mxattn, arch).tma is True
         else:
             with pytest.raises(ValueError, match="sm_8.* has no TMA"):
-                af.tma_loop(cuda)
+                plan_on(mxattn, arch)
         monkeypatch.delenv("FP4VIDEO_MX_TMA")
     monkeypatch.setenv("FP4VIDEO_MX_TMA", "yes")
     with pytest.raises(ValueError, match="FP4VIDEO_MX_TMA must be '0' or '1', got 'yes'"):
-        af.tma_loop(cuda)
+        plan_on(mxattn, "sm_90")
     monkeypatch.delenv("FP4VIDEO_MX_TMA")
-    assert af.tma_loop(torch.device("cpu")) is False
+    # Hopper's pointer-load loop computes wrong rows for the FP8-P·V methods: TMA off is refused there
+    monkeypatch.setenv("FP4VIDEO_MX_TMA", "0")
+    with pytest.raises(ValueError, match="FP4VIDEO_MX_TMA=0.*asynchronous"):
+        plan_on(METHODS["mxattn-pv8"], "sm_90")
+    monkeypatch.delenv("FP4VIDEO_MX_TMA")
+    assert plan_on(mxattn, "interpreter").tma is False
     q = rand(1, 1, 8, 64, seed=44)
-    prepared = af.prepare(q, q, q, METHODS["mxattn"], None)
-    assert prepared[0] == "fp8" and prepared[1][-2:] == (8, False) and prepared[1][2].shape[-2] == 8
+    operands = dispatch.prepare(q, q, q, mxattn, None)
+    assert plan(mxattn, q).loop == "e4m3" and isinstance(operands, FP8Operands)
+    assert (operands.sk, operands.k_tile_order, operands.k8.shape[-2]) == (8, False, 8)
 
 
 @pytest.mark.gpu
@@ -192,14 +220,16 @@ def test_hopper_keeps_the_measured_stages_gpu():
     """On the H200 (sm_90, 228 KB per SM) the shared-memory check leaves every launch as
     benchmarked: the e4m3 loop by TMA at 2 stages (by pointer loads at 3), the NVFP4 loop at 3,
     the row pre-pass at 2 (e4m3 Q at 3)."""
-    from fp4video.kernels import dispatch, launch, loop_bf16, loop_e4m3, loop_nvfp4
+    from fp4video import METHODS
+    from fp4video.kernels import launch, loop_bf16, loop_e4m3, loop_nvfp4
+    from fp4video.kernels.plan import plan
     from fp4video.kernels.prepass import PREPASS_LAUNCH, ROW_SHARED_MEMORY, V_SHARED_MEMORY
 
     dev = torch.device("cuda", torch.cuda.current_device())
     if torch.cuda.get_device_capability(dev) != (9, 0):
         pytest.skip("a Hopper GPU")
     assert launch.shared_memory_per_block(dev) >= 227 * 1024
-    assert dispatch.tma_loop(dev)
+    assert plan(METHODS["mxattn"], torch.zeros(1, 1, 1, 128, device=dev)).tma
     for loop in (loop_e4m3.TMA_LAUNCH, loop_e4m3.POINTER_LAUNCH, loop_nvfp4.LAUNCH, loop_bf16.LAUNCH):
         assert loop.resolve(dev) == (loop.block_m, loop.num_warps, loop.num_stages), loop
     for stages, table in ((PREPASS_LAUNCH.row_stages, ROW_SHARED_MEMORY), (PREPASS_LAUNCH.q8_stages, ROW_SHARED_MEMORY),
@@ -209,15 +239,13 @@ def test_hopper_keeps_the_measured_stages_gpu():
 
 @pytest.mark.parametrize("name", ["FP4VIDEO_MX_KERNEL", "FP4VIDEO_MX_TMA", "FP4VIDEO_NV_KERNEL"])
 def test_every_override_is_listed_and_checked(name, monkeypatch):
-    """The dispatch's table lists every environment variable the kernels read (the architecture test
+    """The plan's table lists every environment variable the kernels read (the architecture test
     checks that no other kernels module reads one), and a value it does not list is an error naming
     the variable and the values it takes."""
-    from fp4video.kernels import dispatch
+    from fp4video.kernels import plan
 
-    assert name in dispatch.ENVIRONMENT and f"``{name}``" in dispatch.__doc__
+    assert name in plan.ENVIRONMENT and f"``{name}``" in plan.__doc__
     monkeypatch.setenv(name, "nonsense")
-    x = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=f"{name} must be .* got 'nonsense'"):
-        {"FP4VIDEO_MX_KERNEL": lambda: dispatch.mx_kernel(METHODS["mxattn"], x.device),
-         "FP4VIDEO_MX_TMA": lambda: dispatch.tma_loop(x.device),
-         "FP4VIDEO_NV_KERNEL": lambda: dispatch.nv_kernel(x, x, False)}[name]()
+    for method in ("mxattn", "sage3", "fp16"):  # every plan reads every override
+        with pytest.raises(ValueError, match=f"{name} must be .* got 'nonsense'"):
+            plan.plan_on(METHODS[method], "sm_90")

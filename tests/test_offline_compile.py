@@ -3,16 +3,56 @@ MMAs (sm_100, sm_120)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 from conftest import ROOT
 
+from fp4video import METHODS
+
 pytest.importorskip("triton")
+
+#: a kernel with nothing of fp4video in it: whether this Triton compiles for sm_{arch} at all
+TOOLCHAIN = """
+import triton
+import triton.language as tl
+from fp4video.kernels.offline import compile_kernel
+
+@triton.jit
+def twice(X, Y, N: tl.constexpr):
+    tl.store(Y + tl.arange(0, N), tl.load(X + tl.arange(0, N)) * 2)
+
+compile_kernel(twice, dict(N=128), dict(X="*fp32", Y="*fp32"), {{}}, arch={arch}, num_warps=4)
+"""
+
+
+@functools.cache
+def toolchain_missing(arch: int) -> str | None:
+    """Why this Triton cannot compile any kernel for sm_{arch} (no ptxas for it, ...), or None."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:  # (jit reads its source file)
+        f.write(TOOLCHAIN.format(arch=arch))
+    try:
+        run = subprocess.run([sys.executable, f.name], capture_output=True, text=True, env=env, timeout=300)
+    finally:
+        os.unlink(f.name)
+    return None if run.returncode == 0 else (run.stderr.strip().splitlines() or ["?"])[-1]
+
+
+def compiled(run: subprocess.CompletedProcess, arch: int) -> None:
+    """Skips where this Triton compiles nothing for sm_{arch}; fails where it compiles a trivial
+    kernel there but not this one (a fault of the kernel or of the test's arguments)."""
+    if run.returncode == 0:
+        return
+    if (why := toolchain_missing(arch)) is not None:
+        pytest.skip(f"this Triton cannot compile for sm_{arch}: {why}")
+    pytest.fail(f"this Triton compiles for sm_{arch}, but not this kernel: {run.stderr[-2000:]}")
 
 #: compiles the dot_scaled loop (head dim 128, a key-padding mask; MXFP4 with UOS + PNQ, or NVFP4 with
 #: two-level P, {nv}) for sm_{arch} and prints its PTX
@@ -55,11 +95,12 @@ def test_scaled_kernel_compiles_to_native_fp4_mma(arch, instruction, nv):
     code = SCALED_PTX.format(tools=str(ROOT / "tools"), arch=arch, nv=nv)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     if run.returncode != 0:
-        from fp4video.kernels.dispatch import native_fp4
+        from fp4video.kernels.plan import plan_on
 
-        # where the dispatch runs this loop by default, it must compile; elsewhere (a Triton older
-        # than NATIVE_FP4_MIN_TRITON says) a failure is what the dispatch already avoids
-        assert not native_fp4(f"sm_{arch}"), f"the dispatch runs the native loop here, but it does not compile: {run.stderr[-2000:]}"
+        # where the plan runs this loop by default, it must compile; elsewhere (a Triton older
+        # than NATIVE_FP4_MIN_TRITON says) a failure is what the plan already avoids
+        default = plan_on(METHODS["sage3" if nv else "mxattn"], f"sm_{arch}").loop
+        assert default != "scaled", f"the plan runs the native loop here, but it does not compile: {run.stderr[-2000:]}"
         pytest.skip(f"this Triton cannot compile for sm_{arch} (the dispatch does not use it): "
                     f"{run.stderr.strip().splitlines()[-1:]}")
     ptx = run.stdout
@@ -93,7 +134,7 @@ ptr = dict(Q8="*fp8e4nv", QFac="*fp32", K8="*fp8e4nv", KFac="*fp32", V8T="*fp8e4
            Out="*bf16", Lse="*fp32")
 consts = dict(HAS_MASK=True, OCP=False, QMAX=ScaleRule.UOS.qmax, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=64,
               BLOCK_N=128, QB=32, EXP_FLOOR=TILE_EXP_FLOOR, TMA=False, K_TILE_ORDER=False, ASM=True, FRESH_PV=False,
-              P_E4M3=True)
+              P_E4M3=True, EXACT=False)
 ints = dict(sqs=128, sks=128, svd=4096, SQ=4096, SK_PAD=4096)
 print(compile_kernel(fn, consts, ptr, ints, arch={arch}, floats=("scale_log2",), num_warps=4, num_stages=2,
                      enable_fp_fusion=False).asm["ptx"])
@@ -108,8 +149,7 @@ def test_fp8_pv_loop_compiles_to_fp8_mmas(arch, mma):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", E4M3_PTX.format(tools=str(ROOT / "tools"), arch=arch)],
                          capture_output=True, text=True, env=env, timeout=600)
-    if run.returncode != 0:
-        pytest.skip(f"this Triton cannot compile for sm_{arch}: {run.stderr.strip().splitlines()[-1:]}")
+    compiled(run, arch)
     assert len(re.findall(mma, run.stdout)) >= 2, sorted(set(re.findall(r"(?:tcgen05\.mma|mma\.sync|wgmma\.mma_async)[.\w:]*", run.stdout)))
     assert not re.search(r"(wgmma|mma)[.\w]*\.bf16", run.stdout), "an MMA fell back to bf16"
 
@@ -149,7 +189,7 @@ else:
                Out="*bf16", Lse="*fp32")
     consts = dict(HAS_MASK=True, OCP=False, QMAX=ScaleRule.UOS.qmax, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=64,
                   BLOCK_N=128, QB=32, EXP_FLOOR=TILE_EXP_FLOOR, TMA=False, K_TILE_ORDER=False, ASM=True,
-                  FRESH_PV=False, P_E4M3=False)
+                  FRESH_PV=False, P_E4M3=False, EXACT=False)
     options = dict(enable_fp_fusion=False)
 stages = stages_that_fit(arch, SHARED_MEMORY_LIMIT[arch], LAUNCH.num_stages, LAUNCH.shared_memory)
 kernel = compile_kernel(fn, consts, ptr, ints, arch={arch}, floats=("scale_log2",), num_warps=LAUNCH.num_warps,
@@ -168,8 +208,7 @@ def test_launch_fits_each_blackwell_architecture(kernel, arch, stages):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", LAUNCH_SMEM.format(tools=str(ROOT / "tools"), arch=arch, kernel=kernel)],
                          capture_output=True, text=True, env=env, timeout=600)
-    if run.returncode != 0:
-        pytest.skip(f"this Triton cannot compile for sm_{arch}: {run.stderr.strip().splitlines()[-1:]}")
+    compiled(run, arch)
     picked, shared, limit, table = map(int, run.stdout.split()[-4:])
     assert picked == stages and shared <= limit and shared == table, run.stdout
 
@@ -192,8 +231,7 @@ def test_kernel_report_reads_the_compiled_loop(method, target, qk, pv, specializ
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "fp4video.kernels.report", "--target", target, "--method", method,
                           "--json"], capture_output=True, text=True, env=env, timeout=600)
-    if run.returncode != 0 and "cannot" in run.stderr:
-        pytest.skip(f"this Triton cannot compile for {target}")
+    compiled(run, int(target[3:]))
     assert run.returncode == 0, run.stderr[-2000:]
     rep = json.loads(run.stdout.strip().splitlines()[0])
     assert (rep["qk_mma_kind"], rep["pv_mma_kind"], rep["warp_specialized"]) == (qk, pv, specialized), rep
@@ -278,8 +316,7 @@ def test_sm100_partitions_keep_the_logits_with_the_softmax(method, most):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "fp4video.kernels.report", "--target", "sm_100", "--method", method,
                           "--json"], capture_output=True, text=True, env=env, timeout=600)
-    if run.returncode != 0 and "cannot" in run.stderr:
-        pytest.skip("this Triton cannot compile for sm_100")
+    compiled(run, 100)
     assert run.returncode == 0, run.stderr[-2000:]
     rep = json.loads(run.stdout.strip().splitlines()[0])
     assert rep["instructions_source"] == "SASS, all partitions' loops", rep
@@ -327,8 +364,7 @@ def test_sm100_block_sums_get_whole_blocks_in_order(method, pack):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", BLOCK_SUM_LAYOUT.format(method=method)], capture_output=True,
                          text=True, env=env, timeout=600)
-    if run.returncode != 0 and "cannot" in run.stderr:
-        pytest.skip("this Triton cannot compile for sm_100")
+    compiled(run, 100)
     assert run.returncode == 0, run.stderr[-2000:]
     found = [line.split(" ", 2) for line in run.stdout.splitlines() if line.startswith("BLOCK")]
     assert found and "F32X2 True" in run.stdout, run.stdout

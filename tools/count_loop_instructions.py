@@ -48,7 +48,7 @@ def compile_loop_kernel(args):
 
     gluon = False
     if args.kernel == "nvfp4":
-        from fp4video.kernels.loop_nvfp4 import LAUNCH, _nv_attn_fwd as fn
+        from fp4video.kernels.loop_nvfp4 import LAUNCH, KERNEL as fn
 
         ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
         consts = dict(HAS_MASK=False, TWO_LEVEL=not args.no_two_level, P_RANGE=TWO_LEVEL_P_RANGE, PNQ=False,
@@ -58,7 +58,7 @@ def compile_loop_kernel(args):
     elif args.kernel == "nvfp4-sm90":
         from triton.experimental.gluon import language as gl
 
-        from fp4video.kernels.loop_nvfp4_sm90 import CONSUMER_REGS, NUM_BUFFERS, _nv_attn_fwd_sm90 as fn
+        from fp4video.kernels.loop_nvfp4_sm90 import CONSUMER_REGS, NUM_BUFFERS, KERNEL as fn
 
         gluon = True
         desc = f"tensordesc<bf16[128, 128],{gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16)!r}>"
@@ -69,7 +69,7 @@ def compile_loop_kernel(args):
         stages, warps, max_registers = 1, 4, None  # its own buffering; one warpgroup here, the other in a partition
     else:
         from fp4video.kernels.loop_e4m3 import (POINTER_LAUNCH, TILE_EXP_FLOOR, TMA_LAUNCH, TMA_REGISTER_BUDGET,
-                                                _e4m3_attn_fwd as fn)
+                                                KERNEL as fn)
 
         tma = not args.pointer_loads
         ptr = {"Q8": "*fp8e4nv", "QFac": "*fp32", "K8": "*fp8e4nv", "KFac": "*fp32", "V8T": "*fp8e4nv",

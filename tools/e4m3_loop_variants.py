@@ -20,10 +20,11 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fp4video import METHODS
-from fp4video.kernels.dispatch import prepare
+from fp4video.kernels.dispatch import prepare, run_loop
 from fp4video.kernels.loop_e4m3 import attention_e4m3
+from fp4video.kernels.plan import plan
 
-#: name -> attention_e4m3 keyword arguments (the default launch first)
+#: name -> attention_e4m3 keyword arguments (the default launch first; ``tma``: the plan's TMA form)
 VARIANTS = {
     "default (TMA, 64×4×2, fresh P̂·V̂)": {},
     "P̂·V̂ in flight": {"fresh_pv": False},
@@ -54,15 +55,24 @@ def main(argv=None) -> int:
     print("| method | variant | loop ms | × cuDNN | max abs diff to default | bit-equal |\n| --- | --- | --- | --- | --- | --- |")
     for m in args.methods:
         recipe = METHODS[m]
-        path, tensors = prepare(q, k, v, recipe, None)
-        if path != "fp8":
-            print(f"| {m} | runs the {path!r} loop, not the e4m3 one | | | | |")
+        call_plan = plan(recipe, q)
+        if call_plan.loop != "e4m3":
+            print(f"| {m} | runs {call_plan.module}, not the e4m3 loop | | | | |")
             continue
+        operands = {tma: prepare(q, k, v, recipe, None, call_plan.replace(tma=tma, key_order="tile" if tma else "key"))
+                    for tma in (True, False)}
         base = None
         for name, kw in VARIANTS.items():
+            kw = dict(kw)
+            tma = kw.pop("tma", True)
+            variant = call_plan.replace(tma=tma, key_order="tile" if tma else "key")
             try:
-                run = lambda: attention_e4m3(*tensors, None, recipe=recipe, scale=128**-0.5,  # noqa: E731
-                                             out_dtype=q.dtype, dv=128, **kw)
+                if "fresh_pv" in kw:  # a launch option of the e4m3 loop alone
+                    run = lambda: attention_e4m3(operands[tma], None, variant, recipe=recipe,  # noqa: E731
+                                                 scale=128**-0.5, out_dtype=q.dtype, dv=128, exact=False, **kw)
+                else:
+                    run = lambda: run_loop(variant, operands[tma], None, recipe=recipe,  # noqa: E731
+                                           scale=128**-0.5, out_dtype=q.dtype, dv=128, exact=False, **kw)
                 out, lse = run()
                 t = bench(run)
             except Exception as e:  # out of shared memory / registers: report and go on

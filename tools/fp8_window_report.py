@@ -83,10 +83,10 @@ def main(argv=None) -> int:
             recipe = METHODS[method]
             qb, kb, vb = (t.float()[None, None] for t in (q, k, v))
             rq, rk, rv = prepare_qkv(qb, kb, vb, recipe)
-            q8, q_fac, k8, k_fac, v8t, v_fac = prepass_fp8(qb, kb, vb, recipe, None)
+            ops = prepass_fp8(qb, kb, vb, recipe, None)
             n = q.shape[0]
-            got = (q8.float() * q_fac[..., None], k8.float() * k_fac_per_key(k_fac, n)[..., None],
-                   v8t_in_key_order(v8t).float().transpose(-1, -2)[..., :n, :] * v_fac[..., None, :])
+            got = (ops.q8.float() * ops.q_fac[..., None], ops.k8.float() * k_fac_per_key(ops.k_fac, n)[..., None],
+                   v8t_in_key_order(ops.v8t).float().transpose(-1, -2)[..., :n, :] * ops.v_fac[..., None, :])
             off = sum(int((g[..., :n, :128] != r[..., :n, :128]).sum()) for g, r in zip(got, (rq, rk, rv)))
             frac_blocks, frac_mass = p_window(rq[0, 0, :n].double(), rk[0, 0, :n].double(), recipe, 128**-0.5, args.p_window)
             print(f"| {name} | {method} | {off / (3 * n * 128):.2e} | {frac_blocks:.2e} | {frac_mass:.2e} |", flush=True)

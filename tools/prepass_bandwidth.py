@@ -52,11 +52,13 @@ def bench(fn, rep_ms: int = 200) -> float:
 
 def launches(run, q, k, v):
     """Name -> (bytes per element of Q it must move, a call of that launch alone)."""
+    from fp4video import METHODS
     from fp4video.kernels import prepass as pp
-    from fp4video.kernels.dispatch import tma_loop
+    from fp4video.kernels.plan import plan
 
-    tiled = tma_loop(q.device)  # K̂ stored as the loop reads it: in tile key order where it copies tiles by TMA
-    q8, q_fac, k8, k_fac, v8, v_fac = run.run_fp8(tiled)
+    tiled = plan(METHODS["mxattn"], q).tma  # K̂ stored as the loop reads it: in tile key order where it copies tiles by TMA
+    ops = run.run_fp8(tiled)
+    q8, q_fac, k8, k_fac, v8, v_fac = ops.q8, ops.q_fac, ops.k8, ops.k_fac, ops.v8t, ops.v_fac
     k_mode = pp.FP8_TILE_ORDERED if tiled else pp.FP8_TILE
     v_amax = torch.zeros_like(v_fac, dtype=torch.int32)
     run.values(pp.FP8_AMAX, v8, amax=v_amax)
@@ -171,7 +173,7 @@ def main(argv=None) -> int:
     import dataclasses
 
     from fp4video.kernels import prepass as pp
-    from fp4video.kernels.dispatch import tma_loop
+    from fp4video.kernels.plan import plan
 
     try:
         launch = launch_options(args.set)
@@ -195,7 +197,7 @@ def main(argv=None) -> int:
         gbps = 2 * n * 2 / t_copy / 1e6
         print(f"\nS = {s}: bf16 copy of Q {t_copy:.3f} ms = {gbps:.0f} GB/s\n")
         print("| launch | ms | GB/s | × copy |\n| --- | --- | --- | --- |")
-        run = pp._PrePass(q, k, v, recipe, None, launch=launch)
+        run = pp.PrePass(q, k, v, recipe, None, launch=launch)
         total_bytes = 0
         for name, (per_elem, fn) in launches(run, q, k, v).items():
             t = bench(fn)
@@ -203,7 +205,7 @@ def main(argv=None) -> int:
             rows.append((s, name, t, per_elem * n / t / 1e6 / gbps))
             print(f"| {name} | {t:.3f} | {per_elem * n / t / 1e6:.0f} | {rows[-1][3]:.2f} |", flush=True)
         def prepare():  # the whole e4m3 pre-pass, as the attention call runs it
-            pp.prepass_fp8_window(q, k, v, recipe, None, k_tile_order=tma_loop(q.device), launch=launch)
+            pp.prepass_fp8(q, k, v, recipe, None, k_tile_order=plan(recipe, q).tma, launch=launch)
 
         t = bench(prepare)
         rows.append((s, "whole pre-pass (as the attention call runs it)", t, total_bytes / t / 1e6 / gbps))
@@ -226,7 +228,7 @@ def main(argv=None) -> int:
             for prefix, grid in [(p, g) for p, g in SWEEP if not args.sweep or p.startswith(tuple(args.sweep))]:
                 for values in itertools.product(*grid.values()):
                     opts = dict(zip(grid, values))
-                    run = pp._PrePass(q, k, v, recipe, None, launch=dataclasses.replace(launch, **opts))
+                    run = pp.PrePass(q, k, v, recipe, None, launch=dataclasses.replace(launch, **opts))
                     name, (per_elem, fn) = next((nm, lf) for nm, lf in launches(run, q, k, v).items()
                                                 if nm.startswith(prefix))
                     try:

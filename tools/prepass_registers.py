@@ -28,7 +28,7 @@ def compile_rows(out_mode: int, block_s: int, warps: int, stages: int, per_progr
     from offline_compile import compile_kernel
 
     from fp4video.formats import ScaleRule
-    from fp4video.kernels.prepass import _prepass_rows as fn
+    from fp4video.kernels.prepass import ROWS_KERNEL as fn
 
     consts = dict(HAS_ALIVE=False, SMOOTH=False, ROTATE=True, ROT_PRECISION="bf16", ROT_PARTS=1, FMT=1, QB=32,
                   OCP=False, QMAX=ScaleRule.UOS.qmax, D=128, BLOCK_S=block_s, OUT=out_mode,

@@ -56,17 +56,10 @@ def main(argv=None) -> int:
         for s in args.seqs:
             g = torch.Generator(device="cuda").manual_seed(0)
             q, k, v = (torch.randn(1, args.heads, s, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
-            out = prepass_packed(q, k, v, recipe, None)
-            if pv8:
-                q4, qs, k4, ks, v4t, vs = out[:6]
-                sk_pad = v4t.shape[-1]
-            elif nv:
-                q4, k4, v4t = out[:3]
-                qs = ks = vs = None
-                sk_pad = -(-s // 128) * 128
-            else:
-                q4, qs, k4, ks, v4t, vs = out
-                sk_pad = v4t.shape[-1] * 2
+            ops = prepass_packed(q, k, v, recipe, None)
+            k4, ks, v4t = ops.k4, ops.k_scale, ops.v
+            vs = ops.v_fac if pv8 else ops.v_scale
+            sk_pad = v4t.shape[-1] if pv8 else -(-s // 128) * 128 if nv else v4t.shape[-1] * 2
             t_pre = _median_ms(lambda: prepass_packed(q, k, v, recipe, None))
             t_chunk = _median_ms(lambda: chunked_scales(nv, pv8, 128, qb, sk_pad, k4, ks, v4t, vs))
             kc, vc = chunked_scales(nv, pv8, 128, qb, sk_pad, k4, ks, v4t, vs)

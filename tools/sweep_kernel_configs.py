@@ -16,7 +16,8 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fp4video import METHODS
-from fp4video.kernels.dispatch import attention, uses_fp8
+from fp4video.kernels.dispatch import prepare, run_loop
+from fp4video.kernels.plan import plan
 
 
 def main(argv=None) -> int:
@@ -32,10 +33,13 @@ def main(argv=None) -> int:
     print(f"cuDNN SDPA: {t_ref:.2f} ms")
     print("| method | BLOCK_M | warps | stages | ms | × cuDNN |\n| --- | --- | --- | --- | --- | --- |")
     for m in args.methods:
-        for bm, nw, ns in itertools.product((64, 128), (4, 8), (2, 3, 4) if uses_fp8(METHODS[m], q.device) else (1, 2, 3)):
+        recipe = METHODS[m]
+        call_plan = plan(recipe, q, launch_given=True)  # (the Triton loops: the Gluon one takes no launch values)
+        operands = prepare(q, k, v, recipe, None, call_plan)
+        for bm, nw, ns in itertools.product((64, 128), (4, 8), (2, 3, 4) if call_plan.loop == "e4m3" else (1, 2, 3)):
             try:
-                fn = lambda: attention(q, k, v, recipe=METHODS[m], mask=None, scale=128**-0.5,  # noqa: E731
-                                       block_m=bm, num_warps=nw, num_stages=ns)
+                fn = lambda: run_loop(call_plan, operands, None, recipe=recipe, scale=128**-0.5,  # noqa: E731
+                                      out_dtype=q.dtype, dv=128, block_m=bm, num_warps=nw, num_stages=ns)
                 t = triton.testing.do_bench(fn, warmup=20, rep=60, return_mode="median")
                 print(f"| {m} | {bm} | {nw} | {ns} | {t:.2f} | {t_ref / t:.2f} |", flush=True)
             except Exception as e:  # out of shared memory / registers: report and go on

@@ -156,7 +156,8 @@ def bench_kernel(args) -> str:
     from .. import METHODS, fp4_attention
     from ..eval.peers import find_peers
     from ..eval.power import ClockSampler
-    from ..kernels.dispatch import attention_prepared, prepare
+    from ..kernels.dispatch import prepare, run_loop
+    from ..kernels.plan import plan
     from ..metrics import cossim, row_cosine
 
     def bench(fn):  # ~1.5 s per measurement: at least 7 calls of the longest shapes
@@ -199,12 +200,12 @@ def bench_kernel(args) -> str:
             out = out[:, :h].float()
             return cossim(out, truth), float(row_cosine(out, truth).min())
 
-        measured = []  # (name, precision, ms, clock and power over the timing, pre-pass ms, loop ms, output)
+        measured = []  # Measured rows
         for name, backend in sdpa_rows:
             try:
                 with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
                     out = sdpa(q, k, v, attn_mask=mask)
-                    measured.append((name, "bf16", *timed(lambda: sdpa(q, k, v, attn_mask=mask)), None, None, out))
+                    measured.append(Measured(name, "bf16", *timed(lambda: sdpa(q, k, v, attn_mask=mask)), out))
             except RuntimeError as e:  # this backend cannot run the call (e.g. flash with a mask)
                 print(f"  S={s} {name}: not available ({str(e).splitlines()[0][:80]})", file=sys.stderr)
         for p in peers:
@@ -213,7 +214,7 @@ def bench_kernel(args) -> str:
             try:
                 a = p.args(q, k, v)
                 out = p.fn(*a)
-                measured.append((p.name, p.precision, *timed(lambda: p.fn(*a)), None, None, out))
+                measured.append(Measured(p.name, p.precision, *timed(lambda: p.fn(*a)), out))
             except Exception as e:  # a peer's build that cannot run this shape: say so, keep going
                 print(f"  S={s} {p.name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})",
                       file=sys.stderr)
@@ -222,23 +223,24 @@ def bench_kernel(args) -> str:
             recipe = METHODS[m]
             out = fp4_attention(q, k, v, method=m, attn_mask=mask, backend="triton")
             t_total, power = timed(lambda: fp4_attention(q, k, v, method=m, attn_mask=mask, backend="triton"))
-            t_pre = bench(lambda: prepare(q, k, v, recipe, key_alive)) if recipe.quantized else None
-            prepared = prepare(q, k, v, recipe, key_alive)
+            call_plan = plan(recipe, q, v, mask)
+            t_pre = bench(lambda: prepare(q, k, v, recipe, key_alive, call_plan)) if recipe.quantized else None
+            operands = prepare(q, k, v, recipe, key_alive, call_plan)
             # the loop as these calls run it: random inputs' logits lie within the e4m3 loop's fast bound
-            t_loop = bench(lambda: attention_prepared(prepared, key_alive, recipe=recipe, scale=args.head_dim**-0.5,
-                                                      out_dtype=q.dtype, dv=v.shape[-1], exact=False))
-            measured.append((f"fp4video {m}", m, t_total, power, t_pre, t_loop, out))
+            t_loop = bench(lambda: run_loop(call_plan, operands, key_alive, recipe=recipe, scale=args.head_dim**-0.5,
+                                            out_dtype=q.dtype, dv=v.shape[-1], exact=False))
+            measured.append(Measured(f"fp4video {m}", m, t_total, power, out, t_pre, t_loop))
             print(f"  S={s} {m}: {t_total:.2f} ms", file=sys.stderr, flush=True)
-            prepared = None
-        best = min((r for r in measured if r[1] == "bf16"), key=lambda r: r[2])
-        peer_ms = {r[0]: r[2] for r in measured}
-        for name, _, t, power, pre, loop, out in measured:
-            cos32, worst32 = accuracy(out)
+            operands = None
+        best = min((r for r in measured if r.precision == "bf16"), key=lambda r: r.ms)
+        peer_ms = {r.name: r.ms for r in measured}
+        for r in measured:
+            cos32, worst32 = accuracy(r.out)
             rows.append(KernelTiming(
-                s, name + (" (best bf16)" if name == best[0] else ""), t, pre, loop, best[2] / t,
-                {peer: peer_ms[peer] / t if peer in peer_ms else None for peer in RATIO_PEERS},
-                cos32, worst32, None if name == best[0] else cossim(out.float(), best[6].float()),
-                None if power is None else power.mhz, None if power is None else power.capped))
+                s, r.name + (" (best bf16)" if r is best else ""), r.ms, r.pre_ms, r.loop_ms, best.ms / r.ms,
+                {peer: peer_ms[peer] / r.ms if peer in peer_ms else None for peer in RATIO_PEERS},
+                cos32, worst32, None if r is best else cossim(r.out.float(), best.out.float()),
+                None if r.power is None else r.power.mhz, None if r.power is None else r.power.capped))
         del measured, best
         q = k = v = truth = out = None  # (frees the GPU memory before the next length)
         torch.cuda.empty_cache()
@@ -249,6 +251,21 @@ def bench_kernel(args) -> str:
         notes.append(f"SM clock and power cap: {sampler.why or 'not sampled for every row'}")
     return format_kernel_table(_header(f"bench kernel, B=1 H={args.heads} D={args.head_dim}, bf16{masked}{layout}"),
                                rows, args.heads, args.head_dim, notes=notes)
+
+
+@dataclass(frozen=True, eq=False)
+class Measured:
+    """One timed kernel of a ``bench kernel`` run: its name and precision, median ms, the SM clock
+    and power over the timing (None: not sampled), its output, and (fp4video's methods) the
+    pre-pass's and the loop's own times."""
+
+    name: str
+    precision: str
+    ms: float
+    power: object
+    out: object
+    pre_ms: float | None = None
+    loop_ms: float | None = None
 
 
 #: The peers every row is also compared with (× their time), in the table's column order.

@@ -40,7 +40,7 @@ def row_bounds(method: str, distribution: str) -> tuple[float, float]:
 @dataclass
 class MethodCheck:
     method: str
-    loop: str | None = None  # the kernels' loop module the dispatch ran (loop_scaled: the native FP4 MMAs)
+    loop: str | None = None  # the kernels' loop and its form (:meth:`Plan.form`; loop_scaled: native FP4 MMAs)
     accuracy: dict = field(default_factory=dict)  # distribution -> {rows_off, worst_row, lse_worst, ok}
     ms: float | None = None
     x_best_bf16: float | None = None
@@ -87,10 +87,10 @@ def run_check(methods, *, device="cuda", heads: int = 4, sq: int = 1000, sk: int
                               dtype=torch.bfloat16)
         try:
             if c.loop is None:
-                from ..kernels.dispatch import loop_module
+                from ..kernels.plan import plan
                 from ..recipe import get_recipe
 
-                c.loop = loop_module(q, k, v, get_recipe(c.method))
+                c.loop = plan(get_recipe(c.method), q, v, mask).form()
             finite, off, worst, lse = _accuracy(c.method, q, k, v, mask)
         except Exception as e:  # a kernel that cannot compile or launch here: the report must say so
             c.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
