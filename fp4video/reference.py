@@ -412,12 +412,21 @@ def attention_tiled(
     sk: int | None = None,
     key_tile: int = KEY_TILE,
     query_chunk: int = QUERY_CHUNK,
+    key_tiles: torch.Tensor | None = None,
+    query_tile: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Online-softmax attention over prepared (:func:`prepare_qkv`) fp32 tensors.
 
     ``mask``: bool broadcastable to (B, H, Sq, Sk), True = attend; ``sk`` the real key count
     (keys beyond it are padding). Returns ``(out (B, H, Sq, Dv) fp32, lse (B, H, Sq) fp32)``;
     rows with no visible key give zeros and ``lse = -inf``.
+
+    Block-sparse: ``key_tiles`` bool (B|1, H|1, ceil(Sq / query_tile), Skp / key_tile) says which
+    key tiles each tile of ``query_tile`` query rows visits (True = visit). A tile a row does not
+    visit contributes nothing to it: the running max, ℓ and acc stay as they are, exactly as a
+    kernel that skips the tile leaves them, so the LSE is that of the visited keys and rows that
+    visit no live key give zeros and ``-inf``. Tiles are visited in ascending order. With every
+    tile visited the result is bit for bit the dense one.
     """
     skp = kh.shape[-2]
     sk = skp if sk is None else sk
@@ -425,27 +434,54 @@ def attention_tiled(
         raise ValueError(f"prepared K has {skp} keys, not a multiple of the key tile {key_tile}")
     mask = _bias_from_mask(mask, skp, sk, qh.device)
     sq = qh.shape[-2]
+    visit = None if key_tiles is None else _visits_per_row(key_tiles, query_tile, sq, skp // key_tile, qh, kh)
     outs, lses = [], []
     for q0 in range(0, sq, query_chunk):
         qc = qh[..., q0 : q0 + query_chunk, :]
         mc = None if mask is None else mask[..., q0 : q0 + query_chunk, :] if mask.shape[-2] > 1 else mask
-        o, l_ = _tiled_chunk(qc, kh, vh, scale, recipe, mc, key_tile)
+        vc = None if visit is None else visit[..., q0 : q0 + query_chunk, :]
+        o, l_ = _tiled_chunk(qc, kh, vh, scale, recipe, mc, key_tile, vc)
         outs.append(o)
         lses.append(l_)
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
-def _tiled_chunk(q, k, v, scale, recipe, mask, key_tile):
+def _visits_per_row(key_tiles, query_tile, sq: int, n_key_tiles: int, qh, kh) -> torch.Tensor:
+    """``key_tiles`` (B|1, H|1, n_q_tiles, n_key_tiles) checked and expanded to one row per query,
+    (B|1, H|1, Sq, n_key_tiles) bool."""
+    if not isinstance(key_tiles, torch.Tensor) or key_tiles.dtype != torch.bool:
+        raise TypeError(f"key_tiles must be a bool tensor, got {getattr(key_tiles, 'dtype', type(key_tiles).__name__)}")
+    if isinstance(query_tile, bool) or not isinstance(query_tile, int) or query_tile < 1:
+        raise ValueError(f"query_tile must be a positive int when key_tiles is given, got {query_tile!r}")
+    lead = torch.broadcast_shapes(qh.shape[:-2], kh.shape[:-2])
+    want = (-(-sq // query_tile), n_key_tiles)
+    if key_tiles.dim() != 4 or tuple(key_tiles.shape[-2:]) != want or any(
+            n not in (1, m) for n, m in zip(key_tiles.shape[:2], lead)):
+        raise ValueError(f"key_tiles has shape {tuple(key_tiles.shape)}, expected (B|1, H|1, {want[0]}, {want[1]}) "
+                         f"for (B, H) = {tuple(lead)}, {sq} queries in tiles of {query_tile} and {n_key_tiles} key tiles")
+    if key_tiles.device != qh.device:
+        raise ValueError(f"key_tiles is on {key_tiles.device}, q on {qh.device}")
+    return key_tiles.repeat_interleave(query_tile, dim=-2)[..., :sq, :]
+
+
+def _tiled_chunk(q, k, v, scale, recipe, mask, key_tile, visit=None):
     lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
     sq, dv = q.shape[-2], v.shape[-1]
     m = torch.full((*lead, sq), -math.inf, device=q.device)
     l_ = torch.zeros((*lead, sq), device=q.device)
     acc = torch.zeros((*lead, sq, dv), device=q.device)
     quantized_row_sum = recipe.row_sum is RowSum.QUANTIZED
+    # key tiles some row of the chunk visits (one read-back per chunk); a tile no row visits changes
+    # nothing (see attention_tiled) and is not computed
+    wanted = None if visit is None else visit.reshape(-1, visit.shape[-1]).any(dim=0).tolist()
     for j0 in range(0, k.shape[-2], key_tile):
+        if wanted is not None and not wanted[j0 // key_tile]:
+            continue
         s = (q @ k[..., j0 : j0 + key_tile, :].transpose(-1, -2)) * scale
         if mask is not None:
             s = s.masked_fill(~mask[..., j0 : j0 + key_tile], -math.inf)
+        if visit is not None:
+            s = s.masked_fill(~visit[..., j0 // key_tile].unsqueeze(-1), -math.inf)
         m_new = torch.maximum(m, s.amax(dim=-1))
         m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows with nothing visible yet
         alpha = torch.exp(m - m_safe)
