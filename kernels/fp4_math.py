@@ -12,6 +12,10 @@ import triton
 import triton.language as tl
 
 
+#: format codes of the kernels' ``FMT`` constexprs: what an operand is quantized to (none: kept)
+FMT_NONE, FMT_MXFP4, FMT_NVFP4, FMT_E4M3 = (tl.constexpr(i) for i in range(4))
+
+
 @triton.jit
 def pow2(e):
     """2^e as fp32 for integer e in [-126, 127], built from the exponent bits (exact)."""
@@ -247,7 +251,7 @@ def mx_pack_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, QB: tl.constexpr, OC
                  QMAX: tl.constexpr):
     """MXFP4-quantize ``x`` ([ROWS, COLS] fp32) in blocks of QB along the last axis, as packed
     E2M1 codes ([ROWS, COLS // 2] uint8) and E8M0 scales ([ROWS, COLS // QB] uint8): the same
-    values as ``fake_quant_rows(x, .., FMT=1, SIGNED=True)``, in the storage ``tl.dot_scaled`` takes."""
+    values as ``fake_quant_rows(x, .., FMT=FMT_MXFP4, SIGNED=True)``, in the storage ``tl.dot_scaled`` takes."""
     xb = tl.reshape(x, (ROWS, COLS // QB, QB))
     a = tl.abs(xb)
     amax = tl.max(a, axis=2)
@@ -403,7 +407,7 @@ def e4m3_bits(s):
 def nv_pack_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, QB: tl.constexpr):
     """NVFP4-quantize ``x`` ([ROWS, COLS] fp32) in blocks of QB (16) along the last axis, as packed
     E2M1 codes ([ROWS, COLS // 2] uint8) and E4M3 scale bytes ([ROWS, COLS // QB] uint8): the values
-    of ``fake_quant_rows(x, .., FMT=2, SIGNED=True)`` (a block whose scale rounds to 0 becomes 0),
+    of ``fake_quant_rows(x, .., FMT=FMT_NVFP4, SIGNED=True)`` (a block whose scale rounds to 0 becomes 0),
     in the storage Blackwell's ``kind::mxf4nvf4`` MMAs take."""
     xb = tl.reshape(x, (ROWS, COLS // QB, QB))
     a = tl.abs(xb)
@@ -496,7 +500,7 @@ def fake_quant_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr
                     OCP: tl.constexpr, QMAX: tl.constexpr, SIGNED: tl.constexpr):
     """Quantize-dequantize ``x`` ([ROWS, COLS] fp32) in blocks of QB along the last axis.
 
-    FMT 1: MXFP4 (E8M0 scale, OCP floor rule or ceil(log2(amax / QMAX))); FMT 2: NVFP4
+    FMT_MXFP4: MXFP4 (E8M0 scale, OCP floor rule or ceil(log2(amax / QMAX))); FMT_NVFP4: NVFP4
     (:func:`nvfp4_block_scale`; a block whose scale rounds to 0 becomes 0). All-zero blocks
     stay zero. Exponents are kept in [-126, 126] (the reference allows ±127: only blocks with
     amax below 2^-124 or above 2^126 differ).
@@ -504,7 +508,7 @@ def fake_quant_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr
     xb = tl.reshape(x, (ROWS, COLS // QB, QB))
     a = tl.abs(xb) if SIGNED else xb
     amax = tl.max(a, axis=2)
-    if FMT == 1:
+    if FMT == FMT_MXFP4:
         e = tl.where(amax > 0, tl.minimum(tl.maximum(mx_block_exponent(amax, OCP, QMAX), -126), 126), 0)
         if SIGNED:  # exact: the grid scales with 2^e
             q = round_e2m1_signed(xb, pow2(e)[:, :, None])

@@ -17,14 +17,15 @@ from fp4video.formats import Format, ScaleRule
 from fp4video.recipe import AttentionRecipe, RowSum
 from fp4video.reference import KEY_TILE
 
-from .fp4_math import fake_quant_rows
+from .fp4_math import FMT_MXFP4, FMT_NONE, fake_quant_rows
 from .launch import LoopLaunch
 from .operands import WorkOperands
 from .plan import Plan
 from .tiles import key_mask, next_pow2, outputs, program_rows, store_out_lse
 
 #: P quantization modes (constexpr): none (``fp16``), MXFP4 blocks of QB keys
-P_NONE, P_MX = 0, 1
+#: ``P_MODE``: P kept, or quantized to MXFP4 (the format codes of :func:`.fp4_math.fake_quant_rows`)
+P_NONE, P_MX = FMT_NONE, FMT_MXFP4
 
 #: Shared memory (bytes) per number of stages, compiled offline (Triton 3.9, head dim 128, MXFP4 P,
 #: masked, 8 warps)
@@ -82,7 +83,7 @@ def _bf16_attn_fwd(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
-        p_hat = p if P_MODE == 0 else fake_quant_rows(p, BLOCK_M, BLOCK_N, P_MODE, QB, OCP, QMAX, False)
+        p_hat = p if P_MODE == P_NONE else fake_quant_rows(p, BLOCK_M, BLOCK_N, P_MODE, QB, OCP, QMAX, False)
         if PNQ:
             l_i = alpha * l_i + tl.sum(p_hat, axis=1)
         else:
@@ -115,7 +116,7 @@ def attention_bf16(ops: WorkOperands, key_alive, plan: Plan, *, recipe: Attentio
     dev = qh.device
     out, lse = outputs(qh.shape, dv, dev, out_dtype)
     km = key_mask(key_alive, dev)
-    p_mode = {None: P_NONE, Format.MXFP4: P_MX}[recipe.pv_format]
+    p_mode = {None: P_NONE, Format.MXFP4: P_MX}[recipe.pv_format].value
     block_m, num_warps, num_stages = LAUNCH.resolve(dev, block_m, num_warps, num_stages)
     _bf16_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
         qh, kh, vh, km, out, lse,

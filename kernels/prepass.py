@@ -22,17 +22,23 @@ from fp4video.reference import KEY_TILE, qk_padded_dim
 from fp4video.rotation import hadamard_matrix
 
 from .checks import k_smoothing_mean
-from .fp4_math import (e4m3_pow2_shift, fake_quant_rows, fp8_shift_from_raw_max, mx_block_exponent, mx_pack_rows,
-                       nv_pack_rows, pow2,
-                       round_e2m1_signed, round_e4m3_signed)
+from .fp4_math import (FMT_E4M3, FMT_MXFP4, FMT_NONE, FMT_NVFP4, e4m3_pow2_shift, fake_quant_rows,
+                       fp8_shift_from_raw_max, mx_block_exponent, mx_pack_rows, nv_pack_rows, pow2, round_e2m1_signed,
+                       round_e4m3_signed)
 from .key_order import as_mma_operand, key_order_matrix, quad_key_order, tile_key_position
 from .launch import fitting_stages
 from .operands import FP8Operands, PackedOperands, TileOperands, WorkOperands
 from .tiles import next_pow2
 
-FMT_CODE = {None: 0, Format.MXFP4: 1, Format.NVFP4: 2, Format.E4M3: 3}
-#: output modes of the pre-pass kernels (0: the work dtype)
-FP8_ROW, FP8_AMAX, FP8_HEAD, E2M1_PACKED, FP8_TILE, TILE_ROWS, FP8_TILE_ORDERED, HEAD_AMAX = 1, 2, 3, 4, 5, 6, 7, 8
+#: the pre-pass kernels' ``FMT`` by format (none: rotated and smoothed only)
+FMT_CODE = {None: FMT_NONE, Format.MXFP4: FMT_MXFP4, Format.NVFP4: FMT_NVFP4, Format.E4M3: FMT_E4M3}
+#: the pre-pass kernels' ``OUT``, what a launch writes: WORK the work dtype's values; FP8_ROW E4M3 rows
+#: with a factor per row (Q); FP8_TILE / FP8_TILE_ORDERED E4M3 rows with a factor per key tile (K; in
+#: key or tile key order); FP8_AMAX V's channel maxima alone; FP8_HEAD E4M3 V̂ᵀ with a factor per
+#: channel; E2M1_PACKED packed codes with block scales; TILE_ROWS work-dtype rows in tile key order;
+#: HEAD_AMAX each head's largest |x| alone
+(WORK, FP8_ROW, FP8_AMAX, FP8_HEAD, E2M1_PACKED, FP8_TILE, TILE_ROWS, FP8_TILE_ORDERED,
+ HEAD_AMAX) = (tl.constexpr(i) for i in range(9))
 
 
 #: shared memory of the row pre-pass by stages (K's 128-row key tiles, bf16 inputs: the most;
@@ -107,7 +113,7 @@ def _prepass_rows(
     2^-c per row into Fac[b, h, row]); FP8_TILE shifted per block of BLOCK_S rows (one key tile
     of the attention loop; factor into Fac[b, h, tile]); E2M1_PACKED packed codes and scales;
     HEAD_AMAX no values, the largest |x| (as quantized: smoothed, rotated) of each head into
-    Fac[b·H + h] (fp32, atomic). TSCALE (NVFP4, OUT 0 or TILE_ROWS): Fac holds each head's tensor
+    Fac[b·H + h] (fp32, atomic). TSCALE (NVFP4, WORK or TILE_ROWS): Fac holds each head's tensor
     scale g and 1/g (powers of two, Fac[2·(b·H + h)] and the next): blocks are quantized on x / g.
     QUAD (E2M1_PACKED K̂ of consumer Blackwell's dot_scaled loop): key r is stored in row
     :func:`.key_order.quad_key_order` (r) (Out must have the rows of whole 32-key groups, and MXFP4's
@@ -171,17 +177,17 @@ def _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, blk,
         else:
             x = tl.dot(x, hm, input_precision=ROT_PRECISION)
     out_ptrs = Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :]
-    if OUT == 1 or OUT == 5 or OUT == 7:  # FP8_ROW, FP8_TILE, FP8_TILE_ORDERED
+    if OUT == FP8_ROW or OUT == FP8_TILE or OUT == FP8_TILE_ORDERED:
         # the shift c follows from the largest |x · norm| before quantization (fp8_shift_from_raw_max),
         # so one product x · (norm · 2^c) both normalizes and shifts (2^c is exact: equal to
         # shifting the quantized values), and the blocks are quantized at their scales times 2^c
-        if FMT == 3:  # E4M3 itself: no blocks, the row's / key tile's largest |x| into [128, 256)
+        if FMT == FMT_E4M3:  # E4M3 itself: no blocks, the row's / key tile's largest |x| into [128, 256)
             big = tl.max(tl.abs(x), axis=1)
-            if OUT != 1:
+            if OUT != FP8_ROW:
                 big = tl.max(big, axis=0)
             c = e4m3_pow2_shift(big * norm)
             factor = norm * pow2(c)
-            if OUT == 1:
+            if OUT == FP8_ROW:
                 y = round_e4m3_signed(x * factor[:, None], HW_E4M3)
             else:
                 y = round_e4m3_signed(x * factor, HW_E4M3)
@@ -189,11 +195,11 @@ def _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, blk,
             xb = tl.reshape(x, (BLOCK_S, D // QB, QB))
             block_max = tl.max(tl.abs(xb), axis=2)
             big = tl.max(block_max, axis=1)
-            if OUT != 1:  # one shift per key tile
+            if OUT != FP8_ROW:  # one shift per key tile
                 big = tl.max(big, axis=0)
             c = fp8_shift_from_raw_max(big * norm, OCP, QMAX)
             factor = norm * pow2(c)
-            if OUT == 1:
+            if OUT == FP8_ROW:
                 e = mx_block_exponent(block_max * factor[:, None], OCP, QMAX)
                 xs = xb * factor[:, None, None]
             else:
@@ -202,19 +208,19 @@ def _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, blk,
             # (all-zero blocks: any unit rounds them to 0)
             q = round_e2m1_signed(xs, pow2(tl.minimum(tl.maximum(e, -126), 126))[:, :, None])
             y = tl.reshape(q, (BLOCK_S, D)).to(tl.float8e4nv)
-        if OUT == 7:  # a whole key tile (zero rows past S), its rows in the loops' key order; none past the
+        if OUT == FP8_TILE_ORDERED:  # a whole key tile (zero rows past S), its rows in the loops' key order; none past the
             # last tile (a program's last blocks can lie beyond it)
             tl.store(Out + b * sob + h * soh + tile_key_position(rows, BLOCK_S)[:, None] * sos + cols[None, :], y,
                      mask=(rows < tl.cdiv(S, BLOCK_S) * BLOCK_S)[:, None])
         else:
             tl.store(out_ptrs, y, mask=(rows < S)[:, None])
-        if OUT == 1:
+        if OUT == FP8_ROW:
             tl.store(Fac + bh * S + rows, pow2(-c), mask=rows < S)
         else:
             tl.store(Fac + bh * tl.cdiv(S, BLOCK_S) + blk, pow2(-c), mask=blk * BLOCK_S < S)
-    elif OUT == 8:  # HEAD_AMAX
+    elif OUT == HEAD_AMAX:  # each head's largest |x|
         tl.atomic_max(Fac + bh, tl.max(tl.max(tl.abs(x * norm), axis=1), axis=0))
-    elif OUT == 4 and FMT == 2:  # E2M1_PACKED, NVFP4: each row of Out holds its codes along D, then its
+    elif OUT == E2M1_PACKED and FMT == FMT_NVFP4:  # NVFP4: each row of Out holds its codes along D, then its
         # E4M3 scale bytes (B, H, S, D // 2 + D // QB); blocks quantized on x / g (TSCALE: g, 1/g in Fac)
         x = x * norm
         if TSCALE:
@@ -225,7 +231,7 @@ def _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, blk,
         row_base = Out + b * sob + h * soh + (quad_key_order(rows) if QUAD else rows)[:, None] * sos
         tl.store(row_base + half[None, :], codes, mask=(rows < S)[:, None])
         tl.store(row_base + D // 2 + nb[None, :], scales, mask=(rows < S)[:, None])
-    elif OUT == 4:  # E2M1_PACKED: codes along D into Out, E8M0 scales into Fac (B, H, S, D // QB)
+    elif OUT == E2M1_PACKED:  # codes along D into Out, E8M0 scales into Fac (B, H, S, D // QB)
         codes, scales = mx_pack_rows(x * norm, BLOCK_S, D, QB, OCP, QMAX)
         half = tl.arange(0, D // 2)
         at = quad_key_order(rows) if QUAD else rows
@@ -235,11 +241,11 @@ def _rows_block(X, Alive, Mean, hm, Out, Fac, b, h, bh, blk,
         tl.store(Fac + (bh * sf_rows + at)[:, None] * (D // QB) + nb[None, :], scales, mask=(rows < S)[:, None])
     else:
         x = x * norm
-        if FMT != 0 and TSCALE:  # (x / g exact: g is a power of two)
+        if FMT != FMT_NONE and TSCALE:  # (x / g exact: g is a power of two)
             x = fake_quant_rows(x * tl.load(Fac + 2 * bh + 1), BLOCK_S, D, FMT, QB, OCP, QMAX, True) * tl.load(Fac + 2 * bh)
-        elif FMT != 0:
+        elif FMT != FMT_NONE:
             x = fake_quant_rows(x, BLOCK_S, D, FMT, QB, OCP, QMAX, True)
-        if OUT == 0:
+        if OUT == WORK:
             tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=(rows < S)[:, None])
         else:  # TILE_ROWS: rows in tile key order, zero rows up to whole key tiles
             pos = tile_key_position(rows, 128)
@@ -280,11 +286,11 @@ def _prepass_v(
     b = bh // H
     h = bh % H
     cols = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    if FMT == 3 and (OUT == 3 or OUT == 6):  # E4M3 V: each channel's largest |v| into [128, 256)
+    if FMT == FMT_E4M3 and (OUT == FP8_HEAD or OUT == TILE_ROWS):  # E4M3 V: each channel's largest |v| into [128, 256)
         c = e4m3_pow2_shift(tl.load(Amax + bh * DV_PAD + cols).to(tl.float32, bitcast=True))
-    elif OUT == 3:  # FP8_HEAD: the channel shifts, from the maxima FP8_AMAX folded (before quantization)
+    elif OUT == FP8_HEAD:  # the channel shifts, from the maxima FP8_AMAX folded (before quantization)
         c = fp8_shift_from_raw_max(tl.load(Amax + bh * DV_PAD + cols).to(tl.float32, bitcast=True), OCP, QMAX)
-    if OUT == 3 and MMA_T:  # FP8_HEAD, transposed by the tensor cores (V's own dtype): TILES tiles per
+    if OUT == FP8_HEAD and MMA_T:  # transposed by the tensor cores (V's own dtype): TILES tiles per
         # program, Π and the channel shifts read once for all of them
         k = tl.arange(0, BLOCK_S)
         pi = tl.load(Pi + k[:, None] * BLOCK_S + k[None, :])
@@ -293,7 +299,7 @@ def _prepass_v(
             x = _v_tile(V, Alive, b, h, tile, cols, S, DV, svb, svh, svs, svd, sab, sas, HAS_ALIVE, BLOCK_S)
             _v_e4m3_mma_transposed(x, pi, c, Out, Fac, b, h, bh, tile, cols, S, sob, soh, sod,
                                    DV_PAD, BLOCK_DV, BLOCK_S, QB, OCP, QMAX, IEEE, FMT, HW_E4M3, KEY_ORDER)
-    elif OUT == 2:  # FP8_AMAX: a plain read of TILES tiles, no quantization; one atomic per channel
+    elif OUT == FP8_AMAX:  # a plain read of TILES tiles, no quantization; one atomic per channel
         # for the channel maxima, and one for the smallest nonzero block maximum (Fac: the e4m3
         # window check of prepass_fp8_window)
         amax = tl.zeros((BLOCK_DV,), tl.float32)
@@ -310,7 +316,7 @@ def _prepass_v(
         x = _v_tile(V, Alive, b, h, pid, cols, S, DV, svb, svh, svs, svd, sab, sas, HAS_ALIVE, BLOCK_S)
         rows = pid * BLOCK_S + tl.arange(0, BLOCK_S)
         x = x.to(tl.float32)
-        if OUT == 4 and FMT == 2:  # E2M1_PACKED, NVFP4, transposed: each channel's row holds its codes
+        if OUT == E2M1_PACKED and FMT == FMT_NVFP4:  # E2M1_PACKED, NVFP4, transposed: each channel's row holds its codes
             # along tokens, then its E4M3 scale bytes (B, H, Dv, S_pad // 2 + S_pad // QB); TSCALE: g, 1/g in Fac
             if TSCALE:
                 x = x * tl.load(Fac + 2 * bh + 1)
@@ -320,7 +326,7 @@ def _prepass_v(
             row_base = Out + b * sob + h * soh + cols[:, None] * sod
             tl.store(row_base + half[None, :], codes)
             tl.store(row_base + tl.cdiv(S, BLOCK_S) * (BLOCK_S // 2) + nb[None, :], scales)
-        elif OUT == 4:  # E2M1_PACKED, transposed: codes along tokens (B, H, Dv, S_pad // 2), scales
+        elif OUT == E2M1_PACKED:  # E2M1_PACKED, transposed: codes along tokens (B, H, Dv, S_pad // 2), scales
             # (B, H, Dv, S_pad // QB); S_pad is a multiple of BLOCK_S, so every program writes whole tiles
             codes, scales = mx_pack_rows(tl.trans(x), BLOCK_DV, BLOCK_S, QB, OCP, QMAX)
             half = pid * (BLOCK_S // 2) + tl.arange(0, BLOCK_S // 2)
@@ -328,23 +334,23 @@ def _prepass_v(
             nb = pid * (BLOCK_S // QB) + tl.arange(0, BLOCK_S // QB)
             tl.store(Fac + (bh * DV_PAD + cols)[:, None] * (sod * 2 // QB) + nb[None, :], scales)
         else:
-            if FMT == 3 and OUT == 6:  # E4M3 values with their channel scales, in Out's dtype (exact)
+            if FMT == FMT_E4M3 and OUT == TILE_ROWS:  # E4M3 values with their channel scales, in Out's dtype (exact)
                 x = round_e4m3_signed(x * pow2(c)[None, :], HW_E4M3).to(tl.float32) * pow2(-c)[None, :]
-            elif FMT == 3:
-                tl.static_assert(OUT == 3, "E4M3 V: the e4m3 (FP8_HEAD) or tile-ordered (TILE_ROWS) outputs")
-            elif FMT != 0 and TSCALE:  # NVFP4 with the head's tensor scale g, 1/g in Fac (as in _prepass_rows)
+            elif FMT == FMT_E4M3:
+                tl.static_assert(OUT == FP8_HEAD, "E4M3 V: the e4m3 (FP8_HEAD) or tile-ordered (TILE_ROWS) outputs")
+            elif FMT != FMT_NONE and TSCALE:  # NVFP4 with the head's tensor scale g, 1/g in Fac (as in _prepass_rows)
                 x = tl.trans(fake_quant_rows(tl.trans(x * tl.load(Fac + 2 * bh + 1)), BLOCK_DV, BLOCK_S, FMT, QB, OCP,
                                              QMAX, True)) * tl.load(Fac + 2 * bh)
-            elif FMT != 0:
+            elif FMT != FMT_NONE:
                 x = tl.trans(fake_quant_rows(tl.trans(x), BLOCK_DV, BLOCK_S, FMT, QB, OCP, QMAX, True))
             out_ptrs = Out + b * sob + h * soh + rows[:, None] * sos + cols[None, :] * sod
             out_ok = (rows < S)[:, None] & (cols[None, :] < DV)
-            if OUT == 6:  # TILE_ROWS: rows in tile key order, zero rows up to whole key tiles
+            if OUT == TILE_ROWS:  # rows in tile key order, zero rows up to whole key tiles
                 out_ptrs = Out + b * sob + h * soh + tile_key_position(rows, 128)[:, None] * sos + cols[None, :] * sod
                 out_ok = (rows < tl.cdiv(S, 128) * 128)[:, None] & (cols[None, :] < DV)
-            if OUT == 0 or OUT == 6:
+            if OUT == WORK or OUT == TILE_ROWS:
                 tl.store(out_ptrs, x.to(Out.dtype.element_ty), mask=out_ok)
-            elif FMT == 3:  # FP8_HEAD of E4M3 V
+            elif FMT == FMT_E4M3:  # FP8_HEAD of E4M3 V
                 _store_v8t(Out, Fac, b, h, bh, pid, cols, sob, soh, sod, DV_PAD, BLOCK_S, QB,
                            round_e4m3_signed(x * pow2(c)[None, :], HW_E4M3), c, KEY_ORDER)
             else:  # FP8_HEAD
@@ -402,7 +408,7 @@ def _v_e4m3_mma_transposed(x, pi, c, Out, Fac, b, h, bh, pid, cols, S, sob, soh,
         xt = tl.dot(tl.trans(x.to(tl.float32)), pi, input_precision="ieee")
     else:
         xt = tl.dot(tl.trans(x), pi)
-    if FMT == 3:  # E4M3 V: the channel's shift only
+    if FMT == FMT_E4M3:  # E4M3 V: the channel's shift only
         y = round_e4m3_signed(xt * pow2(c)[:, None], HW_E4M3)
     else:
         xb = tl.reshape(xt, (BLOCK_DV, BLOCK_S // 8, 4, 2))  # column 8j + 2t + e: block t
@@ -413,7 +419,7 @@ def _v_e4m3_mma_transposed(x, pi, c, Out, Fac, b, h, bh, pid, cols, S, sob, soh,
     if KEY_ORDER:
         y = as_mma_operand(y, BLOCK_DV, BLOCK_S)
     else:
-        tl.static_assert(FMT == 3, "tokens in order: E4M3 V only (MXFP4 V's blocks follow Π's column order)")
+        tl.static_assert(FMT == FMT_E4M3, "tokens in order: E4M3 V only (MXFP4 V's blocks follow Π's column order)")
     first = pid * BLOCK_S + k * 0  # (the tile's first token, as a tensor: a mask for every column)
     tl.store(Out + b * sob + h * soh + cols[:, None] * sod + (pid * BLOCK_S + k)[None, :], y,
              mask=(first < S)[None, :] & (cols[:, None] >= 0))
@@ -505,8 +511,8 @@ class PrePass:
             # are far slower); exact fp32 in the interpreter
             ROT_PRECISION="bf16" if self.dev.type == "cuda" else "ieee",
             ROT_PARTS=self.rotation_parts(x, smooth=mean.dim() == 3),
-            FMT=FMT_CODE[fmt], QB=fmt.block if fmt and fmt.fp4 else 32, OCP=rule is ScaleRule.OCP, QMAX=rule.qmax,
-            D=self.d, BLOCK_S=block_s, OUT=out_mode, BLOCKS_PER_PROGRAM=per_program, PERSISTENT=bool(per_sm),
+            FMT=FMT_CODE[fmt].value, QB=fmt.block if fmt and fmt.fp4 else 32, OCP=rule is ScaleRule.OCP, QMAX=rule.qmax,
+            D=self.d, BLOCK_S=block_s, OUT=tl.constexpr(out_mode).value, BLOCKS_PER_PROGRAM=per_program, PERSISTENT=bool(per_sm),
             TSCALE=tscale is not None, HW_E4M3=self.dev.type == "cuda", QUAD=quad, num_warps=warps,
             num_stages=fitting_stages(self.dev, stages, ROW_SHARED_MEMORY),  # (1 on ~100 KB GPUs)
         )
@@ -517,7 +523,7 @@ class PrePass:
         if tscale is not None:
             fac = tscale
         transposed = out_mode in (FP8_AMAX, FP8_HEAD, E2M1_PACKED)  # (B, H, Dv, S_pad) outputs
-        block_s = KEY_TILE if out_mode else self.launch.block_s  # whole key tiles unless OUT = 0
+        block_s = KEY_TILE if out_mode != WORK else self.launch.block_s  # whole key tiles unless WORK
         dv_pad = out.shape[-2] if transposed else next_pow2(dv)
         # the tensor-core transposition: exact for bf16/fp16 V on the GPU, fp32 (IEEE) in the interpreter
         gpu = self.dev.type == "cuda"
@@ -534,9 +540,9 @@ class PrePass:
             *self.v.stride(),
             self.alive.stride(0), self.alive.stride(1),
             *((out.stride(0), out.stride(1), 1, out.stride(2)) if transposed else (*out.stride()[:3], 1)),
-            HAS_ALIVE=self.key_alive is not None, FMT=FMT_CODE[fmt], QB=fmt.block if fmt and fmt.fp4 else 32,
+            HAS_ALIVE=self.key_alive is not None, FMT=FMT_CODE[fmt].value, QB=fmt.block if fmt and fmt.fp4 else 32,
             OCP=rule is ScaleRule.OCP, QMAX=rule.qmax, DV_PAD=dv_pad, BLOCK_DV=chunk,
-            BLOCK_S=block_s, OUT=out_mode, num_warps=self.launch.v_warps,
+            BLOCK_S=block_s, OUT=tl.constexpr(out_mode).value, num_warps=self.launch.v_warps,
             # (exact for V's own precision only: bf16 or fp16, at most 11 significant bits)
             MMA_T=mma_t, IEEE=not gpu, TILES=tiles, num_stages=fitting_stages(self.dev, self.launch.v_stages, V_SHARED_MEMORY),
             TSCALE=tscale is not None, HW_E4M3=gpu, KEY_ORDER=key_order,
@@ -580,9 +586,9 @@ class PrePass:
         k_hat = torch.empty(b, h, self.sk, self.d, device=dev, dtype=work_dtype)
         v_hat = torch.empty(b, h, self.sk, self.dv, device=dev, dtype=work_dtype)
         ts_q, ts_k, ts_v = self.tensor_scales()
-        self.rows(self.q, self.sq, False, 0, q_hat, tscale=ts_q)
-        self.rows(self.k, self.sk, True, 0, k_hat, tscale=ts_k)
-        self.values(0, v_hat, tscale=ts_v)
+        self.rows(self.q, self.sq, False, WORK, q_hat, tscale=ts_q)
+        self.rows(self.k, self.sk, True, WORK, k_hat, tscale=ts_k)
+        self.values(WORK, v_hat, tscale=ts_v)
         return WorkOperands(q_hat, k_hat, v_hat)
 
     def run_tiles(self, work_dtype):
@@ -594,7 +600,7 @@ class PrePass:
         k_hat = torch.empty(b, h, sk_pad, self.d, device=dev, dtype=work_dtype)
         v_hat = torch.empty(b, h, sk_pad, self.dv, device=dev, dtype=work_dtype)
         ts_q, ts_k, ts_v = self.tensor_scales()
-        self.rows(self.q, self.sq, False, 0, q_hat, tscale=ts_q)
+        self.rows(self.q, self.sq, False, WORK, q_hat, tscale=ts_q)
         self.rows(self.k, self.sk, True, TILE_ROWS, k_hat, tscale=ts_k)
         amax = self.channel_maxima(next_pow2(self.dv)) if self.recipe.pv_format is Format.E4M3 else None
         self.values(TILE_ROWS, v_hat, amax=amax, tscale=ts_v)

@@ -135,7 +135,7 @@ def _loop(method: str, arch: int):
 
     stages = stages_that_fit(target, limit, LAUNCH.num_stages, LAUNCH.shared_memory)
     ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
-    consts = dict(HAS_MASK=False, P_MODE=P_MX if pv is Format.MXFP4 else P_NONE, QB=32, OCP=r.scale_rule is ScaleRule.OCP,
+    consts = dict(HAS_MASK=False, P_MODE=(P_MX if pv is Format.MXFP4 else P_NONE).value, QB=32, OCP=r.scale_rule is ScaleRule.OCP,
                   QMAX=r.scale_rule.qmax, PNQ=r.row_sum is RowSum.QUANTIZED, IEEE=False, D=128, BLOCK_DV=128,
                   BLOCK_M=LAUNCH.block_m, BLOCK_N=128)
     return ("loop_bf16._bf16_attn_fwd", fn, consts, ptr, LAUNCH.block_m * 128 // (LAUNCH.num_warps * 32),

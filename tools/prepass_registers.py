@@ -23,15 +23,17 @@ import tempfile
 REGISTERS_PER_SM, SHARED_PER_SM, SHARED_RESERVED = 65536, 228 * 1024, 1024  # H200 (sm_90)
 
 
-def compile_rows(out_mode: int, block_s: int, warps: int, stages: int, per_program: int, persistent: bool):
-    """The ``_prepass_rows`` launch for MXFP4 (UOS) with the Hadamard rotation in bf16, compiled for sm_90."""
+def compile_rows(out_mode, block_s: int, warps: int, stages: int, per_program: int, persistent: bool):
+    """The row pre-pass launch for MXFP4 (UOS) with the Hadamard rotation in bf16, compiled for sm_90;
+    ``out_mode``: one of :mod:`fp4video.kernels.prepass`' ``OUT`` modes."""
     from offline_compile import compile_kernel
 
     from fp4video.formats import ScaleRule
+    from fp4video.kernels import prepass as pp
     from fp4video.kernels.prepass import ROWS_KERNEL as fn
 
-    consts = dict(HAS_ALIVE=False, SMOOTH=False, ROTATE=True, ROT_PRECISION="bf16", ROT_PARTS=1, FMT=1, QB=32,
-                  OCP=False, QMAX=ScaleRule.UOS.qmax, D=128, BLOCK_S=block_s, OUT=out_mode,
+    consts = dict(HAS_ALIVE=False, SMOOTH=False, ROTATE=True, ROT_PRECISION="bf16", ROT_PARTS=1, FMT=pp.FMT_MXFP4.value, QB=32,
+                  OCP=False, QMAX=ScaleRule.UOS.qmax, D=128, BLOCK_S=block_s, OUT=out_mode.value,
                   BLOCKS_PER_PROGRAM=per_program, PERSISTENT=persistent, TSCALE=False, HW_E4M3=True, QUAD=False)
     ptr = {"X": "*bf16", "Alive": "*i8", "Mean": "*fp32", "Hm": "*bf16", "Out": "*fp8e4nv", "Fac": "*fp32"}
     s, s_pad = 32760, 32768  # Wan 480p, H = 40; K̂ padded to whole key tiles; the unused Alive and Mean: 1 × 1
