@@ -4,7 +4,8 @@ Public API::
 
     from fp4video import fp4_attention, METHODS, AttentionRecipe
     out = fp4_attention(q, k, v, method="mxattn", layout="bshd")
-    fp4video.install(pipe, policy)          # diffusers Wan pipelines (FP4Processor everywhere)
+    fp4video.install(pipe, policy)          # diffusers video pipelines: a precision policy per site
+    result = fp4video.calibrate(pipe, prompts, budget=0.1)   # the cheapest attention per site
 """
 
 from .attention import fp4_attention
@@ -18,8 +19,12 @@ def __getattr__(name):
         from . import integration
 
         return getattr(integration, name)
+    if name == "calibrate":  # imported on first use too (it imports the integration)
+        from .calibration import calibrate
+
+        return calibrate
     raise AttributeError(f"module 'fp4video' has no attribute {name!r}")
 
 __version__ = "0.1.0"
 
-__all__ = ["fp4_attention", "FP4Processor", "install", "uninstall", "Policy", "METHODS", "AttentionRecipe", "get_recipe", "quantize", "quantize_dequantize", "QTensor"]
+__all__ = ["fp4_attention", "FP4Processor", "install", "uninstall", "Policy", "calibrate", "METHODS", "AttentionRecipe", "get_recipe", "quantize", "quantize_dequantize", "QTensor"]

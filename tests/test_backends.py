@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_wan(pipe, steps=2):
     return pipe(prompt="a cat", negative_prompt="", height=48, width=64, num_frames=5, num_inference_steps=steps,
-                guidance_scale=4.0, output_type="np", generator=torch.Generator().manual_seed(0)).frames[0]
+                max_sequence_length=16, guidance_scale=4.0, output_type="np", generator=torch.Generator().manual_seed(0)).frames[0]
 
 
 def run_ltx(pipe, steps=2):

@@ -371,9 +371,9 @@ def _build_tiny(args, device):
     """The tiny random transformers of the tests (CPU smoke runs of the bench code paths)."""
     import torch
 
-    from ..integration.tiny import _tiny_wan_transformer, tiny_hunyuan_transformer
+    from ..integration.tiny import tiny_hunyuan_transformer, tiny_wan_transformer
 
-    model = (_tiny_wan_transformer(0, 32) if args.model == "wan22" else tiny_hunyuan_transformer(0, 32)).to(device)
+    model = (tiny_wan_transformer(0, 32) if args.model == "wan22" else tiny_hunyuan_transformer(0, 32)).to(device)
 
     def inputs(res):
         g = torch.Generator(device=device).manual_seed(1)

@@ -1,15 +1,29 @@
 """Tiny random-weight pipelines, built offline from configs (no downloads), that still exercise the
 FP4 path for real: head dim 64, hundreds of video tokens, 2 blocks, 512 text tokens.
 
-Used by ``fp4video generate --model tiny`` (the embedded default) and the tests. They produce
-noise-like videos: the point is the plumbing and the numerics, not the pictures.
+A public API: ``fp4video generate --model tiny`` (the embedded default), ``fp4video calibrate
+--model tiny``, ``fp4video bench --tiny`` and the tests use it, and so can a user trying fp4video
+without weights::
+
+    from fp4video.integration.tiny import TINY_SIZES, tiny_wan_pipeline
+    pipe = tiny_wan_pipeline(two_experts=True)          # Wan2.2-style, both experts
+    frames = pipe(prompt="a cat", height=TINY_SIZES["height"], width=TINY_SIZES["width"],
+                  num_frames=TINY_SIZES["frames"], num_inference_steps=4, output_type="np").frames[0]
+
+One builder per family (``tiny_<family>_pipeline``; :func:`tiny_pipeline` by family name),
+transformers alone (:func:`tiny_wan_transformer`, :func:`tiny_hunyuan_transformer`), each family's
+sizes (:func:`tiny_sizes`) and call arguments (:data:`TINY_CALLS`), and :func:`add_sensitivity`,
+which builds into a transformer the sites a real model needs precision at (a block whose K has
+outlier channels with a large mean; denoising steps with sharp attention), to prove calibration.
+They produce noise-like videos: the point is the plumbing and the numerics, not the pictures.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["TINY_SIZES", "tiny_wan_pipeline", "tiny_wan_i2v_pipeline", "tiny_hunyuan_pipeline", "tiny_ltx_pipeline",
+__all__ = ["TINY_SIZES", "TINY_LTX_SIZES", "TINY_CALLS", "TINY_LTX_CALL", "TINY_HUNYUAN_CALL", "tiny_wan_transformer",
+           "tiny_hunyuan_transformer", "add_sensitivity", "tiny_image", "tiny_wan_pipeline", "tiny_wan_i2v_pipeline", "tiny_hunyuan_pipeline", "tiny_ltx_pipeline",
            "tiny_ltx2_pipeline", "tiny_skyreels_pipeline", "tiny_vace_pipeline", "tiny_animate_pipeline", "tiny_sana_pipeline",
            "tiny_hunyuan15_pipeline", "tiny_kandinsky5_pipeline", "tiny_pipeline", "tiny_sizes", "tiny_tokenizer",
            "tiny_animate_videos"]
@@ -32,9 +46,10 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
-def _tiny_wan_transformer(seed: int, head_dim: int, cls=None, **overrides):
-    """A 2-block Wan-architecture transformer (``cls``: WanTransformer3DModel, or a Wan derivative
-    taking the same config: SkyReels-V2, VACE)."""
+def tiny_wan_transformer(seed: int = 0, head_dim: int = 64, cls=None, **overrides):
+    """A 2-block Wan-architecture transformer with random weights (``cls``: WanTransformer3DModel,
+    or a Wan derivative taking the same config: SkyReels-V2, VACE); ``overrides`` change its config
+    (e.g. ``num_layers``). 2 heads of ``head_dim``, text dim 32, 16 latent channels."""
     if cls is None:
         from diffusers import WanTransformer3DModel as cls
 
@@ -45,6 +60,10 @@ def _tiny_wan_transformer(seed: int, head_dim: int, cls=None, **overrides):
         qk_norm="rms_norm_across_heads", rope_max_seq_len=64,
     )
     return cls(**{**config, **overrides}).eval()
+
+
+#: The private name some tests import.
+_tiny_wan_transformer = tiny_wan_transformer
 
 
 def _tiny_wan_parts(seed: int):
@@ -85,7 +104,7 @@ def tiny_wan_i2v_pipeline(*, head_dim: int = 64, seed: int = 0):
 
     parts = _tiny_wan_parts(seed)
     image_encoder, processor = _tiny_clip_vision(with_projection=True)
-    transformer = _tiny_wan_transformer(seed + 1, head_dim, in_channels=36, image_dim=16,
+    transformer = tiny_wan_transformer(seed + 1, head_dim, in_channels=36, image_dim=16,
                                         added_kv_proj_dim=2 * head_dim)
     return WanImageToVideoPipeline(**parts, image_encoder=image_encoder, image_processor=processor,
                                    transformer=transformer)
@@ -96,8 +115,8 @@ def tiny_wan_pipeline(*, two_experts: bool = True, head_dim: int = 64, seed: int
     from diffusers import WanPipeline
 
     parts = _tiny_wan_parts(seed)
-    transformer = _tiny_wan_transformer(seed + 1, head_dim)
-    transformer_2 = _tiny_wan_transformer(seed + 2, head_dim) if two_experts else None
+    transformer = tiny_wan_transformer(seed + 1, head_dim)
+    transformer_2 = tiny_wan_transformer(seed + 2, head_dim) if two_experts else None
     return WanPipeline(**parts, transformer=transformer, transformer_2=transformer_2,
                        boundary_ratio=0.875 if two_experts else None)
 
@@ -107,7 +126,7 @@ def tiny_skyreels_pipeline(*, head_dim: int = 64, seed: int = 0):
     from diffusers import SkyReelsV2Pipeline, SkyReelsV2Transformer3DModel
 
     return SkyReelsV2Pipeline(**_tiny_wan_parts(seed),
-                              transformer=_tiny_wan_transformer(seed + 1, head_dim, SkyReelsV2Transformer3DModel))
+                              transformer=tiny_wan_transformer(seed + 1, head_dim, SkyReelsV2Transformer3DModel))
 
 
 def tiny_vace_pipeline(*, head_dim: int = 64, seed: int = 0):
@@ -116,7 +135,7 @@ def tiny_vace_pipeline(*, head_dim: int = 64, seed: int = 0):
     from diffusers import FlowMatchEulerDiscreteScheduler, WanVACEPipeline, WanVACETransformer3DModel
 
     parts = dict(_tiny_wan_parts(seed), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
-    transformer = _tiny_wan_transformer(seed + 1, head_dim, WanVACETransformer3DModel, vace_layers=[0, 1],
+    transformer = tiny_wan_transformer(seed + 1, head_dim, WanVACETransformer3DModel, vace_layers=[0, 1],
                                         vace_in_channels=96)
     return WanVACEPipeline(**parts, transformer=transformer)
 
@@ -132,7 +151,7 @@ def tiny_animate_pipeline(*, head_dim: int = 64, seed: int = 0):
     from diffusers import WanAnimatePipeline, WanAnimateTransformer3DModel
 
     image_encoder, processor = _tiny_clip_vision(with_projection=False)
-    transformer = _tiny_wan_transformer(
+    transformer = tiny_wan_transformer(
         seed + 1, head_dim, WanAnimateTransformer3DModel, in_channels=36, latent_channels=16, image_dim=16,
         added_kv_proj_dim=2 * head_dim, motion_encoder_size=TINY_ANIMATE_FACE_SIZE, motion_style_dim=16, motion_dim=8,
         motion_encoder_dim=16, face_encoder_hidden_dim=32, face_encoder_num_heads=2, inject_face_latents_blocks=1)
@@ -205,6 +224,8 @@ def tiny_hunyuan15_pipeline(*, head_dim: int = 64, seed: int = 0):
 
 
 def tiny_hunyuan_transformer(seed: int = 0, head_dim: int = 64):
+    """A HunyuanVideo transformer with random weights: 1 dual- and 1 single-stream block, a token
+    refiner, 2 heads of ``head_dim``, 4 latent channels, text dim 16."""
     from diffusers import HunyuanVideoTransformer3DModel
 
     torch.manual_seed(seed)
@@ -401,6 +422,79 @@ TINY_CALLS = {
     # spatio-temporal guidance off: the real models name the block it perturbs (the default, 28)
     "ltx2": {"max_sequence_length": 32, "stg_scale": 0.0, "audio_stg_scale": 0.0, "spatio_temporal_guidance_blocks": None},
 }
+
+
+class _Clock:
+    """The timestep of the transformer's current forward (set by a forward pre-hook)."""
+
+    def __init__(self):
+        self.timestep = None
+
+    def hook(self, module, args, kwargs):
+        t = kwargs.get("timestep")
+        self.timestep = float(torch.as_tensor(t).flatten()[0]) if t is not None else None
+
+
+class _Sensitive(torch.nn.Module):
+    """A Q or K norm with sensitivity built in: ``offset`` added to the channels ``channels`` of
+    every head (a K channel mean: exact attention is unchanged, as softmax ignores a per-row
+    shift, but the large channels set the quantization scales), and the output multiplied by
+    ``sharp`` while the timestep lies in ``window`` (sharper attention on those steps)."""
+
+    def __init__(self, inner, head_dim: int, clock: _Clock, *, offset: float = 0.0, channels=(), sharp: float = 1.0,
+                 window=None):
+        super().__init__()
+        self.inner = inner if inner is not None else torch.nn.Identity()
+        self.head_dim, self.clock, self.offset, self.channels = head_dim, clock, offset, tuple(channels)
+        self.sharp, self.window = sharp, window
+
+    def forward(self, x):
+        y = self.inner(x)
+        if self.offset:
+            pick = torch.zeros(y.shape[-1], dtype=y.dtype, device=y.device)
+            idx = torch.arange(y.shape[-1], device=y.device) % self.head_dim
+            for c in self.channels:
+                pick = torch.where(idx == c, torch.full_like(pick, self.offset), pick)
+            y = y + pick
+        t = self.clock.timestep
+        if self.sharp != 1.0 and t is not None and self.window[0] <= t < self.window[1]:
+            y = y * self.sharp
+        return y
+
+
+def add_sensitivity(transformer, *, outlier_blocks=(), k_offset: float = 24.0, outlier_channels=(3, 17, 40),
+                    sharp_timesteps=None, sharp_factor: float = 6.0, sharp_blocks=None) -> dict:
+    """Build into ``transformer`` (random tiny weights) the sites where a real video model needs
+    precision, so that a calibration can be checked against known answers:
+
+    - ``outlier_blocks``: in these blocks' self / joint attention, K gets outlier channels with a
+      large mean (``k_offset`` on ``outlier_channels`` of every head): the exact output is
+      unchanged, FP4 K without smoothing loses its precision;
+    - ``sharp_timesteps=(lo, hi)``: while the transformer's timestep lies in [lo, hi), Q in the
+      self / joint attention of ``sharp_blocks`` (default every block) is scaled by
+      ``sharp_factor``: sharper attention on those denoising steps.
+
+    Changes the transformer in place (its norms are wrapped); returns what it built."""
+    from .sites import attention_sites
+
+    clock = _Clock()
+    transformer.register_forward_pre_hook(clock.hook, with_kwargs=True)
+    touched = []
+    for site in attention_sites(transformer):
+        # cross-attention: its role, or the name diffusers' blocks give it (LTX-Video's carries no role)
+        if site.block < 0 or site.role == "cross" or site.name.rsplit(".", 1)[-1] == "attn2":
+            continue
+        m = site.module
+        head_dim = m.to_q.out_features // m.heads
+        if site.block in outlier_blocks:
+            m.norm_k = _Sensitive(m.norm_k, head_dim, clock, offset=k_offset, channels=outlier_channels)
+            touched.append((site.name, "K outlier channels"))
+        if sharp_timesteps is not None and (sharp_blocks is None or site.block in sharp_blocks):
+            m.norm_q = _Sensitive(m.norm_q, head_dim, clock, sharp=sharp_factor, window=tuple(sharp_timesteps))
+            touched.append((site.name, "sharp on timesteps " + "-".join(map(str, sharp_timesteps))))
+    if not touched:
+        raise ValueError("add_sensitivity changed nothing: give outlier_blocks or sharp_timesteps that the model has")
+    return {"outlier_blocks": list(outlier_blocks), "sharp_timesteps": sharp_timesteps, "sites": touched}
 
 
 def tiny_image(height: int, width: int):

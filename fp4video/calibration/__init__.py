@@ -1,0 +1,353 @@
+"""``fp4video.calibrate``: find where a model needs precision, and the cheapest attention per site.
+
+    import fp4video
+    result = fp4video.calibrate(pipe, ["a cat on the grass", "a city at night"],
+                                holdout=["a dog running"], budget=0.1,
+                                call=dict(height=480, width=832, num_frames=81, num_inference_steps=40))
+    result.write("calib/")              # policy.yaml, report.json, report.md, heatmap.png
+    fp4video.install(pipe, result.policy)
+
+The pipeline runs on the prompts with stock attention. At every site (expert × block × kind ×
+denoising step) each candidate (fp4video methods and the external backends installed) runs on
+the very inputs of each stock call and is compared with its output (worst head's relative L2 and
+cosine); only these statistics are kept. Per site the cheapest candidate within the budget
+(:class:`~fp4video.calibration.plan.Budget`, unit documented there) is chosen, and the result is a
+:class:`~fp4video.integration.Policy` routing exactly that plan. The report predicts the step's
+speed-up against stock and against each candidate alone, checks the plan on hold-out prompts, and
+measures for a sample of sites how their error carries to the transformer's output.
+
+A bare transformer calibrates too: ``calibrate(transformer, [inputs, ...])`` with each input a
+dict of the transformer's keyword arguments (one forward each; no denoising step is known, so the
+policy is per block and kind).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..integration.policy import Policy, backend_of
+from .plan import DEFAULT_RELATIVE_COST, Budget, SiteStats, choose, costs_from_table, nearest, plan_of_policy, policy_for
+
+__all__ = ["calibrate", "Calibration", "Budget", "DEFAULT_CANDIDATES", "OPTIONAL_BACKENDS"]
+
+#: fp4video's methods a calibration tries by default (fp16 is always a candidate).
+DEFAULT_CANDIDATES = ("fp16", "fp8", "mxattn-pv8", "mxattn")
+
+#: Quantized external backends tried by default where they run (each refused one is reported).
+OPTIONAL_BACKENDS = ("fa3_fp8", "sage", "_sage_qk_int8_pv_fp8_cuda_sm90", "sage3_blackwell", "flashinfer_nvfp4_sm120")
+
+
+@dataclass
+class Calibration:
+    """What :func:`calibrate` found: ``policy`` (install it), ``plan`` ({site: target}),
+    ``stats`` ({site: :class:`SiteStats`}, calibration prompts), ``holdout_stats`` (hold-out
+    prompts), ``report`` (a JSON-ready dict). Sites are (expert, block, kind, step) tuples."""
+
+    policy: Policy
+    plan: dict
+    stats: dict
+    holdout_stats: dict
+    report: dict
+    num_steps: int | None = None
+    candidates: list = field(default_factory=list)
+
+    def policy_yaml(self) -> str:
+        from .report import policy_yaml
+
+        return policy_yaml(self)
+
+    def write(self, out_dir) -> dict:
+        """Write ``policy.yaml``, ``report.json``, ``report.md`` and ``heatmap.png`` in ``out_dir``;
+        returns {what: path}."""
+        from .report import write_all
+
+        return write_all(self, Path(out_dir))
+
+    def uniform_plan(self, target: str) -> dict:
+        """{site: target} of ``target`` everywhere (the FP16 tier where it refused a call)."""
+        return {k: target if target not in s.refused else "fp16" for k, s in self.stats.items()}
+
+
+def _as_budget(budget) -> Budget:
+    if isinstance(budget, Budget):
+        return budget
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"budget must be a number (relative L2 per site) or a Budget, got {type(budget).__name__}")
+    return Budget(rel_l2=float(budget))
+
+
+def _as_target(c) -> str:
+    from ..recipe import METHODS
+
+    if not isinstance(c, str):
+        raise TypeError(f"a candidate is a method name or 'backend:<name>', got {type(c).__name__} {c!r:.40}")
+    if c in METHODS or backend_of(c) is not None:
+        return c
+    raise ValueError(f"unknown candidate {c!r}: give an fp4video method ({', '.join(METHODS)}) or 'backend:<name>'")
+
+
+def _device_of(pipe):
+    from ..integration.install import _transformers
+
+    model = _transformers(pipe)[0][1]
+    p = next(model.parameters())
+    return p.device, p.dtype
+
+
+def _device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="table", call=None,
+              fp16_backend: str = "stock", backend: str = "auto", propagation: int = 8, seed: int = 0,
+              progress: bool = True, model_name: str | None = None) -> Calibration:
+    """Calibrate ``pipe`` (a diffusers video pipeline, or a bare transformer) on ``prompts``.
+
+    Args:
+        prompts: prompts to calibrate on (for a bare transformer: dicts of its forward's keyword
+            arguments, one forward each).
+        holdout: prompts (or input dicts) the plan is checked on, not chosen from.
+        budget: the largest relative L2 error of a site's attention output (worst head, worst
+            call), or a :class:`Budget`.
+        candidates: targets to choose from: fp4video method names and ``"backend:<name>"``;
+            default :data:`DEFAULT_CANDIDATES` plus every :data:`OPTIONAL_BACKENDS` that runs here.
+        costs: ``"table"`` (H200 relative times), ``"measure"`` (timed on this device at the
+            sites' shapes) or the path of a ``fp4video bench kernel`` markdown table.
+        call: the pipeline's keyword arguments besides the prompt (a dict), or a function
+            ``prompt -> kwargs``; ``output_type`` defaults to ``"latent"`` and the generator is
+            seeded with ``seed`` per prompt.
+        fp16_backend: the calibrated policy's FP16 tier (``stock``, ``fastest`` or an exact backend).
+        backend: fp4video's kernels (``auto``, ``reference``, ``triton``).
+        propagation: how many (site, step) pairs to replay with that one site quantized, measuring
+            the transformer output's error (0: none).
+        progress: show progress bars.
+    """
+    from tqdm import tqdm
+
+    from ..integration import install, uninstall
+    from ..integration.backends import BackendUnavailable, resolve
+    from ..integration.install import _transformers
+    from .measure import Measurer
+
+    budget = _as_budget(budget)
+    prompts, holdout = list(prompts), list(holdout)
+    if not prompts:
+        raise ValueError("calibrate needs at least one prompt")
+    bare = isinstance(pipe, torch.nn.Module)
+    for p in prompts + holdout:
+        if bare and not isinstance(p, dict):
+            raise TypeError(f"a bare transformer calibrates on dicts of its forward's arguments, got {type(p).__name__}")
+        if not bare and not isinstance(p, str):
+            raise TypeError(f"prompts are strings, got {type(p).__name__} {p!r:.40}")
+    if costs not in ("table", "measure"):
+        costs = Path(costs)
+        if not costs.is_file():
+            raise FileNotFoundError(f"{costs}: no such cost table (a `fp4video bench kernel --out` file)")
+    if not isinstance(propagation, int) or isinstance(propagation, bool) or propagation < 0:
+        raise ValueError(f"propagation must be a whole number ≥ 0, got {propagation!r}")
+    device, dtype = _device_of(pipe)
+    explicit = candidates is not None
+    targets = list(dict.fromkeys(["fp16", *(map(_as_target, candidates) if explicit else DEFAULT_CANDIDATES)]))
+    if not explicit:
+        targets += [f"backend:{b}" for b in OPTIONAL_BACKENDS]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t_start = time.perf_counter()
+
+    # the measuring installation: stock attention (fp16 on the stock backend) with the observer
+    ctx = install(pipe, Policy(method="fp16"), backend=backend, record=False)
+    unavailable = {}
+    try:
+        for t in list(targets):
+            name = backend_of(t)
+            if name is None:
+                continue
+            try:
+                ctx.external[name] = resolve(name, device=device, dtype=dtype)
+            except BackendUnavailable as e:
+                if explicit:
+                    raise
+                unavailable[t] = str(e)
+                targets.remove(t)
+        quantized = [t for t in targets if t != "fp16"]
+        cost_of = None
+        prop_target = None
+        if propagation and quantized:  # the cheapest by the table where it knows them (else the last)
+            known = [t for t in quantized if t in DEFAULT_RELATIVE_COST]
+            prop_target = min(known, key=DEFAULT_RELATIVE_COST.get) if known else quantized[-1]
+        measurer = Measurer(ctx, targets, propagation=propagation, propagation_target=prop_target, seed=seed)
+        ctx.observer = measurer
+        models = _transformers(pipe)
+        measurer.attach(models)
+        try:
+            for i, p in enumerate(tqdm(prompts, desc="calibrate", unit="prompt", disable=not progress)):
+                measurer.run_index = i
+                _run_once(pipe, p, call, seed, bare)
+            stats, samples, calls_by_shape = measurer.stats, measurer.samples, dict(measurer.calls_by_shape)
+            fwd_seconds, forwards, pairs = measurer.forward_seconds, measurer.forwards, measurer.pairs
+            holdout_stats = {}
+            if holdout:
+                measurer.stats, measurer.propagation = {}, 0
+                for i, p in enumerate(tqdm(holdout, desc="hold-out", unit="prompt", disable=not progress)):
+                    measurer.run_index = len(prompts) + i
+                    _run_once(pipe, p, call, seed, bare)
+                holdout_stats = measurer.stats
+        finally:
+            measurer.detach()
+            ctx.observer = None
+        num_steps = None if bare else _num_steps(pipe)
+        fp16_exact = None
+        if fp16_backend == "fastest":
+            from ..integration.backends import fastest_exact
+
+            fp16_exact, _ = fastest_exact(device=device, dtype=dtype)
+        elif fp16_backend != "stock":
+            fp16_exact = resolve(fp16_backend, device=device, dtype=dtype)
+        times = _stock_and_candidate_times(samples, targets, ctx, fp16_exact, measure=(costs == "measure"),
+                                           progress=progress)
+        cost_of = _cost_function(costs, times, fp16_exact)
+        missing = sorted({t for t in targets if cost_of(t, next(iter(stats.values())).shape) is None}) if stats else []
+        if missing:
+            raise ValueError(f"no cost for {', '.join(missing)} in the {costs} cost source: give --costs measure, a "
+                             "`bench kernel` table that has them, or leave them out of the candidates")
+    finally:
+        uninstall(pipe)
+    if not stats:
+        raise ValueError("no attention call went through fp4video's routing during the calibration run")
+    plan = choose(stats, targets, cost_of, budget)
+    policy = policy_for(plan, num_steps=num_steps, fp16_backend=fp16_backend)
+    seconds = time.perf_counter() - t_start
+    from .report import build_report
+
+    result = Calibration(policy=policy, plan=plan, stats=stats, holdout_stats=holdout_stats, report={},
+                         num_steps=num_steps, candidates=targets)
+    result.report = build_report(
+        result, pipe=pipe, prompts=prompts, holdout=holdout, budget=budget, costs=costs, cost_of=cost_of,
+        times=times, calls_by_shape=calls_by_shape, forward_seconds=fwd_seconds, forwards=forwards, pairs=pairs,
+        unavailable=unavailable, seconds=seconds, device=device, device_name=_device_name(device),
+        model_name=model_name, fp16_exact=None if fp16_exact is None else fp16_exact.name,
+        date=datetime.date.today().isoformat(), memory=_peak_memory(device))
+    return result
+
+
+def _run_once(pipe, prompt, call, seed: int, bare: bool):
+    with torch.no_grad():
+        if bare:
+            return pipe(**prompt)
+        kw = call(prompt) if callable(call) else dict(call or {})
+        kw.setdefault("output_type", "latent")
+        kw["prompt"] = prompt
+        kw.setdefault("generator", torch.Generator(device="cpu").manual_seed(seed))
+        return pipe(**kw)
+
+
+def _num_steps(pipe) -> int | None:
+    scheduler = getattr(pipe, "scheduler", None)
+    timesteps = getattr(scheduler, "timesteps", None)
+    if timesteps is None:
+        return None
+    return len(timesteps) // getattr(scheduler, "order", 1)
+
+
+def _median_seconds(fn, device, reps: int = 3) -> float:
+    fn()  # warm-up (and compilation)
+    out = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            out.append(start.elapsed_time(end) / 1000)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return sorted(out)[len(out) // 2]
+
+
+def _stock_and_candidate_times(samples, targets, ctx, fp16_exact, *, measure: bool, progress: bool) -> dict:
+    """{shape: {"stock": s, target: s, ...}}: diffusers' active (stock) attention timed on each
+    sample; with ``measure`` each candidate too (fp16 on its exact backend where one is set)."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    from tqdm import tqdm
+
+    from .measure import run_target
+
+    out = {}
+    with torch.no_grad():
+        for shape, a in tqdm(samples.items(), desc="timing", unit="shape", disable=not progress, leave=False):
+            device = a.query.device
+            row = {"stock": _median_seconds(lambda: dispatch_attention_fn(a.query, a.key, a.value,
+                                                                          attn_mask=a.attn_mask, scale=a.scale), device)}
+            if measure:
+                for t in targets:
+                    if t == "fp16":
+                        if fp16_exact is not None and fp16_exact.why_not(a) is None:
+                            row[t] = _median_seconds(lambda: fp16_exact.run(a), device)
+                        else:
+                            row[t] = row["stock"]
+                        continue
+                    if isinstance(run_target(t, a, ctx), str):
+                        continue  # it cannot take these calls: never chosen for them
+                    row[t] = _median_seconds(lambda t=t: run_target(t, a, ctx), device)
+            out[shape] = row
+    return out
+
+
+def _cost_function(costs, times, fp16_exact):
+    """cost(target, site shape) -> time relative to stock attention (None: unknown)."""
+    by_shape = {shape[:4]: row for shape, row in times.items()}
+    if costs == "measure":
+        def cost(target, shape):
+            row = by_shape.get(shape)
+            if row is None or target not in row:
+                return math.inf if row is not None else None
+            return row[target] / row["stock"]
+        return cost
+    if costs == "table":
+        table = dict(DEFAULT_RELATIVE_COST)
+    else:
+        points = costs_from_table(Path(costs).read_text())
+        table = None
+
+    def cost(target, shape):
+        t = f"backend:{fp16_exact.name}" if target == "fp16" and fp16_exact is not None else target
+        if table is not None:
+            return table.get(t, 1.0 if t == "fp16" else None)
+        seq = math.isqrt(shape[0] * shape[1])
+        if t not in points:
+            return 1.0 if t == "fp16" else None
+        return nearest(points[t], seq)
+
+    return cost
+
+
+def _peak_memory(device) -> dict:
+    if device.type == "cuda":
+        return {"peak_bytes": int(torch.cuda.max_memory_allocated(device)), "what": "peak CUDA memory allocated"}
+    import resource
+
+    return {"peak_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
+            "what": "peak resident memory of the process (CPU)"}
+
+
+def evaluate_plan(result: Calibration, plan: dict) -> dict:
+    """Worst error and sites over budget of ``plan`` on the calibration statistics (helper for reports)."""
+    over = [k for k, t in plan.items() if t != "fp16" and not result.stats[k].meets(t, Budget(**result.report["budget"]))]
+    worst = max((result.stats[k].rel_l2.get(t, 0.0) for k, t in plan.items() if t != "fp16"), default=0.0)
+    return {"sites_over_budget": len(over), "worst_rel_l2": worst}
+
+
+__all__ += ["plan_of_policy", "SiteStats", "evaluate_plan"]

@@ -1,0 +1,186 @@
+"""The quality budget, the candidates' costs, the choice per site, and the policy that routes it.
+
+Budget unit: the relative L2 error of a site's attention output against the exact (stock)
+output, ``‖o_c − o‖ / ‖o‖`` over one head's tokens and channels, taken at the worst head of the
+worst call the site made (every prompt, every classifier-free-guidance pass). A candidate meets the
+budget at a site when that number is at most ``Budget.rel_l2`` (and, if set, the worst head's
+cosine is at least ``Budget.min_cosine``), and it took every call there (no refusal). The FP16
+tier meets every budget. Per site the cheapest candidate that meets it is chosen.
+
+Costs are relative times, ``t(candidate) / t(stock attention)`` at the site's shape, from one of:
+``"table"`` (:data:`DEFAULT_RELATIVE_COST`, measured on an H200 at Wan2.2 720p), ``"measure"``
+(each candidate timed on this device on the sites' own inputs) or a ``fp4video bench kernel``
+markdown table (the row nearest the site's sequence length).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..integration.policy import Policy, backend_of
+
+__all__ = ["Budget", "SiteKey", "SiteStats", "DEFAULT_RELATIVE_COST", "KERNEL_TABLE_NAMES", "choose", "policy_for",
+           "plan_of_policy", "costs_from_table"]
+
+#: Time relative to diffusers' stock attention (cuDNN SDPA bf16) on an H200 at Wan2.2 720p
+#: (75,600 tokens, 40 heads × 128; BENCHMARKS.md, `bench kernel`): the default cost of each
+#: candidate. ``fp16`` is the stock backend itself.
+DEFAULT_RELATIVE_COST = {
+    "fp16": 1.0,
+    "backend:native": 1.0,
+    "backend:_native_cudnn": 1.0,
+    "backend:_flash_3": 176.99 / 212.05,
+    "backend:fa3_fp8": 139.80 / 212.05,
+    "backend:sage": 146.98 / 212.05,
+    "mxattn-pv8": 150.41 / 212.05,
+    "fp8": 153.59 / 212.05,
+    "mxattn": 162.71 / 212.05,
+    "mxfp4-ocp": 164.84 / 212.05,
+    "nvfp4": 251.27 / 212.05,
+    "sage3": 255.02 / 212.05,
+}
+
+#: ``bench kernel`` row names -> targets (the stock row is ``SDPA default dispatch bf16``).
+KERNEL_TABLE_NAMES = {
+    "SDPA default dispatch bf16": "fp16",
+    "cuDNN SDPA bf16": "backend:_native_cudnn",
+    "flash SDPA bf16": "backend:_native_flash",
+    "FlashAttention-3 bf16": "backend:_flash_3",
+    "FlashAttention-3 FP8 (cast included)": "backend:fa3_fp8",
+    "SageAttention2 sageattn (INT8 QK, FP8 PV)": "backend:sage",
+}
+
+
+class Budget(BaseModel):
+    """The quality a site must keep: its worst head's relative L2 error (and optionally cosine)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rel_l2: float = Field(0.1, gt=0, description="largest relative L2 error of a site's attention output, worst head")
+    min_cosine: float | None = Field(None, gt=-1, le=1, description="smallest cosine of a site's output, worst head")
+
+    def met(self, rel_l2: float, cosine: float) -> bool:
+        return rel_l2 <= self.rel_l2 and (self.min_cosine is None or cosine >= self.min_cosine)
+
+    def describe(self) -> str:
+        s = f"relative L2 ≤ {self.rel_l2:g} per site (worst head, worst call)"
+        return s + (f", cosine ≥ {self.min_cosine:g}" if self.min_cosine is not None else "")
+
+
+#: (expert or None, block, kind, step or None)
+SiteKey = tuple
+
+
+@dataclass
+class SiteStats:
+    """What calibration keeps of one site: statistics only, never a tensor."""
+
+    calls: int = 0
+    shape: tuple = ()  # (queries, keys, heads, head dim) of its calls
+    rel_l2: dict = field(default_factory=dict)  # target -> worst head's relative L2, worst call
+    cosine: dict = field(default_factory=dict)  # target -> worst head's cosine, worst call
+    refused: dict = field(default_factory=dict)  # target -> why it could not take a call
+
+    def update(self, target: str, rel_l2: float, cosine: float) -> None:
+        # NaN compares false: kept as NaN (a candidate whose output is not finite never meets a budget)
+        old = self.rel_l2.get(target)
+        self.rel_l2[target] = rel_l2 if old is None or not rel_l2 <= old else old
+        old = self.cosine.get(target)
+        self.cosine[target] = cosine if old is None or not cosine >= old else old
+
+    def meets(self, target: str, budget: Budget) -> bool:
+        if target == "fp16":
+            return True
+        if target in self.refused or target not in self.rel_l2:
+            return False
+        return budget.met(self.rel_l2[target], self.cosine[target])
+
+
+def choose(stats: dict, candidates: list[str], cost, budget: Budget) -> dict:
+    """{site: target}: per site the cheapest candidate meeting ``budget`` (``cost(target, shape)``;
+    ties go to the smaller error, then to the earlier candidate)."""
+    plan = {}
+    for key, s in stats.items():
+        ok = [t for t in candidates if s.meets(t, budget)]
+        plan[key] = min(ok, key=lambda t: (cost(t, s.shape), s.rel_l2.get(t, 0.0), candidates.index(t)))
+    return plan
+
+
+def _target_fields(target: str) -> dict:
+    name = backend_of(target)
+    return {"method": target} if name is None else {"backend": name}
+
+
+def policy_for(plan: dict, *, num_steps: int | None, fp16_backend: str = "stock", fallback="error") -> Policy:
+    """A :class:`Policy` routing every site of ``plan`` to its target: the most common target is
+    the default, the others are rules (one per expert, kind, target and run of consecutive steps
+    with the same blocks; steps as fractions of the schedule, so the policy scales to other step
+    counts). Raises RuntimeError if the policy does not route a site as planned (a self-check)."""
+    counts = Counter(plan.values())
+    default = max(counts, key=lambda t: (counts[t], t == "fp16"))
+    groups = defaultdict(lambda: defaultdict(set))  # (target, expert, kind) -> step -> blocks
+    for (expert, block, kind, step), target in plan.items():
+        if target != default:
+            groups[(target, expert, kind)][step].add(block)
+    rules = []
+    for (target, expert, kind), by_step in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]), kv[0][2])):
+        steps = sorted(by_step, key=lambda s: -1 if s is None else s)
+        runs = []  # [first step, last step, blocks]
+        for s in steps:
+            if runs and s is not None and runs[-1][1] is not None and runs[-1][1] == s - 1 and runs[-1][2] == by_step[s]:
+                runs[-1][1] = s
+            else:
+                runs.append([s, s, by_step[s]])
+        for first, last, blocks in runs:
+            rule = {**_target_fields(target), "blocks": sorted(blocks), "kinds": [kind]}
+            if expert is not None:
+                rule["experts"] = [expert]
+            if first is not None and not (first == 0 and last + 1 == num_steps):
+                rule["steps"] = {"fraction": [first / num_steps, (last + 1) / num_steps]}
+            rules.append(rule)
+    spec = {**_target_fields(default), "rules": rules, "fp16_backend": fp16_backend,
+            "fallback": fallback}
+    policy = Policy.model_validate(spec)
+    wrong = {k: (t, got) for k, t in plan.items()
+             if (got := policy.method_for(block=k[1], step=k[3], num_steps=num_steps, kind=k[2], expert=k[0])) != t}
+    if wrong:
+        raise RuntimeError(f"the calibrated policy routes {len(wrong)} sites otherwise than planned, e.g. "
+                           f"{next(iter(wrong.items()))}")
+    return policy
+
+
+def plan_of_policy(policy: Policy, keys, num_steps: int | None) -> dict:
+    """{site: target} that ``policy`` gives the sites ``keys``."""
+    return {k: policy.method_for(block=k[1], step=k[3], num_steps=num_steps, kind=k[2], expert=k[0]) for k in keys}
+
+
+def costs_from_table(text: str) -> dict:
+    """{target: [(sequence length, time relative to stock)]} from ``fp4video bench kernel`` markdown."""
+    from ..eval.speed import parse_kernel_tables
+
+    out = defaultdict(list)
+    for table in parse_kernel_tables(text):
+        by_seq = defaultdict(dict)
+        for row in table.rows:
+            name = row.kernel.replace(" (best bf16)", "").strip()
+            target = name.removeprefix("fp4video ") if name.startswith("fp4video ") else KERNEL_TABLE_NAMES.get(name)
+            if target is not None and not (name.startswith("fp4video ") and target == "fp16"):
+                by_seq[row.seq][target] = row.ms
+        for seq, times in by_seq.items():
+            stock = times.get("fp16")
+            if stock is None:
+                continue
+            for target, ms in times.items():
+                out[target].append((seq, ms / stock))
+    if not out:
+        raise ValueError("the cost table has no `bench kernel` rows with a 'SDPA default dispatch bf16' baseline")
+    return dict(out)
+
+
+def nearest(points: list, seq: int) -> float:
+    """The value at the sequence length nearest ``seq`` (on a log scale)."""
+    return min(points, key=lambda p: abs(math.log(p[0]) - math.log(max(seq, 1))))[1]

@@ -1,0 +1,216 @@
+"""``fp4video.calibrate`` on tiny pipelines with sensitivity built in on purpose (a block whose K
+has outlier channels with a large mean; denoising steps with sharp attention): it finds those
+sites and keeps them in higher precision, the installed policy routes exactly as planned, and the
+videos beat a site-blind policy of equal predicted cost; the measurements against independent
+recomputations; the written outputs; the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("diffusers")
+
+from fp4video.calibration import Budget, Calibration, calibrate  # noqa: E402
+from fp4video.calibration.measure import head_errors  # noqa: E402
+from fp4video.calibration.plan import DEFAULT_RELATIVE_COST, SiteStats, choose, policy_for  # noqa: E402
+from fp4video.calibration.report import spearman  # noqa: E402
+from fp4video.eval.paired import paired_metrics  # noqa: E402
+from fp4video.integration import Policy, install, uninstall  # noqa: E402
+from fp4video.integration.tiny import (TINY_HUNYUAN_CALL, TINY_LTX_CALL, add_sensitivity, tiny_hunyuan_pipeline,  # noqa: E402
+                                       tiny_ltx_pipeline, tiny_wan_pipeline)
+
+CANDIDATES = ["fp16", "fp8", "mxattn-pv8", "mxattn"]
+#: cheapest first by the default cost table: the tier a site without sensitivity takes
+CHEAP, PRECISE = "mxattn-pv8", {"fp8", "fp16"}
+
+WAN_CALL = dict(negative_prompt="", height=48, width=64, num_frames=5, num_inference_steps=4, guidance_scale=4.0,
+                max_sequence_length=16)
+# (a non-empty negative prompt: the tiny tokenizer adds no end token, so "" would leave the text
+# mask with no key, where diffusers' additive mask averages every key and fp4video returns zeros)
+HUNYUAN_CALL = dict(TINY_HUNYUAN_CALL, height=32, width=32, num_frames=5, num_inference_steps=3, max_sequence_length=16)
+LTX_CALL = dict(TINY_LTX_CALL, negative_prompt="a blur", height=32, width=32, num_frames=1, num_inference_steps=3,
+                max_sequence_length=16)
+
+
+def frames(pipe, call, seed=0):
+    out = pipe(prompt="a red fox", **call, output_type="np", generator=torch.Generator().manual_seed(seed)).frames[0]
+    return torch.from_numpy(out).float()
+
+
+def run_with(pipe, call, policy):
+    ctx = install(pipe, policy)
+    try:
+        return frames(pipe, call), ctx.calls
+    finally:
+        uninstall(pipe)
+
+
+def predicted_attention(result: Calibration, plan: dict) -> float:
+    """Σ calls × relative cost (the table's): the attention time a plan is predicted to take."""
+    return sum(result.stats[k].calls * DEFAULT_RELATIVE_COST[t] for k, t in plan.items())
+
+
+def site_blind(plan: dict, n_blocks: int) -> dict:
+    """The plan with each block's target moved to the next block (same expert, kind and step, so
+    the same shapes and the same predicted cost): a policy as cheap that does not know the sites."""
+    return {(e, b, k, s): plan[(e, (b + 1) % n_blocks, k, s)] for (e, b, k, s) in plan}
+
+
+@pytest.fixture(scope="module")
+def wan():
+    pipe = tiny_wan_pipeline(two_experts=True)
+    for model in (pipe.transformer, pipe.transformer_2):
+        # block 1: K outlier channels; timesteps below 800 (steps 2 and 3 of 4): sharp attention
+        add_sensitivity(model, outlier_blocks=(1,), sharp_timesteps=(0, 800))
+    result = calibrate(pipe, ["a cat on the grass"], holdout=["a dog at night"], budget=0.2, candidates=CANDIDATES,
+                       call=WAN_CALL, propagation=6, progress=False, model_name="tiny Wan2.2")
+    return pipe, result
+
+
+def test_calibration_finds_the_sensitive_sites_and_keeps_them_precise(wan):
+    _, result = wan
+    plan = result.plan
+    assert {k[0] for k in plan} == {"high_noise", "low_noise"} and {k[3] for k in plan} == {0, 1, 2, 3}
+    sensitive = {k for k in plan if k[2] == "self" and (k[1] == 1 or k[3] in (2, 3))}
+    assert sensitive and all(plan[k] in PRECISE for k in sensitive), {k: plan[k] for k in sensitive}
+    assert all(plan[k] == CHEAP for k in plan if k not in sensitive), {k: plan[k] for k in plan if k not in sensitive}
+    # the choice is the budget's: the cheap tier measured over it at every sensitive site, within it elsewhere
+    assert all(result.stats[k].rel_l2[CHEAP] > 0.2 for k in sensitive)
+    assert all(result.stats[k].rel_l2[CHEAP] <= 0.2 for k in plan if k not in sensitive)
+
+
+def test_installed_policy_routes_exactly_as_planned(wan):
+    pipe, result = wan
+    _, calls = run_with(pipe, WAN_CALL, result.policy)
+    assert len(calls) == 4 * 2 * 2 * 2  # steps × CFG × blocks × kinds
+    routed = {(c["expert"], c["block"], c["kind"], c["step"]): c["method"] for c in calls}
+    assert routed == result.plan
+    # and the YAML it writes loads back to the same policy
+    text = result.policy_yaml()
+    assert text.startswith("# Calibrated by fp4video calibrate")
+    assert Policy.model_validate(yaml.safe_load(text)) == result.policy
+
+
+def test_calibrated_video_beats_a_site_blind_policy_of_equal_cost(wan):
+    pipe, result = wan
+    blind = site_blind(result.plan, 2)
+    assert blind != result.plan
+    assert math.isclose(predicted_attention(result, blind), predicted_attention(result, result.plan), rel_tol=1e-12)
+    uniform = {k: CHEAP for k in result.plan}  # and a uniform policy, cheaper
+    reference = frames(pipe, WAN_CALL)
+    ours = paired_metrics(reference, run_with(pipe, WAN_CALL, result.policy)[0])
+    theirs = paired_metrics(reference, run_with(pipe, WAN_CALL, policy_for(blind, num_steps=4))[0])
+    cheap = paired_metrics(reference, run_with(pipe, WAN_CALL, policy_for(uniform, num_steps=4))[0])
+    assert ours["psnr"] > theirs["psnr"] and ours["ssim"] >= theirs["ssim"], (ours["psnr"], theirs["psnr"])
+    assert ours["psnr"] > cheap["psnr"]
+
+
+def test_report_holdout_propagation_and_files(wan, tmp_path):
+    _, result = wan
+    r = result.report
+    assert r["holdout"]["quantized_sites"] == len(result.plan) and r["holdout"]["sites_over_budget"] >= 0
+    assert set(result.holdout_stats) == set(result.plan)  # the same sites, measured on the other prompt
+    pairs = r["propagation"]["pairs"]
+    assert len(pairs) == 6 and all(p["output_rel_l2"] > 0 for p in pairs)
+    assert r["propagation"]["spearman"] == spearman([p["attention_rel_l2"] for p in pairs],
+                                                     [p["output_rel_l2"] for p in pairs])
+    pred = r["prediction"]
+    # predicted speed-ups: stock is 1; the calibrated plan is slower than the cheap tier everywhere,
+    # faster than fp16 everywhere
+    assert pred["vs_single_target"]["fp16"]["predicted_step_speedup_vs_stock"] == pytest.approx(1.0)
+    assert pred["vs_single_target"][CHEAP]["calibrated_speedup_vs_it"] < 1 < pred["step_speedup_vs_stock"]
+    assert pred["vs_single_target"][CHEAP]["sites_over_budget"] == sum(
+        1 for k in result.plan if result.stats[k].rel_l2[CHEAP] > 0.2)
+    assert r["calibration"]["seconds"] > 0 and r["calibration"]["peak_bytes"] > 0
+    paths = result.write(tmp_path)
+    assert json.loads(paths["json"].read_text())["chosen"] == r["chosen"]
+    assert paths["heatmap"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = paths["markdown"].read_text()
+    assert "Hold-out prompts" in md and "Spearman" in md and "× stock" in md
+
+
+@pytest.mark.parametrize("family", ["hunyuan", "ltx"])
+def test_other_families_find_their_outlier_block(family):
+    pipe = tiny_hunyuan_pipeline() if family == "hunyuan" else tiny_ltx_pipeline()
+    call = HUNYUAN_CALL if family == "hunyuan" else LTX_CALL
+    add_sensitivity(pipe.transformer, outlier_blocks=(1,))
+    result = calibrate(pipe, ["a cat"], budget=0.2, candidates=CANDIDATES[:3], call=call, propagation=0, progress=False)
+    plan = result.plan
+    kinds = {k[2] for k in plan}
+    assert kinds == ({"joint"} if family == "hunyuan" else {"self", "cross"})
+    outlier = {k for k in plan if k[1] == 1 and k[2] != "cross"}
+    assert outlier and all(plan[k] in PRECISE for k in outlier)
+    assert all(plan[k] == CHEAP for k in plan if k not in outlier), plan
+    _, calls = run_with(pipe, call, result.policy)
+    assert {(c["expert"], c["block"], c["kind"], c["step"]): c["method"] for c in calls if c["block"] >= 0} == plan
+    reference = frames(pipe, call)
+    ours = paired_metrics(reference, run_with(pipe, call, result.policy)[0])
+    theirs = paired_metrics(reference, run_with(pipe, call, policy_for(site_blind(plan, 2), num_steps=3))[0])
+    assert ours["psnr"] > theirs["psnr"]
+
+
+# --- the pieces, against independent recomputations ------------------------------------------------
+
+def test_head_errors_are_the_worst_heads():
+    g = torch.Generator().manual_seed(0)
+    exact = torch.randn(2, 50, 11, 16, generator=g)  # 11 heads: two chunks of HEAD_CHUNK
+    out = exact.clone()
+    out[1, :, 9] *= 1.25  # one head off by 25 %: relative L2 0.25, cosine 1
+    out[0, :, 2] = -out[0, :, 2]  # one head negated: relative L2 2, cosine -1
+    rel, cos = head_errors(out, exact)
+    assert rel == pytest.approx(2.0) and cos == pytest.approx(-1.0)
+    out[0, :, 2] = exact[0, :, 2]
+    assert head_errors(out, exact) == pytest.approx((0.25, 1.0))
+    nan = out.clone()
+    nan[0, 0, 0, 0] = float("nan")
+    assert math.isnan(head_errors(nan, exact)[0])
+
+
+def test_choice_is_the_cheapest_within_budget_and_nan_never_meets_it():
+    s = SiteStats(calls=1, shape=(4, 4, 1, 8))
+    s.update("mxattn-pv8", 0.3, 0.95)
+    s.update("mxattn-pv8", 0.1, 0.99)  # the worst call is kept
+    s.update("fp8", 0.05, 0.999)
+    s.update("mxattn", float("nan"), float("nan"))
+    cost = lambda t, shape: DEFAULT_RELATIVE_COST[t]  # noqa: E731
+    stats = {(None, 0, "self", None): s}
+    assert s.rel_l2["mxattn-pv8"] == 0.3
+    assert choose(stats, CANDIDATES, cost, Budget(rel_l2=0.35)) == {(None, 0, "self", None): "mxattn-pv8"}
+    assert choose(stats, CANDIDATES, cost, Budget(rel_l2=0.2)) == {(None, 0, "self", None): "fp8"}
+    assert choose(stats, CANDIDATES, cost, Budget(rel_l2=0.01)) == {(None, 0, "self", None): "fp16"}
+    assert choose(stats, CANDIDATES, cost, Budget(rel_l2=0.35, min_cosine=0.99)) == {(None, 0, "self", None): "fp8"}
+    s.refused["fp8"] = "takes no attention mask"
+    assert choose(stats, CANDIDATES, cost, Budget(rel_l2=0.2)) == {(None, 0, "self", None): "fp16"}
+
+
+def test_policy_for_routes_every_site_of_a_plan():
+    """Random plans over experts, blocks, kinds and 7 steps become policies that route each site
+    as planned (checked against Policy.method_for site by site)."""
+    import random
+
+    rng = random.Random(0)
+    targets = ["fp16", "fp8", "mxattn-pv8", "backend:native"]
+    for _ in range(20):
+        plan = {(e, b, k, s): rng.choice(targets) for e in ("high_noise", "low_noise") for b in range(5)
+                for k in ("self", "cross") for s in range(7)}
+        policy = policy_for(plan, num_steps=7)
+        assert all(policy.method_for(block=b, step=s, num_steps=7, kind=k, expert=e) == t
+                   for (e, b, k, s), t in plan.items())
+
+
+def test_bad_arguments_are_one_line_errors(wan):
+    pipe, _ = wan
+    with pytest.raises(ValueError, match="at least one prompt"):
+        calibrate(pipe, [], call=WAN_CALL)
+    with pytest.raises(ValueError, match="unknown candidate 'mxatn'"):
+        calibrate(pipe, ["a"], candidates=["mxatn"], call=WAN_CALL)
+    with pytest.raises(TypeError, match="budget must be a number"):
+        calibrate(pipe, ["a"], budget="0.1", call=WAN_CALL)
+    with pytest.raises(FileNotFoundError, match="no such cost table"):
+        calibrate(pipe, ["a"], costs="missing.md", call=WAN_CALL)
+    assert not hasattr(pipe.transformer, "_fp4video_saved")  # nothing left installed
