@@ -214,3 +214,37 @@ def test_bad_arguments_are_one_line_errors(wan):
     with pytest.raises(FileNotFoundError, match="no such cost table"):
         calibrate(pipe, ["a"], costs="missing.md", call=WAN_CALL)
     assert not hasattr(pipe.transformer, "_fp4video_saved")  # nothing left installed
+
+
+# --- the command line ---------------------------------------------------------------------------------
+
+def test_cli_writes_a_policy_that_loads_and_says_what_it_found(tmp_path, capsys):
+    from fp4video.cli.main import main
+
+    out = tmp_path / "calib"
+    rc = main(["calibrate", "--model", "tiny", "--family", "ltx", "--sensitive", "--steps", "2", "--height", "32",
+               "--width", "32", "--frames", "1", "--candidates", "fp16", "fp8", "mxattn-pv8", "--propagation", "2",
+               "--budget", "0.2", "--prompt", "a cat", "--holdout", "a bird", "--quiet", "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "calibrated tiny ltx" in printed and "× stock" in printed
+    policy = Policy.model_validate(yaml.safe_load((out / "policy.yaml").read_text()))
+    report = json.loads((out / "report.json").read_text())
+    assert report["holdout_prompts"] == ["a bird"] and report["num_steps"] == 2
+    # --sensitive: block 1's self-attention (K outlier channels) never takes the cheap tier
+    assert all(s["chosen"] in PRECISE for s in report["sites"] if s["block"] == 1 and s["kind"] == "self")
+    assert all(policy.method_for(block=s["block"], step=s["step"], num_steps=2, kind=s["kind"], expert=s["expert"])
+               == s["chosen"] for s in report["sites"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--transformer", "wan22", "--model", "tiny"], "--model is for a pipeline"),
+    (["--budget", "0"], "--budget 0.0: a relative L2 error"),
+    (["--model", "tiny", "--candidates", "backend:nope"], "unknown backend 'nope'"),
+])
+def test_cli_bad_input_is_one_line(tmp_path, capsys, args, message):
+    from fp4video.cli.main import main
+
+    assert main(["calibrate", "--out", str(tmp_path / "o"), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fp4video calibrate: error:") and message in err[0], err

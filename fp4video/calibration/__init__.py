@@ -87,7 +87,12 @@ def _as_target(c) -> str:
 
     if not isinstance(c, str):
         raise TypeError(f"a candidate is a method name or 'backend:<name>', got {type(c).__name__} {c!r:.40}")
-    if c in METHODS or backend_of(c) is not None:
+    if c in METHODS:
+        return c
+    if backend_of(c) is not None:
+        from ..integration.backends import check_backend_name
+
+        check_backend_name(backend_of(c))
         return c
     raise ValueError(f"unknown candidate {c!r}: give an fp4video method ({', '.join(METHODS)}) or 'backend:<name>'")
 

@@ -174,18 +174,20 @@ class Measurer:
 
     def _replay(self, module, args, kwargs, output):
         """Replay this forward with one site at a time on the propagation target: in the first run,
-        at the first forward of each step, ``ceil(propagation / steps)`` sites drawn at random, until
-        ``propagation`` pairs are measured."""
+        at the first forward of each step, ``ceil(propagation / steps)`` sites drawn at random (a
+        bare transformer: ``propagation`` sites of its first forward), until ``propagation`` pairs
+        are measured."""
         import math
 
         ctx = self.ctx
-        when = (ctx.expert, ctx.step)
+        # a bare transformer's forwards know no step: all its pairs come from the first forward
+        when = (ctx.expert, ctx.step) if ctx.num_steps else (ctx.expert, "forward", self.forwards)
         if self.run_index != 0 or when in self._replayed or len(self.pairs) >= self.propagation:
             return
         self._replayed.add(when)
         target = self.propagation_target
         options = sorted((k for k, errs in self.last.items() if target in errs), key=str)
-        per_step = math.ceil(self.propagation / ctx.num_steps) if ctx.num_steps else 1
+        per_step = math.ceil(self.propagation / ctx.num_steps) if ctx.num_steps else self.propagation
         exact = _tensor_of(output)
         for site_key in self.rng.sample(options, min(per_step, len(options), self.propagation - len(self.pairs))):
             _, block, kind = site_key

@@ -11,12 +11,12 @@ import argparse
 import os
 import sys
 
-from . import accuracy, bench, check, generate, vbench_weights
+from . import accuracy, bench, calibrate, check, generate, vbench_weights
 from . import eval as eval_
 from .common import one_line, quiet_optional_imports
 
-SUBCOMMANDS = {"generate": generate, "eval": eval_, "accuracy": accuracy, "bench": bench, "check": check,
-               "vbench-weights": vbench_weights}
+SUBCOMMANDS = {"generate": generate, "eval": eval_, "accuracy": accuracy, "bench": bench, "calibrate": calibrate,
+               "check": check, "vbench-weights": vbench_weights}
 
 #: Exit status of a run stopped by Ctrl-C
 EXIT_INTERRUPTED = 130

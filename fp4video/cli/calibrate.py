@@ -1,0 +1,202 @@
+"""``fp4video calibrate``: measure where a model needs precision and write the cheapest policy that
+keeps every attention site within a quality budget, with its report.
+
+The pipeline runs on the prompts with stock attention; at every site (expert × block × kind ×
+denoising step) each candidate — fp4video's methods and every external backend installed — runs
+on the very inputs of the stock call and is compared with its output. The budget is the largest
+relative L2 error of a site's attention output (worst head, worst call). Writes ``policy.yaml``
+(loadable by ``Policy``; ``fp4video generate`` takes it inside a run config's ``policy:``),
+``report.json``, ``report.md`` and ``heatmap.png`` in ``--out``.
+
+``--transformer`` calibrates a full-size transformer with random weights instead (speed and
+error statistics at the real shapes, no weights needed): each forward takes random latents at a
+different timestep; no denoising step is known, so the policy is per block and kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .common import UsageError, check_output_dir, seed_arg
+
+EXAMPLES = """examples:
+  fp4video calibrate --model tiny --out calib-tiny                      # tiny random Wan2.2, 2 prompts
+  fp4video calibrate --model tiny --family hunyuan --sensitive --out calib-hy   # with sites built to need precision
+  fp4video calibrate --config configs/wan22_mxattn.yaml --model /models/Wan2.2-T2V-A14B-Diffusers \\
+      --prompt "a cat on the grass" --prompt "a city street at night" --holdout "a dog running" \\
+      --steps 40 --budget 0.1 --costs measure --fp16-backend fastest --out calib-wan22
+  fp4video calibrate --transformer wan22 --resolution 720p --budget 0.1 --costs measure --out calib-wan22-720p
+"""
+
+#: Timesteps of the random-weight transformer's forwards (spread over the schedule), then hold-out.
+FORWARD_TIMESTEPS = (999.0, 750.0, 500.0, 250.0, 100.0)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("calibrate", help="find the cheapest attention per site within a quality budget",
+                       description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="folder for policy.yaml, report.json, report.md, heatmap.png")
+    src = p.add_argument_group("what to calibrate (a pipeline, or --transformer)")
+    src.add_argument("--config", type=Path, help="run config YAML: model, family, sizes, steps, prompts")
+    src.add_argument("--model", help='"tiny", a local pipeline folder or a hub id (overrides the config)')
+    src.add_argument("--family", help="the pipeline's family (wan, hunyuan, ltx, ...; overrides the config)")
+    src.add_argument("--prompt", action="append", help="a calibration prompt (repeat; default: the config's)")
+    src.add_argument("--holdout", action="append", default=[], help="a hold-out prompt the plan is checked on (repeat)")
+    src.add_argument("--steps", type=int, help="denoising steps (the policy's steps are fractions of them)")
+    src.add_argument("--height", type=int)
+    src.add_argument("--width", type=int)
+    src.add_argument("--frames", type=int)
+    src.add_argument("--sensitive", action="store_true",
+                     help="tiny model only: build in a block with K outlier channels and sharp late steps")
+    src.add_argument("--transformer", choices=["wan22", "hunyuan"],
+                     help="a full-size Wan2.2-A14B- or HunyuanVideo-shaped transformer with random bf16 weights")
+    src.add_argument("--layers", type=int, help="--transformer: blocks (default: the real model's)")
+    src.add_argument("--resolution", choices=["480p", "720p"], default="720p", help="--transformer: video size")
+    src.add_argument("--forwards", type=int, default=2, help="--transformer: calibration forwards (+1 hold-out)")
+    how = p.add_argument_group("how")
+    how.add_argument("--budget", type=float, default=0.1,
+                     help="largest relative L2 error of a site's attention output (worst head, worst call)")
+    how.add_argument("--min-cosine", type=float, default=None, help="also: smallest cosine of a site's output")
+    how.add_argument("--candidates", nargs="+", default=None, metavar="TARGET",
+                     help="fp4video methods and backend:<name> (default: fp8 mxattn-pv8 mxattn and every quantized "
+                          "external backend that runs here)")
+    how.add_argument("--costs", default="table",
+                     help="table (H200 relative times), measure (timed here at the sites' shapes) or a "
+                          "`bench kernel --out` markdown file")
+    how.add_argument("--fp16-backend", default="stock", help="the policy's FP16 tier: stock, fastest or a backend")
+    how.add_argument("--backend", default="auto", choices=["auto", "reference", "triton"], help="fp4video's kernels")
+    how.add_argument("--propagation", type=int, default=8,
+                     help="(site, step) pairs replayed to measure the transformer output's error (0: none)")
+    how.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    how.add_argument("--seed", type=seed_arg, default=0)
+    how.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def run(args) -> int:
+    import torch
+
+    from ..calibration import Budget, calibrate
+
+    check_output_dir(args.out, "--out")  # written after minutes of measuring: checked first
+    if args.budget <= 0:
+        raise UsageError(f"--budget {args.budget}: a relative L2 error, greater than 0")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    budget = Budget(rel_l2=args.budget, min_cosine=args.min_cosine)
+    if args.transformer:
+        for flag in ("config", "model", "family", "prompt", "steps", "height", "width", "frames"):
+            if getattr(args, flag):
+                raise UsageError(f"--{flag} is for a pipeline; --transformer takes --layers, --resolution, --forwards")
+        target, prompts, holdout, name = _random_transformer(args, device)
+        call = None
+    else:
+        if args.layers is not None:
+            raise UsageError("--layers is for --transformer")
+        target, prompts, holdout, call, name = _pipeline(args, device)
+    result = calibrate(target, prompts, holdout=holdout, budget=budget, candidates=args.candidates, costs=args.costs,
+                       call=call, fp16_backend=args.fp16_backend, backend=args.backend, propagation=args.propagation,
+                       seed=args.seed, progress=not args.quiet, model_name=name)
+    paths = result.write(args.out)
+    r = result.report
+    print(f"calibrated {name} on {r['device']}: {', '.join(f'{t} {n}' for t, n in r['chosen'].items())} sites; "
+          f"predicted step {r['prediction']['step_speedup_vs_stock']:.3f}× stock; "
+          f"calibration {r['calibration']['seconds']:.1f} s, {r['calibration']['peak_bytes'] / 2**30:.2f} GiB")
+    for what, path in paths.items():
+        print(f"wrote {path} ({what})", file=sys.stderr)
+    return 0
+
+
+def _pipeline(args, device):
+    import torch
+
+    from ..integration.config import DEFAULT_CONFIG, RunConfig, load_config
+    from ..integration.pipelines import load_pipeline, pipeline_kwargs
+    from ..integration.tiny import add_sensitivity, tiny_sizes
+
+    cfg = load_config(args.config) if args.config else DEFAULT_CONFIG
+    changes = {k: v for k, v in (("model", args.model), ("family", args.family)) if v is not None}
+    model = changes.get("model", cfg.model)
+    family = changes.get("family", cfg.family)
+    if model == "tiny":
+        changes.update(tiny_sizes(family))
+    for name in ("steps", "height", "width", "frames"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    if args.prompt:
+        changes["prompts"] = args.prompt
+    elif model == "tiny" and not args.config:
+        changes["prompts"] = ["a cat walks on the grass", "a city street at night"]
+    cfg = RunConfig.model_validate({**cfg.model_dump(), **changes})
+    if args.sensitive and cfg.model != "tiny":
+        raise UsageError("--sensitive builds sensitivity into the tiny model's random weights: it needs --model tiny")
+    pipe = load_pipeline(cfg, device)
+    if args.sensitive:
+        steps = cfg.steps
+        pipe.scheduler.set_timesteps(steps, device=device)
+        late = float(pipe.scheduler.timesteps[steps // 2])  # the second half of the steps: sharp
+        for name in ("transformer", "transformer_2"):
+            model_ = getattr(pipe, name, None)
+            if isinstance(model_, torch.nn.Module):
+                add_sensitivity(model_, outlier_blocks=(1,), sharp_timesteps=(0.0, late + 1e-3))
+
+    def call(prompt):
+        kw = pipeline_kwargs(cfg, prompt, device)
+        del kw["prompt"]
+        kw.pop("output_type", None)
+        return kw
+
+    name = f"{cfg.model} {cfg.family} ({cfg.height}×{cfg.width}, {cfg.frames} frames, {cfg.steps} steps)"
+    return pipe, list(cfg.prompts), list(args.holdout), call, name
+
+
+def _random_transformer(args, device):
+    """A full-size transformer with random bf16 weights and its forwards' inputs (random latents
+    at timesteps spread over the schedule; the last one is the hold-out)."""
+    import torch
+
+    from .bench import HUNYUAN, HUNYUAN_LATENTS, LATENTS, WAN22_A14B
+
+    if args.forwards < 1 or args.forwards >= len(FORWARD_TIMESTEPS):
+        raise UsageError(f"--forwards {args.forwards}: 1 to {len(FORWARD_TIMESTEPS) - 1}")
+    torch.manual_seed(args.seed)
+    default = torch.get_default_dtype()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            if args.transformer == "wan22":
+                from diffusers import WanTransformer3DModel
+
+                layers = args.layers or WAN22_A14B["num_layers"]
+                model = WanTransformer3DModel(**{**WAN22_A14B, "num_layers": layers}).eval()
+                name = f"Wan2.2-A14B-shaped transformer, random weights, {layers} blocks, {args.resolution}"
+            else:
+                from diffusers import HunyuanVideoTransformer3DModel
+
+                dual = args.layers or HUNYUAN["num_layers"]
+                model = HunyuanVideoTransformer3DModel(**{**HUNYUAN, "num_layers": dual,
+                                                          "num_single_layers": 2 * dual}).eval()
+                name = f"HunyuanVideo-shaped transformer, random weights, {dual}+{2 * dual} blocks, {args.resolution}"
+    finally:
+        torch.set_default_dtype(default)
+
+    def inputs(i, t):
+        g = torch.Generator(device=device).manual_seed(args.seed + 1 + i)
+        rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, generator=g)  # noqa: E731
+        kw = {"timestep": torch.tensor([t], device=device), "return_dict": False}
+        if args.transformer == "wan22":
+            f, h, w = LATENTS[args.resolution]
+            kw.update(hidden_states=rand(1, 16, f, h, w), encoder_hidden_states=rand(1, 512, 4096))
+        else:
+            f, h, w = HUNYUAN_LATENTS[args.resolution]
+            mask = torch.zeros(1, 256, device=device, dtype=torch.bool)
+            mask[:, :200] = True
+            kw.update(hidden_states=rand(1, 16, f, h, w), encoder_hidden_states=rand(1, 256, 4096),
+                      encoder_attention_mask=mask, pooled_projections=rand(1, 768),
+                      guidance=torch.tensor([6000.0], device=device))
+        return kw
+
+    times = FORWARD_TIMESTEPS[:args.forwards]
+    return model, [inputs(i, t) for i, t in enumerate(times)], [inputs(99, FORWARD_TIMESTEPS[-1])], name
