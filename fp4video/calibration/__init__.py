@@ -222,6 +222,11 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
                                            progress=progress)
         cost_of = _cost_function(costs, times, fp16_exact)
         missing = sorted({t for t in targets if cost_of(t, next(iter(stats.values())).shape) is None}) if stats else []
+        if missing and not explicit:  # a backend found installed that the cost source has no time for
+            for t in missing:
+                unavailable[t] = f"no time for it in the {costs} cost source (--costs measure times it here)"
+                targets.remove(t)
+            missing = []
         if missing:
             raise ValueError(f"no cost for {', '.join(missing)} in the {costs} cost source: give --costs measure, a "
                              "`bench kernel` table that has them, or leave them out of the candidates")

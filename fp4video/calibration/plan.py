@@ -36,6 +36,7 @@ DEFAULT_RELATIVE_COST = {
     "backend:_flash_3": 176.99 / 212.05,
     "backend:fa3_fp8": 139.80 / 212.05,
     "backend:sage": 146.98 / 212.05,
+    "backend:_sage_qk_int8_pv_fp8_cuda_sm90": 146.98 / 212.05,  # the kernel `sage` picks on sm_90
     "mxattn-pv8": 150.41 / 212.05,
     "fp8": 153.59 / 212.05,
     "mxattn": 162.71 / 212.05,
