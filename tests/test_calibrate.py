@@ -231,6 +231,9 @@ def test_cli_writes_a_policy_that_loads_and_says_what_it_found(tmp_path, capsys)
     policy = Policy.model_validate(yaml.safe_load((out / "policy.yaml").read_text()))
     report = json.loads((out / "report.json").read_text())
     assert report["holdout_prompts"] == ["a bird"] and report["num_steps"] == 2
+    from fp4video.integration.config import load_config
+
+    assert load_config(out / "run.yaml").policy == policy and load_config(out / "run.yaml").family == "ltx"
     # --sensitive: block 1's self-attention (K outlier channels) never takes the cheap tier
     assert all(s["chosen"] in PRECISE for s in report["sites"] if s["block"] == 1 and s["kind"] == "self")
     assert all(policy.method_for(block=s["block"], step=s["step"], num_steps=2, kind=s["kind"], expert=s["expert"])

@@ -165,8 +165,10 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
     targets = list(dict.fromkeys(["fp16", *(map(_as_target, candidates) if explicit else DEFAULT_CANDIDATES)]))
     if not explicit:
         targets += [f"backend:{b}" for b in OPTIONAL_BACKENDS]
+    start_bytes = 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        start_bytes = torch.cuda.memory_allocated(device)
     t_start = time.perf_counter()
 
     # the measuring installation: stock attention (fp16 on the stock backend) with the observer
@@ -246,7 +248,7 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
         times=times, calls_by_shape=calls_by_shape, forward_seconds=fwd_seconds, forwards=forwards, pairs=pairs,
         unavailable=unavailable, seconds=seconds, device=device, device_name=_device_name(device),
         model_name=model_name, fp16_exact=None if fp16_exact is None else fp16_exact.name,
-        date=datetime.date.today().isoformat(), memory=_peak_memory(device))
+        date=datetime.date.today().isoformat(), memory=_peak_memory(device, start_bytes))
     return result
 
 
@@ -344,9 +346,11 @@ def _cost_function(costs, times, fp16_exact):
     return cost
 
 
-def _peak_memory(device) -> dict:
+def _peak_memory(device, start_bytes: int) -> dict:
     if device.type == "cuda":
-        return {"peak_bytes": int(torch.cuda.max_memory_allocated(device)), "what": "peak CUDA memory allocated"}
+        peak = int(torch.cuda.max_memory_allocated(device))
+        return {"peak_bytes": peak, "what": "peak CUDA memory allocated (the model's included)",
+                "peak_over_start_bytes": peak - start_bytes}
     import resource
 
     return {"peak_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,

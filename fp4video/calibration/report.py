@@ -182,7 +182,9 @@ def markdown(result) -> str:
              f"- budget: {r['budget_text']}",
              f"- candidates: {', '.join(r['candidates'])}; costs: {r['costs']['source']}",
              f"- calibration: {r['calibration']['seconds']:.1f} s, {r['calibration']['peak_bytes'] / 2**20:.0f} MiB "
-             f"({r['calibration']['what']}), {r['calibration']['sites']} sites",
+             f"({r['calibration']['what']}" + (f"; {r['calibration']['peak_over_start_bytes'] / 2**20:.0f} MiB over "
+                                                "what was allocated before" if "peak_over_start_bytes" in
+                                                r["calibration"] else "") + f"), {r['calibration']['sites']} sites",
              ""]
     for t, why in r["unavailable"].items():
         lines.append(f"- not a candidate: {t}: {why}")

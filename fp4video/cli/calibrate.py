@@ -5,8 +5,9 @@ The pipeline runs on the prompts with stock attention; at every site (expert × 
 denoising step) each candidate — fp4video's methods and every external backend installed — runs
 on the very inputs of the stock call and is compared with its output. The budget is the largest
 relative L2 error of a site's attention output (worst head, worst call). Writes ``policy.yaml``
-(loadable by ``Policy``; ``fp4video generate`` takes it inside a run config's ``policy:``),
-``report.json``, ``report.md`` and ``heatmap.png`` in ``--out``.
+(loadable by ``Policy``), ``run.yaml`` (a run config with that policy: ``fp4video generate
+--config``, ``fp4video bench pipeline --configs``), ``report.json``, ``report.md`` and
+``heatmap.png`` in ``--out``.
 
 ``--transformer`` calibrates a full-size transformer with random weights instead (speed and
 error statistics at the real shapes, no weights needed): each forward takes random latents at a
@@ -90,15 +91,16 @@ def run(args) -> int:
             if getattr(args, flag):
                 raise UsageError(f"--{flag} is for a pipeline; --transformer takes --layers, --resolution, --forwards")
         target, prompts, holdout, name = _random_transformer(args, device)
-        call = None
+        call, run = None, {"family": "wan" if args.transformer == "wan22" else "hunyuan"}
     else:
         if args.layers is not None:
             raise UsageError("--layers is for --transformer")
-        target, prompts, holdout, call, name = _pipeline(args, device)
+        target, prompts, holdout, call, name, run = _pipeline(args, device)
     result = calibrate(target, prompts, holdout=holdout, budget=budget, candidates=args.candidates, costs=args.costs,
                        call=call, fp16_backend=args.fp16_backend, backend=args.backend, propagation=args.propagation,
                        seed=args.seed, progress=not args.quiet, model_name=name)
     paths = result.write(args.out)
+    paths["run config"] = _write_run_config(args.out / "run.yaml", run, result)
     r = result.report
     print(f"calibrated {name} on {r['device']}: {', '.join(f'{t} {n}' for t, n in r['chosen'].items())} sites; "
           f"predicted step {r['prediction']['step_speedup_vs_stock']:.3f}× stock; "
@@ -148,7 +150,22 @@ def _pipeline(args, device):
         return kw
 
     name = f"{cfg.model} {cfg.family} ({cfg.height}×{cfg.width}, {cfg.frames} frames, {cfg.steps} steps)"
-    return pipe, list(cfg.prompts), list(args.holdout), call, name
+    run = cfg.model_dump(mode="json", exclude={"policy", "parallel"}, exclude_defaults=True)
+    return pipe, list(cfg.prompts), list(args.holdout), call, name, run
+
+
+def _write_run_config(path: Path, run: dict, result) -> Path:
+    """A run config with the calibrated policy (``fp4video generate --config``, ``bench pipeline
+    --configs``), headed like the policy."""
+    import yaml
+
+    from ..integration.config import RunConfig
+
+    spec = {**run, "policy": result.policy.model_dump(mode="json", exclude_none=True)}
+    RunConfig.model_validate(spec)  # what is written loads back
+    header = "".join(line + "\n" for line in result.policy_yaml().splitlines() if line.startswith("#"))
+    path.write_text(header + yaml.safe_dump(spec, sort_keys=False, width=120, default_flow_style=None))
+    return path
 
 
 def _random_transformer(args, device):
