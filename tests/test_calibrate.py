@@ -251,3 +251,32 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys, args, message):
     assert main(["calibrate", "--out", str(tmp_path / "o"), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("fp4video calibrate: error:") and message in err[0], err
+
+
+def test_a_bare_transformer_calibrates_per_block_and_kind():
+    """No pipeline, so no denoising step: one forward per input dict, a policy without step rules
+    that the installed transformer follows call by call."""
+    from fp4video.integration.tiny import tiny_wan_transformer
+
+    model = tiny_wan_transformer(seed=5)
+    add_sensitivity(model, outlier_blocks=(0,))
+    g = torch.Generator().manual_seed(0)
+
+    def inputs(t):
+        return dict(hidden_states=torch.randn(1, 16, 2, 8, 8, generator=g),
+                    encoder_hidden_states=torch.randn(1, 16, 32, generator=g), timestep=torch.tensor([t]),
+                    return_dict=False)
+
+    result = calibrate(model, [inputs(900.0), inputs(300.0)], holdout=[inputs(600.0)], budget=0.2,
+                       candidates=CANDIDATES[:3], propagation=2, progress=False)
+    assert set(result.plan) == {(None, b, k, None) for b in (0, 1) for k in ("self", "cross")}
+    assert result.plan[(None, 0, "self", None)] in PRECISE and result.plan[(None, 1, "self", None)] == CHEAP
+    assert all(r.steps is None for r in result.policy.rules)
+    assert len(result.report["propagation"]["pairs"]) == 2 and result.num_steps is None
+    ctx = install(model, result.policy)
+    try:
+        with torch.no_grad():
+            model(**inputs(500.0))
+    finally:
+        uninstall(model)
+    assert {(c["expert"], c["block"], c["kind"], c["step"]): c["method"] for c in ctx.calls} == result.plan
