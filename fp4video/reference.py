@@ -471,26 +471,42 @@ def _tiled_chunk(q, k, v, scale, recipe, mask, key_tile, visit=None):
     l_ = torch.zeros((*lead, sq), device=q.device)
     acc = torch.zeros((*lead, sq, dv), device=q.device)
     quantized_row_sum = recipe.row_sum is RowSum.QUANTIZED
-    # key tiles some row of the chunk visits (one read-back per chunk); a tile no row visits changes
-    # nothing (see attention_tiled) and is not computed
-    wanted = None if visit is None else visit.reshape(-1, visit.shape[-1]).any(dim=0).tolist()
+    # key tiles some row of the chunk visits and those every row visits (one read-back per chunk): a
+    # tile no row visits changes nothing (see attention_tiled) and is not computed
+    if visit is not None:
+        tiles = visit.reshape(-1, visit.shape[-1])
+        wanted, everyone = tiles.any(dim=0).tolist(), tiles.all(dim=0).tolist()
     for j0 in range(0, k.shape[-2], key_tile):
-        if wanted is not None and not wanted[j0 // key_tile]:
-            continue
+        rows = None  # the rows visiting this tile, where some do not
+        if visit is not None:
+            if not wanted[j0 // key_tile]:
+                continue
+            rows = None if everyone[j0 // key_tile] else visit[..., j0 // key_tile]
         s = (q @ k[..., j0 : j0 + key_tile, :].transpose(-1, -2)) * scale
         if mask is not None:
             s = s.masked_fill(~mask[..., j0 : j0 + key_tile], -math.inf)
-        if visit is not None:
-            s = s.masked_fill(~visit[..., j0 // key_tile].unsqueeze(-1), -math.inf)
+        if rows is not None:
+            s = s.masked_fill(~rows.unsqueeze(-1), -math.inf)
         m_new = torch.maximum(m, s.amax(dim=-1))
         m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows with nothing visible yet
         alpha = torch.exp(m - m_safe)
         p = torch.exp(s - m_safe.unsqueeze(-1))
-        p_hat = quantize_p(p, recipe)
+        p_hat = quantize_p(p, recipe) if rows is None else _quantize_rows(p, rows, recipe)
         l_ = alpha * l_ + (p_hat if quantized_row_sum else p).sum(dim=-1)
         acc = alpha.unsqueeze(-1) * acc + p_hat @ v[..., j0 : j0 + key_tile, :]
         m = m_new
     return _finish(acc, l_, m)
+
+
+def _quantize_rows(p: torch.Tensor, rows: torch.Tensor, recipe: AttentionRecipe) -> torch.Tensor:
+    """:func:`quantize_p` of ``p``'s rows where ``rows`` (broadcastable to p's rows) is True, zeros at the
+    others (there ``p`` is all zeros, which quantize to zeros): each row is quantized on its own, so
+    its values are those of a call on the whole tensor, and only the visited rows cost anything."""
+    flat = p.reshape(-1, p.shape[-1])
+    keep = rows.expand(p.shape[:-1]).reshape(-1).nonzero().squeeze(-1)
+    out = torch.zeros_like(flat)
+    out[keep] = quantize_p(flat[keep], recipe)
+    return out.reshape(p.shape)
 
 
 def _finish(acc, l_, m):
