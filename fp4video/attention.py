@@ -126,6 +126,27 @@ def _resolve_backend(backend, recipe, q, v, mask) -> str:
     return "triton" if kernel_plan.runnable and q.is_cuda else "reference"
 
 
+def _sparse_key_tiles(sparsity, backend, q, k, mask, scale):
+    """None for a dense call; for a block-sparse one, ``(bitmap per KEY_TILE keys, query_tile)`` of its
+    selection, once the backend is known to run it (the reference: the kernels take no selection yet)."""
+    if sparsity is None:
+        return None
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton":
+        raise NotImplementedError("backend='triton' cannot run a block-sparse call: the kernels do not take "
+                                  "selections yet; use backend='reference' or 'auto'")
+    from .sparse import resolve_sparsity
+
+    with torch.no_grad():
+        sel = resolve_sparsity(sparsity, q, k, scale=scale, attn_mask=mask)
+    if sel.key_tile % reference.KEY_TILE:
+        raise ValueError(f"sparsity: the selection's key tile {sel.key_tile} is not a multiple of the loops' key "
+                         f"tile {reference.KEY_TILE}")
+    sel = sel.for_tiles(sel.query_tile, reference.KEY_TILE)
+    return sel.tiles, sel.query_tile
+
+
 def fp4_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -137,6 +158,7 @@ def fp4_attention(
     scale: float | None = None,
     return_lse: bool = False,
     backend: str = "auto",
+    sparsity=None,
 ):
     """Scaled dot-product attention with FP4 (MXFP4 / NVFP4) numerics.
 
@@ -157,6 +179,12 @@ def fp4_attention(
             ``(B, Sq, H)`` for bshd.
         backend: ``"reference"`` (PyTorch, CPU or GPU), ``"triton"`` (fused kernels; error when
             they cannot run the call) or ``"auto"`` (Triton when it can, else the reference).
+        sparsity: None (dense), or block-sparse attention (:mod:`fp4video.sparse`): a
+            :class:`~fp4video.sparse.BlockSelection` (its bitmap is indexed (B, H, query tile, key
+            tile) whatever the layout) or a rule computing one from this call's Q, K, scale and
+            mask (:class:`~fp4video.sparse.DynamicSparsity`, :class:`~fp4video.sparse.StaticSparsity`):
+            the method's numerics over the selected key tiles only, the LSE that of the visited keys.
+            The reference runs it (``"auto"`` picks it; ``"triton"`` raises NotImplementedError).
 
     Returns:
         the output in q's dtype and layout, and with ``return_lse`` the LSE.
@@ -177,7 +205,8 @@ def fp4_attention(
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
 
-    path = _resolve_backend(backend, recipe, qb, vb, mask)
+    key_tiles = _sparse_key_tiles(sparsity, backend, qb, kb, mask, scale)
+    path = "reference" if key_tiles is not None else _resolve_backend(backend, recipe, qb, vb, mask)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     with torch.no_grad():
         if path == "triton":  # the fp4video::attention custom op (torch.compile and CUDA graphs see one op)
@@ -185,7 +214,7 @@ def fp4_attention(
 
             out, lse = attention(qb, kb, vb, key_padding(mask, b, sk), recipe.to_spec(), scale)
         else:
-            out, lse = _reference(qb, kb, vb, recipe, mask, scale)
+            out, lse = _reference(qb, kb, vb, recipe, mask, scale, key_tiles)
     if grad:  # inference-only: a backward through the op raises instead of returning zeros
         out, lse = _NoBackward.apply(out, lse, q, k, v)
 
@@ -213,13 +242,14 @@ class _NoBackward(torch.autograd.Function):
         )
 
 
-def _reference(q, k, v, recipe, mask, scale):
+def _reference(q, k, v, recipe, mask, scale, key_tiles=None):
+    """``key_tiles``: None (dense) or (bitmap (B|1, H|1, n_query_tiles, Skp / KEY_TILE), query_tile)."""
     sk = k.shape[-2]
     key_alive = key_alive_from_mask(mask, sk)
     bad = reference.nonfinite_heads(q, k, v, key_alive)
     if bad.any():  # computed on zeros there, then NaN (the NaN/Inf policy)
         q, k, v = (torch.where(torch.isfinite(t), t, 0.0) for t in (q, k, v))
-        out, lse = _reference(q, k, v, recipe, mask, scale)
+        out, lse = _reference(q, k, v, recipe, mask, scale, key_tiles)
         return reference.poison_heads(out, lse, bad)
     # the finite-output guarantee: raises beyond the logit bound, rescales by powers of two within it
     ranges = reference.input_ranges(q, k, v, key_alive)
@@ -228,7 +258,9 @@ def _reference(q, k, v, recipe, mask, scale):
     if plan.needed:
         q, k, v, scale, v_factor = reference.rescale_inputs(q, k, v, ranges, plan, scale)
     qh, kh, vh = reference.prepare_qkv(q, k, v, recipe, key_alive=key_alive)
-    out, lse = reference.attention_tiled(qh, kh, vh, scale=scale, recipe=recipe, mask=mask, sk=sk)
+    tiles, query_tile = (None, None) if key_tiles is None else key_tiles
+    out, lse = reference.attention_tiled(qh, kh, vh, scale=scale, recipe=recipe, mask=mask, sk=sk,
+                                         key_tiles=tiles, query_tile=query_tile)
     if recipe.smooth_k:  # the LSE of the unsmoothed logits
         kz = k.float() if key_alive is None else torch.where(key_alive.unsqueeze(-1), k.float(), 0.0)
         lse = lse + reference.smoothing_lse_shift(q, reference.smoothing_mean(kz, key_alive), scale)
