@@ -280,3 +280,17 @@ def test_a_bare_transformer_calibrates_per_block_and_kind():
     finally:
         uninstall(model)
     assert {(c["expert"], c["block"], c["kind"], c["step"]): c["method"] for c in ctx.calls} == result.plan
+
+
+def test_matching_a_peer_is_never_slower_nor_worse_than_it_everywhere(wan):
+    """--match: each site's bound is that candidate's own error there, so the chosen plan is no
+    worse than the candidate at any site and, since the candidate always qualifies, predicted no
+    slower than it everywhere (the H200 target: no worse than FlashAttention-3 FP8, at least as fast)."""
+    _, result = wan
+    budget = Budget(rel_l2=0.2, match="fp8")
+    plan = choose(result.stats, CANDIDATES, lambda t, shape: DEFAULT_RELATIVE_COST[t], budget)
+    assert all(t == "fp16" or result.stats[k].rel_l2[t] <= result.stats[k].rel_l2["fp8"] for k, t in plan.items())
+    assert all(DEFAULT_RELATIVE_COST[t] <= DEFAULT_RELATIVE_COST["fp8"] for t in plan.values())
+    assert predicted_attention(result, plan) <= predicted_attention(result, {k: "fp8" for k in plan})
+    # on these inputs nothing cheaper matches fp8 anywhere: the plan is fp8 itself
+    assert set(plan.values()) == {"fp8"}

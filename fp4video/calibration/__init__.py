@@ -146,6 +146,8 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
 
     budget = _as_budget(budget)
     prompts, holdout = list(prompts), list(holdout)
+    if budget.match is not None:
+        _as_target(budget.match)
     if not prompts:
         raise ValueError("calibrate needs at least one prompt")
     bare = isinstance(pipe, torch.nn.Module)
@@ -186,6 +188,9 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
                     raise
                 unavailable[t] = str(e)
                 targets.remove(t)
+        if budget.match is not None and budget.match not in targets:
+            raise ValueError(f"the budget matches {budget.match}, which is not a candidate here"
+                             + (f": {unavailable[budget.match]}" if budget.match in unavailable else ""))
         quantized = [t for t in targets if t != "fp16"]
         cost_of = None
         prop_target = None

@@ -63,12 +63,19 @@ class Budget(BaseModel):
 
     rel_l2: float = Field(0.1, gt=0, description="largest relative L2 error of a site's attention output, worst head")
     min_cosine: float | None = Field(None, gt=-1, le=1, description="smallest cosine of a site's output, worst head")
+    match: str | None = Field(None, description="a candidate whose own error at each site is the bound there (e.g. "
+                                                 "backend:fa3_fp8: no site worse than FlashAttention-3 FP8 would be); "
+                                                 "rel_l2 bounds the sites it cannot take")
 
     def met(self, rel_l2: float, cosine: float) -> bool:
         return rel_l2 <= self.rel_l2 and (self.min_cosine is None or cosine >= self.min_cosine)
 
     def describe(self) -> str:
-        s = f"relative L2 ≤ {self.rel_l2:g} per site (worst head, worst call)"
+        if self.match is not None:
+            s = (f"relative L2 ≤ {self.match}'s own at each site (worst head, worst call; ≤ {self.rel_l2:g} where it "
+                 "cannot run)")
+        else:
+            s = f"relative L2 ≤ {self.rel_l2:g} per site (worst head, worst call)"
         return s + (f", cosine ≥ {self.min_cosine:g}" if self.min_cosine is not None else "")
 
 
@@ -98,6 +105,10 @@ class SiteStats:
             return True
         if target in self.refused or target not in self.rel_l2:
             return False
+        ref = budget.match
+        if ref is not None and ref not in self.refused and ref in self.rel_l2:
+            return self.rel_l2[target] <= self.rel_l2[ref] and (
+                budget.min_cosine is None or self.cosine[target] >= budget.min_cosine)
         return budget.met(self.rel_l2[target], self.cosine[target])
 
 

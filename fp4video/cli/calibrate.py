@@ -60,6 +60,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     how.add_argument("--budget", type=float, default=0.1,
                      help="largest relative L2 error of a site's attention output (worst head, worst call)")
     how.add_argument("--min-cosine", type=float, default=None, help="also: smallest cosine of a site's output")
+    how.add_argument("--match", default=None, metavar="TARGET",
+                     help="per site, no worse than this candidate's own error there (e.g. backend:fa3_fp8); "
+                          "--budget bounds the sites it cannot take")
     how.add_argument("--candidates", nargs="+", default=None, metavar="TARGET",
                      help="fp4video methods and backend:<name> (default: fp8 mxattn-pv8 mxattn and every quantized "
                           "external backend that runs here)")
@@ -85,7 +88,7 @@ def run(args) -> int:
     if args.budget <= 0:
         raise UsageError(f"--budget {args.budget}: a relative L2 error, greater than 0")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    budget = Budget(rel_l2=args.budget, min_cosine=args.min_cosine)
+    budget = Budget(rel_l2=args.budget, min_cosine=args.min_cosine, match=args.match)
     if args.transformer:
         for flag in ("config", "model", "family", "prompt", "steps", "height", "width", "frames"):
             if getattr(args, flag):
