@@ -16,7 +16,7 @@ markdown table (the row nearest the site's sequence length).
 from __future__ import annotations
 
 import math
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -128,12 +128,12 @@ def _target_fields(target: str) -> dict:
 
 
 def policy_for(plan: dict, *, num_steps: int | None, fp16_backend: str = "stock", fallback="error") -> Policy:
-    """A :class:`Policy` routing every site of ``plan`` to its target: the most common target is
-    the default, the others are rules (one per expert, kind, target and run of consecutive steps
-    with the same blocks; steps as fractions of the schedule, so the policy scales to other step
-    counts). Raises RuntimeError if the policy does not route a site as planned (a self-check)."""
-    counts = Counter(plan.values())
-    default = max(counts, key=lambda t: (counts[t], t == "fp16"))
+    """A :class:`Policy` routing every site of ``plan`` to its target: the default is ``fp16``, so
+    calls the calibration never saw (another kind, a block a cache skipped) keep full precision,
+    and every other target is named by rules (one per expert, kind, target and run of consecutive
+    steps with the same blocks; steps as fractions of the schedule, so the policy scales to other
+    step counts). Raises RuntimeError if the policy does not route a site as planned (a self-check)."""
+    default = "fp16"
     groups = defaultdict(lambda: defaultdict(set))  # (target, expert, kind) -> step -> blocks
     for (expert, block, kind, step), target in plan.items():
         if target != default:
