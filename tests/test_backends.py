@@ -105,6 +105,23 @@ def test_a_backend_that_runs_but_is_not_attention_is_refused():
         resolve("test_zeros", device="cpu", dtype=torch.float32)
 
 
+def test_a_call_asking_for_the_lse_is_refused_where_the_backend_returns_none():
+    """Ring attention asks every backend for the log-sum-exp; a backend whose signature has no
+    return_lse says so; diffusers' native backend takes the argument and refuses it inside with a
+    ValueError, which the routing treats as a refusal (the policy's fallback, or the error)."""
+    from fp4video.integration.dispatcher import AttentionCall
+
+    _register_maskless()
+    q = torch.randn(1, 8, 2, 16)
+    assert resolve("test_maskless", device="cpu", dtype=torch.float32).why_not(
+        AttentionCall(q, q, q, return_lse=True)) == "returns no LSE (ring attention needs it)"
+    native = resolve("native", device="cpu", dtype=torch.float32)
+    call = AttentionCall(q, q, q, return_lse=True)
+    assert native.why_not(call) is None
+    with pytest.raises(ValueError, match="return_lse"):
+        native.run(call)
+
+
 def _register_maskless():
     """A diffusers backend whose signature has no mask: exact attention of unmasked calls."""
     from fp4video.integration.dispatcher import register_backend

@@ -250,7 +250,7 @@ def _diffusers_backend(name: str) -> ExternalBackend:
             try:
                 check(**kwargs)
             except ValueError as e:
-                return str(e).rstrip(".")
+                return f"fails diffusers' check ({str(e).rstrip('.')})"
         return None
 
     def run(call: AttentionCall):
