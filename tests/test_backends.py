@@ -158,6 +158,27 @@ def test_calls_a_backend_cannot_take_follow_the_fallback_or_raise():
     assert sum(ctx.fallbacks.values()) == sum(c["kind"] == "cross" for c in ctx.calls) > 0
     assert abs(out - stock).max() <= 1e-5
 
+    # a backend that takes the mask argument and refuses it inside (as flash-attn 3 does): fallback stock
+    from fp4video.integration.dispatcher import register_backend
+
+    def raises_on_mask(query, key, value, attn_mask=None, scale=None):
+        if attn_mask is not None:
+            raise ValueError("`attn_mask` is not supported")
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale).transpose(1, 2)
+
+    register_backend("test_raises_on_mask", raises_on_mask)
+    ctx = install(pipe, Policy.model_validate({"method": "fp16", "fallback": "stock",
+                                               "rules": [{"backend": "test_raises_on_mask"}]}))
+    try:
+        out = run_ltx(pipe)
+    finally:
+        uninstall(pipe)
+    assert {(c["kind"], c["method"], c.get("planned")) for c in ctx.calls} == {
+        ("self", "backend:test_raises_on_mask", None), ("cross", "stock-fallback", "backend:test_raises_on_mask")}
+    assert any("`attn_mask` is not supported" in why for why in ctx.fallbacks)
+    assert abs(out - stock).max() <= 1e-5
+
 
 def test_fp16_tier_on_the_fastest_exact_backend(wan):
     stock = run_wan(wan)
