@@ -362,11 +362,4 @@ def _peak_memory(device, start_bytes: int) -> dict:
             "what": "peak resident memory of the process (CPU)"}
 
 
-def evaluate_plan(result: Calibration, plan: dict) -> dict:
-    """Worst error and sites over budget of ``plan`` on the calibration statistics (helper for reports)."""
-    over = [k for k, t in plan.items() if t != "fp16" and not result.stats[k].meets(t, Budget(**result.report["budget"]))]
-    worst = max((result.stats[k].rel_l2.get(t, 0.0) for k, t in plan.items() if t != "fp16"), default=0.0)
-    return {"sites_over_budget": len(over), "worst_rel_l2": worst}
-
-
-__all__ += ["plan_of_policy", "SiteStats", "evaluate_plan"]
+__all__ += ["plan_of_policy", "SiteStats"]
