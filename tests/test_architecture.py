@@ -143,11 +143,15 @@ def test_public_import_paths_keep_working():
     for name in ("sageattention3", "mxattention", "robustness", "report"):
         importlib.import_module(f"fp4video.harness.{name}")
     pytest.importorskip("triton")
+    import torch
+
     from fp4video import kernels
 
-    assert callable(kernels.supports) and callable(kernels.plan.plan)
+    plan = importlib.import_module("fp4video.kernels.plan")  # (a submodule: an attribute once imported)
+    assert callable(kernels.supports) and kernels.plan is plan and callable(plan.plan) and callable(plan.plan_on)
     dispatch = importlib.import_module("fp4video.kernels.dispatch")
-    assert kernels.dispatch is dispatch and callable(dispatch.prepare)
+    assert kernels.dispatch is dispatch and callable(dispatch.prepare) and callable(dispatch.run_loop)
+    assert callable(torch.ops.fp4video.attention)  # the custom op, registered by importing the dispatch
 
 
 def test_a_checkouts_kernels_folder_hands_over_to_an_installed_kernels_package(tmp_path):

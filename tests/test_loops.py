@@ -83,12 +83,17 @@ def test_nvfp4_loop_rejects_k_v_not_in_whole_tiles():
     """The NVFP4 loops read K̂/V̂ as prepass_tiles stores them (whole 128-key tiles): plain (B, H,
     Sk, D) tensors are refused with an error that says so, instead of reading past their end."""
     from fp4video.kernels.loop_nvfp4 import attention_nvfp4
+    from fp4video.kernels.operands import TileOperands
+    from fp4video.kernels.plan import plan_on
     from fp4video.kernels.prepass import prepass
 
     q, k, v = rand(1, 1, 20, 64, seed=31), rand(1, 1, 300, 64, seed=32), rand(1, 1, 300, 64, seed=33)
-    qh, kh, vh = prepass(q, k, v, METHODS["nvfp4"], None, torch.float32)
+    work = prepass(q, k, v, METHODS["nvfp4"], None, torch.float32)
+    nv_plan = plan_on(METHODS["nvfp4"], "interpreter")
+    assert nv_plan.loop == "nvfp4" and nv_plan.operands == "tiles"
     with pytest.raises(ValueError, match="padded to whole tiles of 128 keys"):
-        attention_nvfp4(qh, kh, vh, None, sk=300, recipe=METHODS["nvfp4"], scale=0.125, out_dtype=torch.float32)
+        attention_nvfp4(TileOperands(work.q, work.k, work.v, 300), None, nv_plan, recipe=METHODS["nvfp4"],
+                        scale=0.125, out_dtype=torch.float32, dv=64)
 
 
 @pytest.mark.parametrize("method", ["mxfp4-ocp", "mxattn"])
@@ -144,6 +149,7 @@ def test_fp8_pv_methods_on_hopper_run_the_tma_loop_row_for_row_gpu(method, monke
     P̂ registers reused (wrong rows on the H200), is refused — directly and by FP4VIDEO_MX_TMA=0."""
     from fp4video.kernels.dispatch import prepare
     from fp4video.kernels.loop_e4m3 import attention_e4m3
+    from fp4video.kernels.plan import plan
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("a Hopper (sm_90) test")
@@ -155,9 +161,12 @@ def test_fp8_pv_methods_on_hopper_run_the_tma_loop_row_for_row_gpu(method, monke
     rows = torch.nn.functional.cosine_similarity(runs[0].double().flatten(0, 2), want.double().flatten(0, 2), dim=-1)
     assert rows.min() > 0.99 and (rows < 0.999).float().mean() < 0.01, (rows.min(), (rows < 0.999).float().mean())
     recipe = METHODS[method]
-    path, tensors = prepare(q, k, v, recipe, None)
+    tma_plan = plan(recipe, q, v, mask)
+    assert tma_plan.loop == "e4m3" and tma_plan.tma and tma_plan.key_order == "tile", tma_plan
+    ops = prepare(q, k, v, recipe, None, tma_plan)
     with pytest.raises(ValueError, match="pointer-load e4m3 loop computes wrong rows"):
-        attention_e4m3(*tensors, None, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype, dv=128, tma=False)
+        attention_e4m3(ops, None, tma_plan.replace(tma=False), recipe=recipe, scale=128**-0.5, out_dtype=q.dtype,
+                       dv=128)
     monkeypatch.setenv("FP4VIDEO_MX_TMA", "0")
     with pytest.raises(ValueError, match=rf"{method} cannot run here \(FP4VIDEO_MX_TMA=0\)"):
         fp4_attention(q, k, v, method=method, backend="triton")
@@ -167,6 +176,7 @@ def _check_tma_equals_pointer_loads(dev, dt, b, h, sq, sk, d, masked):
     from fp4video.kernels.dispatch import key_padding
     from fp4video.kernels.key_order import k8_in_key_order
     from fp4video.kernels.loop_e4m3 import attention_e4m3
+    from fp4video.kernels.plan import plan
     from fp4video.kernels.prepass import prepass_fp8
 
     q, k, v = rand(b, h, sq, d, seed=40), rand(b, h, sk, d, seed=41), rand(b, h, sk, d, seed=42)
@@ -176,22 +186,28 @@ def _check_tma_equals_pointer_loads(dev, dt, b, h, sq, sk, d, masked):
     plain = prepass_fp8(q, k, v, recipe, alive)
     tiled = prepass_fp8(q, k, v, recipe, alive, k_tile_order=True)
     sk_pad = -(-sk // 128) * 128
-    assert tiled[2].shape[-2] == sk_pad and torch.equal(k8_in_key_order(tiled[2], sk).float(), plain[2].float())
-    assert not k8_in_key_order(tiled[2], sk_pad)[..., sk:, :].float().any()  # the padding rows are zero
-    for x, y in zip(plain[:2] + plain[3:], tiled[:2] + tiled[3:]):  # Q̂, the factors and V̂ᵀ are unchanged
-        assert torch.equal(x.float(), y.float())
+    assert (plain.sk, plain.k_tile_order, tiled.sk, tiled.k_tile_order) == (sk, False, sk, True)
+    assert tiled.k8.shape[-2] == sk_pad and torch.equal(k8_in_key_order(tiled.k8, sk).float(), plain.k8.float())
+    assert not k8_in_key_order(tiled.k8, sk_pad)[..., sk:, :].float().any()  # the padding rows are zero
+    for name in ("q8", "q_fac", "k_fac", "v8t", "v_fac", "v_span"):  # Q̂, the factors, V̂ᵀ and its span are unchanged
+        assert torch.equal(getattr(plain, name).float(), getattr(tiled, name).float()), name
+    # the plan for these tensors' device, in each form: pointer loads (K̂ in key or tile order) or TMA
+    base = plan(recipe, q, v, mask)
+    assert base.loop == "e4m3" and base.operands == "fp8", base
+    pointer, pointer_tiled, tma = (base.replace(tma=False, key_order="key"), base.replace(tma=False, key_order="tile"),
+                                   base.replace(tma=True, key_order="tile"))
 
-    def run(pre, order, **opts):
-        return attention_e4m3(*pre, sk, order, alive, recipe=recipe, scale=d**-0.5, out_dtype=q.dtype, dv=d, **opts)
+    def run(pre, form, **opts):
+        return attention_e4m3(pre, alive, form, recipe=recipe, scale=d**-0.5, out_dtype=q.dtype, dv=d, **opts)
 
     ref = fp4_attention(q, k, v, method="mxattn", attn_mask=mask, backend="reference").float()
     for fresh_pv in (False, True):  # the pointer loop's default and the TMA loop's
-        want = run(plain, False, fresh_pv=fresh_pv)
-        for got in (run(tiled, True, tma=False, fresh_pv=fresh_pv), run(tiled, True, tma=True, fresh_pv=fresh_pv)):
+        want = run(plain, pointer, fresh_pv=fresh_pv)
+        for got in (run(tiled, pointer_tiled, fresh_pv=fresh_pv), run(tiled, tma, fresh_pv=fresh_pv)):
             assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
         assert cossim(want[0].float(), ref) > 0.9999
     with pytest.raises(ValueError, match="tile key order"):
-        run(plain, False, tma=True)
+        run(plain, tma)
 
 
 def test_kernel_accuracy_equals_reference_on_the_sageattention3_harness(device):
@@ -233,28 +249,30 @@ def _check_scaled_tma_equals_pointer_loads(dev, dt, method, h, sq, sk, d, dv):
     last head) are masked like any key past SK."""
     from fp4video.kernels import dispatch
     from fp4video.kernels.loop_scaled import attention_packed
+    from fp4video.kernels.plan import WS_MAJORS, plan
 
     q, k, v = (rand(2, h, n, c, seed=72 + i, device=dev, dtype=dt) for i, (n, c) in enumerate(((sq, d), (sk, d), (sk, dv))))
     mask = rand(2, 1, 1, sk, seed=75, device=dev) > -0.8
     recipe = METHODS[method]
+    # the dot_scaled loop's forms, K̂ in key order: pointer loads, TMA, warp-specialized (TMA)
+    base = plan(recipe, q, v)
+    assert base.loop == "scaled" and base.operands == "packed", base
+    pointer = base.replace(tma=False, warp_specialized=False, key_order="key")
+    forms = [pointer.replace(tma=True), pointer.replace(tma=True, warp_specialized=True)]
+    ws = dev == "cpu" or torch.cuda.get_device_capability(dev)[0] in WS_MAJORS  # (interpreted: the same loop in order)
     for m in (None, mask):
         alive = dispatch.key_padding(m, 2, sk)
-        path, tensors = dispatch.prepare(q, k, v, recipe, alive)
-        assert path == "scaled"
+        ops = dispatch.prepare(q, k, v, recipe, alive, pointer)
 
-        def run(**opts):
-            return attention_packed(*tensors, key_alive=alive, recipe=recipe, scale=d**-0.5, out_dtype=q.dtype, dv=dv,
-                                    **opts)
+        def run(form):
+            return attention_packed(ops, alive, form, recipe=recipe, scale=d**-0.5, out_dtype=q.dtype, dv=dv)
 
-        want = run(tma=False)
-        from fp4video.kernels.loop_scaled import warp_specialized
-
-        ws = dev == "cpu" or warp_specialized(torch.device(dev))  # (interpreted: the same loop in order)
-        for opts in ({"tma": True, "ws": False}, {"tma": True, "ws": True})[:2 if ws else 1]:
-            got = run(**opts)
-            assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (method, opts, m is not None)
+        want = run(pointer)
+        for form in forms[:2 if ws else 1]:
+            got = run(form)
+            assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (method, form.form(), m is not None)
     with pytest.raises(ValueError, match="reads K̂ / V̂ᵀ by TMA"):
-        run(tma=False, ws=True)
+        run(pointer.replace(warp_specialized=True))
 
 
 @pytest.mark.parametrize("d, dv", [(64, 40), (128, 128)])
@@ -326,6 +344,7 @@ def test_scaled_loop_quad_key_order_interpreter(method, monkeypatch, e4m3_dot_sc
     from fp4video.kernels.checks import k_smoothing_mean, smoothing_lse_shift
     from fp4video.kernels.key_order import quad_key_order
     from fp4video.kernels.loop_scaled import attention_packed
+    from fp4video.kernels.plan import plan, plan_on
     from fp4video.kernels.prepass import prepass_packed
     from fp4video.metrics import row_cosine
 
@@ -334,20 +353,24 @@ def test_scaled_loop_quad_key_order_interpreter(method, monkeypatch, e4m3_dot_sc
     recipe = METHODS[method]
     q, k, v = rand(2, 2, 70, 64, seed=76), rand(2, 2, 200, 64, seed=77) + 0.3, rand(2, 2, 200, 40, seed=78)
     mask = rand(2, 1, 1, 200, seed=79) > -0.8
-    assert not dispatch.scaled_quad_order(recipe, q.device)  # (the interpreter's default: key order)
-    assert dispatch.scaled_quad_order_on(recipe, "sm_120") and dispatch.scaled_quad_order_on(recipe, "sm_121")
-    assert not dispatch.scaled_quad_order_on(recipe, "sm_100") and not dispatch.scaled_quad_order_on(recipe, "sm_90")
+    key_plan = plan(recipe, q, v)
+    assert key_plan.loop == "scaled" and key_plan.key_order == "key", key_plan  # (the interpreter's default: key order)
+    for arch, quad_order in (("sm_120", True), ("sm_121", True), ("sm_100", False), ("sm_90", False)):
+        on = plan_on(recipe, arch)
+        assert on.loop == "scaled" and (on.key_order == "quad") is quad_order, (arch, on)
+    quad_plan = key_plan.replace(key_order="quad")
     for qs, m in ((q, None), (q, mask), (q * 6, mask)):
         alive = dispatch.key_padding(m, 2, 200)
         plain = prepass_packed(qs, k, v, recipe, alive)
         quad = prepass_packed(qs, k, v, recipe, alive, quad_order=True)
-        k_plain, k_quad = plain[1 if recipe.qk_format.value == "nvfp4" else 2], quad[1 if recipe.qk_format.value == "nvfp4" else 2]
+        assert not plain.quad_order and quad.quad_order
+        k_plain, k_quad = plain.k4, quad.k4
         whole = k_quad.as_strided((2, 2, 224, k_quad.shape[-1]), k_quad.stride())  # 7 whole groups of 32
-        used = plain[0].shape[-1]  # (NVFP4 rows: codes and scale bytes, then padding to 16 bytes)
+        used = plain.q4.shape[-1]  # (NVFP4 rows: codes and scale bytes, then padding to 16 bytes)
         assert torch.equal(whole[:, :, quad_key_order.fn(torch.arange(200)), :used], k_plain[..., :used])
-        run = dict(key_alive=alive, recipe=recipe, scale=64**-0.5, out_dtype=q.dtype, dv=40)
-        a, la = attention_packed(*plain, **run)
-        b, lb = attention_packed(*quad, quad_order=True, **run)
+        run = dict(recipe=recipe, scale=64**-0.5, out_dtype=q.dtype, dv=40)
+        a, la = attention_packed(plain, alive, key_plan, **run)
+        b, lb = attention_packed(quad, alive, quad_plan, **run)
         torch.testing.assert_close(b, a, rtol=2e-6, atol=1e-6)  # (the unquantized row sum: added in another order)
         torch.testing.assert_close(lb, la, rtol=2e-7, atol=1e-6)
         r, lr = fp4_attention(qs, k, v, method=method, attn_mask=m, return_lse=True, backend="reference")
@@ -355,7 +378,10 @@ def test_scaled_loop_quad_key_order_interpreter(method, monkeypatch, e4m3_dot_sc
             lb = lb + smoothing_lse_shift(qs, k_smoothing_mean(k, alive), 64**-0.5)
         assert (r - b).abs().max() < 1e-5 and (lr - lb).abs().max() < 1e-5 and row_cosine(r, b).min() > 0.99999
     with pytest.raises(ValueError, match="quad key order"):
-        attention_packed(*quad, quad_order=True, tma=True, **run)
+        attention_packed(quad, alive, quad_plan.replace(tma=True), **run)
+    for ops, form in ((quad, key_plan), (plain, quad_plan)):  # operands prepared for another key order
+        with pytest.raises(ValueError, match="prepare them with the plan"):
+            attention_packed(ops, alive, form, **run)
 
 
 @pytest.mark.gpu
@@ -366,6 +392,7 @@ def test_scaled_loop_quad_key_order_gpu(method, monkeypatch):
     reference, row by row, masked and not, a partial last group of 32 keys."""
     from fp4video.kernels import dispatch
     from fp4video.kernels.loop_scaled import attention_packed
+    from fp4video.kernels.plan import plan
     from fp4video.kernels.prepass import prepass_packed
     from fp4video.metrics import row_cosine
 
@@ -373,12 +400,16 @@ def test_scaled_loop_quad_key_order_gpu(method, monkeypatch):
     recipe = METHODS[method]
     q, k, v = (rand(1, 4, n, 128, seed=s, device="cuda", dtype=torch.bfloat16) for s, n in ((96, 1000), (97, 1531), (98, 1531)))
     mask = rand(1, 1, 1, 1531, seed=99, device="cuda") > -1.0
+    base = plan(recipe, q, v)
+    assert base.loop == "scaled", base
+    key_plan = base.replace(tma=False, warp_specialized=False, key_order="key")  # the pointer-load loop
+    quad_plan = key_plan.replace(key_order="quad")
     for m in (None, mask):
         alive = dispatch.key_padding(m, 1, 1531)
-        run = dict(key_alive=alive, recipe=recipe, scale=128**-0.5, out_dtype=q.dtype, dv=128)
-        a, la = attention_packed(*prepass_packed(q, k, v, recipe, alive), **run)
+        run = dict(recipe=recipe, scale=128**-0.5, out_dtype=q.dtype, dv=128)
+        a, la = attention_packed(prepass_packed(q, k, v, recipe, alive), alive, key_plan, **run)
         torch.full((64 << 20,), float("nan"), device="cuda")  # poison the memory the outputs reuse
-        b, lb = attention_packed(*prepass_packed(q, k, v, recipe, alive, quad_order=True), quad_order=True, **run)
+        b, lb = attention_packed(prepass_packed(q, k, v, recipe, alive, quad_order=True), alive, quad_plan, **run)
         assert torch.isfinite(b).all() and torch.isfinite(lb).all()
         assert row_cosine(a.float(), b.float()).min() > 0.99999 and (la - lb).abs().max() < 1e-4, (method, m is not None)
         r = fp4_attention(q, k, v, method=method, attn_mask=m, backend="reference")
@@ -425,13 +456,16 @@ def test_scaled_nvfp4_kernel_matches_reference_interpreter(method, monkeypatch, 
     if torch.cuda.is_available():
         pytest.skip("interpreter test; the GPU test covers this on CUDA")
     from fp4video.kernels import dispatch
+    from fp4video.kernels.operands import PackedOperands
+    from fp4video.kernels.plan import plan
     from fp4video.metrics import row_cosine
 
     q, k, v = rand(1, 2, 70, 64, seed=80), rand(1, 2, 200, 64, seed=81) + 0.4, rand(1, 2, 200, 40, seed=82)
     mask = rand(1, 1, 1, 200, seed=83) > -0.8
     for qs, m in ((q, None), (q, mask), (q * 6, mask)):  # * 6: sharp softmax rows
         monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "scaled")
-        assert dispatch.prepare(qs, k, v, METHODS[method], None)[0] == "scaled"  # the native loop runs
+        assert plan(METHODS[method], qs, v, m).loop == "scaled"  # the native loop runs
+        assert isinstance(dispatch.prepare(qs, k, v, METHODS[method], None), PackedOperands)
         a, la = fp4_attention(qs, k, v, method=method, attn_mask=m, return_lse=True, backend="reference")
         b, lb = fp4_attention(qs, k, v, method=method, attn_mask=m, return_lse=True, backend="triton")
         monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "triton")
@@ -450,13 +484,16 @@ def test_scaled_fp8_pv_kernel_matches_reference_interpreter(method, monkeypatch,
     if torch.cuda.is_available():
         pytest.skip("interpreter test; the GPU test covers this on CUDA")
     from fp4video.kernels import dispatch
+    from fp4video.kernels.operands import PackedOperands
+    from fp4video.kernels.plan import plan
     from fp4video.metrics import row_cosine
 
     monkeypatch.setenv("FP4VIDEO_MX_KERNEL", "scaled")
     monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "scaled")
     q, k, v = rand(1, 2, 70, 64, seed=84), rand(1, 2, 200, 64, seed=85) + 0.4, rand(1, 2, 200, 40, seed=86)
     mask = rand(1, 1, 1, 200, seed=87) > -0.8
-    assert dispatch.prepare(q, k, v, METHODS[method], None)[0] == "scaled"
+    assert plan(METHODS[method], q, v).loop == "scaled"
+    assert isinstance(dispatch.prepare(q, k, v, METHODS[method], None), PackedOperands)
     for qs, m in ((q, None), (q, mask), (q * 6, mask)):
         a, la = fp4_attention(qs, k, v, method=method, attn_mask=m, return_lse=True, backend="reference")
         b, lb = fp4_attention(qs, k, v, method=method, attn_mask=m, return_lse=True, backend="triton")
@@ -471,16 +508,16 @@ def test_scaled_fp8_pv_kernel_matches_reference_interpreter(method, monkeypatch,
 def test_scaled_kernel_matches_reference_gpu(method, monkeypatch):
     """The dot_scaled kernel on this GPU (native FP4 on Blackwell, emulated by Triton on Hopper),
     MXFP4 and NVFP4 (where this Triton compiles the NVFP4 form for this GPU: 3.8+ emulated, 3.9+ on sm_100)."""
-    from fp4video.kernels import dispatch
+    from fp4video.kernels.plan import plan
 
     monkeypatch.setenv("FP4VIDEO_MX_KERNEL", "scaled")
     monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "scaled")
-    try:
-        dispatch.nv_scaled(METHODS[method], torch.device("cuda"))
-    except ValueError as e:
-        pytest.skip(str(e))
     q, k, v = (rand(1, 4, 1000, 128, seed=s, device="cuda", dtype=torch.bfloat16) for s in (68, 69, 70))
     mask = rand(1, 1, 1, 1000, seed=71, device="cuda") > -1.0
+    try:  # (a Triton too old for the NVFP4 form here: FP4VIDEO_NV_KERNEL=scaled is refused)
+        assert plan(METHODS[method], q, v, mask).loop == "scaled"
+    except ValueError as e:
+        pytest.skip(str(e))
     if METHODS[method].pv_format.value == "e4m3" and torch.cuda.get_device_capability()[0] == 9:
         # its asynchronous P̂·V̂ MMA had its register operand reused on the H200 (wrong rows): refused
         with pytest.raises(ValueError, match="dot_scaled loop's FP8-P·V form computes wrong rows"):
@@ -500,6 +537,8 @@ def test_gluon_nvfp4_kernel_equals_triton_loop_gpu(method, monkeypatch):
     last tile or none, a key-padding mask, head dims 64 and 128, a query block only half used; and
     both match the reference."""
     from fp4video.kernels import dispatch
+    from fp4video.kernels.operands import TileOperands
+    from fp4video.kernels.plan import Plan, plan
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon NVFP4 kernel is built for sm_90")
@@ -509,8 +548,9 @@ def test_gluon_nvfp4_kernel_equals_triton_loop_gpu(method, monkeypatch):
             rand(2, 3, sk, d, seed=94, device="cuda", dtype=torch.bfloat16)
         mask = (rand(2, 1, 1, sk, seed=95, device="cuda") > -1.0) if masked else None
         outs = {}
-        for kernel in ("triton", "sm90"):
+        for kernel, loop in (("triton", "nvfp4"), ("sm90", "nvfp4_sm90")):
             monkeypatch.setenv("FP4VIDEO_NV_KERNEL", kernel)
+            assert plan(METHODS[method], q, v, mask).loop == loop, (kernel, method, d)
             torch.full((64 << 20,), float("nan"), device="cuda")  # poison the memory the outputs reuse
             outs[kernel] = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="triton")
         (a, la), (b, lb) = outs["triton"], outs["sm90"]
@@ -521,12 +561,17 @@ def test_gluon_nvfp4_kernel_equals_triton_loop_gpu(method, monkeypatch):
         assert cossim(r.float(), b.float()) >= 0.9999 and (lr - lb).abs().max() < 2e-2, case
     monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "sm90")
     qh = torch.zeros(1, 1, 8, 32, device="cuda", dtype=torch.bfloat16)  # head dim 32: not built for it
-    with pytest.raises(ValueError, match="head dims 64 and 128"):
-        dispatch.attention_prepared(("nvfp4", (qh, qh, qh, 8)), None, recipe=METHODS[method], scale=1.0,
-                                         out_dtype=torch.bfloat16, dv=32)
+    with pytest.raises(ValueError, match=r"FP4VIDEO_NV_KERNEL=sm90: .*head dims 64 and 128"):
+        plan(METHODS[method], qh)
+    with pytest.raises(ValueError, match=r"FP4VIDEO_NV_KERNEL=sm90: .*no launch options"):
+        plan(METHODS[method], q, launch_given=True)
+    gluon = Plan("nvfp4_sm90", "tiles", arch="sm_90", work_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head dims 64 and 128"):  # the loop's own check, whatever plan it is given
+        dispatch.run_loop(gluon, TileOperands(qh, qh, qh, 8), None, recipe=METHODS[method], scale=1.0,
+                          out_dtype=torch.bfloat16, dv=32)
     monkeypatch.delenv("FP4VIDEO_NV_KERNEL")
-    assert dispatch.nv_kernel(q, q, launch_given=False) == "sm90"
-    assert dispatch.nv_kernel(q, q, launch_given=True) == "triton"
+    assert plan(METHODS[method], q, launch_given=False).loop == "nvfp4_sm90"
+    assert plan(METHODS[method], q, launch_given=True).loop == "nvfp4"
 
 
 def test_gluon_nvfp4_launch_binds_every_argument_by_name():

@@ -44,7 +44,7 @@ def test_prepass_matches_reference_prepare(method, device):
     alive = rand(2, 150, seed=16, device=dev) > -1.0
     ref = prepare_qkv(q, k, v, recipe, key_alive=alive[:, None, :])
     got = prepass(q, k, v, recipe, alive, work)
-    for name, r, g in zip("qkv", ref, got):
+    for name, r, g in zip("qkv", ref, (got.q, got.k, got.v)):
         r = r[..., : g.shape[-2], : r.shape[-1]]
         g = g[..., : r.shape[-1]].float()
         assert g.shape == r.shape, name
@@ -68,10 +68,10 @@ def test_prepass_tiles_stores_keys_in_the_loops_order(masked):
     alive = (torch.arange(300) % 5 != 1)[None, :] if masked else None
     plain = prepass(q, k, v, recipe, alive, torch.float32)
     tiles = prepass_tiles(q, k, v, recipe, alive, torch.float32)
-    assert torch.equal(tiles[0], plain[0])
+    assert torch.equal(tiles.q, plain.q) and tiles.sk == 300
     keys = tile_key_order(384)
     assert sorted(keys.tolist()) == list(range(384)) and keys[:10].tolist() == [0, 1, 32, 33, 64, 65, 96, 97, 2, 3]
-    for got, want in zip(tiles[1:], plain[1:]):
+    for got, want in ((tiles.k, plain.k), (tiles.v, plain.v)):
         assert got.shape[-2] == 384
         real = keys < 300
         assert torch.equal(got[:, :, real], want[:, :, keys[real]])
@@ -91,7 +91,9 @@ def test_prepass_fp8_is_exact_and_in_e4m3_range(device):
         rand(2, 2, 150, 48, seed=23, device=dev) * 1e-3
     alive = rand(2, 150, seed=24, device=dev) > -1.0
     rq, rk, rv = prepare_qkv(q, k, v, recipe, key_alive=alive[:, None, :])
-    q8, q_fac, k8, k_fac, v8, v_fac = prepass_fp8(q, k, v, recipe, alive)
+    ops = prepass_fp8(q, k, v, recipe, alive)
+    q8, q_fac, k8, k_fac, v8, v_fac = ops.q8, ops.q_fac, ops.k8, ops.k_fac, ops.v8t, ops.v_fac
+    assert ops.sk == 150 and not ops.k_tile_order and k8.shape[-2] == 150
     assert q8.dtype == k8.dtype == v8.dtype == torch.float8_e4m3fn
     got_q = q8.float() * q_fac[..., None]
     assert k_fac.shape == (2, 2, 2)  # one factor per key tile of 128
@@ -121,8 +123,8 @@ def test_prepass_fp8_window_is_16_binades(device):
         k[0, 0, 0] = 6.0  # the key tile's largest value: 6 = 1.5·2^2
         k[0, 0, 1] = grid * 2.0 ** -shift  # block exponent -shift, smallest value 0.5·2^-shift
         q = v = torch.ones(1, 1, 2, 32, device=dev)
-        _, _, k8, k_fac, _, _ = prepass_fp8(q, k, v, recipe, None)
-        back = k8[0, 0, 1].float() * k_fac[0, 0, 0]
+        ops = prepass_fp8(q, k, v, recipe, None)
+        back = ops.k8[0, 0, 1].float() * ops.k_fac[0, 0, 0]
         assert torch.equal(back, k[0, 0, 1]) is exact, shift
 
 
@@ -138,7 +140,9 @@ def test_prepass_packed_equals_reference(method, device):
         rand(2, 2, 150, 48, seed=62, device=dev) * 1e-3
     alive = rand(2, 150, seed=63, device=dev) > -1.0
     rq, rk, rv = (t.cpu() for t in prepare_qkv(q, k, v, recipe, key_alive=alive[:, None, :]))
-    q4, q_sc, k4, k_sc, v4t, v_sc = prepass_packed(q, k, v, recipe, alive)
+    ops = prepass_packed(q, k, v, recipe, alive)
+    q4, q_sc, k4, k_sc, v4t, v_sc = ops.q4, ops.q_scale, ops.k4, ops.k_scale, ops.v, ops.v_scale
+    assert not ops.quad_order and all(x is None for x in (ops.v_fac, ops.g_q, ops.g_k, ops.g_v))
     assert q4.dtype == k4.dtype == v4t.dtype == q_sc.dtype == torch.uint8
     gq, gk, gv = _unpack(q4, q_sc), _unpack(k4, k_sc), _unpack(v4t, v_sc).transpose(-1, -2)
     if recipe.hadamard and dev == "cuda":  # tensor-core rotation: summation order may move a boundary
@@ -171,7 +175,9 @@ def test_prepass_packed_nvfp4_equals_reference(method, device):
         rand(2, 2, 150, 48, seed=72, device=dev) * 1e-3
     alive = rand(2, 150, seed=73, device=dev) > -1.0
     rq, rk, rv = (t.cpu() for t in prepare_qkv(q, k, v, recipe, key_alive=alive[:, None, :]))
-    q4, k4, v4t, g_q, g_k, g_v = prepass_packed(q, k, v, recipe, alive)
+    ops = prepass_packed(q, k, v, recipe, alive)
+    q4, k4, v4t, g_q, g_k, g_v = ops.q4, ops.k4, ops.v, ops.g_q, ops.g_k, ops.g_v
+    assert all(x is None for x in (ops.q_scale, ops.k_scale, ops.v_scale, ops.v_fac))  # (the scales are in the rows)
     d, sk_pad = q4.shape[-1] * 16 // 9, 256  # (80 and 150, padded: 128 values a row, 2 key tiles)
     assert q4.dtype == k4.dtype == v4t.dtype == torch.uint8 and d == 128
     # K̂'s and V̂ᵀ's rows padded to whole 16 bytes for TMA copies: 64 + 8 -> 80 and 128 + 16 -> 144
@@ -213,7 +219,8 @@ def test_prepass_row_launch_forms_change_nothing(method, k_tile_order, device):
         launch = dataclasses.replace(PREPASS_LAUNCH, **options)
         outs.append(prepass_fp8(q, k, v, METHODS[method], alive, k_tile_order, launch=launch))
     for one, other in ((outs[0], outs[1]), (outs[0], outs[2])):
-        for name, a, b in zip(("q8", "q_fac", "k8", "k_fac", "v8t", "v_fac"), one, other):
+        for name in ("q8", "q_fac", "k8", "k_fac", "v8t", "v_fac", "v_span"):
+            a, b = getattr(one, name), getattr(other, name)
             assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                                b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), name
 
@@ -240,7 +247,8 @@ def test_prepass_v8t_equals_reference_for_every_v_dtype(method, dv, tiles, devic
     for dtype in ((torch.float32, torch.bfloat16) if dev == "cuda" else (torch.float32,)):
         v = v32.to(dev, dtype)
         q = k = torch.zeros(2, 2, 300, 64, device=dev, dtype=dtype)
-        *_, v8, v_fac = prepass_fp8(q, k, v, METHODS[method], alive, launch=launch)
+        ops = prepass_fp8(q, k, v, METHODS[method], alive, launch=launch)
+        v8, v_fac = ops.v8t, ops.v_fac
         want = prepare_qkv(q.float(), k.float(), v.float(), METHODS[method], key_alive=alive[:, None, :])[2]
         want = want[..., :300, :dv]  # (the reference pads V's tokens to whole tiles)
         got = v8t_in_key_order(v8).float().transpose(-1, -2)[..., :300, :] * v_fac[..., None, :]
@@ -261,8 +269,8 @@ def test_prepass_rotation_in_bf16_parts_is_exact_gpu(method):
         q, k, v = (rand(2, 3, 700, 128, seed=s, device="cuda", dtype=dtype) * 3 for s in (80, 81, 82))
         got = prepass_fp8(q, k, v, METHODS[method], None)
         want = prepass_fp8(q.float(), k.float(), v.float(), METHODS[method], None)
-        for name, a, b in zip(("q8", "q_fac", "k8", "k_fac", "v8t", "v_fac"), got, want):
-            assert torch.equal(a.float(), b.float()), (dtype, name)
+        for name in ("q8", "q_fac", "k8", "k_fac", "v8t", "v_fac", "v_span"):
+            assert torch.equal(getattr(got, name).float(), getattr(want, name).float()), (dtype, name)
 
 
 @pytest.mark.parametrize("method", ["fp8", "mxattn-pv8", "sage3-pv8"])
@@ -284,13 +292,15 @@ def test_e4m3_prepass_equals_reference(method, device):
     alive = (torch.arange(300, device=device) % 9 != 4)[None].expand(2, -1)
     rq, rk, rv = prepare_qkv(q, k, v, recipe, key_alive=alive[:, None, :])
     if recipe.qk_format.value == "nvfp4":
-        qh, kh, vh = prepass_tiles(q, k, v, recipe, alive, torch.float32 if device == "cpu" else torch.bfloat16)
+        vh = prepass_tiles(q, k, v, recipe, alive, torch.float32 if device == "cpu" else torch.bfloat16).v
         keys = tile_key_order(vh.shape[-2])
         got_v = torch.empty_like(vh.float())
         got_v[:, :, keys] = vh.float()
         assert torch.equal(got_v[..., :300, :], rv[..., :300, :48])
     else:
-        q8, q_fac, k8, k_fac, v8, v_fac = prepass_fp8(q, k, v, recipe, alive)
+        ops = prepass_fp8(q, k, v, recipe, alive)
+        q8, q_fac, k8, k_fac, v8, v_fac = ops.q8, ops.q_fac, ops.k8, ops.k_fac, ops.v8t, ops.v_fac
+        assert ops.v_span is None  # (V is E4M3 by definition: no window to check)
         got_v = v8t_in_key_order(v8).float().transpose(-1, -2)[..., :300, :48] * v_fac[..., None, :48]
         assert torch.equal(got_v, rv[..., :300, :48])
         if recipe.qk_format.value == "e4m3":
@@ -299,7 +309,9 @@ def test_e4m3_prepass_equals_reference(method, device):
     if recipe.qk_format.value != "e4m3":  # the dot_scaled loop's pre-pass writes V̂ᵀ with its tokens in order
         from fp4video.kernels.prepass import prepass_packed
 
-        *_, v8p, v_facp, _, _ = prepass_packed(q, k, v, recipe, alive)
+        packed = prepass_packed(q, k, v, recipe, alive)
+        v8p, v_facp = packed.v, packed.v_fac
+        assert packed.v_scale is None and packed.g_v is None
         assert v8p.dtype == torch.float8_e4m3fn and v8p.shape[-1] == 384
         assert torch.equal(v8p.float().transpose(-1, -2)[..., :300, :48] * v_facp[..., None, :48], rv[..., :300, :48])
         assert not v8p[..., 300:].float().any() and not v8p[..., 48:, :].float().any()

@@ -222,14 +222,15 @@ def test_e4m3_loop_rows_equal_the_reference_when_v_has_outlier_tokens(method):
 
 def test_e4m3_window_check_measures_v_span():
     from fp4video.kernels.loop_e4m3 import E4M3_V_SPAN_LIMIT
-    from fp4video.kernels.prepass import prepass_fp8_window
+    from fp4video.kernels.prepass import prepass_fp8
 
     q, k, v = make_inputs(Sharpness(), sq=64, sk=256)
-    _, span = prepass_fp8_window(q, k, v, METHODS["mxattn"], None)
+    span = prepass_fp8(q, k, v, METHODS["mxattn"], None).v_span
     assert int(span.max()) <= 3  # 32-sample Gaussian block maxima: within a few binades
     v[:, :, 7] *= 2.0**20
-    _, span = prepass_fp8_window(q, k, v, METHODS["mxattn"], None)
+    span = prepass_fp8(q, k, v, METHODS["mxattn"], None).v_span
     assert int(span.max()) > E4M3_V_SPAN_LIMIT
+    assert prepass_fp8(q, k, v, METHODS["fp8"], None).v_span is None  # E4M3 V: no window to check
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

@@ -67,12 +67,22 @@ def use_loop(monkeypatch, request):
     return use
 
 
-def _assert_loop(name, q, k, v, method, mask):
-    """The dispatch runs this call on the loop ``name`` stands for (not a fallback)."""
+def running_plan(q, k, v, method, mask):
+    """The plan the dispatch runs this call with: the call's plan (:func:`fp4video.kernels.plan.plan`),
+    or its fallback where the pre-pass finds V's channels wider than the e4m3 loop's window (the
+    call's own check, :func:`fp4video.kernels.dispatch._prepare_checked`, on the pre-pass's output)."""
     from fp4video.kernels import dispatch
+    from fp4video.kernels.plan import plan
 
     alive = dispatch.key_padding(mask, q.shape[0], k.shape[-2])
-    assert dispatch.loop_module(q, k, v, METHODS[method], alive).startswith(LOOPS[name][1]), (name, method)
+    call_plan = plan(METHODS[method], q, v, mask)
+    assert call_plan.runnable, (method, call_plan.reason)
+    return dispatch._prepare_checked(q, k, v, METHODS[method], alive, call_plan, None, None, None)[0]
+
+
+def _assert_loop(name, q, k, v, method, mask):
+    """The dispatch runs this call on the loop ``name`` stands for (not a fallback)."""
+    assert running_plan(q, k, v, method, mask).module == LOOPS[name][1], (name, method)
 
 
 def exact_attention(q, k, v, mask=None, scale=None):
@@ -347,12 +357,15 @@ def test_broadcast_key_masks_give_the_reference_result_per_row(loop, method, use
     K mean must count every live key the broadcast mask covers (the reference counted one; rows 0.2
     apart, LSEs 3-5 nats)."""
     from fp4video.kernels import supports
+    from fp4video.kernels.plan import plan
 
     use_loop(loop)
     q, k, v = rand(2, 2, 16, 64, seed=50), rand(2, 2, 150, 64, seed=51) + 0.5, rand(2, 2, 150, 64, seed=52)
     for mask in (torch.ones(1, 1, 1, 1, dtype=torch.bool), torch.tensor([True, False]).reshape(2, 1, 1, 1),
                  torch.tensor([False, True]).reshape(2, 1, 1, 1), _mask((1, 1, 1, "sk"), 16, 150, 53)):
-        assert supports(METHODS[method], q, mask) == (True, "")
+        ok, why = supports(METHODS[method], q, mask)  # (``why``: the plan's reason, how the kernels run it)
+        assert ok, why
+        assert plan(METHODS[method], q, v, mask).module == LOOPS[loop][1], (loop, method, tuple(mask.shape))
         a, la, b, lb = run_both(q, k, v, method, mask)
         assert_rows_match(a, la, b, lb, what=(loop, method, tuple(mask.shape)))
         assert_near_exact(b, q, k, v, mask, method)
@@ -417,13 +430,11 @@ def _gpu_rows_match(want, lse_want, got, lse_got, rows=None, what="", lse_rel=1e
 def _hopper_loop(q, k, v, method, mask):
     """On sm_90, the loop the dispatch runs is one of the Hopper loops (e4m3 by TMA, Gluon NVFP4 at
     head dims 64 / 128, the NVFP4 Triton loop for FP8 P, bf16)."""
-    from fp4video.kernels import dispatch
-
     if torch.cuda.get_device_capability()[0] != 9:
         return
-    alive = dispatch.key_padding(mask, q.shape[0], k.shape[-2])
-    assert dispatch.loop_module(q, k, v, METHODS[method], alive) in (
-        "loop_e4m3", "loop_nvfp4_sm90", "loop_nvfp4", "loop_bf16"), method
+    run = running_plan(q, k, v, method, mask)
+    assert run.module in ("loop_e4m3", "loop_nvfp4_sm90", "loop_nvfp4", "loop_bf16"), (method, run.describe())
+    assert run.loop != "e4m3" or run.tma, (method, run.describe())  # the e4m3 loop by TMA
 
 
 @pytest.mark.gpu
@@ -494,7 +505,8 @@ def test_e4m3_loop_exponent_forms_agree_within_the_fast_bound_and_the_exact_one_
     and sharp rows (with a padding mask and a head of zeros), both equal the reference row by row;
     the dispatch picks the fast one there and the exact one for logits past the bound."""
     from fp4video.kernels import dispatch, loop_e4m3
-    from fp4video.kernels.dispatch import attention_prepared, key_padding, prepare
+    from fp4video.kernels.dispatch import key_padding, prepare, run_loop
+    from fp4video.kernels.plan import plan
 
     q, k, v = (rand(1, 2, 130, 64, seed=s) for s in (1, 2, 3))
     q = q * torch.tensor([1.0, 6.0]).view(1, 2, 1, 1)  # a sharp head
@@ -503,11 +515,13 @@ def test_e4m3_loop_exponent_forms_agree_within_the_fast_bound_and_the_exact_one_
     mask[..., 100:] = False
     want, lse_want = fp4_attention(q, k, v, method=method, attn_mask=mask, backend="reference", return_lse=True)
     alive = key_padding(mask, 1, 130)
-    prepared = prepare(q, k, v, METHODS[method], alive)
+    e4m3_plan = plan(METHODS[method], q, v, mask)
+    assert e4m3_plan.loop == "e4m3", e4m3_plan
+    prepared = prepare(q, k, v, METHODS[method], alive, e4m3_plan)
     forms = []
     for exact in (False, True):
-        out, lse = attention_prepared(prepared, alive, recipe=METHODS[method], scale=64**-0.5, out_dtype=q.dtype,
-                                      dv=64, exact=exact)
+        out, lse = run_loop(e4m3_plan, prepared, alive, recipe=METHODS[method], scale=64**-0.5, out_dtype=q.dtype,
+                            dv=64, exact=exact)
         # per row as tests/test_loops.py bounds the loops (a P̃ element on a rounding boundary may flip)
         assert torch.isfinite(out).all() and torch.equal(torch.isinf(lse), torch.isinf(lse_want)), exact
         assert row_cosine(out.double(), want.double()).min() > 0.99999, exact
@@ -517,8 +531,14 @@ def test_e4m3_loop_exponent_forms_agree_within_the_fast_bound_and_the_exact_one_
     assert row_cosine(forms[0].double(), forms[1].double()).min() > 0.99999
 
     seen = []
-    real = loop_e4m3.attention_e4m3
-    monkeypatch.setattr(dispatch, "attention_e4m3", lambda *a, **kw: seen.append(kw["exact"]) or real(*a, **kw))
+    real_e4m3, real_loop_function = loop_e4m3.attention_e4m3, dispatch.loop_function
+    assert real_loop_function("e4m3") is real_e4m3
+
+    def spy(*a, **kw):
+        seen.append(kw["exact"])
+        return real_e4m3(*a, **kw)
+
+    monkeypatch.setattr(dispatch, "loop_function", lambda loop: spy if loop == "e4m3" else real_loop_function(loop))
     fp4_attention(q, k, v, method=method, attn_mask=mask, backend="triton")
     big = math.sqrt(4 * loop_e4m3.FAST_LOGIT_BOUND * 64**0.5 / 64)  # scale·D·max|q|·max|k| over the bound
     fp4_attention(q.clamp(-1, 1) * big, k.clamp(-1, 1) * big, v, method=method, attn_mask=mask, backend="triton")
