@@ -46,4 +46,4 @@ def supports(recipe, q, mask=None) -> tuple[bool, str]:
     from .plan import plan
 
     p = plan(recipe, q, mask=mask)
-    return p.runnable, p.reason
+    return p.runnable, "" if p.runnable else p.reason
