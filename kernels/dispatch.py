@@ -24,7 +24,7 @@ from .operands import FP8Operands, PackedOperands, TileOperands, WorkOperands
 from .plan import Plan, plan as plan_call
 from .prepass import prepass, prepass_fp8, prepass_packed, prepass_tiles
 
-__all__ = ["attention", "prepare", "run_loop", "loop_function", "key_padding", "LOOP_FUNCTIONS"]
+__all__ = ["attention", "prepare", "prepare_checked", "run_loop", "loop_function", "key_padding", "LOOP_FUNCTIONS"]
 
 #: each plan's loop: (module, launch function); every one takes (operands, key_alive, plan, *,
 #: recipe, scale, out_dtype, dv, exact, block_m, num_warps, num_stages)
@@ -91,7 +91,7 @@ def run_loop(plan: Plan, operands, key_alive, *, recipe: AttentionRecipe, scale:
                                     exact=exact, block_m=block_m, num_warps=num_warps, num_stages=num_stages)
 
 
-def _prepare_checked(q, k, v, recipe: AttentionRecipe, key_alive, plan: Plan, mean, bad, ranges):
+def prepare_checked(q, k, v, recipe: AttentionRecipe, key_alive, plan: Plan, mean, bad, ranges):
     """(the plan that runs, its operands, whether any head is ``bad``, the values of ``ranges``).
 
     Every decision here reads the GPU's answer back in **one** transfer: whether V fits the e4m3
@@ -129,7 +129,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_alive: torc
     ``key_alive``: (B, Sk) bool or None (:func:`key_padding`); ``recipe``: :meth:`AttentionRecipe.to_spec`.
 
     The finite-output guarantee (:data:`fp4video.reference.LOGIT_BOUND`): the inputs' ranges are
-    read back with the NaN/Inf check, in the one transfer of :func:`_prepare_checked`; a call beyond
+    read back with the NaN/Inf check, in the one transfer of :func:`prepare_checked`; a call beyond
     the logit bound raises, and one whose Q, K or V need an exact power-of-two rescaling
     (:func:`fp4video.reference.plan_ranges`: magnitudes near fp32's limit, rare) runs the pre-pass
     again on the rescaled inputs (a second transfer, on that path only)."""
@@ -143,12 +143,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_alive: torc
     ranges = None if capturing else input_ranges(q, k, v, None if key_alive is None else key_alive[:, None, :], bad)
     mean = k_smoothing_mean(k, key_alive) if recipe.smooth_k else None
     summary = None if ranges is None else range_summary(ranges, scale, q.shape[-1])
-    run, operands, has_bad, summary = _prepare_checked(q, k, v, recipe, key_alive, plan, mean, bad, summary)
+    run, operands, has_bad, summary = prepare_checked(q, k, v, recipe, key_alive, plan, mean, bad, summary)
     v_factor = None
     if summary is not None and (rescale := plan_ranges(summary, scale, q.dtype)).needed:
         q, k, v, scale, v_factor = rescale_inputs(q, k, v, ranges, rescale, scale)
         mean = k_smoothing_mean(k, key_alive) if recipe.smooth_k else None
-        run, operands, has_bad, _ = _prepare_checked(q, k, v, recipe, key_alive, plan, mean, bad, None)
+        run, operands, has_bad, _ = prepare_checked(q, k, v, recipe, key_alive, plan, mean, bad, None)
     # the e4m3 loop's fast exponents where the logits are known to be bounded (always while a CUDA
     # graph is captured, when nothing is read back)
     exact = summary is not None and not summary[3] <= FAST_LOGIT_BOUND

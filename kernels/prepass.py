@@ -301,7 +301,7 @@ def _prepass_v(
                                    DV_PAD, BLOCK_DV, BLOCK_S, QB, OCP, QMAX, IEEE, FMT, HW_E4M3, KEY_ORDER)
     elif OUT == FP8_AMAX:  # a plain read of TILES tiles, no quantization; one atomic per channel
         # for the channel maxima, and one for the smallest nonzero block maximum (Fac: the e4m3
-        # window check of prepass_fp8_window)
+        # window check: FP8Operands.v_span)
         amax = tl.zeros((BLOCK_DV,), tl.float32)
         bmin = tl.full((BLOCK_DV,), float("inf"), tl.float32)
         for i in tl.range(TILES):

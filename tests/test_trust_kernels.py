@@ -70,14 +70,14 @@ def use_loop(monkeypatch, request):
 def running_plan(q, k, v, method, mask):
     """The plan the dispatch runs this call with: the call's plan (:func:`fp4video.kernels.plan.plan`),
     or its fallback where the pre-pass finds V's channels wider than the e4m3 loop's window (the
-    call's own check, :func:`fp4video.kernels.dispatch._prepare_checked`, on the pre-pass's output)."""
+    call's own check, :func:`fp4video.kernels.dispatch.prepare_checked`, on the pre-pass's output)."""
     from fp4video.kernels import dispatch
     from fp4video.kernels.plan import plan
 
     alive = dispatch.key_padding(mask, q.shape[0], k.shape[-2])
     call_plan = plan(METHODS[method], q, v, mask)
     assert call_plan.runnable, (method, call_plan.reason)
-    return dispatch._prepare_checked(q, k, v, METHODS[method], alive, call_plan, None, None, None)[0]
+    return dispatch.prepare_checked(q, k, v, METHODS[method], alive, call_plan, None, None, None)[0]
 
 
 def _assert_loop(name, q, k, v, method, mask):
