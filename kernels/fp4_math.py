@@ -23,21 +23,13 @@ def pow2(e):
 
 
 @triton.jit
-def fp8_shift(amax):
-    """Exponent c that moves E2M1 × power-of-two values with largest magnitude ``amax`` into e4m3.
-
-    Such values have a mantissa of 1 or 1.5, so with E = floor(log2 amax) the largest becomes at
-    most 1.5·2^8 = 384 < 448 after scaling by 2^(8 - E); a block whose own largest exponent is e
-    stays exact down to its smallest nonzero value 0.5·2^e as long as e >= E - 16 (e4m3's smallest
-    subnormal is 2^-9). amax = 0 gives the largest shift (nothing to scale).
-    """
-    e0 = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    return tl.minimum(tl.maximum(8 - e0, -126), 126)
-
-
-@triton.jit
 def fp8_shift_from_raw_max(amax, OCP: tl.constexpr, QMAX: tl.constexpr):
-    """:func:`fp8_shift` of MXFP4-quantized blocks, from the largest |x| before quantization.
+    """Exponent c that moves MXFP4-quantized blocks into e4m3, from the largest |x| before quantization.
+
+    E2M1 × power-of-two values have a mantissa of 1 or 1.5, so with E the binade of the largest
+    the largest becomes at most 1.5·2^8 = 384 < 448 after scaling by 2^(8 - E); a block whose own
+    largest exponent is e stays exact down to its smallest nonzero value 0.5·2^e as long as
+    e >= E - 16 (e4m3's smallest subnormal is 2^-9). All-zero blocks get the largest shift.
 
     A block's largest quantized value is 4 or 6 times its scale 2^e (the rules put amax / 2^e in
     (3.625, 7.25] or [4, 8), which rounds to 4 or 6, saturating), so it lies in binade e + 2; and

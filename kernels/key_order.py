@@ -9,6 +9,7 @@ cross-lane reduction. In general column c = 2·NB·j + 2·t + e of a tile holds 
 it: its inverse (:func:`tile_key_position`, where the pre-pass stores a key), the relabelling
 that makes P̂ the A operand of Hopper's 8-bit MMA (:func:`as_mma_operand`), and the host-side
 permutations, computed by evaluating the same jit functions' Python bodies on torch tensors.
+Reading the pre-pass's operands back in key order is the tests' business (tests/key_order_reference.py).
 """
 
 from __future__ import annotations
@@ -102,31 +103,6 @@ def v8t_key_order(n: int) -> torch.Tensor:
     k = _whole_tiles(n)
     c = operand_column.fn(k % KEY_TILE)
     return k - k % KEY_TILE + mma_key_order.fn(c, KEY_TILE // LANE_BLOCK, LANE_BLOCK)
-
-
-def k8_in_key_order(k8: torch.Tensor, sk: int) -> torch.Tensor:
-    """The e4m3 pre-pass's K̂ stored in tile key order (…, Sk_pad, D) as its first ``sk`` keys in order (a copy)."""
-    return k8[..., tile_key_order(k8.shape[-2]).argsort().to(k8.device), :][..., :sk, :]
-
-
-@functools.lru_cache(maxsize=64)
-def _v8t_key_order_on(n: int, device: torch.device) -> torch.Tensor:
-    """:func:`v8t_key_order` on ``device``, made once per length."""
-    return v8t_key_order(n).to(device)
-
-
-def v8t_in_key_order(v8t: torch.Tensor) -> torch.Tensor:
-    """The e4m3 pre-pass's V̂ᵀ (…, Dv, Sk_pad) with its tokens back in order (a copy: for tests and
-    tools reading it back; the dot_scaled loop's pre-pass writes its V̂ᵀ in order)."""
-    order = _v8t_key_order_on(v8t.shape[-1], v8t.device)
-    out = torch.empty_like(v8t)
-    out[..., order] = v8t
-    return out
-
-
-def k_fac_per_key(k_fac: torch.Tensor, sk: int) -> torch.Tensor:
-    """The e4m3 pre-pass's K̂ factors (one per key tile) repeated for each of the ``sk`` keys."""
-    return k_fac.repeat_interleave(KEY_TILE, dim=-1)[..., :sk]
 
 
 @functools.lru_cache(maxsize=8)

@@ -749,9 +749,9 @@ def prepass_fp8(q, k, v, recipe: AttentionRecipe, key_alive, k_tile_order: bool 
                 launch=PREPASS_LAUNCH) -> FP8Operands:
     """Q̂, K̂, V̂ as E4M3 for fp8 tensor cores, with power-of-two factors (:class:`.operands.FP8Operands`;
     ``k_tile_order``: K̂'s rows within each tile in the loops' key order, as a TMA box copies them to
-    the loop: :func:`.key_order.k8_in_key_order`). E2M1 × 2^e is exact in e4m3 when the block's
+    the loop: :func:`.key_order.tile_key_order`). E2M1 × 2^e is exact in e4m3 when the block's
     exponent is within 16 of the row's / key tile's / channel's largest value exponent (see
-    :func:`.fp4_math.fp8_shift`); blocks further below lose low bits (e4m3 subnormals) or flush to
+    :func:`.fp4_math.fp8_shift_from_raw_max`); blocks further below lose low bits (e4m3 subnormals) or flush to
     zero, which is what ``v_span`` lets the call check for V.
     """
     return PrePass(q, k, v, recipe, key_alive, mean, launch).run_fp8(k_tile_order)

@@ -14,7 +14,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from fp4video.kernels.fp4_math import (  # noqa: E402
-    const_div_from, const_div_rn, div6_rn, div_const_rn, e2m1_times_scale, e4m3_bits, fake_quant_rows, fp8_shift,
+    const_div_from, const_div_rn, div6_rn, div_const_rn, e2m1_times_scale, e4m3_bits, fake_quant_rows,
     fp8_shift_from_raw_max, mx_block_exponent, newton_recip, nvfp4_block_scale, recip_rn_few_bits,
     round_e2m1_at_scale, round_e2m1_f16x2_odd, round_e2m1_signed)
 from fp4video.kernels.loop_nvfp4 import RCP_P_RANGE  # noqa: E402
@@ -372,6 +372,16 @@ def test_mx_block_exponent_matches_reference(rule):
     got = out.cpu().clamp(-126, 126)
     bad = (got != want).nonzero()[:5, 0]
     assert len(bad) == 0, [(a[i].item(), got[i].item(), want[i].item()) for i in bad]
+
+
+@triton.jit
+def fp8_shift(amax):
+    """Exponent c that moves E2M1 × power-of-two values with largest magnitude ``amax`` into e4m3,
+    from their binade E: scaled by 2^(8 - E), the largest is at most 1.5·2^8 = 384 < 448. The
+    reference the pre-pass's shift from the raw maximum is checked against (amax = 0 gives the
+    largest shift: nothing to scale)."""
+    e0 = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    return tl.minimum(tl.maximum(8 - e0, -126), 126)
 
 
 @triton.jit

@@ -174,10 +174,10 @@ def test_fp8_pv_methods_on_hopper_run_the_tma_loop_row_for_row_gpu(method, monke
 
 def _check_tma_equals_pointer_loads(dev, dt, b, h, sq, sk, d, masked):
     from fp4video.kernels.dispatch import key_padding
-    from fp4video.kernels.key_order import k8_in_key_order
     from fp4video.kernels.loop_e4m3 import attention_e4m3
     from fp4video.kernels.plan import plan
     from fp4video.kernels.prepass import prepass_fp8
+    from key_order_reference import k8_in_key_order
 
     q, k, v = rand(b, h, sq, d, seed=40), rand(b, h, sk, d, seed=41), rand(b, h, sk, d, seed=42)
     mask = (rand(b, 1, 1, sk, seed=43) > -0.8).to(dev) if masked else None

@@ -81,9 +81,9 @@ def test_prepass_tiles_stores_keys_in_the_loops_order(masked):
 def test_prepass_fp8_is_exact_and_in_e4m3_range(device):
     """q8·q_fac, k8·k_fac, v8·v_fac equal the reference's dequantized Q̂, K̂, V̂ (no rotation: bit
     for bit), and the scaled values use e4m3's range: largest at most 384, none saturated."""
-    from fp4video.kernels.key_order import k_fac_per_key, v8t_in_key_order
     from fp4video.kernels.prepass import prepass_fp8
     from fp4video.reference import prepare_qkv
+    from key_order_reference import k_fac_per_key, v8t_in_key_order
 
     dev = device
     recipe = METHODS["mxfp4-ocp"]
@@ -235,9 +235,9 @@ def test_prepass_v8t_equals_reference_for_every_v_dtype(method, dv, tiles, devic
     tiles: the second program's second tile lies past the end and must not be written)."""
     import dataclasses
 
-    from fp4video.kernels.key_order import v8t_in_key_order
     from fp4video.kernels.prepass import PREPASS_LAUNCH, prepass_fp8
     from fp4video.reference import prepare_qkv
+    from key_order_reference import v8t_in_key_order
 
     dev = device
     g = torch.Generator().manual_seed(9)
@@ -280,9 +280,10 @@ def test_e4m3_prepass_equals_reference(method, device):
     ``mxattn-pv8`` as ``mxattn``'s, NVFP4 Q/K of ``sage3-pv8`` through the NVFP4 loops' tiles), and
     the dot_scaled loop's pre-pass of ``mxattn-pv8`` / ``sage3-pv8`` V̂ᵀ with its tokens in order;
     the work-dtype pre-pass refuses them."""
-    from fp4video.kernels.key_order import k_fac_per_key, tile_key_order, v8t_in_key_order
+    from fp4video.kernels.key_order import tile_key_order
     from fp4video.kernels.prepass import prepass, prepass_fp8, prepass_tiles
     from fp4video.reference import prepare_qkv
+    from key_order_reference import k_fac_per_key, v8t_in_key_order
 
     recipe = METHODS[method]
     g = torch.Generator().manual_seed(12)

@@ -68,7 +68,7 @@ def p_window(qh, kh, recipe, scale, window=P_WINDOW):
 def main(argv=None) -> int:
     import argparse
 
-    from fp4video.kernels.key_order import k_fac_per_key, v8t_in_key_order
+    from fp4video.kernels.key_order import v8t_key_order
     from fp4video.kernels.prepass import prepass_fp8
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,8 +85,10 @@ def main(argv=None) -> int:
             rq, rk, rv = prepare_qkv(qb, kb, vb, recipe)
             ops = prepass_fp8(qb, kb, vb, recipe, None)
             n = q.shape[0]
-            got = (ops.q8.float() * ops.q_fac[..., None], ops.k8.float() * k_fac_per_key(ops.k_fac, n)[..., None],
-                   v8t_in_key_order(ops.v8t).float().transpose(-1, -2)[..., :n, :] * ops.v_fac[..., None, :])
+            k_fac = ops.k_fac.repeat_interleave(KEY_TILE, dim=-1)[..., :n]  # one factor per key tile
+            v8t = ops.v8t[..., v8t_key_order(ops.v8t.shape[-1]).argsort()]  # V̂ᵀ's tokens back in order
+            got = (ops.q8.float() * ops.q_fac[..., None], ops.k8.float() * k_fac[..., None],
+                   v8t.float().transpose(-1, -2)[..., :n, :] * ops.v_fac[..., None, :])
             off = sum(int((g[..., :n, :128] != r[..., :n, :128]).sum()) for g, r in zip(got, (rq, rk, rv)))
             frac_blocks, frac_mass = p_window(rq[0, 0, :n].double(), rk[0, 0, :n].double(), recipe, 128**-0.5, args.p_window)
             print(f"| {name} | {method} | {off / (3 * n * 128):.2e} | {frac_blocks:.2e} | {frac_mass:.2e} |", flush=True)
