@@ -11,7 +11,7 @@ from . import reference
 from .reference import key_alive_from_mask
 from .recipe import AttentionRecipe, get_recipe
 
-__all__ = ["fp4_attention", "LAYOUTS", "BACKENDS"]
+__all__ = ["fp4_attention", "selection_for", "LAYOUTS", "BACKENDS"]
 
 LAYOUTS = ("bhsd", "bshd")
 BACKENDS = ("auto", "reference", "triton")
@@ -108,9 +108,9 @@ def _check_scale(scale, head_dim: int) -> float:
     return value
 
 
-def _resolve_backend(backend, recipe, q, v, mask) -> str:
+def _resolve_backend(backend, recipe, q, v, mask, sparse: bool = False) -> str:
     """``"triton"`` or ``"reference"``: where this call runs (the kernels' plan, :func:`.kernels.plan.plan`,
-    says whether they can)."""
+    says whether they can; a block-sparse call needs a loop that takes a selection)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
@@ -118,28 +118,47 @@ def _resolve_backend(backend, recipe, q, v, mask) -> str:
     from .kernels.plan import plan
 
     kernel_plan = plan(recipe, q, v, mask)
+    why = kernel_plan.sparse_reason if sparse else (None if kernel_plan.runnable else kernel_plan.reason)
     if backend == "triton":
-        if not kernel_plan.runnable:
-            raise NotImplementedError(f"backend='triton' cannot run this call: {kernel_plan.reason}")
+        if why:
+            raise NotImplementedError(f"backend='triton' cannot run this {'block-sparse ' if sparse else ''}call: {why}")
         return "triton"
     # "auto" never picks the CPU interpreter (a test tool, far slower than the reference)
-    return "triton" if kernel_plan.runnable and q.is_cuda else "reference"
+    return "triton" if why is None and q.is_cuda else "reference"
 
 
-def _sparse_key_tiles(sparsity, backend, q, k, mask, scale):
+def selection_for(sparsity, q: torch.Tensor, k: torch.Tensor, *, layout: str = "bhsd",
+                  attn_mask: torch.Tensor | None = None, scale: float | None = None, backend: str = "auto",
+                  method: str | AttentionRecipe = "mxattn"):
+    """The :class:`~fp4video.sparse.BlockSelection` ``fp4_attention`` would use for ``sparsity`` on
+    this call (the same checks and, where the kernels run it, their pooling of Q and K): pass it as
+    ``sparsity`` to run the call on it, and read its density."""
+    recipe = get_recipe(method)
+    qb, kb, vb = _check_inputs(q, k, k, layout)
+    b, h, sq, d = qb.shape
+    mask = _check_mask(attn_mask, b, h, sq, kb.shape[-2], q.device)
+    scale = _check_scale(scale, d)
+    return _resolve_selection(sparsity, qb, kb, mask, scale, _resolve_backend(backend, recipe, qb, vb, mask, sparse=True))
+
+
+def _resolve_selection(sparsity, q, k, mask, scale, path):
+    """The selection of ``sparsity`` for (B, H, S, D) ``q``, ``k``, Q and K pooled by the kernels
+    where they run the call (``path``)."""
+    from .sparse import resolve_sparsity, tile_pool
+
+    if path == "triton":
+        from .kernels.pooling import tile_pool
+    with torch.no_grad():
+        return resolve_sparsity(sparsity, q, k, scale=scale, attn_mask=mask, pool=tile_pool)
+
+
+def _sparse_key_tiles(sparsity, q, k, mask, scale, path):
     """None for a dense call; for a block-sparse one, ``(bitmap per KEY_TILE keys, query_tile)`` of its
-    selection, once the backend is known to run it (the reference: the kernels take no selection yet)."""
+    selection (computed on q's device, nothing read back; a dynamic one reads Q and K through the
+    kernels' pooling where they run the call)."""
     if sparsity is None:
         return None
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "triton":
-        raise NotImplementedError("backend='triton' cannot run a block-sparse call: the kernels do not take "
-                                  "selections yet; use backend='reference' or 'auto'")
-    from .sparse import resolve_sparsity
-
-    with torch.no_grad():
-        sel = resolve_sparsity(sparsity, q, k, scale=scale, attn_mask=mask)
+    sel = _resolve_selection(sparsity, q, k, mask, scale, path)
     if sel.key_tile % reference.KEY_TILE:
         raise ValueError(f"sparsity: the selection's key tile {sel.key_tile} is not a multiple of the loops' key "
                          f"tile {reference.KEY_TILE}")
@@ -184,7 +203,8 @@ def fp4_attention(
             tile) whatever the layout) or a rule computing one from this call's Q, K, scale and
             mask (:class:`~fp4video.sparse.DynamicSparsity`, :class:`~fp4video.sparse.StaticSparsity`):
             the method's numerics over the selected key tiles only, the LSE that of the visited keys.
-            The reference runs it (``"auto"`` picks it; ``"triton"`` raises NotImplementedError).
+            The loops of :data:`fp4video.kernels.plan.SPARSE_LOOPS` run it on the GPU; elsewhere
+            ``"auto"`` runs the reference and ``"triton"`` raises NotImplementedError.
 
     Returns:
         the output in q's dtype and layout, and with ``return_lse`` the LSE.
@@ -205,14 +225,15 @@ def fp4_attention(
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
 
-    key_tiles = _sparse_key_tiles(sparsity, backend, qb, kb, mask, scale)
-    path = "reference" if key_tiles is not None else _resolve_backend(backend, recipe, qb, vb, mask)
+    path = _resolve_backend(backend, recipe, qb, vb, mask, sparse=sparsity is not None)
+    key_tiles = _sparse_key_tiles(sparsity, qb, kb, mask, scale, path)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     with torch.no_grad():
         if path == "triton":  # the fp4video::attention custom op (torch.compile and CUDA graphs see one op)
             from .kernels.dispatch import attention, key_padding
 
-            out, lse = attention(qb, kb, vb, key_padding(mask, b, sk), recipe.to_spec(), scale)
+            out, lse = attention(qb, kb, vb, key_padding(mask, b, sk), recipe.to_spec(), scale,
+                                 *(key_tiles or (None,)))
         else:
             out, lse = _reference(qb, kb, vb, recipe, mask, scale, key_tiles)
     if grad:  # inference-only: a backward through the op raises instead of returning zeros

@@ -31,21 +31,24 @@ can capture the selection with the call.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from .reference import KEY_TILE, smoothing_mean
+from .reference import KEY_TILE
 
 __all__ = [
     "QUERY_TILE",
     "KEY_TILE",
     "MIN_SIMILARITY",
     "BlockSelection",
+    "tile_lists",
     "BlockEstimate",
     "estimate_block_mass",
+    "tile_pool",
     "dynamic_selection",
     "static_selection",
     "static_token_window",
@@ -176,13 +179,8 @@ class BlockSelection:
         return t.repeat_interleave(self.key_tile, dim=-1)[..., : self.sk]
 
     def tile_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The selection as lists: ``(index, count)``, ``index`` int32 (B|1, H|1, nq, nk) holding each
-        query tile's visited key tiles in ascending order, then the others (ascending); ``count``
-        int32 (B|1, H|1, nq) how many it visits. A loop reads ``index[b, h, i, :count[b, h, i]]``."""
-        n = self.n_key_tiles
-        j = torch.arange(n, device=self.tiles.device)
-        order = torch.where(self.tiles, j, j + n).argsort(dim=-1)
-        return order.to(torch.int32), self.tiles.sum(dim=-1, dtype=torch.int32)
+        """The selection as lists (:func:`tile_lists`)."""
+        return tile_lists(self.tiles)
 
     def check_call(self, batch: int, heads: int, sq: int, sk: int, device) -> None:
         """ValueError unless the selection applies to a call of this shape on ``device``."""
@@ -194,6 +192,24 @@ class BlockSelection:
                              f"{sq} and {sk}")
         if self.tiles.device != torch.device(device):
             raise ValueError(f"sparsity: the selection is on {self.tiles.device}, q on {device}")
+
+
+def tile_lists(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A selection bitmap ``tiles`` (..., nq, nk) as lists: ``(index, count)``, ``index`` int32
+    (..., nq, nk) holding each query tile's visited key tiles in ascending order, then the others
+    (ascending); ``count`` int32 (..., nq) how many it visits. A block-sparse loop reads
+    ``index[..., i, :count[..., i]]``. Tensor operations only (a cumulative sum and a scatter, no
+    sort, nothing read back)."""
+    n = tiles.shape[-1]
+    kept = tiles.to(torch.int32)
+    count = kept.sum(dim=-1, dtype=torch.int32)
+    before = kept.cumsum(dim=-1, dtype=torch.int32)  # visited tiles up to and including j
+    # visited tile j goes to position (visited before it); an unvisited one after every visited one
+    j = torch.arange(1, n + 1, device=tiles.device, dtype=torch.int32)
+    position = torch.where(tiles, before - 1, count.unsqueeze(-1) + (j - before) - 1)
+    index = torch.empty_like(position)
+    index.scatter_(-1, position.long(), (j - 1).expand_as(position).contiguous())
+    return index, count
 
 
 # --- dynamic: estimated block mass from pooled Q and K -------------------------------------------------
@@ -254,24 +270,39 @@ def _tile_counts(n: int, tile: int, device) -> torch.Tensor:
     return (n - starts).clamp(max=tile).float()
 
 
-def _self_similarity(x: torch.Tensor, weight: torch.Tensor | None, tile: int) -> torch.Tensor:
-    """(B, H, n_tiles) fp32: each tile's mean pairwise cosine (self pairs included), as SpargeAttn's
-    ``‖Σ x̂‖² / n²`` over the tokens with weight 1 (``weight`` (B|1, H|1, S) 0/1, or None for all);
-    zero tokens have no direction and count as orthogonal to the rest. NaN for a tile without tokens."""
+def tile_pool(x: torch.Tensor, tile: int, *, weight: torch.Tensor | None = None, center: torch.Tensor | None = None,
+              sums: bool = True, units: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """What the dynamic selection reads of Q or K, per tile of ``tile`` consecutive tokens: ``(sums,
+    unit_sums)``, each (B, H, n_tiles, D) fp32 (None where not asked for). ``sums``: the tokens' sum,
+    ``Σ w·x``; ``unit_sums``: the sum of their directions less ``center`` (B|1, H|1, 1, D), ``Σ w·(x −
+    c)/‖x − c‖`` (a zero vector has none and adds 0). ``weight`` (B|1, H|1, S) 0/1 or None (all 1).
+    ``x``: (B, H, S, D), any float dtype and strides, read as fp32 (tokens of weight 0 are not read:
+    they may hold anything); never modified.
+    :func:`fp4video.kernels.pooling.tile_pool` computes the same in one pass over ``x`` on the GPU."""
     xf = x.float()
-    unit = xf / torch.linalg.vector_norm(xf, dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-    if weight is not None:
-        unit = unit * weight.unsqueeze(-1)
-        count = _tile_sums(weight.expand(*x.shape[:2], x.shape[2]), -1, tile)
-    else:
-        count = _tile_counts(x.shape[2], tile, x.device)
-    total = _tile_sums(unit, -2, tile)
-    return total.square().sum(-1) / count.square()
+    w = None if weight is None else weight.to(torch.float32).expand(*x.shape[:3]).unsqueeze(-1)
+    total = None
+    if sums:
+        total = _tile_sums(xf if w is None else torch.where(w > 0, xf, 0.0), -2, tile)
+    unit_total = None
+    if units:
+        c = xf if center is None else xf - center
+        unit = c / torch.linalg.vector_norm(c, dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+        unit_total = _tile_sums(unit if w is None else torch.where(w > 0, unit, 0.0), -2, tile)
+    return total, unit_total
+
+
+def _similarity(unit_sums: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """(B, H, n_tiles): each tile's mean pairwise cosine (self pairs included), SpargeAttn's
+    ``‖Σ x̂‖² / n²``, from :func:`tile_pool`'s unit sums and the tiles' token counts; NaN for a tile
+    without tokens."""
+    return unit_sums.square().sum(-1) / count.square()
 
 
 def estimate_block_mass(q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None,
                         attn_mask: torch.Tensor | None = None, query_tile: int = QUERY_TILE,
-                        key_tile: int = KEY_TILE, min_similarity: float = MIN_SIMILARITY) -> BlockEstimate:
+                        key_tile: int = KEY_TILE, min_similarity: float = MIN_SIMILARITY,
+                        pool=tile_pool) -> BlockEstimate:
     """The estimated attention mass of every (query tile, key tile) block, from mean-pooled Q and K.
 
     ``q`` (B, H, Sq, D), ``k`` (B, H, Sk, D), any float dtype (computed in fp32; never modified);
@@ -282,7 +313,8 @@ def estimate_block_mass(q: torch.Tensor, k: torch.Tensor, *, scale: float | None
     holds n times one key's mass), over the key tiles that are self-similar (SpargeAttn): the mean
     pairwise cosine of a query tile's rows, or of a key tile's live keys less K's mean over the live
     keys (softmax ignores that mean; a large common mean would make every K tile look alike), is
-    at least ``min_similarity``.
+    at least ``min_similarity``. ``pool``: :func:`tile_pool` or an implementation of it (the GPU's,
+    :func:`fp4video.kernels.pooling.tile_pool`): Q and K are read through it only.
     """
     _check_qk(q, k)
     mask = _check_mask(attn_mask, q, k)
@@ -300,14 +332,18 @@ def estimate_block_mass(q: torch.Tensor, k: torch.Tensor, *, scale: float | None
 
     alive = None if mask is None else mask.any(dim=-2)  # (B|1, H|1, Sk)
     live = None if alive is None else alive.float()
-    kf = k.float() if alive is None else torch.where(alive.unsqueeze(-1), k.float(), 0.0)
 
-    q_bar = _tile_sums(q, -2, query_tile) / _tile_counts(sq, query_tile, dev)[:, None]
+    q_sum, q_units = pool(q, query_tile)
+    q_bar = q_sum / _tile_counts(sq, query_tile, dev)[:, None]
     if live is None:
         k_count = _tile_counts(sk, key_tile, dev).expand(*k.shape[:2], -1)
     else:
         k_count = _tile_sums(live.expand(*k.shape[:2], sk), -1, key_tile)
-    k_bar = _tile_sums(kf, -2, key_tile) / k_count.clamp(min=1).unsqueeze(-1)
+    k_sum, _ = pool(k, key_tile, weight=live, units=False)
+    k_bar = k_sum / k_count.clamp(min=1).unsqueeze(-1)
+    # K's mean over the live keys: a large common mean would make every K tile look alike
+    k_mean = k_sum.sum(-2, keepdim=True) / k_count.sum(-1).clamp(min=1)[..., None, None]
+    _, k_units = pool(k, key_tile, weight=live, center=k_mean, sums=False)
 
     # keys seen per (query tile, key tile), averaged over the tile's queries
     if mask is None:
@@ -317,8 +353,8 @@ def estimate_block_mass(q: torch.Tensor, k: torch.Tensor, *, scale: float | None
         keys = seen if mask.shape[-2] == 1 else _tile_sums(seen, -2, query_tile) / _tile_counts(
             sq, query_tile, dev)[:, None]
 
-    q_sim = _self_similarity(q, None, query_tile)
-    k_sim = _self_similarity(kf - smoothing_mean(kf, alive), live, key_tile)
+    q_sim = _similarity(q_units, _tile_counts(sq, query_tile, dev))
+    k_sim = _similarity(k_units, k_count)
     q_similar = q_sim >= min_similarity
     k_similar = (k_sim >= min_similarity) | (k_count == 0)  # a tile without live keys has nothing to keep
 
@@ -366,7 +402,7 @@ def _check_global_tokens(global_tokens, n: int | None = None) -> tuple[tuple[int
 def dynamic_selection(q: torch.Tensor, k: torch.Tensor, *, tau: float, scale: float | None = None,
                       attn_mask: torch.Tensor | None = None, neighbours: int | None = 0,
                       global_tokens=(), sink_tiles: int = 0, min_similarity: float = MIN_SIMILARITY,
-                      query_tile: int = QUERY_TILE, key_tile: int = KEY_TILE) -> BlockSelection:
+                      query_tile: int = QUERY_TILE, key_tile: int = KEY_TILE, pool=tile_pool) -> BlockSelection:
     """The dynamic selection (SpargeAttn's design; see the module docstring) for a call on ``q``
     (B, H, Sq, D) and ``k`` (B, H, Sk, D) with ``scale`` and ``attn_mask`` as the call's.
 
@@ -377,7 +413,8 @@ def dynamic_selection(q: torch.Tensor, k: torch.Tensor, *, tau: float, scale: fl
     self-similar, and every key tile that is not (:func:`estimate_block_mass`). Then, while its kept
     estimated mass is below ``tau``, the key tile of largest estimated mass it does not keep yet;
     ``tau`` >= 1 keeps every tile. A query tile whose estimate is not finite (no key visible, NaN
-    or Inf inputs) keeps every tile. A larger ``tau`` keeps a superset.
+    or Inf inputs) keeps every tile. A larger ``tau`` keeps a superset. ``pool``: how Q and K are
+    read (:func:`estimate_block_mass`).
     """
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 < tau <= 1.0:
         raise ValueError(f"tau must be a number in (0, 1], the share of estimated mass each query tile keeps; got {tau!r}")
@@ -393,7 +430,7 @@ def dynamic_selection(q: torch.Tensor, k: torch.Tensor, *, tau: float, scale: fl
         raise ValueError(f"sink_tiles must be an int >= 0, got {sink_tiles!r}")
     ranges = _check_global_tokens(global_tokens, max(sq, sk))
     est = estimate_block_mass(q, k, scale=scale, attn_mask=attn_mask, query_tile=query_tile, key_tile=key_tile,
-                              min_similarity=min_similarity)
+                              min_similarity=min_similarity, pool=pool)
     mass = est.mass
     unknown = ~torch.isfinite(mass).all(dim=-1, keepdim=True)  # (B, H, nq, 1)
     mass = torch.where(torch.isfinite(mass), mass, 0.0)
@@ -527,17 +564,17 @@ class DynamicSparsity:
         object.__setattr__(self, "global_tokens", _check_global_tokens(self.global_tokens))
 
     def select(self, q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None,
-               attn_mask: torch.Tensor | None = None) -> BlockSelection:
+               attn_mask: torch.Tensor | None = None, pool=tile_pool) -> BlockSelection:
         return dynamic_selection(q, k, tau=self.tau, scale=scale, attn_mask=attn_mask, neighbours=self.neighbours,
                                  global_tokens=self.global_tokens, sink_tiles=self.sink_tiles,
                                  min_similarity=self.min_similarity, query_tile=self.query_tile,
-                                 key_tile=self.key_tile)
+                                 key_tile=self.key_tile, pool=pool)
 
 
 @dataclass(frozen=True)
 class StaticSparsity:
     """A static selection rule (:func:`static_selection`'s arguments): the same tiles for every call
-    over this latent grid."""
+    over this latent grid, computed once per device (the calls share the bitmap: do not write to it)."""
 
     frames: int
     height: int
@@ -565,19 +602,28 @@ class StaticSparsity:
             raise ValueError(f"a static window over {self.frames}×{self.height}×{self.width} latent tokens "
                              f"+ {self.text_tokens} text tokens needs Sq = Sk = {self.tokens}, got "
                              f"{q.shape[2]} and {k.shape[2]}")
-        return static_selection(self.frames, self.height, self.width, window=self.window,
-                                text_tokens=self.text_tokens, text_position=self.text_position,
-                                radial=self.radial, query_tile=self.query_tile, key_tile=self.key_tile,
-                                device=q.device)
+        return _static_for(self, str(q.device))
+
+
+@functools.lru_cache(maxsize=16)
+def _static_for(rule: StaticSparsity, device: str) -> BlockSelection:
+    """A static rule's selection on a device, computed once: every call over the grid uses the same
+    bitmap (a loop only reads it)."""
+    return static_selection(rule.frames, rule.height, rule.width, window=rule.window, text_tokens=rule.text_tokens,
+                            text_position=rule.text_position, radial=rule.radial, query_tile=rule.query_tile,
+                            key_tile=rule.key_tile, device=device)
 
 
 def resolve_sparsity(sparsity, q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None,
-                     attn_mask: torch.Tensor | None = None) -> BlockSelection:
+                     attn_mask: torch.Tensor | None = None, pool=tile_pool) -> BlockSelection:
     """The selection a call on ``q``, ``k`` (B, H, S, D) uses: ``sparsity`` itself when it is a
-    :class:`BlockSelection` (checked against the call), else the selection its ``select`` computes."""
+    :class:`BlockSelection` (checked against the call), else the selection its ``select`` computes
+    (a :class:`DynamicSparsity` reads Q and K through ``pool``: :func:`tile_pool`'s contract)."""
     if isinstance(sparsity, BlockSelection):
         sel = sparsity
-    elif isinstance(sparsity, (DynamicSparsity, StaticSparsity)) or callable(getattr(sparsity, "select", None)):
+    elif isinstance(sparsity, DynamicSparsity):
+        sel = sparsity.select(q, k, scale=scale, attn_mask=attn_mask, pool=pool)
+    elif isinstance(sparsity, StaticSparsity) or callable(getattr(sparsity, "select", None)):
         sel = sparsity.select(q, k, scale=scale, attn_mask=attn_mask)
         if not isinstance(sel, BlockSelection):
             raise TypeError(f"sparsity.select returned {type(sel).__name__}, not a BlockSelection")

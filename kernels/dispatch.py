@@ -20,7 +20,7 @@ from fp4video.reference import (input_ranges, plan_ranges, poison_heads, range_s
 
 from .checks import k_smoothing_mean, nonfinite_heads, smoothing_lse_shift
 from .loop_e4m3 import E4M3_V_SPAN_LIMIT, FAST_LOGIT_BOUND
-from .operands import FP8Operands, PackedOperands, TileOperands, WorkOperands
+from .operands import FP8Operands, KeyTileLists, PackedOperands, TileOperands, WorkOperands
 from .plan import Plan, plan as plan_call
 from .prepass import prepass, prepass_fp8, prepass_packed, prepass_tiles
 
@@ -79,16 +79,20 @@ def prepare(q, k, v, recipe: AttentionRecipe, key_alive, plan: Plan | None = Non
 
 def run_loop(plan: Plan, operands, key_alive, *, recipe: AttentionRecipe, scale: float, out_dtype, dv: int,
              exact: bool = True, block_m: int | None = None, num_warps: int | None = None,
-             num_stages: int | None = None):
+             num_stages: int | None = None, visit: KeyTileLists | None = None):
     """The attention loop alone, on :func:`prepare`'s operands for ``plan``; ``dv``: the value head
     dim. Launch values override the loop's own; ``exact``: the exponents' exact form (False only
     where every logit lies within :data:`.loop_e4m3.FAST_LOGIT_BOUND` nats, which lets the e4m3
-    loop run its fast form; the other loops have one exact form)."""
+    loop run its fast form; the other loops have one exact form); ``visit``: a block-sparse call's key
+    tiles (:meth:`.operands.KeyTileLists.from_bitmap`; the loops of :data:`.plan.SPARSE_LOOPS` take them)."""
+    if visit is not None and (why := plan.sparse_reason):
+        raise NotImplementedError(why)
     expected = {"fp8": FP8Operands, "packed": PackedOperands, "tiles": TileOperands}.get(plan.operands, WorkOperands)
     if not isinstance(operands, expected):
         raise TypeError(f"the {plan.module} plan takes {expected.__name__}, got {type(operands).__name__}")
     return loop_function(plan.loop)(operands, key_alive, plan, recipe=recipe, scale=scale, out_dtype=out_dtype, dv=dv,
-                                    exact=exact, block_m=block_m, num_warps=num_warps, num_stages=num_stages)
+                                    exact=exact, block_m=block_m, num_warps=num_warps, num_stages=num_stages,
+                                    **({"visit": visit} if visit is not None else {}))
 
 
 def prepare_checked(q, k, v, recipe: AttentionRecipe, key_alive, plan: Plan, mean, bad, ranges):
@@ -123,10 +127,14 @@ def prepare_checked(q, k, v, recipe: AttentionRecipe, key_alive, plan: Plan, mea
 
 @torch.library.custom_op("fp4video::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_alive: torch.Tensor | None, recipe: str,
-              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+              scale: float, key_tiles: torch.Tensor | None = None,
+              query_tile: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, H, S, D) views in (any strides); (out (B, H, Sq, Dv) in q's dtype, lse (B, H, Sq) fp32) out.
 
     ``key_alive``: (B, Sk) bool or None (:func:`key_padding`); ``recipe``: :meth:`AttentionRecipe.to_spec`.
+    ``key_tiles``: a block-sparse call's selection bitmap (B|1, H|1, ceil(Sq / query_tile), ceil(Sk /
+    128)) bool (:class:`fp4video.sparse.BlockSelection`), or None (dense); the LSE is then that of
+    the visited keys.
 
     The finite-output guarantee (:data:`fp4video.reference.LOGIT_BOUND`): the inputs' ranges are
     read back with the NaN/Inf check, in the one transfer of :func:`prepare_checked`; a call beyond
@@ -137,6 +145,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_alive: torc
     plan = plan_call(recipe, q, v)
     if not plan.runnable:
         raise NotImplementedError(plan.reason)
+    visit = None
+    if key_tiles is not None:
+        if why := plan.sparse_reason:
+            raise NotImplementedError(why)
+        b, h, sq, _ = q.shape
+        visit = KeyTileLists.from_bitmap(key_tiles, query_tile, b, h, sq, k.shape[-2])
     bad = nonfinite_heads(q, k, v, key_alive)  # the NaN/Inf policy: those heads' outputs become NaN
     # nothing is read back while a CUDA graph is captured: the ranges are not even computed there
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -153,7 +167,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_alive: torc
     # graph is captured, when nothing is read back)
     exact = summary is not None and not summary[3] <= FAST_LOGIT_BOUND
     out, lse = loop_function(run.loop)(operands, key_alive, run, recipe=recipe, scale=scale, out_dtype=q.dtype,
-                                       dv=v.shape[-1], exact=exact)
+                                       dv=v.shape[-1], exact=exact, **({"visit": visit} if visit else {}))
     out = rescale_output(out, v_factor)
     if mean is not None:  # the loops' LSE is of the smoothed logits: back to the unsmoothed ones
         lse = lse + smoothing_lse_shift(q, mean, scale)
@@ -163,6 +177,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_alive: torc
 
 
 @attention.register_fake
-def _(q, k, v, key_alive, recipe, scale):
+def _(q, k, v, key_alive, recipe, scale, key_tiles=None, query_tile=128):
     b, h, sq, _ = q.shape
     return q.new_empty(b, h, sq, v.shape[-1]), q.new_empty(b, h, sq, dtype=torch.float32)

@@ -28,9 +28,10 @@ from fp4video.reference import KEY_TILE
 from .fp4_math import e4m3_p_shift, mx_block_exponent, pow2, round_e2m1_f16x2_odd, round_e4m3_signed
 from .key_order import LANE_BLOCK, as_mma_operand
 from .launch import LoopLaunch
-from .operands import FP8Operands
+from .operands import FP8Operands, KeyTileLists
 from .plan import Plan, tma_reason, pointer_loop_reason
-from .tiles import LOG2E, key_mask, kv_bases, outputs, program_rows, store_out_lse, tile_logits
+from .tiles import (LOG2E, key_mask, kv_bases, outputs, program_rows, sparse_rows, store_out_lse,
+                    tile_logits, visited_tiles)
 
 #: lowest block exponent a key tile's shift follows (tiles entirely below 2^-60 of the row
 #: maximum keep a fixed shift; their weights are below 1e-18)
@@ -65,8 +66,8 @@ TMA_LAUNCH = LoopLaunch(
            "and 8 warps, a warp's 16 rows each, where at 64 rows and 4 warps Triton splits the tile's keys "
            "across the warps and P goes through shuffles and shared memory")
 #: registers per thread that let three 64-row TMA programs share an SM (3 × 128 threads × 168 ≤ 64 K;
-#: the unmasked loop takes 167 by itself, a masked one 202 uncapped): the cap of masked launches of
-#: that shape
+#: the dense unmasked loop fits by itself, a masked or block-sparse one does not uncapped): the cap of
+#: masked and block-sparse launches of that shape
 TMA_REGISTER_BUDGET = 168
 
 
@@ -226,9 +227,24 @@ def _tile_scale(q_scale, k_fac, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _key_tile(q, q_scale, m_i, k_i, l_i, acc, K_base, KF_base, V_base, M_base, start, SK, sks, svd, sms, k_row, v_row,
+              HAS_MASK: tl.constexpr, TAIL: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
+              D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
+              EXP_FLOOR: tl.constexpr, TMA: tl.constexpr, K_TILE_ORDER: tl.constexpr, ASM: tl.constexpr,
+              FRESH_PV: tl.constexpr, P_E4M3: tl.constexpr, EXACT: tl.constexpr):
+    """The key tile of keys [start, start + BLOCK_N) (TAIL: the partial last one): its logits
+    (:func:`.tiles.tile_logits`, in its factor's log2 units) and :func:`_tile`."""
+    qk_scale = _tile_scale(q_scale, tl.load(KF_base + start // BLOCK_N), EXACT)
+    qk = tile_logits(q, qk_scale[:, None] if EXACT else 1.0, K_base, M_base, start, SK, sks, sms, HAS_MASK, TAIL,
+                     D, BLOCK_N, QB, False, K_TILE_ORDER, TMA, k_row)
+    return _tile(qk, qk_scale, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV, BLOCK_M, BLOCK_N, QB,
+                 EXP_FLOOR, TMA, v_row, ASM, FRESH_PV, P_E4M3, EXACT)
+
+
+@triton.jit
 def _e4m3_attn_fwd(
-    Q8, QFac, K8, KFac, V8T, VFac, KeyMask, Out, Lse,
-    H, SQ, SK, DV,
+    Q8, QFac, K8, KFac, V8T, VFac, KeyMask, KIdx, KCnt, Out, Lse,
+    H, SQ, SK, DV, NQT, NKT,
     sqb, sqh, sqs,
     skb, skh, sks,
     svb, svh, svd,
@@ -240,10 +256,13 @@ def _e4m3_attn_fwd(
     D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QB: tl.constexpr, EXP_FLOOR: tl.constexpr, TMA: tl.constexpr, K_TILE_ORDER: tl.constexpr,
     ASM: tl.constexpr, FRESH_PV: tl.constexpr, P_E4M3: tl.constexpr = False, EXACT: tl.constexpr = True,
+    SPARSE: tl.constexpr = False, QT: tl.constexpr = 128,
 ):
     """MXFP4 attention on e4m3 tensor cores. TMA (with K_TILE_ORDER: K̂ stored in tile key order,
     whole tiles): ``K8`` and ``V8T`` are tensor descriptors of K̂'s rows (B·H·SK_PAD) and V̂ᵀ's
-    (B·H·BLOCK_DV), one box per key tile; else pointers."""
+    (B·H·BLOCK_DV), one box per key tile; else pointers. SPARSE: the program visits only the key
+    tiles of its query tile's list (``KIdx``, ``KCnt``: :class:`.operands.KeyTileLists`, NQT query
+    tiles of QT rows, NKT key tiles a list), in ascending order."""
     b, h, offs_m, row_ok = program_rows(H, SQ, BLOCK_M)
     bh = tl.program_id(1)
     offs_d = tl.arange(0, D)
@@ -267,19 +286,30 @@ def _e4m3_attn_fwd(
     KF_base = KFac + bh * tl.cdiv(SK, BLOCK_N)
     # full key tiles without a bounds mask (the key-padding mask, if any, applies to every
     # tile), then the partial last tile
-    n_full = (SK // BLOCK_N) * BLOCK_N
-    for start in tl.range(0, n_full, BLOCK_N):
-        qk_scale = _tile_scale(q_scale, tl.load(KF_base + start // BLOCK_N), EXACT)
-        qk = tile_logits(q, qk_scale[:, None] if EXACT else 1.0, K_base, M_base, start, SK, sks, sms, HAS_MASK, False,
-                         D, BLOCK_N, QB, False, K_TILE_ORDER, TMA, k_row)
-        m_i, k_i, l_i, acc = _tile(qk, qk_scale, m_i, k_i, l_i, acc, V_base, start, svd, OCP, QMAX, PNQ, BLOCK_DV,
-                                   BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, v_row, ASM, FRESH_PV, P_E4M3, EXACT)
-    if n_full < SK:
-        qk_scale = _tile_scale(q_scale, tl.load(KF_base + n_full // BLOCK_N), EXACT)
-        qk = tile_logits(q, qk_scale[:, None] if EXACT else 1.0, K_base, M_base, n_full, SK, sks, sms, HAS_MASK, True,
-                         D, BLOCK_N, QB, False, K_TILE_ORDER, TMA, k_row)
-        m_i, k_i, l_i, acc = _tile(qk, qk_scale, m_i, k_i, l_i, acc, V_base, n_full, svd, OCP, QMAX, PNQ, BLOCK_DV,
-                                   BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, v_row, ASM, FRESH_PV, P_E4M3, EXACT)
+    if SPARSE:
+        visits, n_whole, tail = visited_tiles(KIdx, KCnt, NQT, NKT, SK, QT, BLOCK_M, BLOCK_N)
+        for i in tl.range(0, n_whole):
+            m_i, k_i, l_i, acc = _key_tile(q, q_scale, m_i, k_i, l_i, acc, K_base, KF_base, V_base, M_base,
+                                           tl.load(visits + i) * BLOCK_N, SK, sks, svd, sms, k_row, v_row, HAS_MASK,
+                                           False, OCP, QMAX, PNQ, D, BLOCK_DV, BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA,
+                                           K_TILE_ORDER, ASM, FRESH_PV, P_E4M3, EXACT)
+        if tail >= 0:
+            m_i, k_i, l_i, acc = _key_tile(q, q_scale, m_i, k_i, l_i, acc, K_base, KF_base, V_base, M_base, tail, SK,
+                                           sks, svd, sms, k_row, v_row, HAS_MASK, True, OCP, QMAX, PNQ, D, BLOCK_DV,
+                                           BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, K_TILE_ORDER, ASM, FRESH_PV, P_E4M3,
+                                           EXACT)
+    else:
+        n_full = (SK // BLOCK_N) * BLOCK_N
+        for start in tl.range(0, n_full, BLOCK_N):
+            m_i, k_i, l_i, acc = _key_tile(q, q_scale, m_i, k_i, l_i, acc, K_base, KF_base, V_base, M_base, start, SK,
+                                           sks, svd, sms, k_row, v_row, HAS_MASK, False, OCP, QMAX, PNQ, D, BLOCK_DV,
+                                           BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, K_TILE_ORDER, ASM, FRESH_PV, P_E4M3,
+                                           EXACT)
+        if n_full < SK:
+            m_i, k_i, l_i, acc = _key_tile(q, q_scale, m_i, k_i, l_i, acc, K_base, KF_base, V_base, M_base, n_full,
+                                           SK, sks, svd, sms, k_row, v_row, HAS_MASK, True, OCP, QMAX, PNQ, D,
+                                           BLOCK_DV, BLOCK_M, BLOCK_N, QB, EXP_FLOOR, TMA, K_TILE_ORDER, ASM, FRESH_PV,
+                                           P_E4M3, EXACT)
 
     v_fac = tl.load(VFac + bh * BLOCK_DV + tl.arange(0, BLOCK_DV))  # acc is in units of V̂'s channel factors
     store_out_lse(Out, Lse, acc, v_fac[None, :], tl.sum(l_i, axis=1), m_i, k_i.to(tl.float32), b, h, offs_m, row_ok,
@@ -288,13 +318,14 @@ def _e4m3_attn_fwd(
 
 def attention_e4m3(ops: FP8Operands, key_alive, plan: Plan, *, recipe: AttentionRecipe, scale: float, out_dtype,
                    dv: int, exact: bool = True, fresh_pv: bool | None = None, block_m=None, num_warps=None,
-                   num_stages=None):
+                   num_stages=None, visit: KeyTileLists | None = None):
     """The loop on :func:`.prepass.prepass_fp8`'s operands, K̂/V̂ᵀ tiles by TMA where ``plan.tma``
     (K̂ then in tile key order; the CPU interpreter runs the TMA path when asked, which is how CI
     tests it). ``exact``: the exponents' exact form, right at any logit magnitude
     (:func:`quantize_p`); False only where every logit is known to lie within
     :data:`FAST_LOGIT_BOUND` nats. ``fresh_pv``: P̂·V̂ into a fresh accumulator (:func:`_tile`;
-    None: with TMA, where it is faster). Explicit launch values lift the register cap."""
+    None: with TMA, where it is faster). Explicit launch values lift the register cap. ``visit``: a
+    block-sparse call's key tiles (None: every tile)."""
     q8, k8, v8t, sk, tma = ops.q8, ops.k8, ops.v8t, ops.sk, plan.tma
     b, h, sq, d = q8.shape
     sk_pad, dvp = k8.shape[-2], v8t.shape[-2]
@@ -314,8 +345,9 @@ def attention_e4m3(ops: FP8Operands, key_alive, plan: Plan, *, recipe: Attention
     launch = TMA_LAUNCH if tma else POINTER_LAUNCH
     given = any((block_m, num_warps, num_stages))
     block_m, num_warps, num_stages = launch.resolve(dev, block_m, num_warps, num_stages)
+    block_m = sparse_rows(visit, block_m, given)
     three_per_sm = (block_m, num_warps) == (TMA_LAUNCH.block_m, TMA_LAUNCH.num_warps)  # the cap's shape
-    capped = tma and key_alive is not None and not given and three_per_sm
+    capped = tma and (key_alive is not None or visit is not None) and not given and three_per_sm
     kt, vt = k8, v8t
     if tma:  # K̂ as (B·H·Sk_pad, D) rows and V̂ᵀ as (B·H·Dv_pad, Sk_pad) rows: one box per key tile
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -323,8 +355,8 @@ def attention_e4m3(ops: FP8Operands, key_alive, plan: Plan, *, recipe: Attention
         kt = TensorDescriptor.from_tensor(k8.reshape(b * h * sk_pad, d), [KEY_TILE, d])
         vt = TensorDescriptor.from_tensor(v8t.reshape(b * h * dvp, v8t.shape[-1]), [dvp, KEY_TILE])
     _e4m3_attn_fwd[(triton.cdiv(sq, block_m), b * h)](
-        q8, ops.q_fac, kt, ops.k_fac, vt, ops.v_fac, km, out, lse,
-        h, sq, sk, dv,
+        q8, ops.q_fac, kt, ops.k_fac, vt, ops.v_fac, km, *KeyTileLists.pointers(visit, km), out, lse,
+        h, sq, sk, dv, *(visit.index.shape[-2:] if visit else (1, 1)),
         *q8.stride()[:3], *k8.stride()[:3], *v8t.stride()[:3],
         km.stride(0), km.stride(1), sk_pad,
         *out.stride(), *lse.stride(),
@@ -333,6 +365,7 @@ def attention_e4m3(ops: FP8Operands, key_alive, plan: Plan, *, recipe: Attention
         PNQ=recipe.row_sum is RowSum.QUANTIZED, D=d, BLOCK_DV=dvp, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
         QB=LANE_BLOCK, EXP_FLOOR=TILE_EXP_FLOOR, TMA=tma, K_TILE_ORDER=ops.k_tile_order, P_E4M3=recipe.pv_format is Format.E4M3,
         ASM=q8.is_cuda, FRESH_PV=tma if fresh_pv is None else fresh_pv, EXACT=bool(exact),
+        SPARSE=visit is not None, QT=visit.query_tile if visit else KEY_TILE,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,  # explicit tl.fma only
         **({"maxnreg": TMA_REGISTER_BUDGET} if capped else {}),  # registers per thread (ptxas spills the rest)
     )

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["WorkOperands", "TileOperands", "FP8Operands", "PackedOperands"]
+from fp4video.reference import KEY_TILE
+from fp4video.sparse import tile_lists
+
+__all__ = ["WorkOperands", "TileOperands", "FP8Operands", "PackedOperands", "KeyTileLists"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,3 +87,34 @@ class PackedOperands:
     g_k: torch.Tensor | None = None
     g_v: torch.Tensor | None = None
     quad_order: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class KeyTileLists:
+    """A block-sparse call's key tiles, as its loop reads them (:meth:`from_bitmap`):
+    ``index`` int32 (B, H, n_query_tiles, n_key_tiles), each query tile's visited key tiles (of
+    128 keys) in ascending order first; ``count`` int32 (B, H, n_query_tiles), how many it visits;
+    ``query_tile`` the rows of a query tile (a multiple of the loop's rows per program)."""
+
+    index: torch.Tensor
+    count: torch.Tensor
+    query_tile: int
+
+    @classmethod
+    def from_bitmap(cls, key_tiles: torch.Tensor, query_tile: int, b: int, h: int, sq: int, sk: int) -> KeyTileLists:
+        """A selection bitmap (B|1, H|1, ceil(sq / query_tile), ceil(sk / 128)) bool as the lists
+        (:func:`fp4video.sparse.tile_lists`, expanded to every batch entry and head)."""
+        want = (-(-sq // query_tile), -(-sk // KEY_TILE))
+        if key_tiles.dtype != torch.bool or key_tiles.dim() != 4 or tuple(key_tiles.shape[-2:]) != want or any(
+                n not in (1, m) for n, m in zip(key_tiles.shape[:2], (b, h))):
+            raise ValueError(f"key_tiles must be a bool (B|1, H|1, {want[0]}, {want[1]}) bitmap for {sq} queries in "
+                             f"tiles of {query_tile} and {sk} keys in tiles of {KEY_TILE}, got {key_tiles.dtype} "
+                             f"{tuple(key_tiles.shape)}")
+        index, count = tile_lists(key_tiles.expand(b, h, *want))
+        return cls(index, count, query_tile)
+
+    @staticmethod
+    def pointers(lists: KeyTileLists | None, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (index, count) arguments of a loop launch: the lists of a block-sparse call, or
+        ``dummy`` twice (never read) for a dense one."""
+        return (lists.index, lists.count) if lists is not None else (dummy, dummy)

@@ -144,6 +144,16 @@ class Plan:
         """One line: the loop, its form and why."""
         return self.form() + (f": {self.reason}" if self.reason else "")
 
+    @property
+    def sparse_reason(self) -> str | None:
+        """Why this plan's loop cannot run a block-sparse call (None: it can, and so can its fallback)."""
+        if self.loop is None:
+            return self.reason
+        if self.loop not in SPARSE_LOOPS:
+            return f"the {self.module} loop takes no key-tile selection (block-sparse loops: " \
+                   f"{', '.join(sorted(SPARSE_LOOPS))})"
+        return None
+
     def replace(self, **changes) -> Plan:
         """A copy with ``changes`` (tests and tools run a loop's other forms this way)."""
         return dataclasses.replace(self, **changes)
@@ -260,6 +270,8 @@ def plan_on(recipe: AttentionRecipe, arch: str | None, *, head_dim: int = 128, v
 
 #: plans made so far, by every input of the ladder
 _PLANS: dict[tuple, Plan] = {}
+#: the loops that visit a block-sparse call's key tiles only (:class:`.operands.KeyTileLists`)
+SPARSE_LOOPS = frozenset({"e4m3", "bf16"})
 
 
 def _ladder(recipe: AttentionRecipe, arch: str | None, d: int, dv: int, dtype: torch.dtype, launch_given: bool,

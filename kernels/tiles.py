@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -40,6 +42,33 @@ def outputs(q_shape, dv: int, device, out_dtype) -> tuple[torch.Tensor, torch.Te
     b, h, sq = q_shape[:3]
     return (torch.empty(b, h, sq, dv, device=device, dtype=out_dtype),
             torch.empty(b, h, sq, device=device, dtype=torch.float32))
+
+
+def sparse_rows(lists, block_m: int, given: bool) -> int:
+    """The rows per program of a launch: ``block_m``, or for a block-sparse call (``lists``:
+    :class:`.operands.KeyTileLists`, None for a dense one) whose query tile
+    it does not divide, the largest count that does (a program's rows lie in one query tile; at
+    least 16, a dot's smallest). ValueError where none does or the caller gave ``block_m``."""
+    if lists is None or lists.query_tile % block_m == 0:
+        return block_m
+    rows = math.gcd(block_m, lists.query_tile)
+    if given or rows < 16:
+        raise ValueError(f"a block-sparse selection's query tile ({lists.query_tile} rows) must be a multiple of the "
+                         f"loop's {block_m} rows per program" + ("" if given else " or of 16"))
+    return rows
+
+
+@triton.jit
+def visited_tiles(KIdx, KCnt, NQT, NKT, SK, QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A block-sparse program's key tiles (:class:`.operands.KeyTileLists`): (its list's pointer,
+    how many whole tiles it visits first, the first key of the partial last tile if it visits it,
+    else -1). Its list is ascending, so the partial tile (keys past SK) can only come last."""
+    row = tl.program_id(1) * NQT + (tl.program_id(0) * BLOCK_M) // QT
+    n = tl.load(KCnt + row)
+    visits = KIdx + row.to(tl.int64) * NKT
+    last = tl.load(visits + tl.maximum(n - 1, 0)) * BLOCK_N
+    partial = (n > 0) & (last + BLOCK_N > SK)
+    return visits, n - partial.to(tl.int32), tl.where(partial, last, -1)
 
 
 @triton.jit

@@ -1,0 +1,253 @@
+"""The block-sparse loops (the e4m3 loop in both its forms and the bf16 loop) against the reference
+on the same selection, row by row: masks, odd lengths, both layouts, query tiles of 64 and 128 rows;
+full density is the dense kernel bit for bit; a visited tile set is the dense loop with the other
+tiles' keys masked out, on the same operands; rows that visit no live key; the loops that take no
+selection refuse it by name. CPU: the Triton interpreter (small shapes); GPU (marker ``gpu``): bf16
+at realistic sizes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fp4video import fp4_attention
+from fp4video.sparse import BlockSelection, DynamicSparsity, StaticSparsity
+
+pytest.importorskip("triton")
+from conftest import rand  # noqa: E402
+from test_trust_kernels import assert_rows_match  # noqa: E402
+
+#: every loop that takes a selection, by the method and environment that run it
+SPARSE_FORMS = {
+    "e4m3 TMA (mxattn)": ("mxattn", {}),
+    "e4m3 pointer loads (mxattn-pv8)": ("mxattn-pv8", {"FP4VIDEO_MX_TMA": "0"}),
+    "e4m3 (fp8)": ("fp8", {}),
+    "bf16 (mxattn)": ("mxattn", {"FP4VIDEO_MX_KERNEL": "bf16"}),
+    "bf16 (fp16)": ("fp16", {}),
+}
+
+
+def random_selection(b, h, sq, sk, seed, density=0.5, query_tile=128):
+    g = torch.Generator().manual_seed(seed)
+    tiles = torch.rand(b, h, -(-sq // query_tile), -(-sk // 128), generator=g) < density
+    return BlockSelection(tiles, sq, sk, query_tile, 128)
+
+
+def both(q, k, v, method, selection, mask=None, layout="bhsd"):
+    a, la = fp4_attention(q, k, v, method=method, attn_mask=mask, layout=layout, sparsity=selection, return_lse=True,
+                          backend="reference")
+    b, lb = fp4_attention(q, k, v, method=method, attn_mask=mask, layout=layout, sparsity=selection, return_lse=True,
+                          backend="triton")
+    return a, la, b, lb
+
+
+def interpreter_only():
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test; the GPU test covers this on CUDA")
+
+
+@pytest.mark.parametrize("form", list(SPARSE_FORMS))
+def test_sparse_loop_matches_the_reference_row_by_row_interpreter(form, monkeypatch):
+    """Odd lengths (a partial last key tile, visited or not), a key-padding mask, two query tiles."""
+    interpreter_only()
+    method, env = SPARSE_FORMS[form]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    q, k, v = rand(1, 2, 200, 64, seed=1), rand(1, 2, 390, 64, seed=2), rand(1, 2, 390, 64, seed=3)
+    mask = rand(1, 1, 1, 390, seed=4) > -0.8
+    sel = random_selection(1, 2, 200, 390, seed=5)
+    sel.tiles[0, 0, 1, -1] = sel.tiles[0, 1, 0, -1] = True  # the partial tile, visited and not
+    sel.tiles[0, 0, 0, -1] = False
+    a, la, b, lb = both(q, k, v, method, sel, mask)
+    # FP8 methods: a logit a rounding apart in the two products' summation orders may move one P
+    # value by an e4m3 step (the dense loop's tolerance, tests/test_loops.py)
+    assert_rows_match(a, la, b, lb, cos=0.99999, atol=1e-5 if method != "fp8" else 2e-2, what=form)
+
+
+@pytest.mark.parametrize("method", ["mxattn", "fp16"])
+def test_sparse_bshd_query_tiles_of_64_and_a_broadcast_selection_interpreter(method):
+    interpreter_only()
+    q, k, v = rand(1, 150, 2, 40, seed=6), rand(1, 300, 2, 40, seed=7), rand(1, 300, 2, 24, seed=8)
+    g = torch.Generator().manual_seed(9)
+    sel = BlockSelection(torch.rand(1, 1, 3, 3, generator=g) < 0.6, 150, 300, 64, 128)  # one bitmap, every head
+    a, la, b, lb = both(q, k, v, method, sel, layout="bshd")
+    assert b.shape == (1, 150, 2, 24)
+    assert_rows_match(a, la, b, lb, what=method)
+
+
+@pytest.mark.parametrize("form", ["e4m3 TMA (mxattn)", "bf16 (fp16)"])
+def test_full_density_is_the_dense_kernel_bit_for_bit_interpreter(form, monkeypatch):
+    interpreter_only()
+    method, env = SPARSE_FORMS[form]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    q, k, v = rand(1, 2, 130, 64, seed=10), rand(1, 2, 300, 64, seed=11), rand(1, 2, 300, 64, seed=12)
+    mask = rand(1, 1, 1, 300, seed=13) > -1.0
+    dense = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="triton")
+    full = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="triton",
+                         sparsity=BlockSelection.dense(130, 300))
+    assert all(torch.equal(x, y) for x, y in zip(dense, full)), form
+
+
+@pytest.mark.parametrize("form", ["e4m3 TMA (mxattn)", "e4m3 pointer loads (mxattn-pv8)", "bf16 (mxattn)"])
+def test_a_selection_is_the_dense_loop_with_the_other_tiles_masked_interpreter(form, monkeypatch):
+    """One query tile: visiting key tiles J equals the dense loop on the same operands with every key
+    outside J masked. The bf16 loop bit for bit (a dead tile leaves the running max, sum and
+    accumulator as they are); the e4m3 loop to fp32 rounding (a dead tile moves its units 2^k to the
+    floor's, and the next tile's rescale exponent, a fraction plus that integer, rounds differently)."""
+    interpreter_only()
+    from fp4video.kernels import dispatch
+    from fp4video.kernels.plan import plan
+    from fp4video.kernels.operands import KeyTileLists
+    from fp4video.recipe import get_recipe
+
+    method, env = SPARSE_FORMS[form]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    recipe = get_recipe(method)
+    q, k, v = rand(1, 2, 100, 64, seed=14), rand(1, 2, 520, 64, seed=15), rand(1, 2, 520, 64, seed=16)
+    tiles = torch.tensor([True, False, True, False, True]).expand(1, 2, 1, 5).clone()
+    tiles[0, 1] = torch.tensor([False, True, True, False, False])
+    run = plan(recipe, q, v)
+    ops = dispatch.prepare(q, k, v, recipe, None, run)
+    args = dict(recipe=recipe, scale=0.125, out_dtype=torch.float32, dv=64)
+    sparse = dispatch.run_loop(run, ops, None, visit=KeyTileLists.from_bitmap(tiles, 128, 1, 2, 100, 520), **args)
+    for h in range(2):
+        alive = tiles[0, h, 0].repeat_interleave(128)[:520][None]
+        dense = dispatch.run_loop(run, ops, alive, **args)
+        tol = dict(rtol=0, atol=0) if run.loop == "bf16" else dict(rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sparse[0][:, h], dense[0][:, h], **tol, msg=f"{form}, head {h}")
+        torch.testing.assert_close(sparse[1][:, h], dense[1][:, h], **tol, msg=f"{form}, head {h}")
+
+
+def test_rows_that_visit_no_live_key_give_zeros_and_minus_inf_interpreter():
+    interpreter_only()
+    q, k, v = rand(1, 1, 256, 64, seed=17), rand(1, 1, 256, 64, seed=18), rand(1, 1, 256, 64, seed=19)
+    mask = torch.ones(1, 1, 1, 256, dtype=torch.bool)
+    mask[..., 128:] = False  # the second key tile is dead
+    tiles = torch.tensor([[[[True, True], [False, True]]]])  # query tile 1 visits only the dead tile
+    for method in ("mxattn", "fp16"):
+        out, lse = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="triton",
+                                 sparsity=BlockSelection(tiles, 256, 256))
+        assert torch.equal(out[:, :, 128:], torch.zeros_like(out[:, :, 128:])), method
+        assert (lse[:, :, 128:] == -math.inf).all() and torch.isfinite(lse[:, :, :128]).all(), method
+
+
+def test_rules_run_on_the_kernels_and_inputs_stay_unmodified_interpreter():
+    interpreter_only()
+    q, k, v = rand(1, 2, 256, 64, seed=20), rand(1, 2, 256, 64, seed=21), rand(1, 2, 256, 64, seed=22)
+    before = [t.clone() for t in (q, k, v)]
+    for rule in (DynamicSparsity(tau=0.5), StaticSparsity(frames=4, height=8, width=8, window=(1, 2, 2))):
+        a = fp4_attention(q, k, v, method="mxattn", sparsity=rule, backend="reference")
+        b = fp4_attention(q, k, v, method="mxattn", sparsity=rule, backend="triton")
+        assert torch.allclose(a, b, atol=1e-5), rule
+    assert all(torch.equal(x, y) for x, y in zip(before, (q, k, v)))
+
+
+@pytest.mark.parametrize("tile", [128, 96])
+def test_the_kernels_pooling_is_the_reference_pooling(tile, device):
+    """Every option of :func:`fp4video.sparse.tile_pool` (a partial last tile, a weight whose dead
+    tokens hold NaN and are not read, a centre, bshd views) to fp32 rounding."""
+    from fp4video.kernels.pooling import tile_pool as kernel_pool
+    from fp4video.sparse import tile_pool
+
+    x = rand(2, 300, 3, 40, seed=30, device=device, dtype=torch.bfloat16).transpose(1, 2)
+    weight = (rand(2, 1, 300, seed=31, device=device) > -0.5).float()
+    poisoned = torch.where(weight[..., None] > 0, x, float("nan"))
+    center = rand(2, 3, 1, 40, seed=32, device=device)
+    for kw in ({}, dict(weight=weight), dict(weight=weight, center=center, sums=False), dict(center=center)):
+        xs = poisoned if "weight" in kw else x
+        for want, got in zip(tile_pool(xs, tile, **kw), kernel_pool(xs, tile, **kw)):
+            assert (want is None) == (got is None), kw
+            if want is not None:
+                assert torch.isfinite(got).all() and (want - got).abs().max() < 1e-4, kw
+
+
+def test_the_dynamic_selection_through_the_kernels_pooling_is_the_reference_selection(device):
+    from fp4video.kernels.pooling import tile_pool as kernel_pool
+    from fp4video.sparse import dynamic_selection
+    from test_sparse import local_inputs
+
+    q, k = local_inputs(n=1024, heads=2, dim=64)
+    q, k = q.to(device), k.to(device)
+    mask = torch.ones(1, 1, 1, 1024, dtype=torch.bool, device=device)
+    mask[..., -100:] = False
+    for tau in (0.5, 0.9):
+        want = dynamic_selection(q, k, tau=tau, attn_mask=mask, query_tile=64, key_tile=128)
+        got = dynamic_selection(q, k, tau=tau, attn_mask=mask, query_tile=64, key_tile=128, pool=kernel_pool)
+        assert torch.equal(want.tiles, got.tiles) and 0 < float(got.density()) < 1, tau
+
+
+def test_loops_without_a_selection_refuse_it_by_name():
+    q = k = v = rand(1, 1, 64, 64, seed=23)
+    sel = BlockSelection.dense(64, 64)
+    with pytest.raises(NotImplementedError, match="loop_nvfp4.*takes no key-tile selection"):
+        fp4_attention(q, k, v, method="sage3", sparsity=sel, backend="triton")
+    # "auto" runs such a call on the reference, where the selection applies as well
+    a = fp4_attention(q, k, v, method="sage3", sparsity=sel, backend="auto")
+    assert torch.equal(a, fp4_attention(q, k, v, method="sage3", sparsity=sel, backend="reference"))
+
+
+def test_a_query_tile_below_given_rows_per_program_is_refused():
+    interpreter_only()
+    from fp4video.kernels import dispatch
+    from fp4video.kernels.plan import plan
+    from fp4video.kernels.operands import KeyTileLists
+    from fp4video.recipe import get_recipe
+
+    recipe = get_recipe("fp16")
+    q = rand(1, 1, 64, 64, seed=24)
+    run = plan(recipe, q, q)
+    lists = KeyTileLists.from_bitmap(torch.ones(1, 1, 2, 1, dtype=torch.bool), 32, 1, 1, 64, 64)
+    with pytest.raises(ValueError, match="query tile .32 rows. must be a multiple of the loop's 64 rows per program$"):
+        dispatch.run_loop(run, dispatch.prepare(q, q, q, recipe, None, run), None, recipe=recipe, scale=0.125,
+                          out_dtype=torch.float32, dv=64, visit=lists, block_m=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["mxattn", "mxattn-pv8", "fp8", "fp16"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_sparse_kernel_matches_reference_gpu(method, layout):
+    shape_q, shape_k = (2, 8, 1000, 128), (2, 8, 1531, 128)
+    if layout == "bshd":
+        shape_q, shape_k = (2, 1000, 8, 128), (2, 1531, 8, 128)
+    q, k, v = (rand(*s, seed=i, device="cuda", dtype=torch.bfloat16) for i, s in enumerate((shape_q, shape_k, shape_k)))
+    mask = rand(2, 1, 1, 1531, seed=11, device="cuda") > -1.0
+    sel = random_selection(2, 8, 1000, 1531, seed=12, density=0.3)
+    sel = BlockSelection(sel.tiles.cuda(), 1000, 1531)
+    a, la = fp4_attention(q, k, v, method=method, layout=layout, attn_mask=mask, return_lse=True, backend="reference",
+                          sparsity=sel)
+    poison = torch.full((256 << 20,), float("nan"), device="cuda")  # freed memory the kernel's outputs reuse
+    del poison
+    b, lb = fp4_attention(q, k, v, method=method, layout=layout, attn_mask=mask, return_lse=True, backend="triton",
+                          sparsity=sel)
+    if layout == "bshd":
+        a, b, la, lb = a.transpose(1, 2), b.transpose(1, 2), la.transpose(1, 2), lb.transpose(1, 2)
+    live = torch.isfinite(la)  # rows whose visited tiles hold a live key
+    assert torch.equal(live, torch.isfinite(lb)) and torch.isfinite(b).all(), method
+    assert (b[~live] == 0).all() and (la - lb)[live].abs().max() < 2e-2, method
+    rows = torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)[live]
+    assert rows.min() >= 0.999, (method, rows.min().item())
+
+
+@pytest.mark.gpu
+def test_sparse_call_captures_in_a_cuda_graph_gpu():
+    """The selection and the lists are tensor operations: nothing is read back, so a graph captures
+    the whole call and replays it to the eager result."""
+    q, k, v = (rand(1, 4, 2048, 128, seed=s, device="cuda", dtype=torch.bfloat16) for s in (30, 31, 32))
+    rule = DynamicSparsity(tau=0.8)
+    eager = fp4_attention(q, k, v, method="mxattn-pv8", sparsity=rule, backend="triton")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up on a side stream, as CUDA graphs ask
+            fp4_attention(q, k, v, method="mxattn-pv8", sparsity=rule, backend="triton")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp4_attention(q, k, v, method="mxattn-pv8", sparsity=rule, backend="triton")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
