@@ -26,18 +26,44 @@ def tool_path(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+#: the elements of the loop kernels' grouped (tuple) arguments, by argument name across the
+#: kernels (the dot_scaled loops', :mod:`.loop_scaled`): :func:`launch_signature` takes their types
+#: and integers by these names
+GROUPED_ARGUMENTS = {"q_ptrs": ("Q4", "QS"), "g_ptrs": ("GQK", "GV"), "out_ptrs": ("Out", "Lse"),
+                     "sizes": ("H", "SQ", "SK", "SK_PAD", "DV"), "strides_q": ("sqb", "sqh", "sqs"),
+                     "strides_k": ("skb", "skh", "sks"), "strides_v": ("svb", "svh", "svd", "svsd"),
+                     "strides_m": ("smb", "sms"), "strides_o": ("sob", "soh", "sos", "sod"),
+                     "strides_lse": ("slb", "slh", "sls")}
+
+
 def launch_signature(fn, consts: dict, ptr: dict, ints: dict, floats=()):
     """(signature, constexprs, attributes) for ``ASTSource`` as Triton's launcher specializes a
     launch of ``fn`` with these integer arguments: one equal to 1 becomes the constant 1, a
     multiple of 16 is marked 16-divisible, as is every pointer (torch aligns its allocations);
-    ``ptr``: the types of the pointer (or descriptor) arguments, ``floats``: the fp32 ones.
+    ``ptr``: the types of the pointer (or descriptor) arguments, ``floats``: the fp32 ones. A
+    grouped argument (:data:`GROUPED_ARGUMENTS`) is specialized element by element, each element
+    typed and valued by its own name, as the launcher does with a tuple.
     (Compiled without this, unit strides stay runtime values and loads and stores go scalar.)"""
     names = fn.arg_names
-    consts = {**{n: 1 for n, v in ints.items() if v == 1 and n in names}, **consts}
-    sig = {n: "constexpr" if n in consts else ptr.get(n, "fp32" if n in floats else "i32") for n in names}
-    aligned = [n for n in names if sig[n].startswith("*") or (sig[n] == "i32" and n in ints and ints[n] % 16 == 0)]
-    return (sig, {(names.index(k),): v for k, v in consts.items()},
-            {(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    unknown = sorted(set(consts) - set(names))
+    if unknown:
+        raise ValueError(f"constexprs {unknown} are not arguments of {fn.__name__}")
+    sig, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(names):
+        group = GROUPED_ARGUMENTS.get(name) if name not in consts else None
+        leaves = [((i,), name)] if group is None else [((i, j), e) for j, e in enumerate(group)]
+        types = []
+        for path, e in leaves:
+            if e in consts or ints.get(e) == 1:
+                constexprs[path] = consts.get(e, 1)
+                types.append("constexpr")
+                continue
+            ty = ptr.get(e, "fp32" if e in floats else "i32")
+            if ty.startswith("*") or (ty == "i32" and e in ints and ints[e] % 16 == 0):
+                attrs[path] = [["tt.divisibility", 16]]
+            types.append(ty)
+        sig[name] = types[0] if group is None else tuple(types)
+    return sig, constexprs, attrs
 
 
 def compile_kernel(fn, consts: dict, ptr: dict, ints: dict, *, arch: int = 90, floats=(), gluon: bool = False,
