@@ -22,7 +22,7 @@ variable                values                              effect
 ======================  ==================================  ===============================================
 
 The loops, one module each: ``loop_e4m3`` (MXFP4 and FP8 on e4m3 tensor cores, sm_89+),
-``loop_scaled`` (``tl.dot_scaled``: Blackwell's native FP4 MMAs), ``loop_nvfp4`` and
+``loop_scaled`` (``tl.dot_scaled``: Blackwell's native FP4 MMAs; a kernel module per variant), ``loop_nvfp4`` and
 ``loop_nvfp4_sm90`` (NVFP4 on bf16 tensor cores; the Gluon ping-pong on Hopper), ``loop_bf16``
 (``fp16``, and MXFP4 where nothing faster runs).
 """

@@ -26,7 +26,7 @@ from fp4video.formats import Format, ScaleRule
 from fp4video.recipe import METHODS, PScale, RowSum
 from fp4video.reference import TWO_LEVEL_P_RANGE
 
-from .plan import WS_MAJORS, plan_on
+from .plan import plan_on
 from .launch import SHARED_MEMORY_LIMIT, stages_that_fit
 from .offline import (WAN_480P_INTS, compile_kernel, loop_opcodes, partition_issue, ptxas_report, sass_lines,
                       sass_loops, sass_mma_loop, tool_path, ttgir_partitions)
@@ -71,7 +71,7 @@ def _loop(method: str, arch: int):
                      HAS_MASK=False, D=128, BLOCK_DV=128, BLOCK_N=128)
     plan = plan_on(r, target)  # the call's plan on that architecture
     if plan.loop == "scaled":
-        from .loop_scaled import LAUNCH, SCALE_CHUNK, TMA_LAUNCH, scale_chunks_fit, tma_launch_key, KERNEL as fn
+        from .loop_scaled import LAUNCH, SCALE_CHUNK, TMA_LAUNCH, kernel, scale_chunks_fit, tma_launch_key, variant
 
         nv = qk is Format.NVFP4
         pv8 = pv is Format.E4M3  # FP8 P·V: V̂ᵀ e4m3 with its channel factors
@@ -89,11 +89,10 @@ def _loop(method: str, arch: int):
             ptr["KS"] = box
             if not pv8:
                 ptr["VS"] = box
-        consts = dict(mx_common, NV=nv, TWO_LEVEL=r.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
-                      FAST_RCP=True, HW_E4M3=True, HW_E2M1=arch >= 100, BLOCK_M=launch.block_m, QB=qb,
-                      TMA=tma, WS=plan.warp_specialized, P_E4M3=pv8, QUAD=plan.key_order == "quad", SC_TMA=sc_tma,
-                      F32X2=arch // 10 in WS_MAJORS)
-        return ("loop_scaled._scaled_attn_fwd", fn, consts, ptr, launch.block_m * 128 // (launch.num_warps * 32),
+        fn, consts = kernel(plan, r, (arch // 10, arch % 10), d=128, dv_pad=128, block_m=launch.block_m,
+                            has_mask=False, sc_tma=sc_tma)  # the constexprs the launch passes on that architecture
+        return (f"{variant(plan).__name__.rsplit('.', 1)[-1]}.{fn.__name__}", fn, consts, ptr,
+                launch.block_m * 128 // (launch.num_warps * 32),
                 dict(num_warps=launch.num_warps, num_stages=stages, enable_fp_fusion=False), False)
     if plan.loop == "e4m3":
         from .key_order import LANE_BLOCK

@@ -55,25 +55,24 @@ def compiled(run: subprocess.CompletedProcess, arch: int) -> None:
     pytest.fail(f"this Triton compiles for sm_{arch}, but not this kernel: {run.stderr[-2000:]}")
 
 #: compiles the dot_scaled loop (head dim 128, a key-padding mask; MXFP4 with UOS + PNQ, or NVFP4 with
-#: two-level P, {nv}) for sm_{arch} and prints its PTX
+#: two-level P, {nv}) for sm_{arch} as the dispatch runs it there, and prints its PTX: on sm_100 the
+#: warp-specialized loop (codes and block scales by TMA, two-lane fp32 arithmetic), on sm_120 the
+#: pointer-load loop with K̂ in the quad key order
 SCALED_PTX = """
 import sys
 sys.path.insert(0, {tools!r})
 from offline_compile import compile_kernel
-from fp4video.formats import ScaleRule
-from fp4video.reference import TWO_LEVEL_P_RANGE
-from fp4video.kernels.loop_scaled import KERNEL as fn
-from fp4video.kernels.loop_scaled import TMA_LAUNCH
-tma = {arch} == 100  # as the dispatch runs it: on sm_100 warp-specialized, codes by TMA
+from fp4video import METHODS
+from fp4video.kernels.loop_scaled import TMA_LAUNCH, kernel
+from fp4video.kernels.plan import Plan
+tma = {arch} == 100
+plan = Plan("scaled", "packed", "sm_{arch}", tma=tma, warp_specialized=tma, key_order="key" if tma else "quad")
+fn, consts = kernel(plan, METHODS["sage3" if {nv} else "mxattn"], ({arch} // 10, {arch} % 10), d=128, dv_pad=128,
+                    block_m=128, has_mask=True, sc_tma=tma)
 codes = "tensordesc<u8[128, 64]>" if tma else "*u8"
 scales = f"tensordesc<{{'fp8e4nv' if {nv} else 'u8'}}[1, {{4 if {nv} else 2}}, 256]>" if tma else "*u8"  # (chunks)
 ptr = dict(Q4="*u8", QS="*u8", K4=codes, KS=scales, V4T=codes, VS=scales, GQK="*fp32", GV="*fp32", KeyMask="*i8",
            Out="*bf16", Lse="*fp32")
-consts = dict(HAS_MASK=True, NV={nv}, OCP=False, QMAX=ScaleRule.UOS.qmax, PNQ=not {nv}, TWO_LEVEL={nv},
-              P_RANGE=TWO_LEVEL_P_RANGE, FAST_RCP=True, HW_E4M3=True, HW_E2M1=True, D=128, BLOCK_DV=128,
-              BLOCK_M=128, BLOCK_N=128, QB=16 if {nv} else 32, TMA=tma, WS=tma, P_E4M3=False,
-              QUAD={arch} == 120, SC_TMA=tma, F32X2=tma)  # (as the dispatch runs it: on sm_120 K̂ in the quad key
-              # order; on sm_100 two-lane fp32 arithmetic)
 ints = dict(sqs=64, sks=64, svd=2048, svsd=128, SQ=4096, SK_PAD=4096)  # 16-divisible, as real launches are
 if {nv}:  # rows of codes then E4M3 scale bytes (K̂'s and V̂ᵀ's padded to 16 bytes)
     ints.update(sqs=72, sks=80, svd=2304, svsd=2304)
