@@ -321,6 +321,45 @@ def test_scale_chunks_layout():
             scale_chunks(torch.zeros(bad, dtype=torch.uint8))
 
 
+def test_scaled_plans_pick_their_variant_module():
+    """The dot_scaled loop's variants are modules of their own over the shared math
+    (``scaled_math``), none importing another: the plan's form picks one — sm_100's TMA loop
+    (warp-specialized), sm_120's quad key order for FP4 P·V, the pointer-load loop in key order
+    for sm_120's FP8-P·V methods, sm_100 without TMA, and where Triton emulates ``dot_scaled``."""
+    import ast
+    import inspect
+    from pathlib import Path
+
+    from fp4video.kernels import loop_scaled, loop_scaled_pointer, loop_scaled_sm100, loop_scaled_sm120
+    from fp4video.kernels.plan import plan_on
+
+    variants = {loop_scaled_sm100, loop_scaled_sm120, loop_scaled_pointer}
+    names = {m.__name__.rsplit(".", 1)[-1] for m in variants} | {"loop_scaled"}
+    for module in variants:
+        tree = ast.parse(Path(module.__file__).read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1}
+        assert "scaled_math" in imported and not imported & names, (module.__name__, imported)
+    cases = [("mxattn", "sm_100", {}, loop_scaled_sm100), ("sage3-pv8", "sm_100", {}, loop_scaled_sm100),
+             ("mxattn", "sm_120", {}, loop_scaled_sm120), ("sage3-hpnq", "sm_120", {}, loop_scaled_sm120),
+             ("mxattn-pv8", "sm_120", {}, loop_scaled_pointer), ("sage3-pv8", "sm_120", {}, loop_scaled_pointer),
+             ("mxattn", "sm_100", {"FP4VIDEO_MX_TMA": "0"}, loop_scaled_pointer),
+             ("mxattn", "sm_90", {"FP4VIDEO_MX_KERNEL": "scaled"}, loop_scaled_pointer)]
+    with pytest.MonkeyPatch.context() as mp:
+        for method, arch, env, module in cases:
+            for name in ("FP4VIDEO_MX_TMA", "FP4VIDEO_MX_KERNEL", "FP4VIDEO_NV_KERNEL"):
+                mp.delenv(name, raising=False)
+            for name, value in env.items():
+                mp.setenv(name, value)
+            plan = plan_on(METHODS[method], arch)
+            if plan.loop != "scaled":  # (a Triton that cannot compile the native loop there)
+                continue
+            assert loop_scaled.variant(plan) is module, (method, arch, env, plan.form())
+            fn, consts = loop_scaled.kernel(plan, METHODS[method], (int(arch[3:-1]), int(arch[-1])), d=128,
+                                            dv_pad=128, block_m=128, has_mask=False)
+            params = inspect.signature(fn.fn).parameters.values()  # (the jit or the interpreted function's)
+            assert fn is module.KERNEL and set(consts) == {p.name for p in params if "constexpr" in str(p.annotation)}
+
+
 @pytest.mark.gpu
 def test_scaled_loop_by_tma_equals_pointer_loads_gpu(monkeypatch):
     """The same on this GPU: on Hopper the dot_scaled loop is Triton's emulation (the TMA copies
