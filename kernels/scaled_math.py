@@ -1,7 +1,8 @@
 """The Triton math the dot_scaled loops share (:mod:`.loop_scaled_sm100`, :mod:`.loop_scaled_sm120`,
 :mod:`.loop_scaled_pointer`): P of one tile of logits quantized to MXFP4, NVFP4 or E4M3 with the
-online softmax's running statistics, P's E2M1 packing, the block scales read by pointers, and the
-common ends of a program (its Q̂ rows, its output and LSE).
+online softmax's running statistics, P's E2M1 packing, the block scales read by pointers, and a
+program's end (its output and LSE). Each variant loads its Q̂ rows itself: behind a helper those
+loads' constants reach the kernel in another order, and ptxas assigns the registers differently.
 
 A launch's constexprs reach these helpers as one :class:`Config`, built in each kernel from its
 arguments; its formats are the named codes of :mod:`.fp4_math` (``FMT_MXFP4``, ``FMT_NVFP4``,
