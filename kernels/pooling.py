@@ -17,7 +17,7 @@ from .tiles import next_pow2
 __all__ = ["tile_pool"]
 
 #: fp32's smallest normal: a direction's norm is held at or above it (a zero vector adds 0)
-TINY = 1.1754943508222875e-38
+TINY = tl.constexpr(1.1754943508222875e-38)
 
 
 @triton.jit

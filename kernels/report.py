@@ -60,9 +60,9 @@ class LoopReport:
     num_stages: int
 
 
-def _loop(method: str, arch: int):
+def _loop(method: str, arch: int, sparse: bool = False):
     """(name, jit fn, constexprs, pointer types, elements of S per thread per key tile, options, gluon)
-    of the loop the dispatch runs ``method`` with on ``sm_{arch}``."""
+    of the loop the dispatch runs ``method`` with on ``sm_{arch}`` (``sparse``: its block-sparse form)."""
     r = METHODS[method]
     qk, pv = r.qk_format, r.pv_format
     target = f"sm_{arch}"
@@ -70,6 +70,8 @@ def _loop(method: str, arch: int):
     mx_common = dict(OCP=r.scale_rule is ScaleRule.OCP, QMAX=r.scale_rule.qmax, PNQ=r.row_sum is RowSum.QUANTIZED,
                      HAS_MASK=False, D=128, BLOCK_DV=128, BLOCK_N=128)
     plan = plan_on(r, target)  # the call's plan on that architecture
+    if sparse and (why := plan.sparse_reason):
+        raise ValueError(f"{method} on {target}: {why}")
     if plan.loop == "scaled":
         from .loop_scaled import LAUNCH, SCALE_CHUNK, TMA_LAUNCH, kernel, scale_chunks_fit, tma_launch_key, variant
 
@@ -96,18 +98,22 @@ def _loop(method: str, arch: int):
                 dict(num_warps=launch.num_warps, num_stages=stages, enable_fp_fusion=False), False)
     if plan.loop == "e4m3":
         from .key_order import LANE_BLOCK
-        from .loop_e4m3 import TILE_EXP_FLOOR, TMA_LAUNCH, KERNEL as fn
+        from .loop_e4m3 import TILE_EXP_FLOOR, TMA_LAUNCH, TMA_REGISTER_BUDGET, KERNEL as fn
 
         launch = TMA_LAUNCH  # every target here has TMA
         block_m, num_warps = launch.shape(target)
         stages = stages_that_fit(target, limit, launch.num_stages, launch.shared_memory)
         ptr = {"Q8": "*fp8e4nv", "QFac": "*fp32", "K8": "tensordesc<fp8e4nv[128, 128]>", "KFac": "*fp32",
-               "V8T": "tensordesc<fp8e4nv[128, 128]>", "VFac": "*fp32", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
+               "V8T": "tensordesc<fp8e4nv[128, 128]>", "VFac": "*fp32", "KeyMask": "*i8", "KIdx": "*i32",
+               "KCnt": "*i32", "Out": "*bf16", "Lse": "*fp32"}
         consts = dict(mx_common, BLOCK_M=block_m, QB=LANE_BLOCK, EXP_FLOOR=TILE_EXP_FLOOR, TMA=True,
                       K_TILE_ORDER=True, ASM=True, FRESH_PV=True, P_E4M3=pv is Format.E4M3,
-                      EXACT=False)  # the exponents' form calls within the fast logit bound run
-        return ("loop_e4m3._e4m3_attn_fwd", fn, consts, ptr, block_m * 128 // (num_warps * 32),
-                dict(num_warps=num_warps, num_stages=stages, enable_fp_fusion=False), False)
+                      EXACT=False,  # the exponents' form calls within the fast logit bound run
+                      SPARSE=sparse, QT=128)
+        options = dict(num_warps=num_warps, num_stages=stages, enable_fp_fusion=False)
+        if sparse and (block_m, num_warps) == (launch.block_m, launch.num_warps):  # as a sparse launch caps them
+            options["maxnreg"] = TMA_REGISTER_BUDGET
+        return ("loop_e4m3._e4m3_attn_fwd", fn, consts, ptr, block_m * 128 // (num_warps * 32), options, False)
     if plan.loop in ("nvfp4", "nvfp4_sm90"):
         nv = dict(HAS_MASK=False, TWO_LEVEL=r.p_scale is PScale.TWO_LEVEL, P_RANGE=TWO_LEVEL_P_RANGE,
                   PNQ=r.row_sum is RowSum.QUANTIZED, D=128, BLOCK_DV=128, BLOCK_N=128)
@@ -133,10 +139,11 @@ def _loop(method: str, arch: int):
     from .loop_bf16 import LAUNCH, P_MX, P_NONE, KERNEL as fn
 
     stages = stages_that_fit(target, limit, LAUNCH.num_stages, LAUNCH.shared_memory)
-    ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
+    ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KeyMask": "*i8", "KIdx": "*i32", "KCnt": "*i32", "Out": "*bf16",
+           "Lse": "*fp32"}
     consts = dict(HAS_MASK=False, P_MODE=(P_MX if pv is Format.MXFP4 else P_NONE).value, QB=32, OCP=r.scale_rule is ScaleRule.OCP,
                   QMAX=r.scale_rule.qmax, PNQ=r.row_sum is RowSum.QUANTIZED, IEEE=False, D=128, BLOCK_DV=128,
-                  BLOCK_M=LAUNCH.block_m, BLOCK_N=128)
+                  BLOCK_M=LAUNCH.block_m, BLOCK_N=128, SPARSE=sparse, QT=128)
     return ("loop_bf16._bf16_attn_fwd", fn, consts, ptr, LAUNCH.block_m * 128 // (LAUNCH.num_warps * 32),
             dict(num_warps=LAUNCH.num_warps, num_stages=stages), False)
 
@@ -168,24 +175,25 @@ def _qk_pv_kinds(mmas: list[str], kernel_mmas: list[str], recipe) -> dict:
     return dict(qk_mma_kind=qk, pv_mma_kind=pv)
 
 
-def compile_loop(method: str, arch: int):
+def compile_loop(method: str, arch: int, sparse: bool = False):
     """(name, compiled kernel, constexprs, elements of S per thread per key tile, launch options,
     gluon) of the loop the dispatch runs ``method`` with on ``sm_{arch}``, compiled offline as it is
     launched there (head dim 128, no mask, a Wan-480p launch's sizes)."""
-    name, fn, consts, ptr, per_thread, options, gluon = _loop(method, arch)
+    name, fn, consts, ptr, per_thread, options, gluon = _loop(method, arch, sparse)
     kernel = compile_kernel(fn, consts, ptr, dict(WAN_480P_INTS, smb=1), arch=arch, floats=("scale_log2", "scale"),
                             gluon=gluon, **options)
     return name, kernel, consts, per_thread, options, gluon
 
 
-def loop_report(method: str, target: str) -> LoopReport:
-    """Compile ``method``'s loop for ``target`` (``sm_90`` / ``sm_100`` / ``sm_120``) and read it."""
+def loop_report(method: str, target: str, sparse: bool = False) -> LoopReport:
+    """Compile ``method``'s loop for ``target`` (``sm_90`` / ``sm_100`` / ``sm_120``) and read it
+    (``sparse``: its block-sparse form, key tiles from a list)."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known methods: {', '.join(METHODS)}")
     arch = int(target[3:])
-    name, kernel, consts, per_thread, options, gluon = compile_loop(method, arch)
+    name, kernel, consts, per_thread, options, gluon = compile_loop(method, arch, sparse)
     kernel_mmas = re.findall(_MMA_PTX_RE, kernel.asm["ptx"])
     if not kernel_mmas:  # Triton compiles a kernel it cannot place (e.g. over 512 tensor-memory columns) to a trap
         raise RuntimeError(f"{method} on {target}: the compiled loop holds no MMA (Triton made it a trap; tensor "
@@ -263,6 +271,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", required=True, choices=TARGETS, help="GPU architecture to compile for")
     ap.add_argument("--method", required=True, nargs="+", choices=list(METHODS), metavar="METHOD",
                     help=f"one or more of: {', '.join(METHODS)}")
+    ap.add_argument("--sparse", action="store_true", help="the loop's block-sparse form (key tiles from a list)")
     out = ap.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="one JSON object per method instead of text")
     out.add_argument("--markdown", action="store_true",
@@ -271,7 +280,7 @@ def main(argv=None) -> int:
     if args.markdown:
         print("| " + " | ".join(MARKDOWN_COLUMNS) + " |\n|" + " --- |" * len(MARKDOWN_COLUMNS))
     for method in args.method:
-        rep = loop_report(method, args.target)
+        rep = loop_report(method, args.target, args.sparse)
         if args.json:
             print(json.dumps(asdict(rep)))
             continue

@@ -149,7 +149,7 @@ def test_wan22_mxattn_config_is_the_papers_policy():
 
 @pytest.mark.parametrize("text, match", [
     ("policy: {method: mxfp5}", r"bad.yaml: policy.method: .*unknown method 'mxfp5'"),
-    ("policy: {method: mxattn, rules: [{method: fp16, blok: [0]}]}", r"policy.rules\[0\].blok: unknown field \(allowed: backend, blocks, experts, kinds, method, steps\)"),
+    ("policy: {method: mxattn, rules: [{method: fp16, blok: [0]}]}", r"policy.rules\[0\].blok: unknown field \(allowed: backend, blocks, experts, kinds, method, sparsity, steps\)"),
     ("policy: {rules: [{method: fp16, steps: {last: 2, first: 1}}]}", r"policy.rules\[0\].steps: .*exactly one of"),
     ("policy: {rules: [{method: fp16, kinds: [audio]}]}", r"policy.rules\[0\].kinds\[0\]: Input should be 'self', 'cross', 'image' or 'joint'"),
     ("heigth: 480", r"bad.yaml: heigth: unknown field \(allowed: .*height"),

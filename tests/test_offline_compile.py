@@ -72,7 +72,7 @@ fn, consts = kernel(plan, METHODS["sage3" if {nv} else "mxattn"], ({arch} // 10,
 codes = "tensordesc<u8[128, 64]>" if tma else "*u8"
 scales = f"tensordesc<{{'fp8e4nv' if {nv} else 'u8'}}[1, {{4 if {nv} else 2}}, 256]>" if tma else "*u8"  # (chunks)
 ptr = dict(Q4="*u8", QS="*u8", K4=codes, KS=scales, V4T=codes, VS=scales, GQK="*fp32", GV="*fp32", KeyMask="*i8",
-           Out="*bf16", Lse="*fp32")
+           KIdx="*i32", KCnt="*i32", Out="*bf16", Lse="*fp32")
 ints = dict(sqs=64, sks=64, svd=2048, svsd=128, SQ=4096, SK_PAD=4096)  # 16-divisible, as real launches are
 if {nv}:  # rows of codes then E4M3 scale bytes (K̂'s and V̂ᵀ's padded to 16 bytes)
     ints.update(sqs=72, sks=80, svd=2304, svsd=2304)
@@ -130,10 +130,10 @@ from offline_compile import compile_kernel
 from fp4video.formats import ScaleRule
 from fp4video.kernels.loop_e4m3 import TILE_EXP_FLOOR, _e4m3_attn_fwd as fn
 ptr = dict(Q8="*fp8e4nv", QFac="*fp32", K8="*fp8e4nv", KFac="*fp32", V8T="*fp8e4nv", VFac="*fp32", KeyMask="*i8",
-           Out="*bf16", Lse="*fp32")
+           KIdx="*i32", KCnt="*i32", Out="*bf16", Lse="*fp32")
 consts = dict(HAS_MASK=True, OCP=False, QMAX=ScaleRule.UOS.qmax, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=64,
               BLOCK_N=128, QB=32, EXP_FLOOR=TILE_EXP_FLOOR, TMA=False, K_TILE_ORDER=False, ASM=True, FRESH_PV=False,
-              P_E4M3=True, EXACT=False)
+              P_E4M3=True, EXACT=False, SPARSE=False, QT=128)
 ints = dict(sqs=128, sks=128, svd=4096, SQ=4096, SK_PAD=4096)
 print(compile_kernel(fn, consts, ptr, ints, arch={arch}, floats=("scale_log2",), num_warps=4, num_stages=2,
                      enable_fp_fusion=False).asm["ptx"])
@@ -185,10 +185,10 @@ elif {kernel!r} == "nvfp4":
 else:
     from fp4video.kernels.loop_e4m3 import POINTER_LAUNCH as LAUNCH, TILE_EXP_FLOOR, _e4m3_attn_fwd as fn
     ptr = dict(Q8="*fp8e4nv", QFac="*fp32", K8="*fp8e4nv", KFac="*fp32", V8T="*fp8e4nv", VFac="*fp32", KeyMask="*i8",
-               Out="*bf16", Lse="*fp32")
+               KIdx="*i32", KCnt="*i32", Out="*bf16", Lse="*fp32")
     consts = dict(HAS_MASK=True, OCP=False, QMAX=ScaleRule.UOS.qmax, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=64,
                   BLOCK_N=128, QB=32, EXP_FLOOR=TILE_EXP_FLOOR, TMA=False, K_TILE_ORDER=False, ASM=True,
-                  FRESH_PV=False, P_E4M3=False, EXACT=False)
+                  FRESH_PV=False, P_E4M3=False, EXACT=False, SPARSE=False, QT=128)
     options = dict(enable_fp_fusion=False)
 stages = stages_that_fit(arch, SHARED_MEMORY_LIMIT[arch], LAUNCH.num_stages, LAUNCH.shared_memory)
 kernel = compile_kernel(fn, consts, ptr, ints, arch={arch}, floats=("scale_log2",), num_warps=LAUNCH.num_warps,

@@ -73,17 +73,18 @@ def compile_loop_kernel(args):
 
         tma = not args.pointer_loads
         ptr = {"Q8": "*fp8e4nv", "QFac": "*fp32", "K8": "*fp8e4nv", "KFac": "*fp32", "V8T": "*fp8e4nv",
-               "VFac": "*fp32", "KeyMask": "*i8", "Out": "*bf16", "Lse": "*fp32"}
+               "VFac": "*fp32", "KeyMask": "*i8", "KIdx": "*i32", "KCnt": "*i32", "Out": "*bf16", "Lse": "*fp32"}
         if tma:  # K̂ (rows in tile key order) and V̂ᵀ as TMA tensor descriptors of 128 × 128 boxes
             ptr["K8"] = ptr["V8T"] = "tensordesc<fp8e4nv[128, 128]>"
         launch = TMA_LAUNCH if tma else POINTER_LAUNCH
         rule = ScaleRule.OCP if args.ocp else ScaleRule.UOS
         consts = dict(HAS_MASK=args.mask, OCP=args.ocp, QMAX=rule.qmax, PNQ=True, D=128, BLOCK_DV=128,
                       BLOCK_M=launch.block_m, BLOCK_N=128, QB=32, EXP_FLOOR=TILE_EXP_FLOOR, TMA=tma, K_TILE_ORDER=tma,
-                      ASM=True, FRESH_PV=tma and not args.pv_into_acc, P_E4M3=args.pv8, EXACT=args.exact)
+                      ASM=True, FRESH_PV=tma and not args.pv_into_acc, P_E4M3=args.pv8, EXACT=args.exact,
+                      SPARSE=args.sparse, QT=128)
         stages, warps = launch.num_stages, launch.num_warps
         max_registers = args.max_registers
-        if max_registers is None and tma and args.mask:  # as the masked TMA loop is launched
+        if max_registers is None and tma and (args.mask or args.sparse):  # as masked, sparse TMA loops launch
             max_registers = TMA_REGISTER_BUDGET
     ints = dict(WAN_480P_INTS, smb=_S if args.mask else 1)  # the mask: (B, S) int8
     options = dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False)
@@ -119,6 +120,7 @@ def main(argv=None) -> int:
                     help="mx: the loop as GPUs without TMA run it (K̂/V̂ᵀ tiles by pointer loads, 3 stages, no register "
                          "cap); default: as Hopper runs it (TMA, 2 stages; masked: at most 168 registers)")
     ap.add_argument("--mask", action="store_true", help="mx: with a key-padding mask")
+    ap.add_argument("--sparse", action="store_true", help="mx: the block-sparse form (key tiles from a list)")
     ap.add_argument("--pv-into-acc", action="store_true",
                     help="mx: P̂·V̂ accumulated into the rescaled accumulator, awaited in the next tile (the TMA "
                          "loop's default is a fresh accumulator, FRESH_PV)")

@@ -2,6 +2,8 @@
 
 - ``bench kernel``: fp4video's Triton attention vs cuDNN / flash SDPA (bf16), per method, with the
   pre-pass and the attention loop also timed on their own.
+- ``bench sparse``: block-sparse attention's time against its density, beside the dense kernels
+  and the peers, and the selections' own cost (:mod:`.bench_sparse`).
 - ``bench pipeline``: one denoising forward of a full-size Wan2.2-A14B- or HunyuanVideo-shaped
   transformer (random bf16 weights: speed does not depend on them) with diffusers' stock attention
   vs each policy, and (``--peers``) with each installed peer in place of diffusers' SDPA.
@@ -22,6 +24,7 @@ from .common import UsageError, check_output_file
 EXAMPLES = """examples:
   fp4video bench kernel --seqs 8192 32760 75600 --out BENCHMARKS-run.md --plot kernel-speed.png
   fp4video bench kernel --heads 24 --seqs 119056 --masked-keys 56     # HunyuanVideo 720p with its text padding
+  fp4video bench sparse --densities 0.1 0.25 0.5 1.0 --plot sparse-speed.png   # Wan 720p
   fp4video bench pipeline --resolutions 480p 720p --methods fp16 mxattn sage3
   fp4video bench pipeline --model hunyuan --layers 2 --resolutions 720p
   fp4video bench pipeline --resolutions 720p --methods --configs configs/wan22_mxattn_pv8.yaml --peers
@@ -46,7 +49,7 @@ HUNYUAN_LATENTS = {"480p": (33, 60, 104), "720p": (33, 90, 160)}
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="GPU speed: kernels and full-size transformer steps", description=__doc__,
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    which = p.add_subparsers(dest="what", required=True, metavar="{kernel,pipeline,parallel}")
+    which = p.add_subparsers(dest="what", required=True, metavar="{kernel,sparse,pipeline,parallel}")
     fmt = argparse.ArgumentDefaultsHelpFormatter
     k = which.add_parser("kernel", help="attention kernels vs every bf16 attention and peer installed",
                          description=bench_kernel.__doc__, formatter_class=fmt)
@@ -63,6 +66,25 @@ def add_parser(sub) -> argparse.ArgumentParser:
     k.add_argument("--out", default=None, help="append the markdown table to this file")
     k.add_argument("--plot", default=None, metavar="PNG",
                    help="also draw the table (× best baseline per method and length) as this PNG")
+    from . import bench_sparse
+
+    sp = which.add_parser("sparse", help="block-sparse attention: time against density, beside the dense kernels "
+                                         "and peers", description=bench_sparse.__doc__,
+                          formatter_class=fmt)
+    sp.add_argument("--seq", type=int, default=75600, help="tokens (Wan2.2 720p: 75600; HunyuanVideo 720p: 119056)")
+    sp.add_argument("--heads", type=int, default=40, help="attention heads (Wan2.2-A14B: 40, HunyuanVideo: 24)")
+    sp.add_argument("--head-dim", type=int, default=128, help="head dimension")
+    sp.add_argument("--methods", nargs="+", default=["mxattn-pv8", "mxattn", "fp8", "fp16"],
+                    help="fp4video methods (those whose loop takes a selection)")
+    sp.add_argument("--densities", type=float, nargs="+", default=list(bench_sparse.DENSITIES), help="densities to time")
+    sp.add_argument("--grid", type=int, nargs=3, default=[21, 45, 80], metavar=("FRAMES", "HEIGHT", "WIDTH"),
+                    help="the latent grid of the static selection (Wan2.2 720p: 21 45 80)")
+    sp.add_argument("--window", type=int, nargs=3, default=[2, 12, 12], metavar=("FRAMES", "ROWS", "COLUMNS"),
+                    help="the static window's radii")
+    sp.add_argument("--tau", type=float, default=0.9, help="the dynamic selection's kept share of estimated mass")
+    sp.add_argument("--rep-ms", type=int, default=600, help="milliseconds of timing per measurement")
+    sp.add_argument("--out", default=None, help="append the markdown table to this file")
+    sp.add_argument("--plot", default=None, metavar="PNG", help="draw time against density as this PNG")
     pl = which.add_parser("pipeline", help="Wan2.2-A14B-shaped transformer forward: stock vs policies and peers",
                           description="One denoising forward of a full-size transformer (random bf16 weights) "
                                       "with diffusers' stock attention, with each policy and (--peers) with each "
@@ -115,13 +137,19 @@ def run(args) -> int:
         table = bench_parallel(args)
         if table is None:  # not rank 0
             return 0
+    elif args.what == "sparse":
+        from .bench_sparse import bench_sparse, plot_sparse
+
+        table, rows = bench_sparse(args)
+        if args.plot:
+            print(f"wrote {plot_sparse(rows, args.plot, table.splitlines()[0].removeprefix('### '))}", file=sys.stderr)
     else:
         table = bench_kernel(args) if args.what == "kernel" else bench_pipeline(args)
     print(table)
     if args.out:
         with open(args.out, "a") as f:
             f.write(table + "\n")
-    if getattr(args, "plot", None):
+    if getattr(args, "plot", None) and args.what != "sparse":
         from ..eval.speed import parse_kernel_tables, plot_kernel_tables
 
         print(f"wrote {plot_kernel_tables(parse_kernel_tables(table), args.plot)}", file=sys.stderr)
@@ -493,6 +521,7 @@ def bench_pipeline(args) -> str:
         return sorted(times)[len(times) // 2]
 
     policies = []  # (row label, policy)
+    notes = []
     for m in args.methods:
         # Wan: MXAttention's block-0-in-FP16 rule; HunyuanVideo: fully 4-bit, as the paper runs it
         rules = [{"method": "fp16", "blocks": [0]}] if m != "fp16" and args.model == "wan22" else []
@@ -502,8 +531,14 @@ def bench_pipeline(args) -> str:
         config = load_config(path)
         if config.family != {"wan22": "wan", "hunyuan": "hunyuan"}[args.model]:
             raise SystemExit(f"error: {path} is a {config.family} config; this bench runs --model {args.model}")
-        policies.append((f"fp4video {Path(path).name}", config.policy))
-    peers, notes = [], []
+        policy = config.policy
+        stepped = [r for r in policy.rules if r.steps is not None]
+        if stepped:  # one forward outside a pipeline has no denoising step: its step rules cannot apply
+            policy = policy.model_copy(update={"rules": [r for r in policy.rules if r.steps is None]})
+            notes.append(f"{Path(path).name}: its step rules ({', '.join(r.describe() for r in stepped)}) do not "
+                         "apply to one forward outside a pipeline; timed without them")
+        policies.append((f"fp4video {Path(path).name}", policy))
+    peers = []
     if getattr(args, "peers", False):
         for p in find_peers():
             if not p.whole_call:  # a kernel-only timing: not something a forward can run
@@ -521,11 +556,17 @@ def bench_pipeline(args) -> str:
         rows.append((res, tokens, "stock diffusers attention (SDPA)", stock))
         print(f"  {res} stock: {stock:.2f} s", file=sys.stderr, flush=True)
         for label, policy in policies:
-            install(model, policy, record=False)
+            # recorded (an entry per call; nothing read back until the end) for the sparse calls' density
+            ctx = install(model, policy, record=True)
             try:
                 secs = forward_seconds(kw)
             finally:
                 uninstall(model)
+            densities = [c["density"] for c in ctx.recorded_calls() if "density" in c]
+            if densities:
+                share = len(densities) / len(ctx.calls)
+                notes.append(f"{res} {label}: {100 * share:.0f}% of the attention calls block-sparse, mean density "
+                             f"{sum(densities) / len(densities):.3f}")
             rows.append((res, tokens, label, secs))
             print(f"  {res} {label}: {secs:.2f} s", file=sys.stderr, flush=True)
         for p in peers:

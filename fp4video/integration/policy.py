@@ -20,8 +20,17 @@ diffusers name, or a peer diffusers lacks (:mod:`fp4video.integration.backends`)
       - {backend: fa3_fp8, kinds: [self]}
       - {method: fp16, steps: {last: 2}}
 
+A method may run block-sparse (:mod:`fp4video.sparse`): ``sparsity`` on a rule, or on the policy
+for its default, visits only the key tiles a dynamic or static selection keeps::
+
+    method: mxattn-pv8
+    sparsity: {dynamic: {tau: 0.9}}          # every call not matched below: block-sparse
+    rules:
+      - {method: mxattn-pv8, blocks: [0]}    # block 0 dense
+      - {method: fp16, steps: {last: 2}}
+
 Calls are routed by *target*: a method name (``"mxattn"``) or ``"backend:<name>"``; recorded calls
-carry the target that actually ran.
+carry the target that actually ran (and a sparse call its selection and density).
 """
 
 from __future__ import annotations
@@ -144,6 +153,48 @@ class StepRange(_Strict):
         return lo <= step / num_steps < hi
 
 
+class DynamicSelection(_Strict):
+    """:class:`fp4video.sparse.DynamicSparsity`'s rule: the share ``tau`` of each query tile's
+    estimated mass; in joint attention the context (text) tokens are global."""
+
+    tau: Annotated[float, Field(gt=0, le=1)]
+    neighbours: Annotated[int, Field(ge=0)] | None = 0
+    sink_tiles: Annotated[int, Field(ge=0)] = 0
+    min_similarity: Annotated[float, Field(ge=-1, le=1)] = 0.1
+
+
+class StaticSelection(_Strict):
+    """:class:`fp4video.sparse.StaticSparsity`'s rule on the call's latent grid (known from the
+    transformer's input): ``window`` radii (frames, rows, columns), ``radial`` narrowing with frame
+    distance; in joint attention the context (text) tokens are global."""
+
+    window: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]]
+    radial: StrictBool = False
+
+
+class Sparsity(_Strict):
+    """Block-sparse attention for a method's calls: exactly one of ``dynamic`` and ``static``."""
+
+    dynamic: DynamicSelection | None = None
+    static: StaticSelection | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.dynamic is None) == (self.static is None):
+            raise ValueError("sparsity gives exactly one of dynamic: {tau: ...} and static: {window: [f, y, x]}")
+        return self
+
+    def describe(self) -> str:
+        if self.dynamic is not None:
+            return f"dynamic τ={self.dynamic.tau:g}"
+        return f"static window {list(self.static.window)}{', radial' if self.static.radial else ''}"
+
+
+def _sparse_method(sparsity, method, where: str):
+    if sparsity is not None and method is None:
+        raise ValueError(f"{where}: sparsity applies to an fp4video method (method: ...), not to an external backend")
+
+
 class Rule(_Strict):
     """One rule: ``method`` (an fp4video method) or ``backend`` (an external backend) for the calls
     that match every condition given (a condition left out matches every call)."""
@@ -154,6 +205,7 @@ class Rule(_Strict):
     steps: StepRange | None = None
     kinds: list[Literal["self", "cross", "image", "joint"]] | None = None
     experts: list[Literal["high_noise", "low_noise"]] | None = None
+    sparsity: Sparsity | None = Field(None, description="block-sparse attention for the rule's calls")
 
     @field_validator("method")
     @classmethod
@@ -170,6 +222,7 @@ class Rule(_Strict):
         if (self.method is None) == (self.backend is None):
             raise ValueError("give exactly one of method (an fp4video method) and backend (an external attention "
                              f"backend), got {'both' if self.method else 'neither'}")
+        _sparse_method(self.sparsity, self.method, "a rule")
         return self
 
     @property
@@ -200,6 +253,8 @@ class Rule(_Strict):
                 parts.append(f"{name}: {getattr(self, name)}")
         if self.steps is not None:
             parts.append(f"steps: {self.steps.model_dump(exclude_none=True)}")
+        if self.sparsity is not None:
+            parts.append(f"sparsity: {self.sparsity.describe()}")
         return "{" + ", ".join(parts) + "}"
 
     def matches_call(self, expert: str | None, block: int, kind: str) -> bool:
@@ -257,6 +312,7 @@ class Policy(_Strict):
     fp16_backend: str = "stock"
     refiner: StrictBool = Field(False, description="quantize the attention outside the transformer blocks too "
                                                   "(HunyuanVideo's token refiner); block rules never match it")
+    sparsity: Sparsity | None = Field(None, description="block-sparse attention for the default method's calls")
 
     @field_validator("method")
     @classmethod
@@ -288,6 +344,7 @@ class Policy(_Strict):
     def _default_is_method_or_backend(self):
         if self.backend is not None and "method" in self.model_fields_set:
             raise ValueError("give method or backend as the default, not both")
+        _sparse_method(self.sparsity, None if self.backend is not None else self.method, "the policy's default")
         return self
 
     @property
@@ -386,10 +443,16 @@ class Policy(_Strict):
     def method_for(self, *, block: int, step: int | None, num_steps: int | None, kind: str,
                    expert: str | None) -> str:
         """The target of a call: an fp4video method name, or ``"backend:<name>"``."""
+        return self.route_for(block=block, step=step, num_steps=num_steps, kind=kind, expert=expert)[0]
+
+    def route_for(self, *, block: int, step: int | None, num_steps: int | None, kind: str,
+                  expert: str | None) -> tuple[str, Sparsity | None]:
+        """(the target of a call, its :class:`Sparsity` or None: dense), from the first rule that
+        matches, else the default."""
         for rule in self.rules:
             if rule.matches(block=block, step=step, num_steps=num_steps, kind=kind, expert=expert):
-                return rule.target
-        return self.target
+                return rule.target, rule.sparsity
+        return self.target, self.sparsity
 
 
 @dataclass(frozen=True)

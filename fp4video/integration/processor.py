@@ -63,16 +63,23 @@ class AttentionContext:
 
     def method_for(self, block: int, kind: str, site: str | None = None) -> str:
         """The target of a call (the override's where it gives one, else the policy's)."""
+        return self.route_for(block, kind, site)[0]
+
+    def route_for(self, block: int, kind: str, site: str | None = None):
+        """(the target of a call, its :class:`~fp4video.integration.policy.Sparsity` or None): the
+        override's target (dense) where it gives one, else the policy's."""
         if self.override is not None:
             target = self.override(site, block, kind)
             if target is not None:
-                return target
-        return self.policy.method_for(block=block, step=self.step, num_steps=self.num_steps, kind=kind,
-                                      expert=self.expert)
+                return target, None
+        return self.policy.route_for(block=block, step=self.step, num_steps=self.num_steps, kind=kind,
+                                     expert=self.expert)
 
     def record_call(self, block: int, kind: str | None, method: str, parallel_config=None, **extra) -> None:
         """Append one attention call to :attr:`calls` (when recording): step, expert, block, kind,
-        method, the context-parallel degrees where it ran split, and ``extra`` (e.g. the site)."""
+        method, the context-parallel degrees where it ran split, and ``extra`` (e.g. the site; a
+        block-sparse call's ``sparsity`` and ``density``, the latter a 0-d tensor on the GPU until
+        :meth:`recorded_calls` reads it, so recording never waits for the GPU)."""
         if not self.record:
             return
         record = {"step": self.step, "expert": self.expert, "block": block, "kind": kind, "method": method, **extra}
@@ -80,6 +87,19 @@ class AttentionContext:
             cp = parallel_config.context_parallel_config
             record["context_parallel"] = {"ring": cp.ring_degree, "ulysses": cp.ulysses_degree}
         self.calls.append(record)
+
+    def recorded_calls(self) -> list[dict]:
+        """:attr:`calls` with every tensor value (a sparse call's density) read back as a float, in
+        one transfer."""
+        tensors = [(i, key) for i, c in enumerate(self.calls) for key, v in c.items() if isinstance(v, torch.Tensor)]
+        if not tensors:
+            return list(self.calls)
+        device = self.calls[tensors[0][0]][tensors[0][1]].device
+        values = torch.stack([self.calls[i][key].float().reshape(()).to(device) for i, key in tensors]).tolist()
+        out = [dict(c) for c in self.calls]
+        for (i, key), value in zip(tensors, values):
+            out[i][key] = round(value, 4)
+        return out
 
 
 def check_backend(backend) -> str:

@@ -81,6 +81,7 @@ class _Route:
     member: object = None  # the fp4video_policy backend
     attended: set = field(default_factory=set)  # site names that attended in this forward
     replicated_context: bool = False  # fp4video's HunyuanVideo plan: the context tokens on every rank
+    grid: tuple | None = None  # (frames, height, width) of this forward's video tokens (None: unknown)
     active: bool = True  # False once unrouted: a call still naming this route is refused
 
 
@@ -161,11 +162,11 @@ def _policy_attention(a: AttentionCall):
     call = stack[-1]
     route, site, ctx = call.route, call.site, call.route.ctx
     kind = call_kind(call, a.query, a.key)
-    target = ctx.method_for(site.block, kind, site=site.name)
+    target, sparsity = ctx.route_for(site.block, kind, site=site.name)
     call.attended += 1
     route.attended.add(site.name)
     try:
-        out, ran, extra = _run(call, kind, target, a)
+        out, ran, extra = _run(call, kind, target, a, sparsity)
     except _Refused as refused:
         fallback = ctx.policy.fallback
         if fallback == "error":
@@ -193,9 +194,9 @@ def _policy_attention(a: AttentionCall):
 _backend = diffusers_backend(_policy_attention)
 
 
-def _run(call: _Call, kind: str, target: str, a: AttentionCall):
-    """Run ``target`` on the call: (output, the target that ran, extra record fields); :class:`_Refused`
-    when the target cannot take it."""
+def _run(call: _Call, kind: str, target: str, a: AttentionCall, sparsity=None):
+    """Run ``target`` on the call (block-sparse with ``sparsity``, an fp4video method's): (output,
+    the target that ran, extra record fields); :class:`_Refused` when the target cannot take it."""
     route, ctx = call.route, call.route.ctx
     ring = uses_ring(a.parallel_config)
     # stock attention cannot split replicated context tokens (fp4video's HunyuanVideo plan): its fp16
@@ -226,11 +227,53 @@ def _run(call: _Call, kind: str, target: str, a: AttentionCall):
     try:
         if a.unsupported_options():
             raise ValueError(f"fp4video's methods have no {', '.join(a.unsupported_options())} ({call.site.name})")
-        out = _fp4(route, call, kind, target, a.query, a.key, a.value, boolean_mask(a.attn_mask), a.scale,
-                   a.return_lse, a.parallel_config)
+        mask = boolean_mask(a.attn_mask)
+        extra = {}
+        if sparsity is not None:
+            selection = _selection(route, call, kind, sparsity, a, mask)
+            extra = {"sparsity": sparsity.describe(), "density": selection.density()}
+        else:
+            selection = None
+        out = _fp4(route, call, kind, target, a.query, a.key, a.value, mask, a.scale, a.return_lse,
+                   a.parallel_config, selection)
     except (ValueError, TypeError, NotImplementedError) as e:
         raise _Refused(f"cannot take it ({e})", e) from None
-    return out, target, {}
+    return out, target, extra
+
+
+def _selection(route, call: _Call, kind: str, sparsity, a: AttentionCall, mask):
+    """The :class:`fp4video.sparse.BlockSelection` of a block-sparse call: ``sparsity``'s rule on
+    this call (the context tokens of joint attention global; a static window on the latent grid of
+    the transformer's input). ValueError where it cannot apply (context parallelism, cross attention
+    under a static window, a grid unknown)."""
+    from ..attention import selection_for
+    from ..sparse import DynamicSparsity, StaticSparsity
+
+    if a.parallel_config is not None:
+        raise ValueError("block-sparse attention does not run under context parallelism")
+    sq, sk = a.query.shape[1], a.key.shape[1]
+    grid = route.grid
+    # joint attention (HunyuanVideo): the video tokens first, then the context's (as many as the
+    # grid leaves, or the module's context input holds)
+    n_video = sq
+    if kind == "joint":
+        n_video = grid[0] * grid[1] * grid[2] if grid is not None else sq - (call.context or 0)
+    context = ((n_video, sq),) if 0 < n_video < sq else ()
+    if sparsity.dynamic is not None:
+        d = sparsity.dynamic
+        rule = DynamicSparsity(tau=d.tau, neighbours=d.neighbours if sq == sk else None, global_tokens=context,
+                               sink_tiles=d.sink_tiles, min_similarity=d.min_similarity)
+    else:
+        if kind not in ("self", "joint") or sq != sk:
+            raise ValueError(f"a static window applies to self and joint attention, not to {kind} attention")
+        if grid is None or grid[0] * grid[1] * grid[2] != n_video:
+            raise ValueError(f"a static window needs the latent grid of the call's {n_video} video tokens; the "
+                             f"transformer's input gave {'none' if grid is None else '×'.join(map(str, grid))}")
+        st = sparsity.static
+        rule = StaticSparsity(frames=grid[0], height=grid[1], width=grid[2], window=st.window,
+                              text_tokens=sq - n_video, text_position="last", radial=st.radial)
+    return selection_for(rule, a.query, a.key, layout="bshd", attn_mask=mask, scale=a.scale,
+                         backend=route.ctx.backend)
 
 
 def _stock(call, a: AttentionCall):
@@ -239,12 +282,12 @@ def _stock(call, a: AttentionCall):
     return dispatch_attention_fn(a.query, a.key, a.value, **a.dispatch_kwargs(), backend=call.stock_backend)
 
 
-def _fp4(route, call, kind, method, q, k, v, mask, scale, return_lse, parallel_config):
+def _fp4(route, call, kind, method, q, k, v, mask, scale, return_lse, parallel_config, selection=None):
     from ..attention import fp4_attention
 
     if parallel_config is None:
         return fp4_attention(q, k, v, method=method, layout="bshd", attn_mask=mask, scale=scale,
-                             return_lse=return_lse, backend=route.ctx.backend)
+                             return_lse=return_lse, backend=route.ctx.backend, sparsity=selection)
     if kind == "joint" and route.replicated_context:
         from .parallel import joint_context_parallel_attention
 
@@ -332,11 +375,30 @@ def _record_skipped(route: _Route, site: Site) -> None:
     route.ctx.record_call(site.block, None, "skipped", site=site.name)
 
 
+def latent_grid(model: torch.nn.Module, hidden_states) -> tuple[int, int, int] | None:
+    """(frames, height, width) of the tokens a video transformer makes of its 5-D input latents
+    (B, C, F, H, W), from its patch sizes (Wan's ``patch_size`` (t, h, w); HunyuanVideo's
+    ``patch_size`` and ``patch_size_t``); None for other inputs."""
+    config = getattr(model, "config", None)
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 5 or config is None:
+        return None
+    patch = getattr(config, "patch_size", None)
+    if isinstance(patch, (tuple, list)) and len(patch) == 3:
+        pt, ph, pw = patch
+    elif isinstance(patch, int):
+        pt, ph, pw = getattr(config, "patch_size_t", 1) or 1, patch, patch
+    else:
+        return None
+    f, h, w = hidden_states.shape[2:]
+    return f // pt, h // ph, w // pw
+
+
 def _model_pre_hook(route: _Route):
-    def hook(module, args):
+    def hook(module, args, kwargs):
         route.attended = set()
         parallel = getattr(module, "_parallel_config", None)
         route.replicated_context = parallel is not None and getattr(module, "_cp_plan", None) is None
+        route.grid = latent_grid(module, kwargs.get("hidden_states", args[0] if args else None))
 
     return hook
 
@@ -394,7 +456,7 @@ def route(model: torch.nn.Module, sites: list[Site], ctx) -> _Route:
             sub = getattr(m, name, None)
             if isinstance(sub, torch.nn.Module):
                 r.handles.append(sub.register_forward_hook(_added_key_hook(site)))
-    r.handles.append(model.register_forward_pre_hook(_model_pre_hook(r)))
+    r.handles.append(model.register_forward_pre_hook(_model_pre_hook(r), with_kwargs=True))
     r.handles.append(model.register_forward_hook(_model_post_hook(r), always_call=True))
     return r
 

@@ -36,6 +36,7 @@ def generate_video(pipe, ctx: AttentionContext, cfg: RunConfig, prompt: str, cal
     if audio is not None:
         audio, rate = audio[0], audio_sample_rate(pipe)
         sound = {"sample_rate": rate, "channels": int(audio.shape[0]), "seconds": round(audio.shape[-1] / rate, 3)}
+    calls = ctx.recorded_calls()
     sidecar = {
         "output": str(out),
         "prompt": prompt,
@@ -46,9 +47,9 @@ def generate_video(pipe, ctx: AttentionContext, cfg: RunConfig, prompt: str, cal
         "timings_s": {"load": round(load_seconds, 3), "generate": round(seconds, 3)},
         "frames": int(len(frames)),
         "audio": sound,
-        "methods_used": dict(Counter(c["method"] for c in ctx.calls)),
+        "methods_used": dict(Counter(c["method"] for c in calls)),
         "fallbacks": dict(ctx.fallbacks),
-        "attention_calls": list(ctx.calls),
+        "attention_calls": calls,
     }
     if write:
         write_video_and_sidecar(frames, out, json.dumps(sidecar, indent=1), cfg.fps, audio,

@@ -1,0 +1,193 @@
+"""``fp4video bench sparse``: block-sparse attention's time against its density, on a GPU.
+
+One process, one set of inputs (B=1, random bf16 Q/K/V): the best bf16 attention installed (cuDNN,
+flash and default SDPA), the installed peers (FlashAttention-3 bf16 and FP8, SageAttention2), each
+method dense, then each method block-sparse at every density (a random selection with the same
+number of key tiles in every query tile's list, its own diagonal tile among them: a loop's time
+follows how many tiles it visits, not which), the whole call timed (selection lists, pre-pass and
+loop). Then the selections' own cost at that size: the dynamic one (:func:`fp4video.sparse.dynamic_selection`)
+and the static window (:func:`fp4video.sparse.static_selection`, on the latent grid given), each
+against the dense call of the first method. A plot of time against density with the peers as
+horizontal lines.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+#: the densities timed by default (the share of (query tile, key tile) pairs visited)
+DENSITIES = (0.1, 0.25, 0.5, 1.0)
+
+
+@dataclass(frozen=True)
+class SparseTiming:
+    """One row: ``kernel`` at ``density`` (1.0 and ``dense``: the dense call), median ms, × the same
+    method's dense time (None for peers), × the best bf16 of the run and × each peer timed."""
+
+    kernel: str
+    density: float
+    dense: bool
+    ms: float
+    of_dense: float | None
+    x_best_bf16: float
+    x_peers: dict
+
+
+def uniform_selection(heads: int, sq: int, sk: int, density: float, seed: int = 0):
+    """A :class:`fp4video.sparse.BlockSelection` on the GPU visiting round(density · n_key_tiles)
+    key tiles (at least one) in every query tile's list, the tile on its diagonal among them, the
+    others drawn at random."""
+    import torch
+
+    from ..sparse import KEY_TILE, QUERY_TILE, BlockSelection
+
+    nq, nk = -(-sq // QUERY_TILE), -(-sk // KEY_TILE)
+    keep = max(1, round(density * nk))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    score = torch.rand(1, heads, nq, nk, device="cuda", generator=g)
+    diagonal = (torch.arange(nq, device="cuda") * QUERY_TILE // KEY_TILE).clamp(max=nk - 1)
+    score[..., torch.arange(nq, device="cuda"), diagonal] = 2.0  # always kept
+    kept = score.topk(keep, dim=-1).indices
+    tiles = torch.zeros(1, heads, nq, nk, dtype=torch.bool, device="cuda").scatter_(-1, kept, True)
+    return BlockSelection(tiles, sq, sk)
+
+
+def bench_sparse(args) -> tuple[str, list[SparseTiming]]:
+    """The markdown table and its rows (see the module's docstring)."""
+    import contextlib
+
+    import torch
+    import triton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from .. import fp4_attention
+    from ..attention import selection_for
+    from ..eval.peers import find_peers
+    from ..kernels.operands import KeyTileLists
+    from ..sparse import DynamicSparsity, StaticSparsity
+    from .bench import RATIO_PEERS, _header
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=50, rep=args.rep_ms, return_mode="median")
+
+    s, h, d = args.seq, args.heads, args.head_dim
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    base = []  # (name, precision, ms)
+    for name, backend in (("cuDNN SDPA bf16", SDPBackend.CUDNN_ATTENTION), ("flash SDPA bf16", SDPBackend.FLASH_ATTENTION),
+                          ("SDPA default dispatch bf16", None)):
+        try:
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                sdpa(q, k, v)
+                base.append((name, "bf16", bench(lambda: sdpa(q, k, v))))
+        except RuntimeError as e:
+            print(f"  {name}: not available ({str(e).splitlines()[0][:80]})", file=sys.stderr)
+    notes = []
+    for p in find_peers():
+        if p.fn is None:
+            notes.append(f"{p.name}: {p.missing}")
+            continue
+        try:
+            a = p.args(q, k, v)
+            p.fn(*a)
+            base.append((p.name, p.precision, bench(lambda: p.fn(*a))))
+        except Exception as e:  # a peer's build that cannot run this shape: say so, keep going
+            notes.append(f"{p.name}: failed ({type(e).__name__})")
+        a = None
+    best = min((ms for _, precision, ms in base if precision == "bf16"), default=None)
+    peer_ms = {name: ms for name, _, ms in base}
+
+    def row(kernel, density, dense, ms, of_dense):
+        return SparseTiming(kernel, density, dense, ms, of_dense, (best or ms) / ms,
+                            {p: peer_ms[p] / ms if p in peer_ms else None for p in RATIO_PEERS})
+
+    rows = [row(name, 1.0, True, ms, None) for name, _, ms in base]
+    dense_ms = {}
+    for m in args.methods:
+        fp4_attention(q, k, v, method=m, backend="triton")
+        dense_ms[m] = bench(lambda: fp4_attention(q, k, v, method=m, backend="triton"))
+        rows.append(row(f"fp4video {m} dense", 1.0, True, dense_ms[m], 1.0))
+        print(f"  {m} dense: {dense_ms[m]:.2f} ms", file=sys.stderr, flush=True)
+        for density in args.densities:
+            sel = uniform_selection(h, s, s, density)
+            fp4_attention(q, k, v, method=m, backend="triton", sparsity=sel)
+            ms = bench(lambda: fp4_attention(q, k, v, method=m, backend="triton", sparsity=sel))
+            rows.append(row(f"fp4video {m}", float(sel.density()), False, ms, ms / dense_ms[m]))
+            print(f"  {m} density {float(sel.density()):.3f}: {ms:.2f} ms", file=sys.stderr, flush=True)
+    # the selections' own cost at this size, against the first method's dense call
+    first = args.methods[0]
+    frames, height, width = args.grid
+    costs = []
+    if frames * height * width == s:
+        static = StaticSparsity(frames=frames, height=height, width=width, window=tuple(args.window), radial=True)
+        costs.append((f"static window {tuple(args.window)}, radial", static))
+    else:
+        notes.append(f"static selection: the grid {frames}×{height}×{width} does not hold {s} tokens")
+    costs.append((f"dynamic τ={args.tau}", DynamicSparsity(tau=args.tau)))
+    cost_lines = []
+    for name, rule in costs:
+        sel = selection_for(rule, q, k, backend="triton", method=first)
+        ms = bench(lambda: selection_for(rule, q, k, backend="triton", method=first))
+        lists_ms = bench(lambda: KeyTileLists.from_bitmap(sel.tiles, sel.query_tile, 1, h, s, s))
+        call = bench(lambda: fp4_attention(q, k, v, method=first, backend="triton", sparsity=rule))
+        given = bench(lambda: fp4_attention(q, k, v, method=first, backend="triton", sparsity=sel))
+        cost_lines.append(f"| {name} | {float(sel.density()):.3f} | {ms:.2f} | {call:.2f} | {given:.2f} | "
+                          f"{100 * (call - given) / dense_ms[first]:.1f}% | {lists_ms:.2f} | {dense_ms[first] / call:.2f} |")
+    table = format_sparse_table(_header(f"bench sparse, B=1 H={h} S={s} D={d}, bf16"), rows)
+    table += ("\nSelections at this size, against the dense `" + first + "` call. The selection alone is timed "
+              "with the GPU idle between calls (its many small launches bound it); inside a call its cost is the "
+              "call with the rule less the call on the selection computed beforehand:\n\n"
+              "| selection | density | selection alone ms | call with the rule ms | call on the selection ms | "
+              "selection's cost in the call, of the dense call | lists ms | × dense |\n|" + " --- |" * 8 + "\n"
+              + "\n".join(cost_lines) + "\n")
+    table += "".join(f"\nNot timed: {n}." for n in notes)
+    return table, rows
+
+
+def format_sparse_table(header: str, rows: list[SparseTiming]) -> str:
+    """The rows as markdown: kernel, density, ms, × dense of the same method, × best bf16, × each
+    ratio peer."""
+    from .bench import _RATIO_TITLES, RATIO_PEERS
+
+    lines = [header, "", "| kernel | density | ms (whole call) | × its dense time | × best bf16 | "
+             + " | ".join(_RATIO_TITLES) + " |", "|" + " --- |" * (5 + len(_RATIO_TITLES))]
+    for r in rows:
+        peers = " | ".join("n/a" if r.x_peers.get(p) is None else f"{r.x_peers[p]:.2f}" for p in RATIO_PEERS)
+        of = "" if r.of_dense is None else f"{r.of_dense:.3f}"
+        lines.append(f"| {r.kernel} | {r.density:.3f} | {r.ms:.2f} | {of} | {r.x_best_bf16:.2f} | {peers} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_sparse(rows: list[SparseTiming], path: str, title: str) -> str:
+    """Time against density, a line per method (its dense time at density 1 as a hollow marker),
+    the dense peers and the best bf16 as horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    methods = sorted({r.kernel for r in rows if not r.dense}, key=lambda n: [x.kernel for x in rows].index(n))
+    for name in methods:
+        pts = sorted((r.density, r.ms) for r in rows if r.kernel == name and not r.dense)
+        line, = ax.plot(*zip(*pts), marker="o", label=name.removeprefix("fp4video ") + " (block-sparse)")
+        dense = next((r.ms for r in rows if r.dense and r.kernel == f"{name} dense"), None)
+        if dense is not None:
+            ax.plot([1.0], [dense], marker="s", mfc="none", color=line.get_color(), ls="none")
+    for r in rows:
+        if r.dense and not r.kernel.startswith("fp4video"):
+            ax.axhline(r.ms, ls=":", lw=1, color="0.4")
+            ax.annotate(r.kernel, (0.0, r.ms), xytext=(2, 2), textcoords="offset points", fontsize=7, color="0.3")
+    ax.set_xlabel("density (share of query-tile × key-tile pairs visited)")
+    ax.set_ylabel("ms per attention call (whole call)")
+    ax.set_xlim(0, 1.05)
+    ax.set_ylim(0, None)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
