@@ -29,6 +29,13 @@ def test_check_command_end_to_end_on_the_interpreter(tmp_path):
         assert set(m["accuracy"]) == {"gaussian", "sharp (t=4)", "outlier channels", "attention sinks",
                                       "V outlier tokens"}
     assert "| mxattn | loop_e4m3 |" in proc.stdout and "all methods pass" in proc.stdout
+    # block-sparse: the e4m3 loop takes a selection and matches the reference on it; the NVFP4 loop
+    # takes none and the report says why
+    mx, nv = report["methods"]
+    assert mx["sparse"]["ok"] and 0.2 <= mx["sparse"]["density"] <= 0.4 and mx["sparse_reason"] is None
+    assert nv["sparse"] is None and "loop_nvfp4 loop takes no key-tile selection" in nv["sparse_reason"]
+    assert f"| {mx['sparse']['rows_off']:.1%} / {mx['sparse']['worst_row']:.3f} at 0.29 |" in proc.stdout
+    assert "| no selection |" in proc.stdout and "block-sparse: the loop_nvfp4 loop takes no" in proc.stdout
 
 
 def test_check_without_interpreter_on_cpu_says_what_to_do():
@@ -62,6 +69,39 @@ def test_a_wrong_kernel_row_fails_the_check(monkeypatch):
     assert acc["worst_row"] == pytest.approx(0.5, abs=0.02) and not acc["ok"]
     assert "SOME CHECKS FAILED" in format_check(report)
     assert torch.isfinite(torch.tensor(acc["lse_worst"]))
+
+
+def test_random_selection_visits_about_the_density_and_a_live_key_per_row():
+    from fp4video.eval.check import random_selection
+
+    alive = torch.arange(1000) < 700  # the last tiles hold no live key
+    sel = random_selection(2, 3, 300, 1000, density=0.3, key_alive=alive, seed=1)
+    assert tuple(sel.tiles.shape) == (2, 3, 3, 8) and (sel.tiles.sum(-1) == 2).all()
+    live = torch.tensor([True] * 6 + [False] * 2)
+    assert (sel.tiles & live).any(-1).all()
+    assert not torch.equal(sel.tiles[0, 0], sel.tiles[1, 2])  # drawn per batch entry and head
+
+
+def test_a_sparse_kernel_that_ignores_its_selection_fails_the_check(monkeypatch):
+    """A kernel that visits every key tile of a block-sparse call (the dense result) is off by far
+    more than the bounds against the reference on the selection."""
+    import fp4video.attention as attention
+    from fp4video.eval.check import format_check, run_check
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    real = attention.fp4_attention
+
+    def dense_kernel(q, k, v, **kw):
+        if kw.get("backend") == "triton":
+            kw.pop("sparsity", None)
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(attention, "fp4_attention", dense_kernel)
+    report = run_check(["mxattn"], device="cpu", heads=2, sq=64, sk=130, head_dim=64, timing_seq=None)
+    m = report["methods"][0]
+    assert all(a["ok"] for a in m["accuracy"].values()) and not m["sparse"]["ok"] and not report["ok"]
+    assert m["sparse"]["worst_row"] > 0.2
+    assert " ✗ |" in format_check(report) and "SOME CHECKS FAILED" in format_check(report)
 
 
 def test_check_report_shows_the_clock_each_timing_ran_at():

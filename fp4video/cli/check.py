@@ -1,5 +1,6 @@
 """``fp4video check``: every method's kernel against the reference on this GPU (random and sharp
-inputs, every row, the LSE), and one timing against SDPA and any installed peer; a table on screen
+inputs, every row, the LSE; a block-sparse call on a random selection where the method's loop takes
+one, else why not), and one timing against SDPA and any installed peer; a table on screen
 and a JSON report. Run it on a GPU this project has not run on
 (Blackwell) and send the JSON back."""
 

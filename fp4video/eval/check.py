@@ -1,8 +1,10 @@
 """``fp4video check``: does fp4video compute the right thing on *this* GPU, and how fast?
 
 For every method: the Triton kernel against the reference numerics on random and sharp inputs
-(every row: the share of rows off by more than 5 % and the worst row; the LSE), then one timing
-against SDPA and any peer that is installed. Meant for GPUs this project has never run on
+(every row: the share of rows off by more than 5 % and the worst row; the LSE); where the method's
+loop takes a key-tile selection (``Plan.sparse_reason``), a block-sparse call on a random selection
+of about :data:`SPARSE_DENSITY` against the reference on the same selection, row by row (else the
+reason it has none); then one timing against SDPA and any peer that is installed. Meant for GPUs this project has never run on
 (Blackwell): a table on screen and a JSON report to send back.
 
 The per-row bounds are those the GPU test suite asserts (``row_bounds``).
@@ -16,12 +18,17 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-__all__ = ["row_bounds", "CHECK_DISTRIBUTIONS", "MethodCheck", "run_check", "format_check"]
+__all__ = ["row_bounds", "CHECK_DISTRIBUTIONS", "SPARSE_DENSITY", "MethodCheck", "random_selection", "run_check",
+           "format_check"]
 
 #: The robustness distributions the check runs (a subset of the harness's: one per failure mode).
 CHECK_DISTRIBUTIONS = ("gaussian", "sharp (t=4)", "outlier channels", "attention sinks", "V outlier tokens")
 #: A row is "off" when its relative error to the reference exceeds this.
 ROW_OFF = 5e-2
+#: The share of (query tile, key tile) pairs the block-sparse check's random selection visits.
+SPARSE_DENSITY = 0.3
+#: The block-sparse check's inputs (its bounds are this distribution's).
+SPARSE_DISTRIBUTION = "gaussian"
 
 
 def row_bounds(method: str, distribution: str) -> tuple[float, float]:
@@ -42,6 +49,9 @@ class MethodCheck:
     method: str
     loop: str | None = None  # the kernels' loop and its form (:meth:`Plan.form`; loop_scaled: native FP4 MMAs)
     accuracy: dict = field(default_factory=dict)  # distribution -> {rows_off, worst_row, lse_worst, ok}
+    #: the block-sparse call: {density, rows_off, worst_row, lse_worst, ok, bounds}; None: not run
+    sparse: dict | None = None
+    sparse_reason: str | None = None  # why the method's loop takes no key-tile selection (None: it does)
     ms: float | None = None
     x_best_bf16: float | None = None
     #: the SM clock (MHz) over the timing and the share of it at the power cap (NVML; None: not sampled)
@@ -51,15 +61,39 @@ class MethodCheck:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and all(a["ok"] for a in self.accuracy.values())
+        return self.error is None and all(a["ok"] for a in self.accuracy.values()) and (
+            self.sparse is None or self.sparse["ok"])
 
 
-def _accuracy(method, q, k, v, mask):
+def random_selection(batch: int, heads: int, sq: int, sk: int, *, density: float = SPARSE_DENSITY,
+                     key_alive=None, seed: int = 0, device=None):
+    """A random :class:`~fp4video.sparse.BlockSelection` per batch entry and head: each query tile
+    visits ``max(1, round(density · n_key_tiles))`` key tiles drawn at random, one of them holding a
+    live key (``key_alive``: (Sk,) bool or None, every key live), so every row sees a key."""
+    from ..sparse import KEY_TILE, QUERY_TILE, BlockSelection
+
+    nq, nk = -(-sq // QUERY_TILE), -(-sk // KEY_TILE)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    score = torch.rand(batch, heads, nq, nk, generator=g)
+    live = torch.ones(nk, dtype=torch.bool)
+    if key_alive is not None:
+        alive = torch.nn.functional.pad(key_alive.cpu(), (0, nk * KEY_TILE - sk))
+        live = alive.reshape(nk, KEY_TILE).any(-1)
+    # a live tile first (the best-scored one), then the others by score
+    first = torch.where(live, score, -1.0).argmax(-1, keepdim=True)
+    score = score.scatter(-1, first, 2.0)
+    n = max(1, round(density * nk))
+    tiles = torch.zeros_like(score, dtype=torch.bool).scatter(-1, score.topk(n, dim=-1).indices, True)
+    return BlockSelection(tiles.to(device), sq, sk)
+
+
+def _accuracy(method, q, k, v, mask, sparsity=None):
     from ..attention import fp4_attention
     from ..harness.robustness import row_relative_error
 
-    got, lse = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="triton")
-    want, lse_ref = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="reference")
+    kw = {} if sparsity is None else {"sparsity": sparsity}
+    got, lse = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="triton", **kw)
+    want, lse_ref = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="reference", **kw)
     finite = bool(torch.isfinite(got).all())
     err = row_relative_error(got.float(), want.float())
     alive = torch.isfinite(lse_ref)
@@ -99,6 +133,13 @@ def run_check(methods, *, device="cuda", heads: int = 4, sq: int = 1000, sk: int
         c.accuracy[dist] = {"finite": finite, "rows_off": off, "worst_row": worst, "lse_worst": lse,
                             "ok": finite and off <= share and worst < bound and lse < 2e-2,
                             "bounds": {"rows_off": share, "worst_row": bound, "lse_worst": 2e-2}}
+    for c in (progress(checks, "block-sparse") if progress else checks):
+        if c.error:
+            continue
+        try:
+            _sparse_check(c, dev, heads, sq, sk, head_dim)
+        except Exception as e:  # a sparse kernel that cannot compile or launch here: the report says so
+            c.error = f"block-sparse: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     timing = {}
     if timing_seq:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -156,8 +197,43 @@ def run_check(methods, *, device="cuda", heads: int = 4, sq: int = 1000, sk: int
                   "clock": clock, "clock_missing": sampler.why}
     return {"device": _device_info(dev), "date": datetime.date.today().isoformat(),
             "accuracy_shape": f"B=1 H={heads} Sq={sq} Sk={sk} D={head_dim}, bf16, last {sk // 20} keys masked",
+            "sparse_shape": f"B=1 H={heads} Sq={sq} Sk={_sparse_sk(sk)} D={head_dim}, bf16, last {_sparse_sk(sk) // 20} "
+                            f"keys masked, {SPARSE_DISTRIBUTION}",
             "methods": [dict(asdict(c), ok=c.ok) for c in checks], "timing": timing,
             "ok": all(c.ok for c in checks)}
+
+
+def _sparse_sk(sk: int) -> int:
+    """The block-sparse check's key count: at least 7 key tiles, the last one partial, so that a
+    random selection's density comes near :data:`SPARSE_DENSITY`."""
+    from ..sparse import KEY_TILE
+
+    return max(sk, 6 * KEY_TILE + 2)
+
+
+def _sparse_check(c: MethodCheck, dev, heads, sq, sk, head_dim) -> None:
+    """The block-sparse call of ``c``'s method (:data:`SPARSE_DISTRIBUTION`'s inputs, the last
+    twentieth of the keys masked as in the dense checks, a random selection of about
+    :data:`SPARSE_DENSITY`) against the reference on the same selection, or ``c.sparse_reason``
+    where the plan's loop takes no selection."""
+    from ..harness.robustness import DISTRIBUTIONS, make_inputs
+    from ..kernels.plan import plan
+    from ..recipe import get_recipe
+
+    sk = _sparse_sk(sk)
+    mask = (torch.arange(sk, device=dev) < sk - sk // 20)[None, None, None]
+    q, k, v = make_inputs(DISTRIBUTIONS[SPARSE_DISTRIBUTION], heads=heads, sq=sq, sk=sk, head_dim=head_dim,
+                          device=dev, dtype=torch.bfloat16)
+    why = plan(get_recipe(c.method), q, v, mask).sparse_reason
+    if why is not None:
+        c.sparse_reason = why
+        return
+    sel = random_selection(q.shape[0], heads, sq, sk, key_alive=mask.reshape(-1), device=dev)
+    finite, off, worst, lse = _accuracy(c.method, q, k, v, mask, sparsity=sel)
+    share, bound = row_bounds(c.method, SPARSE_DISTRIBUTION)
+    c.sparse = {"density": float(sel.density()), "finite": finite, "rows_off": off, "worst_row": worst,
+                "lse_worst": lse, "ok": finite and off <= share and worst < bound and lse < 2e-2,
+                "bounds": {"rows_off": share, "worst_row": bound, "lse_worst": 2e-2}}
 
 
 def _device_info(dev) -> dict:
@@ -188,23 +264,31 @@ def format_check(report: dict) -> str:
     lines = [f"fp4video check: {d['name']} (capability {d.get('capability', '-')}), torch {d['torch']}, "
              f"triton {d['triton']}, fp4video {d['fp4video']}, {report['date']}",
              f"accuracy: kernel vs reference, {report['accuracy_shape']}; per distribution: share of rows off by "
-             f"> {ROW_OFF:.0%} / worst row", ""]
+             f"> {ROW_OFF:.0%} / worst row",
+             f"block-sparse: kernel vs reference on one random selection, {report.get('sparse_shape', '')}; share of "
+             "rows off / worst row at the selection's density", ""]
     dists = list(CHECK_DISTRIBUTIONS)
     timing = report.get("timing") or {}
-    lines.append("| method | loop | " + " | ".join(dists) + " | ms | × best bf16 | SM MHz (power-capped) | ok |")
-    lines.append("|" + " --- |" * (len(dists) + 6))
+    lines.append("| method | loop | " + " | ".join(dists) + " | block-sparse | ms | × best bf16 | SM MHz (power-capped) "
+                 "| ok |")
+    lines.append("|" + " --- |" * (len(dists) + 7))
     for m in report["methods"]:
         cells = []
         for dist in dists:
             a = m["accuracy"].get(dist)
             cells.append("–" if a is None else f"{a['rows_off']:.1%} / {a['worst_row']:.3f}" + ("" if a["ok"] else " ✗"))
+        sp = m.get("sparse")
+        cells.append(f"{sp['rows_off']:.1%} / {sp['worst_row']:.3f} at {sp['density']:.2f}" + ("" if sp["ok"] else " ✗")
+                     if sp else "no selection" if m.get("sparse_reason") else "–")
         ms = "" if m["ms"] is None else f"{m['ms']:.2f}"
         x = "" if m["x_best_bf16"] is None else f"{m['x_best_bf16']:.2f}"
         lines.append(f"| {m['method']} | {m.get('loop') or '–'} | " + " | ".join(cells)
                      + f" | {ms} | {x} | {_clock_cell(m.get('sm_mhz'), m.get('power_capped'))} | "
                      + f"{'yes' if m['ok'] else 'NO'} |")
         if m["error"]:
-            lines.append(f"|  |  | error: {m['error']} |" + " |" * (len(dists) + 3))
+            lines.append(f"|  |  | error: {m['error']} |" + " |" * (len(dists) + 4))
+        if m.get("sparse_reason"):
+            lines.append(f"|  |  | block-sparse: {m['sparse_reason']} |" + " |" * (len(dists) + 4))
     if timing:
         clock = timing.get("clock") or {}
 
