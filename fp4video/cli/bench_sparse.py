@@ -14,6 +14,7 @@ horizontal lines.
 from __future__ import annotations
 
 import sys
+import textwrap
 from dataclasses import dataclass
 
 #: the densities timed by default (the share of (query tile, key tile) pairs visited)
@@ -160,32 +161,69 @@ def format_sparse_table(header: str, rows: list[SparseTiming]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: the dense rows drawn as reference lines: the peers a user would pick (the best bf16 is found in the run)
+PLOTTED_PEERS = ("FlashAttention-3 bf16", "FlashAttention-3 FP8 (cast included)",
+                 "SageAttention2 sageattn (INT8 QK, FP8 PV)")
+
+
+def parse_sparse_table(text: str) -> list[SparseTiming]:
+    """The rows of a ``bench sparse`` table read back from its markdown (ratios to peers dropped)."""
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("Selections"):  # the selections' table follows the timings
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 5 or cells[0] in ("kernel", "---") or not cells[1].replace(".", "", 1).isdigit():
+            continue
+        try:
+            density, ms, best = float(cells[1]), float(cells[2]), float(cells[4])
+        except ValueError:
+            continue
+        of = float(cells[3]) if cells[3] else None
+        dense = of is None or cells[0].endswith(" dense")
+        rows.append(SparseTiming(cells[0], density, dense, ms, of, best, {}))
+    return rows
+
+
 def plot_sparse(rows: list[SparseTiming], path: str, title: str) -> str:
     """Time against density, a line per method (its dense time at density 1 as a hollow marker),
-    the dense peers and the best bf16 as horizontal lines."""
+    and as horizontal lines the best bf16 attention of the run and the peers of :data:`PLOTTED_PEERS`,
+    labelled at the left (low densities lie far below them), apart from one another."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    methods = sorted({r.kernel for r in rows if not r.dense}, key=lambda n: [x.kernel for x in rows].index(n))
+    order = [r.kernel for r in rows]
+    methods = sorted({r.kernel for r in rows if not r.dense}, key=order.index)
     for name in methods:
         pts = sorted((r.density, r.ms) for r in rows if r.kernel == name and not r.dense)
-        line, = ax.plot(*zip(*pts), marker="o", label=name.removeprefix("fp4video ") + " (block-sparse)")
+        line, = ax.plot(*zip(*pts), marker="o", label=name.removeprefix("fp4video ") + " block-sparse")
         dense = next((r.ms for r in rows if r.dense and r.kernel == f"{name} dense"), None)
         if dense is not None:
-            ax.plot([1.0], [dense], marker="s", mfc="none", color=line.get_color(), ls="none")
-    for r in rows:
-        if r.dense and not r.kernel.startswith("fp4video"):
-            ax.axhline(r.ms, ls=":", lw=1, color="0.4")
-            ax.annotate(r.kernel, (0.0, r.ms), xytext=(2, 2), textcoords="offset points", fontsize=7, color="0.3")
+            ax.plot([1.0], [dense], marker="s", mfc="none", ms=8, color=line.get_color(), ls="none")
+    bf16 = [r for r in rows if r.dense and not r.kernel.startswith("fp4video") and "bf16" in r.kernel]
+    lines = [r for r in rows if r.dense and r.kernel in PLOTTED_PEERS]
+    best = min(bf16, key=lambda r: r.ms, default=None)
+    if best is not None and best not in lines:
+        lines.append(best)
+    top = max([r.ms for r in rows] + [1.0])
+    placed = []
+    for r in sorted(lines, key=lambda r: r.ms):
+        ax.axhline(r.ms, ls=":", lw=1, color="0.45")
+        y = r.ms
+        while placed and y - placed[-1] < 0.045 * top:  # keep labels apart
+            y = placed[-1] + 0.045 * top
+        placed.append(y)
+        name = r.kernel + (" (best bf16)" if r is best else "")
+        ax.annotate(f"{name}: {r.ms:.0f} ms", (0.01, y), fontsize=7.5, color="0.25", va="bottom")
     ax.set_xlabel("density (share of query-tile × key-tile pairs visited)")
     ax.set_ylabel("ms per attention call (whole call)")
     ax.set_xlim(0, 1.05)
-    ax.set_ylim(0, None)
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.set_ylim(0, top * 1.08)
+    ax.set_title(textwrap.fill(title, 90), fontsize=8.5)
+    ax.legend(fontsize=8, loc="upper left", title="hollow squares: the dense call", title_fontsize=7.5)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
