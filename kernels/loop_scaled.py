@@ -9,6 +9,11 @@ variant, over the shared Triton math of :mod:`.scaled_math`:
 - :mod:`.loop_scaled_pointer`: pointer loads in key order — Hopper and older and the interpreter
   (where Triton emulates ``dot_scaled``), sm_120's FP8-P·V methods, sm_100 without TMA.
 
+Each variant takes a block-sparse call's key tiles (``visit``: :class:`.operands.KeyTileLists`; the
+SPARSE constexpr): a program visits its query tile's listed tiles in ascending order, each tile's
+codes, scales and scale chunk at its listed start, the partial last tile masked; sm_100's loop stays
+warp-specialized, the tile's index loaded at the top of each iteration.
+
 On Blackwell (sm_100 / sm_120) Triton lowers ``tl.dot_scaled(.., "e2m1", .., "e2m1")`` to the
 native FP4 MMAs (``tcgen05.mma … kind::mxf4`` / ``mma.sync … kind::mxf4nvf4``; the tests
 compile these kernels for those targets offline and check). Every MXFP4
@@ -40,9 +45,9 @@ from fp4video.reference import KEY_TILE, TWO_LEVEL_P_RANGE
 from . import loop_scaled_pointer, loop_scaled_sm100, loop_scaled_sm120
 from .fp4_math import FMT_E4M3, FMT_MXFP4, FMT_NVFP4
 from .launch import LoopLaunch
-from .operands import PackedOperands
+from .operands import KeyTileLists, PackedOperands
 from .plan import WS_MAJORS, Plan, pointer_loop_reason
-from .tiles import LOG2E, key_mask, outputs
+from .tiles import LOG2E, key_mask, outputs, sparse_rows
 
 
 #: Shared memory (bytes), compiled offline (Triton 3.9, head dim 128, masked, 8 warps): the same at 1-3
@@ -158,19 +163,21 @@ def variant(plan: Plan):
 
 
 def kernel(plan: Plan, recipe: AttentionRecipe, capability: tuple[int, int], *, d: int, dv_pad: int, block_m: int,
-           has_mask: bool, sc_tma: bool = False):
+           has_mask: bool, sc_tma: bool = False, sparse: bool = False, query_tile: int = KEY_TILE):
     """(jit kernel, constexpr arguments) of ``plan``'s variant (:func:`variant`) running ``recipe``
     on a GPU of this compute capability ((0, 0): the interpreter) at head dim ``d``, value head dim
     padded to ``dv_pad``, ``block_m`` rows a program, with a key-padding mask or not; ``sc_tma``:
-    the block scales by TMA in :func:`scale_chunks`'s layout (TMA plans). What
-    :func:`attention_packed` launches and :mod:`.report` compiles."""
+    the block scales by TMA in :func:`scale_chunks`'s layout (TMA plans); ``sparse``: the
+    block-sparse form, key tiles from a :class:`.operands.KeyTileLists` of query tiles of
+    ``query_tile`` rows. What :func:`attention_packed` launches and :mod:`.report` compiles."""
     qk = FMT_NVFP4 if recipe.qk_format is Format.NVFP4 else FMT_MXFP4
     consts = {"HAS_MASK": has_mask, "QK": qk.value, "PV": (FMT_E4M3 if recipe.pv_format is Format.E4M3 else qk).value,
               "OCP": recipe.scale_rule is ScaleRule.OCP, "QMAX": recipe.scale_rule.qmax,
               "PNQ": recipe.row_sum is RowSum.QUANTIZED, "TWO_LEVEL": recipe.p_scale is PScale.TWO_LEVEL,
               "P_RANGE": TWO_LEVEL_P_RANGE, "FAST_RCP": capability >= (8, 0), "HW_E4M3": capability >= (8, 9),
               "HW_E2M1": capability >= (10, 0),  # Blackwell's E2M1 conversions
-              "D": d, "QB": recipe.qk_format.block, "BLOCK_M": block_m, "BLOCK_N": KEY_TILE, "BLOCK_DV": dv_pad}
+              "D": d, "QB": recipe.qk_format.block, "BLOCK_M": block_m, "BLOCK_N": KEY_TILE, "BLOCK_DV": dv_pad,
+              "SPARSE": sparse, "QT": query_tile}
     module = variant(plan)
     if module is not loop_scaled_sm120:
         consts["F32X2"] = capability[0] in WS_MAJORS  # datacenter Blackwell's two-lane fp32 arithmetic
@@ -180,13 +187,15 @@ def kernel(plan: Plan, recipe: AttentionRecipe, capability: tuple[int, int], *, 
 
 
 def attention_packed(ops: PackedOperands, key_alive, plan: Plan, *, recipe: AttentionRecipe, scale: float, out_dtype,
-                     dv: int, exact: bool = True, block_m=None, num_warps=None, num_stages=None):
+                     dv: int, exact: bool = True, block_m=None, num_warps=None, num_stages=None,
+                     visit: KeyTileLists | None = None):
     """The loop on :func:`.prepass.prepass_packed`'s operands (MXFP4 or NVFP4 Q·K, FP4 or FP8 P·V).
     ``plan.tma``: K̂ / V̂ᵀ codes by TMA (the CPU interpreter runs it when asked, which is how CI
     tests it); ``plan.warp_specialized``: the warp-specialized loop (TMA only); ``plan.key_order``
     ``"quad"``: K̂ is in the quad key order (``prepass_packed(..., quad_order=True)``: the
     pointer-load loop of consumer Blackwell, FP4 P·V). The loop has one exponent form, exact at any
-    logit magnitude (``exact`` is the call's uniform argument). Returns (out, lse)."""
+    logit magnitude (``exact`` is the call's uniform argument). ``visit``: a block-sparse call's key
+    tiles (None: every tile). Returns (out, lse)."""
     nv = recipe.qk_format is Format.NVFP4
     pv8 = recipe.pv_format is Format.E4M3
     tma, ws, quad_order = plan.tma, plan.warp_specialized, ops.quad_order
@@ -224,7 +233,9 @@ def attention_packed(ops: PackedOperands, key_alive, plan: Plan, *, recipe: Atte
     if ws and not tma:
         raise ValueError("a warp-specialized plan reads K̂ / V̂ᵀ by TMA (tma=True)")
     launch = TMA_LAUNCH[tma_launch_key(nv, pv8)] if tma else LAUNCH
+    given = block_m is not None
     block_m, num_warps, num_stages = launch.resolve(dev, block_m, num_warps, num_stages)
+    block_m = sparse_rows(visit, block_m, given)
     cap = torch.cuda.get_device_capability(dev) if q4.is_cuda else (0, 0)
     kt, vt = k4, v4t
     k_sc_arg, v_sc_arg = (k4 if nv else ks), (vs if pv8 else v4t if nv else vs)
@@ -242,9 +253,10 @@ def attention_packed(ops: PackedOperands, key_alive, plan: Plan, *, recipe: Atte
         vt = TensorDescriptor.from_tensor(v4t.reshape(b * h * dvp, v4t.shape[-1]),
                                           [dvp, KEY_TILE if pv8 else KEY_TILE // 2])
     fn, consts = kernel(plan, recipe, cap, d=d, dv_pad=dvp, block_m=block_m, has_mask=key_alive is not None,
-                        sc_tma=sc_tma)
+                        sc_tma=sc_tma, sparse=visit is not None, query_tile=visit.query_tile if visit else KEY_TILE)
     fn[(triton.cdiv(sq, block_m), b * h)](
-        (q4, q4 if nv else qs), kt, k_sc_arg, vt, v_sc_arg, (gqk, gv), km, (out, lse),
+        (q4, q4 if nv else qs), kt, k_sc_arg, vt, v_sc_arg, (gqk, gv), km,
+        (*KeyTileLists.pointers(visit, km), *(visit.index.shape[-2:] if visit else (1, 1))), (out, lse),
         (h, sq, sk, sk_pad, dv), q4.stride()[:3], k4.stride()[:3],
         (*v4t.stride()[:3], 0 if pv8 else v4t.stride(2) if nv else vs.stride(2)), km.stride(), out.stride(),
         lse.stride(), scale * LOG2E,

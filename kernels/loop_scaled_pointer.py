@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .fp4_math import FMT_E4M3, FMT_NVFP4
 from .scaled_math import Config, as_scales, e4m3_p, fp4_p, key_scales, store_result, value_scales
-from .tiles import kv_bases, program_rows, scaled_masked
+from .tiles import kv_bases, program_rows, scaled_masked, visited_tiles
 
 
 @triton.jit
@@ -56,12 +56,13 @@ def _tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base, M
 
 @triton.jit
 def _attn_fwd(
-    q_ptrs, K4, KS, V4T, VS, g_ptrs, KeyMask, out_ptrs,
+    q_ptrs, K4, KS, V4T, VS, g_ptrs, KeyMask, lists, out_ptrs,
     sizes, strides_q, strides_k, strides_v, strides_m, strides_o, strides_lse, scale_log2,
     HAS_MASK: tl.constexpr, QK: tl.constexpr, PV: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
     PNQ: tl.constexpr, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, FAST_RCP: tl.constexpr,
     HW_E4M3: tl.constexpr, HW_E2M1: tl.constexpr, F32X2: tl.constexpr, D: tl.constexpr, QB: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, SPARSE: tl.constexpr = False,
+    QT: tl.constexpr = 128,
 ):
     """Online-softmax FP4 attention on ``tl.dot_scaled`` by pointer loads; operands from
     :func:`.prepass.prepass_packed`, arguments as :func:`.loop_scaled.attention_packed` groups them.
@@ -70,7 +71,10 @@ def _attn_fwd(
     the codes). ``g_ptrs``: (GQK, GV), B·H products of Q's and K's tensor scales and V's. FP8 P·V: V4T
     holds V̂ᵀ's e4m3 rows and VS V̂'s channel factors. ``out_ptrs``: (Out, Lse); ``sizes``: (H, SQ, SK,
     SK_PAD, DV); the strides of Q4, K4 and V4T (with V̂ᵀ's scale channels), the key mask, Out and
-    Lse. The constexprs are :class:`.scaled_math.Config`'s fields."""
+    Lse. SPARSE: the program visits only the key tiles of its query tile's list, in ascending order
+    (``lists``: (KIdx, KCnt, NQT, NKT), :class:`.operands.KeyTileLists`' index and count, NQT query
+    tiles of QT rows, NKT key tiles a list). The other constexprs are :class:`.scaled_math.Config`'s
+    fields."""
     # the constexprs as one argument of the helpers (:class:`.scaled_math.Config`)
     C: tl.constexpr = Config(HAS_MASK, QK, PV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3,
                              HW_E2M1, F32X2, D, QB, BLOCK_M, BLOCK_N, BLOCK_DV)
@@ -109,13 +113,24 @@ def _attn_fwd(
     acc = tl.zeros((C.BLOCK_M, C.BLOCK_DV), tl.float32)
     M_base = KeyMask + b * smb
     tile_strides = (sks, svd, svsd, sms)
-    n_full = (SK // C.BLOCK_N) * C.BLOCK_N
-    for start in range(0, n_full, C.BLOCK_N):
-        m_i, r_i, k_i, l_i, acc = _tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base,
-                                        start, SK, tile_strides, scale_log2, C, TAIL=False)
-    if n_full < SK:
-        m_i, r_i, k_i, l_i, acc = _tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base,
-                                        n_full, SK, tile_strides, scale_log2, C, TAIL=True)
+    if SPARSE:  # the listed whole key tiles, then the partial last tile if listed
+        KIdx, KCnt, NQT, NKT = lists
+        visits, n_whole, tail = visited_tiles(KIdx, KCnt, NQT, NKT, SK, QT, C.BLOCK_M, C.BLOCK_N)
+        for i in range(0, n_whole):
+            m_i, r_i, k_i, l_i, acc = _tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base,
+                                            M_base, tl.load(visits + i) * C.BLOCK_N, SK, tile_strides, scale_log2, C,
+                                            TAIL=False)
+        if tail >= 0:
+            m_i, r_i, k_i, l_i, acc = _tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base,
+                                            M_base, tail, SK, tile_strides, scale_log2, C, TAIL=True)
+    else:
+        n_full = (SK // C.BLOCK_N) * C.BLOCK_N
+        for start in range(0, n_full, C.BLOCK_N):
+            m_i, r_i, k_i, l_i, acc = _tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base,
+                                            M_base, start, SK, tile_strides, scale_log2, C, TAIL=False)
+        if n_full < SK:
+            m_i, r_i, k_i, l_i, acc = _tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K_base, KS_base, V_base, VS_base,
+                                            M_base, n_full, SK, tile_strides, scale_log2, C, TAIL=True)
     store_result(out_ptrs, acc, m_i, r_i, k_i, l_i, out_factor, VS, b, h, bh, offs_m, row_ok, DV, strides_o, strides_lse,
                  C)
 

@@ -12,6 +12,10 @@ arithmetic two lanes an instruction (F32X2) and PNQ's block sums from the codes
 
 The same kernel without warp specialization (WS false) is the TMA loop in key order that tests run
 in the interpreter and on Hopper, where Triton emulates ``dot_scaled``.
+
+The block-sparse form (SPARSE) is warp-specialized as well: the loop runs over the list's entries,
+each iteration loading its key tile's index, from which the TMA boxes' rows and the scale chunk
+follow.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import triton.language as tl
 
 from .fp4_math import FMT_E4M3, FMT_NVFP4
 from .scaled_math import Config, as_scales, e4m3_p, fp4_p, key_scales, store_result, value_scales
-from .tiles import program_rows, scaled_masked
+from .tiles import program_rows, scaled_masked, visited_tiles
 
 
 @triton.jit
@@ -85,12 +89,13 @@ def _tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K, KS_base, V, VS_base, M_base, row
 
 @triton.jit
 def _attn_fwd(
-    q_ptrs, K4, KS, V4T, VS, g_ptrs, KeyMask, out_ptrs,
+    q_ptrs, K4, KS, V4T, VS, g_ptrs, KeyMask, lists, out_ptrs,
     sizes, strides_q, strides_k, strides_v, strides_m, strides_o, strides_lse, scale_log2,
     HAS_MASK: tl.constexpr, QK: tl.constexpr, PV: tl.constexpr, OCP: tl.constexpr, QMAX: tl.constexpr,
     PNQ: tl.constexpr, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, FAST_RCP: tl.constexpr,
     HW_E4M3: tl.constexpr, HW_E2M1: tl.constexpr, F32X2: tl.constexpr, D: tl.constexpr, QB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, WS: tl.constexpr, SC_TMA: tl.constexpr,
+    SPARSE: tl.constexpr = False, QT: tl.constexpr = 128,
 ):
     """Online-softmax FP4 attention on ``tl.dot_scaled`` with K̂ / V̂ᵀ by TMA; operands from
     :func:`.prepass.prepass_packed`, arguments as :func:`.loop_scaled.attention_packed` groups them.
@@ -102,7 +107,11 @@ def _attn_fwd(
     :func:`.loop_scaled.scale_chunks`'s layout, chunk bh · (SK_PAD / BLOCK_N) + tile. FP8 P·V: VS
     holds V̂'s channel factors. ``out_ptrs``: (Out, Lse); ``sizes``: (H, SQ, SK, SK_PAD, DV); the strides
     of Q4, K4 and V4T (with V̂ᵀ's scale channels), the key mask, Out and Lse. WS: Triton's
-    warp-specialized key loop. The other constexprs are :class:`.scaled_math.Config`'s fields."""
+    warp-specialized key loop. SPARSE: the program visits only the key tiles of its query tile's
+    list, in ascending order (``lists``: (KIdx, KCnt, NQT, NKT), :class:`.operands.KeyTileLists`'
+    index and count, NQT query tiles of QT rows, NKT key tiles a list); each tile's boxes, scale
+    chunk and scales follow its listed start. The other constexprs are :class:`.scaled_math.Config`'s
+    fields."""
     # the constexprs as one argument of the helpers (:class:`.scaled_math.Config`)
     C: tl.constexpr = Config(HAS_MASK, QK, PV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3,
                              HW_E2M1, F32X2, D, QB, BLOCK_M, BLOCK_N, BLOCK_DV)
@@ -150,21 +159,42 @@ def _attn_fwd(
     M_base = KeyMask + b * smb
     tile_strides = (sks, svd, svsd, sms)
     first_chunk = bh * (SK_PAD // C.BLOCK_N)  # this head's first key tile among the scale chunks
-    n_full = (SK // C.BLOCK_N) * C.BLOCK_N
-    if WS:  # (the keyword exists from Triton 3.4: only named where asked for)
-        for start in tl.range(0, n_full, C.BLOCK_N, warp_specialize=True, disallow_acc_multi_buffer=C.PV == FMT_E4M3):
+    if SPARSE:  # the listed whole key tiles, then the partial last tile if listed
+        KIdx, KCnt, NQT, NKT = lists
+        visits, n_whole, tail = visited_tiles(KIdx, KCnt, NQT, NKT, SK, QT, C.BLOCK_M, C.BLOCK_N)
+        if WS:
+            for i in tl.range(0, n_whole, warp_specialize=True, disallow_acc_multi_buffer=C.PV == FMT_E4M3):
+                tile = tl.load(visits + i)
+                m_i, r_i, k_i, l_i, acc = _tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K4, KS_base, V4T, VS_base, M_base,
+                                                rows, tile * C.BLOCK_N, first_chunk + tile, SK, tile_strides,
+                                                scale_log2, C, TAIL=False, WS=True, SC_TMA=SC_TMA)
+        else:
+            for i in range(0, n_whole):
+                tile = tl.load(visits + i)
+                m_i, r_i, k_i, l_i, acc = _tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K4, KS_base, V4T, VS_base, M_base,
+                                                rows, tile * C.BLOCK_N, first_chunk + tile, SK, tile_strides,
+                                                scale_log2, C, TAIL=False, WS=False, SC_TMA=SC_TMA)
+        if tail >= 0:
             m_i, r_i, k_i, l_i, acc = _tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K4, KS_base, V4T, VS_base, M_base,
-                                            rows, start, first_chunk + start // C.BLOCK_N, SK, tile_strides,
-                                            scale_log2, C, TAIL=False, WS=True, SC_TMA=SC_TMA)
+                                            rows, tail, first_chunk + tail // C.BLOCK_N, SK, tile_strides, scale_log2,
+                                            C, TAIL=True, WS=False, SC_TMA=SC_TMA)
     else:
-        for start in range(0, n_full, C.BLOCK_N):
+        n_full = (SK // C.BLOCK_N) * C.BLOCK_N
+        if WS:  # (the keyword exists from Triton 3.4: only named where asked for)
+            for start in tl.range(0, n_full, C.BLOCK_N, warp_specialize=True,
+                                  disallow_acc_multi_buffer=C.PV == FMT_E4M3):
+                m_i, r_i, k_i, l_i, acc = _tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K4, KS_base, V4T, VS_base, M_base,
+                                                rows, start, first_chunk + start // C.BLOCK_N, SK, tile_strides,
+                                                scale_log2, C, TAIL=False, WS=True, SC_TMA=SC_TMA)
+        else:
+            for start in range(0, n_full, C.BLOCK_N):
+                m_i, r_i, k_i, l_i, acc = _tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K4, KS_base, V4T, VS_base, M_base,
+                                                rows, start, first_chunk + start // C.BLOCK_N, SK, tile_strides,
+                                                scale_log2, C, TAIL=False, WS=False, SC_TMA=SC_TMA)
+        if n_full < SK:
             m_i, r_i, k_i, l_i, acc = _tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K4, KS_base, V4T, VS_base, M_base,
-                                            rows, start, first_chunk + start // C.BLOCK_N, SK, tile_strides,
-                                            scale_log2, C, TAIL=False, WS=False, SC_TMA=SC_TMA)
-    if n_full < SK:
-        m_i, r_i, k_i, l_i, acc = _tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K4, KS_base, V4T, VS_base, M_base, rows,
-                                        n_full, first_chunk + n_full // C.BLOCK_N, SK, tile_strides, scale_log2, C,
-                                        TAIL=True, WS=False, SC_TMA=SC_TMA)
+                                            rows, n_full, first_chunk + n_full // C.BLOCK_N, SK, tile_strides,
+                                            scale_log2, C, TAIL=True, WS=False, SC_TMA=SC_TMA)
     store_result(out_ptrs, acc, m_i, r_i, k_i, l_i, out_factor, VS, b, h, bh, offs_m, row_ok, DV, strides_o, strides_lse,
                  C)
 

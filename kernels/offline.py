@@ -33,7 +33,7 @@ GROUPED_ARGUMENTS = {"q_ptrs": ("Q4", "QS"), "g_ptrs": ("GQK", "GV"), "out_ptrs"
                      "sizes": ("H", "SQ", "SK", "SK_PAD", "DV"), "strides_q": ("sqb", "sqh", "sqs"),
                      "strides_k": ("skb", "skh", "sks"), "strides_v": ("svb", "svh", "svd", "svsd"),
                      "strides_m": ("smb", "sms"), "strides_o": ("sob", "soh", "sos", "sod"),
-                     "strides_lse": ("slb", "slh", "sls")}
+                     "strides_lse": ("slb", "slh", "sls"), "lists": ("KIdx", "KCnt", "NQT", "NKT")}
 
 
 def launch_signature(fn, consts: dict, ptr: dict, ints: dict, floats=()):

@@ -271,7 +271,7 @@ def plan_on(recipe: AttentionRecipe, arch: str | None, *, head_dim: int = 128, v
 #: plans made so far, by every input of the ladder
 _PLANS: dict[tuple, Plan] = {}
 #: the loops that visit a block-sparse call's key tiles only (:class:`.operands.KeyTileLists`)
-SPARSE_LOOPS = frozenset({"e4m3", "bf16"})
+SPARSE_LOOPS = frozenset({"e4m3", "bf16", "scaled"})
 
 
 def _ladder(recipe: AttentionRecipe, arch: str | None, d: int, dv: int, dtype: torch.dtype, launch_given: bool,

@@ -83,7 +83,8 @@ def _loop(method: str, arch: int, sparse: bool = False):
         codes = "tensordesc<u8[128, 64]>" if tma else "*u8"
         v8 = "tensordesc<fp8e4nv[128, 128]>" if tma else "*fp8e4nv"
         ptr = dict(Q4="*u8", QS="*u8", K4=codes, KS="*u8", V4T=v8 if pv8 else codes,
-                   VS="*fp32" if pv8 else "*u8", GQK="*fp32", GV="*fp32", KeyMask="*i8", Out="*bf16", Lse="*fp32")
+                   VS="*fp32" if pv8 else "*u8", GQK="*fp32", GV="*fp32", KeyMask="*i8", KIdx="*i32", KCnt="*i32",
+                   Out="*bf16", Lse="*fp32")
         qb = 16 if nv else 32
         sc_tma = tma and scale_chunks_fit(128, qb, 128, pv8)
         if sc_tma:  # the block scales by TMA, one box of chunks (loop_scaled.scale_chunks) a key tile
@@ -92,7 +93,7 @@ def _loop(method: str, arch: int, sparse: bool = False):
             if not pv8:
                 ptr["VS"] = box
         fn, consts = kernel(plan, r, (arch // 10, arch % 10), d=128, dv_pad=128, block_m=launch.block_m,
-                            has_mask=False, sc_tma=sc_tma)  # the constexprs the launch passes on that architecture
+                            has_mask=False, sc_tma=sc_tma, sparse=sparse, query_tile=128)  # as the launch passes them
         return (f"{variant(plan).__name__.rsplit('.', 1)[-1]}.{fn.__name__}", fn, consts, ptr,
                 launch.block_m * 128 // (launch.num_warps * 32),
                 dict(num_warps=launch.num_warps, num_stages=stages, enable_fp_fusion=False), False)

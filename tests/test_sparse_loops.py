@@ -1,13 +1,15 @@
-"""The block-sparse loops (the e4m3 loop in both its forms and the bf16 loop) against the reference
-on the same selection, row by row: masks, odd lengths, both layouts, query tiles of 64 and 128 rows;
-full density is the dense kernel bit for bit; a visited tile set is the dense loop with the other
-tiles' keys masked out, on the same operands; rows that visit no live key; the loops that take no
-selection refuse it by name. CPU: the Triton interpreter (small shapes); GPU (marker ``gpu``): bf16
+"""The block-sparse loops (the e4m3 loop in both its forms, the bf16 loop and the dot_scaled loop in
+its variant forms) against the reference on the same selection, row by row: masks, odd lengths,
+both layouts, query tiles of 64 and 128 rows; full density is the dense kernel bit for bit; a
+visited tile set is the dense loop with the other tiles' keys masked out, on the same operands;
+the dot_scaled loop's TMA and quad-key-order forms are its pointer-load form on a selection; rows
+that visit no live key; the loops that take no selection refuse it by name. CPU: the Triton interpreter (small shapes); GPU (marker ``gpu``): bf16
 at realistic sizes."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -26,7 +28,22 @@ SPARSE_FORMS = {
     "e4m3 (fp8)": ("fp8", {}),
     "bf16 (mxattn)": ("mxattn", {"FP4VIDEO_MX_KERNEL": "bf16"}),
     "bf16 (fp16)": ("fp16", {}),
+    # the dot_scaled loop where Triton emulates dot_scaled (the interpreter): pointer loads
+    "scaled (mxattn)": ("mxattn", {"FP4VIDEO_MX_KERNEL": "scaled"}),
+    "scaled (sage3)": ("sage3", {"FP4VIDEO_NV_KERNEL": "scaled"}),
+    "scaled FP8 P·V (mxattn-pv8)": ("mxattn-pv8", {"FP4VIDEO_MX_KERNEL": "scaled"}),
 }
+
+
+def set_form(form, monkeypatch, request):
+    """The method of ``form`` (:data:`SPARSE_FORMS`) with its environment; the NVFP4 dot_scaled loop
+    with the interpreter's E4M3 scale decoding (the ``e4m3_dot_scaled`` fixture)."""
+    method, env = SPARSE_FORMS[form]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if env.get("FP4VIDEO_NV_KERNEL") == "scaled":
+        request.getfixturevalue("e4m3_dot_scaled")
+    return method
 
 
 def random_selection(b, h, sq, sk, seed, density=0.5, query_tile=128):
@@ -49,12 +66,10 @@ def interpreter_only():
 
 
 @pytest.mark.parametrize("form", list(SPARSE_FORMS))
-def test_sparse_loop_matches_the_reference_row_by_row_interpreter(form, monkeypatch):
+def test_sparse_loop_matches_the_reference_row_by_row_interpreter(form, monkeypatch, request):
     """Odd lengths (a partial last key tile, visited or not), a key-padding mask, two query tiles."""
     interpreter_only()
-    method, env = SPARSE_FORMS[form]
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    method = set_form(form, monkeypatch, request)
     q, k, v = rand(1, 2, 200, 64, seed=1), rand(1, 2, 390, 64, seed=2), rand(1, 2, 390, 64, seed=3)
     mask = rand(1, 1, 1, 390, seed=4) > -0.8
     sel = random_selection(1, 2, 200, 390, seed=5)
@@ -77,12 +92,10 @@ def test_sparse_bshd_query_tiles_of_64_and_a_broadcast_selection_interpreter(met
     assert_rows_match(a, la, b, lb, what=method)
 
 
-@pytest.mark.parametrize("form", ["e4m3 TMA (mxattn)", "bf16 (fp16)"])
-def test_full_density_is_the_dense_kernel_bit_for_bit_interpreter(form, monkeypatch):
+@pytest.mark.parametrize("form", ["e4m3 TMA (mxattn)", "bf16 (fp16)", "scaled (sage3)"])
+def test_full_density_is_the_dense_kernel_bit_for_bit_interpreter(form, monkeypatch, request):
     interpreter_only()
-    method, env = SPARSE_FORMS[form]
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    method = set_form(form, monkeypatch, request)
     q, k, v = rand(1, 2, 130, 64, seed=10), rand(1, 2, 300, 64, seed=11), rand(1, 2, 300, 64, seed=12)
     mask = rand(1, 1, 1, 300, seed=13) > -1.0
     dense = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="triton")
@@ -120,6 +133,60 @@ def test_a_selection_is_the_dense_loop_with_the_other_tiles_masked_interpreter(f
         tol = dict(rtol=0, atol=0) if run.loop == "bf16" else dict(rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(sparse[0][:, h], dense[0][:, h], **tol, msg=f"{form}, head {h}")
         torch.testing.assert_close(sparse[1][:, h], dense[1][:, h], **tol, msg=f"{form}, head {h}")
+
+
+@pytest.mark.parametrize("method", ["mxattn", "sage3", "mxattn-pv8"])
+def test_scaled_loop_forms_take_a_selection_interpreter(method, monkeypatch, e4m3_dot_scaled):
+    """The dot_scaled loop's variant forms on one selection (query tiles of 64 rows, a partial last
+    key tile visited by one query tile and not by another, a key-padding mask, head dim 128, whose
+    block scales the TMA forms read as chunks): sm_100's TMA loop (in key order, and the
+    warp-specialized one, which the interpreter runs in order) is the pointer-load loop bit for
+    bit, as dense; sm_120's quad key order (FP4 P·V) is it to the order of the row sums' additions.
+    At full density every form is its dense launch bit for bit."""
+    interpreter_only()
+    from fp4video.formats import Format
+    from fp4video.kernels import dispatch
+    from fp4video.kernels.loop_scaled import attention_packed, variant
+    from fp4video.kernels.operands import KeyTileLists
+    from fp4video.kernels.plan import plan
+    from fp4video.recipe import get_recipe
+
+    monkeypatch.setenv("FP4VIDEO_MX_KERNEL", "scaled")
+    monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "scaled")
+    recipe = get_recipe(method)
+    q, k, v = rand(1, 2, 130, 128, seed=40), rand(1, 2, 330, 128, seed=41), rand(1, 2, 330, 128, seed=42)
+    alive = dispatch.key_padding(rand(1, 1, 1, 330, seed=43) > -0.8, 1, 330)
+    base = plan(recipe, q, v)
+    assert base.loop == "scaled", base
+    pointer = base.replace(tma=False, warp_specialized=False, key_order="key")
+    forms = {"pointer": pointer, "tma": pointer.replace(tma=True), "ws": pointer.replace(tma=True, warp_specialized=True)}
+    if recipe.pv_format is not Format.E4M3:  # the quad key order is the FP4-P·V loop's
+        forms["quad"] = pointer.replace(key_order="quad")
+    assert {variant(f).__name__.rsplit(".", 1)[-1] for f in forms.values()} == (
+        {"loop_scaled_pointer", "loop_scaled_sm100"} | ({"loop_scaled_sm120"} if "quad" in forms else set()))
+    # three query tiles of 64 rows by three key tiles (the last one partial, visited and not); head 1's
+    # second query tile visits nothing
+    tiles = torch.tensor([[[1, 0, 1], [0, 1, 0], [1, 1, 0]], [[0, 1, 1], [0, 0, 0], [1, 0, 1]]], dtype=torch.bool)[None]
+    lists = KeyTileLists.from_bitmap(tiles, 64, 1, 2, 130, 330)
+    full = KeyTileLists.from_bitmap(torch.ones(1, 1, 2, 3, dtype=torch.bool), 128, 1, 2, 130, 330)
+    args = dict(recipe=recipe, scale=128**-0.5, out_dtype=torch.float32, dv=128)
+    want = None
+    for name, form in forms.items():
+        ops = dispatch.prepare(q, k, v, recipe, alive, form)
+        got = attention_packed(ops, alive, form, visit=lists, **args)
+        if want is None:
+            want = got
+            assert torch.isfinite(got[0]).all() and (got[0][:, 1, 64:128] == 0).all()
+            assert torch.equal(got[1] == -math.inf, torch.arange(130).expand(1, 2, 130).ge(64)
+                               & torch.arange(130).lt(128) & torch.tensor([False, True])[:, None])
+        elif name == "quad":
+            torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=1e-6, msg=f"{method}, {name}")
+            torch.testing.assert_close(got[1], want[1], rtol=2e-7, atol=1e-6, msg=f"{method}, {name}")
+        else:
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (method, name)
+        dense = attention_packed(ops, alive, form, **args)
+        sparse = attention_packed(ops, alive, form, visit=full, **args)
+        assert torch.equal(dense[0], sparse[0]) and torch.equal(dense[1], sparse[1]), (method, name, "full density")
 
 
 def test_rows_that_visit_no_live_key_give_zeros_and_minus_inf_interpreter():
@@ -180,7 +247,19 @@ def test_the_dynamic_selection_through_the_kernels_pooling_is_the_reference_sele
         assert torch.equal(want.tiles, got.tiles) and 0 < float(got.density()) < 1, tau
 
 
-def test_loops_without_a_selection_refuse_it_by_name():
+def test_loops_without_a_selection_refuse_it_by_name(monkeypatch):
+    from fp4video.kernels.plan import SPARSE_LOOPS, plan_on
+    from fp4video.recipe import get_recipe
+
+    # Blackwell's dot_scaled loop takes a selection, in every form (where this Triton compiles it)
+    for arch in ("sm_100", "sm_120"):
+        for method in ("mxattn", "sage3", "mxattn-pv8"):
+            on = plan_on(get_recipe(method), arch)
+            assert on.loop != "scaled" or on.sparse_reason is None, (method, arch, on.sparse_reason)
+    # sage3 on Hopper plans an NVFP4 loop on bf16 tensor cores, which takes none
+    hopper = plan_on(get_recipe("sage3"), "sm_90")
+    assert hopper.loop not in SPARSE_LOOPS and re.search("loop_nvfp4.*takes no key-tile selection", hopper.sparse_reason)
+    monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "triton")  # that loop on this device too (Blackwell included)
     q = k = v = rand(1, 1, 64, 64, seed=23)
     sel = BlockSelection.dense(64, 64)
     with pytest.raises(NotImplementedError, match="loop_nvfp4.*takes no key-tile selection"):
