@@ -248,6 +248,7 @@ def test_cli_writes_a_policy_that_loads_and_says_what_it_found(tmp_path, capsys)
     (["--transformer", "wan22", "--model", "tiny"], "--model is for a pipeline"),
     (["--budget", "0"], "--budget 0.0: a relative L2 error"),
     (["--model", "tiny", "--candidates", "backend:nope"], "unknown backend 'nope'"),
+    (["--model", "tiny", "--sparse", "window:3"], "sparse candidate 'window:3': give dynamic:TAU"),
 ])
 def test_cli_bad_input_is_one_line(tmp_path, capsys, args, message):
     from fp4video.cli.main import main
@@ -298,3 +299,127 @@ def test_matching_a_peer_is_never_slower_nor_worse_than_it_everywhere(wan):
     assert predicted_attention(result, plan) <= predicted_attention(result, {k: "fp8" for k in plan})
     # on these inputs nothing cheaper matches fp8 anywhere: the plan is fp8 itself
     assert set(plan.values()) == {"fp8"}
+
+
+# --- block-sparse candidates ------------------------------------------------------------------------
+
+class _Constant(torch.nn.Module):
+    """Q or K of every token the same vector (RoPE then makes the logits a function of the tokens'
+    offset, largest at 0: attention to the token itself and its neighbours), or zero (uniform
+    attention: every key weighs alike, so every key tile is needed)."""
+
+    def __init__(self, vector):
+        super().__init__()
+        self.register_buffer("vector", vector)
+
+    def forward(self, x):
+        return self.vector.to(x.dtype).expand(x.shape)
+
+
+SPARSE = ["dynamic:0.9", "static:0,2,2", "static:1,4,4"]
+
+
+@pytest.fixture(scope="module")
+def sparse_calibration():
+    """A bare tiny Wan transformer over a 4 × 16 × 16 latent grid (1024 tokens: 8 key tiles) whose
+    block 0 self-attention is uniform (it needs every key) and block 1's local (Q = K = one vector
+    before RoPE: each token attends most to itself and its neighbours)."""
+    from fp4video.integration.tiny import tiny_wan_transformer
+
+    model = tiny_wan_transformer(seed=3)
+    inner = 2 * 64
+    model.blocks[0].attn1.norm_q = _Constant(torch.zeros(inner))
+    c = torch.randn(inner, generator=torch.Generator().manual_seed(1))
+    c = c / c.square().mean().sqrt()
+    model.blocks[1].attn1.norm_q = _Constant(c)
+    model.blocks[1].attn1.norm_k = _Constant(c)
+    g = torch.Generator().manual_seed(0)
+
+    def inputs(t):
+        return dict(hidden_states=torch.randn(1, 16, 4, 32, 32, generator=g),
+                    encoder_hidden_states=torch.randn(1, 16, 32, generator=g), timestep=torch.tensor([t]),
+                    return_dict=False)
+
+    result = calibrate(model, [inputs(900.0)], budget=0.1, candidates=["fp16", "mxattn-pv8"], sparse=SPARSE,
+                       propagation=0, progress=False)
+    return model, inputs, result
+
+
+def test_sparse_candidates_are_measured_and_chosen_only_within_the_budget(sparse_calibration):
+    from fp4video.calibration.plan import site_cost, sparse_time, split_target
+
+    _, _, result = sparse_calibration
+    dynamic, static, wider = "mxattn-pv8+dynamic:0.9", "mxattn-pv8+static:0,2,2", "mxattn-pv8+static:1,4,4"
+    assert result.candidates == ["fp16", "mxattn-pv8", dynamic, static, wider]
+    cost = lambda t, shape: DEFAULT_RELATIVE_COST[t]  # noqa: E731
+    for key, s in result.stats.items():
+        if key[2] == "self":  # both measured at every self-attention site, with their density
+            assert {dynamic, static} <= set(s.rel_l2) and 0 < s.mean_density(static) < 1
+            assert s.mean_density(dynamic) is not None
+        else:  # a static window on the latent grid does not apply to cross attention
+            assert static in s.refused and "static window applies to self and joint" in s.refused[static]
+        chosen = result.plan[key]
+        if split_target(chosen)[1] is not None:  # sparse only within the budget and cheaper than dense
+            assert s.rel_l2[chosen] <= 0.1
+            assert site_cost(cost, chosen, s) == pytest.approx(
+                DEFAULT_RELATIVE_COST["mxattn-pv8"] * sparse_time(s.mean_density(chosen)))
+            assert site_cost(cost, chosen, s) < DEFAULT_RELATIVE_COST["mxattn-pv8"]
+        cheaper = [t for t in result.candidates if t != "fp16" and t not in s.refused
+                   and site_cost(cost, t, s) < site_cost(cost, chosen, s)]
+        assert all(s.rel_l2[t] > 0.1 for t in cheaper), (key, chosen, cheaper)
+    local, uniform = result.stats[(None, 1, "self", None)], result.stats[(None, 0, "self", None)]
+    # the local site takes a sparse candidate; the narrowest window, cheaper, loses too much there
+    assert split_target(result.plan[(None, 1, "self", None)])[1] is not None
+    assert local.rel_l2[result.plan[(None, 1, "self", None)]] <= 0.1 < local.rel_l2[static]
+    # the site built to need every key is not made sparse: the windows lose too much, and the
+    # dynamic selection keeps every tile (no cheaper than dense)
+    assert split_target(result.plan[(None, 0, "self", None)])[1] is None
+    assert min(uniform.rel_l2[static], uniform.rel_l2[wider]) > 0.1 and uniform.mean_density(dynamic) == 1.0
+    report = result.report
+    site = next(x for x in report["sites"] if x["block"] == 1 and x["kind"] == "self")
+    assert site["density"][wider] == pytest.approx(local.mean_density(wider))
+
+
+def test_installed_sparse_policy_routes_and_selects_as_measured(sparse_calibration):
+    from fp4video.calibration.plan import split_target
+
+    model, inputs, result = sparse_calibration
+    text = result.policy_yaml()
+    assert "sparsity:" in text and Policy.model_validate(yaml.safe_load(text)) == result.policy
+    ctx = install(model, result.policy)
+    try:
+        with torch.no_grad():
+            model(**inputs(900.0))
+    finally:
+        uninstall(model)
+    calls = ctx.recorded_calls()
+    got = {(c["expert"], c["block"], c["kind"], c["step"]): (c["method"], c.get("sparsity")) for c in calls}
+    want = {}
+    for key, target in result.plan.items():
+        method, sparsity = split_target(target)
+        want[key] = (method, None if sparsity is None else sparsity.describe())
+    assert got == want
+    # the same selections as measured: each sparse call's density is the site's measured one
+    for c in calls:
+        if c.get("sparsity"):
+            key = (c["expert"], c["block"], c["kind"], c["step"])
+            assert c["density"] == pytest.approx(result.stats[key].mean_density(result.plan[key]), abs=1e-4)
+
+
+def test_sparse_candidate_names_parse_and_bad_ones_are_one_line_errors():
+    from fp4video.calibration import _sparse_targets
+    from fp4video.calibration.plan import parse_sparsity, sparse_target, sparse_time
+
+    assert sparse_target("mxattn", "static:1,4,4,radial") == "mxattn+static:1,4,4,radial"
+    assert parse_sparsity("dynamic:0.95").dynamic.tau == 0.95
+    assert sparse_time(0.25) == pytest.approx(0.28) and sparse_time(0.5) == pytest.approx(0.52)
+    assert sparse_time(1.0) == 1.0
+    assert _sparse_targets(True, ["fp16", "fp8", "mxattn-pv8", "mxattn"]) == [
+        "mxattn-pv8+dynamic:0.9", "mxattn-pv8+dynamic:0.95", "mxattn-pv8+static:4,45,80,radial"]
+    assert _sparse_targets(["mxattn+dynamic:0.5"], ["fp16"]) == ["mxattn+dynamic:0.5"]
+    for bad, message in (("dynamic:2", "sparse candidate 'dynamic:2'"), ("window:3", "give dynamic:TAU"),
+                         ("static:1,2", "sparse candidate 'static:1,2'")):
+        with pytest.raises(ValueError, match=message):
+            _sparse_targets([bad], ["fp16", "mxattn-pv8"])
+    with pytest.raises(ValueError, match="not one of fp4video's quantized methods"):
+        _sparse_targets(["fp16+dynamic:0.9"], ["fp16"])

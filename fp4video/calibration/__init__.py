@@ -16,6 +16,11 @@ cosine); only these statistics are kept. Per site the cheapest candidate within 
 speed-up against stock and against each candidate alone, checks the plan on hold-out prompts, and
 measures for a sample of sites how their error carries to the transformer's output.
 
+Block-sparse candidates (``sparse=``: a method run on a dynamic or static selection of key tiles,
+:mod:`fp4video.sparse`) are measured the same way on the selection each call would get, and cost
+their method's time × :func:`~fp4video.calibration.plan.sparse_time` of their measured density at
+the site; the policy names the chosen ones with ``sparsity:``.
+
 A bare transformer calibrates too: ``calibrate(transformer, [inputs, ...])`` with each input a
 dict of the transformer's keyword arguments (one forward each; no denoising step is known, so the
 policy is per block and kind).
@@ -32,12 +37,19 @@ from pathlib import Path
 import torch
 
 from ..integration.policy import Policy, backend_of
-from .plan import DEFAULT_RELATIVE_COST, Budget, SiteStats, choose, costs_from_table, nearest, plan_of_policy, policy_for
+from .plan import (DEFAULT_RELATIVE_COST, Budget, SiteStats, choose, costs_from_table, nearest, plan_of_policy, policy_for,
+                   sparse_target, split_target)
 
-__all__ = ["calibrate", "Calibration", "Budget", "DEFAULT_CANDIDATES", "OPTIONAL_BACKENDS"]
+__all__ = ["calibrate", "Calibration", "Budget", "DEFAULT_CANDIDATES", "OPTIONAL_BACKENDS", "DEFAULT_SPARSE"]
 
 #: fp4video's methods a calibration tries by default (fp16 is always a candidate).
 DEFAULT_CANDIDATES = ("fp16", "fp8", "mxattn-pv8", "mxattn")
+
+#: The block-sparse selections ``sparse=True`` tries on the fastest method candidate: the dynamic
+#: selection at τ 0.9 and 0.95, and the static window of ``configs/wan22_mxattn_pv8_sparse.yaml``
+#: (radial; it applies where the latent grid is known: self and joint attention of a video
+#: transformer's input).
+DEFAULT_SPARSE = ("dynamic:0.9", "dynamic:0.95", "static:4,45,80,radial")
 
 #: Quantized external backends tried by default where they run (each refused one is reported).
 OPTIONAL_BACKENDS = ("fa3_fp8", "sage", "_sage_qk_int8_pv_fp8_cuda_sm90", "sage3_blackwell", "flashinfer_nvfp4_sm120")
@@ -89,12 +101,41 @@ def _as_target(c) -> str:
         raise TypeError(f"a candidate is a method name or 'backend:<name>', got {type(c).__name__} {c!r:.40}")
     if c in METHODS:
         return c
+    base, sparsity = split_target(c) if backend_of(c) is None else (c, None)
+    if sparsity is not None:
+        if base not in METHODS or base == "fp16":
+            raise ValueError(f"block-sparse candidate {c!r}: {base!r} is not one of fp4video's quantized methods")
+        return sparse_target(base, sparsity)
     if backend_of(c) is not None:
         from ..integration.backends import check_backend_name
 
         check_backend_name(backend_of(c))
         return c
     raise ValueError(f"unknown candidate {c!r}: give an fp4video method ({', '.join(METHODS)}) or 'backend:<name>'")
+
+
+def _sparse_targets(sparse, targets: list) -> list:
+    """The block-sparse candidates ``sparse`` names: None or False none; True
+    :data:`DEFAULT_SPARSE`; else a list of specs (``dynamic:0.9``, ``static:1,8,8,radial``) for the
+    fastest fp4video method among ``targets`` (by :data:`DEFAULT_RELATIVE_COST`) or whole candidate
+    names (``mxattn+dynamic:0.95``)."""
+    if sparse is None or sparse is False:
+        return []
+    specs = DEFAULT_SPARSE if sparse is True else [sparse] if isinstance(sparse, str) else list(sparse)
+    methods = [t for t in targets if backend_of(t) is None and t != "fp16" and split_target(t)[1] is None]
+    fastest = min(methods, key=lambda t: DEFAULT_RELATIVE_COST.get(t, math.inf)) if methods else None
+    out = []
+    for spec in specs:
+        if not isinstance(spec, str):
+            raise TypeError(f"a sparse candidate is a string (dynamic:0.9, static:1,8,8 or method+dynamic:0.9), got "
+                            f"{type(spec).__name__} {spec!r:.40}")
+        if "+" in spec:
+            out.append(_as_target(spec))
+        elif fastest is None:
+            raise ValueError(f"sparse candidate {spec!r}: no fp4video method among the candidates to run it")
+        else:
+            out.append(sparse_target(fastest, spec))
+    return out
 
 
 def _device_of(pipe):
@@ -115,7 +156,7 @@ def _device_name(device) -> str:
 
 def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="table", call=None,
               fp16_backend: str = "stock", backend: str = "auto", propagation: int = 8, seed: int = 0,
-              progress: bool = True, model_name: str | None = None) -> Calibration:
+              progress: bool = True, model_name: str | None = None, sparse=None) -> Calibration:
     """Calibrate ``pipe`` (a diffusers video pipeline, or a bare transformer) on ``prompts``.
 
     Args:
@@ -124,8 +165,14 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
         holdout: prompts (or input dicts) the plan is checked on, not chosen from.
         budget: the largest relative L2 error of a site's attention output (worst head, worst
             call), or a :class:`Budget`.
-        candidates: targets to choose from: fp4video method names and ``"backend:<name>"``;
-            default :data:`DEFAULT_CANDIDATES` plus every :data:`OPTIONAL_BACKENDS` that runs here.
+        candidates: targets to choose from: fp4video method names, ``"backend:<name>"`` and
+            block-sparse methods (``"mxattn-pv8+dynamic:0.9"``); default :data:`DEFAULT_CANDIDATES`
+            plus every :data:`OPTIONAL_BACKENDS` that runs here.
+        sparse: block-sparse candidates besides: None (none), True (:data:`DEFAULT_SPARSE`) or a
+            list of selections (``"dynamic:0.9"``, ``"static:1,8,8,radial"``) for the fastest method
+            candidate, or whole candidate names. Each is measured on the selection each call would
+            get (a static window where the call's latent grid is known; refused elsewhere) and costs
+            its method's time × :func:`~fp4video.calibration.plan.sparse_time` of its mean density.
         costs: ``"table"`` (H200 relative times), ``"measure"`` (timed on this device at the
             sites' shapes) or the path of a ``fp4video bench kernel`` markdown table.
         call: the pipeline's keyword arguments besides the prompt (a dict), or a function
@@ -167,6 +214,7 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
     targets = list(dict.fromkeys(["fp16", *(map(_as_target, candidates) if explicit else DEFAULT_CANDIDATES)]))
     if not explicit:
         targets += [f"backend:{b}" for b in OPTIONAL_BACKENDS]
+    targets = list(dict.fromkeys(targets + _sparse_targets(sparse, targets)))
     start_bytes = 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -316,6 +364,8 @@ def _stock_and_candidate_times(samples, targets, ctx, fp16_exact, *, measure: bo
                         else:
                             row[t] = row["stock"]
                         continue
+                    if split_target(t)[1] is not None:
+                        continue  # block-sparse: its method's time × its density's share (_cost_function)
                     if isinstance(run_target(t, a, ctx), str):
                         continue  # it cannot take these calls: never chosen for them
                     row[t] = _median_seconds(lambda t=t: run_target(t, a, ctx), device)
@@ -324,10 +374,13 @@ def _stock_and_candidate_times(samples, targets, ctx, fp16_exact, *, measure: bo
 
 
 def _cost_function(costs, times, fp16_exact):
-    """cost(target, site shape) -> time relative to stock attention (None: unknown)."""
+    """cost(target, site shape) -> time relative to stock attention (None: unknown); a block-sparse
+    candidate's is its method's dense one (:func:`~fp4video.calibration.plan.site_cost` scales it
+    by the density measured at each site)."""
     by_shape = {shape[:4]: row for shape, row in times.items()}
     if costs == "measure":
         def cost(target, shape):
+            target = split_target(target)[0]
             row = by_shape.get(shape)
             if row is None or target not in row:
                 return math.inf if row is not None else None
@@ -340,6 +393,7 @@ def _cost_function(costs, times, fp16_exact):
         table = None
 
     def cost(target, shape):
+        target = split_target(target)[0]
         t = f"backend:{fp16_exact.name}" if target == "fp16" and fp16_exact is not None else target
         if table is not None:
             return table.get(t, 1.0 if t == "fp16" else None)

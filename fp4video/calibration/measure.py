@@ -3,7 +3,9 @@
 The pipeline runs with the FP16 policy (stock attention: its output is the stock output). After
 each routed call an observer runs each candidate on that call's very inputs and keeps, per site,
 only statistics: the worst head's relative L2 error and cosine against the stock output. One
-sample of inputs per distinct shape is kept for timing. For a sample of sites and steps the
+sample of inputs per distinct shape is kept for timing. A block-sparse candidate runs on the
+selection the installed policy would compute for the call (the routing's own), and its density is
+kept with its error. For a sample of sites and steps the
 transformer forward is replayed with that one site on a candidate, which measures how the site's
 error carries to the transformer's output.
 """
@@ -20,7 +22,7 @@ import torch
 from ..integration.dispatcher import AttentionCall
 from ..integration.policy import backend_of
 from ..integration.routing import boolean_mask
-from .plan import SiteStats
+from .plan import SiteStats, split_target
 
 __all__ = ["Measurer", "head_errors", "run_target"]
 
@@ -48,8 +50,13 @@ def head_errors(out: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
     return worst_rel, worst_cos
 
 
-def run_target(target: str, call: AttentionCall, ctx):
-    """``target``'s output for ``call`` (B, S, H, D), or a string saying why it cannot take it."""
+def run_target(target: str, call: AttentionCall, ctx, kind: str | None = None, density: list | None = None):
+    """``target``'s output for ``call`` (B, S, H, D), or a string saying why it cannot take it. A
+    block-sparse target runs within a routed call (``kind`` its kind) on the selection the routing
+    computes for it; its density is appended to ``density``."""
+    base, sparsity = split_target(target)
+    if sparsity is not None:
+        return _run_sparse(base, sparsity, call, ctx, kind, density)
     name = backend_of(target)
     if name is not None:
         backend = ctx.external[name]
@@ -71,6 +78,28 @@ def run_target(target: str, call: AttentionCall, ctx):
                              attn_mask=boolean_mask(call.attn_mask), scale=call.scale, backend=ctx.backend)
     except (ValueError, TypeError, NotImplementedError) as e:
         return str(e).splitlines()[0]
+
+
+def _run_sparse(method: str, sparsity, call: AttentionCall, ctx, kind, density):
+    from ..attention import fp4_attention
+    from ..integration import routing
+
+    stack = routing._stack()
+    if kind is None or not stack:
+        return "block-sparse candidates are measured within the routed calls only"
+    if call.unsupported_options():
+        return f"has no {', '.join(call.unsupported_options())}"
+    try:
+        mask = boolean_mask(call.attn_mask)
+        routed = stack[-1]
+        selection = routing._selection(routed.route, routed, kind, sparsity, call, mask)
+        out = fp4_attention(call.query, call.key, call.value, method=method, layout="bshd", attn_mask=mask,
+                            scale=call.scale, backend=ctx.backend, sparsity=selection)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        return str(e).splitlines()[0]
+    if density is not None:
+        density.append(float(selection.density()))
+    return out
 
 
 def _sync(device):
@@ -124,13 +153,16 @@ class Measurer:
         errors = {}
         with torch.no_grad():
             for target in self.candidates:
-                y = run_target(target, call, ctx)
+                density = []
+                y = run_target(target, call, ctx, kind=kind, density=density)
                 if isinstance(y, str):
                     stats.refused.setdefault(target, y)
                     continue
                 rel, cos = head_errors(y, exact)
                 del y
                 stats.update(target, rel, cos)
+                for d in density:
+                    stats.add_density(target, d)
                 errors[target] = rel
         self.last[(ctx.expert, site.block, kind)] = errors
         _sync(q.device)

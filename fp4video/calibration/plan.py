@@ -11,6 +11,12 @@ Costs are relative times, ``t(candidate) / t(stock attention)`` at the site's sh
 ``"table"`` (:data:`DEFAULT_RELATIVE_COST`, measured on an H200 at Wan2.2 720p), ``"measure"``
 (each candidate timed on this device on the sites' own inputs) or a ``fp4video bench kernel``
 markdown table (the row nearest the site's sequence length).
+
+Block-sparse candidates (:func:`sparse_target`: ``"mxattn-pv8+dynamic:0.9"``, a method and a
+selection) are measured like the others, on each call's own inputs with the selection the installed
+policy would compute for that call, and the density of each selection is kept. A block-sparse
+loop's time follows the density of its selection (:func:`sparse_time`): its cost at a site is its
+method's dense cost × ``sparse_time(mean density of the site's calls)``.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..integration.policy import Policy, backend_of
 
 __all__ = ["Budget", "SiteKey", "SiteStats", "DEFAULT_RELATIVE_COST", "KERNEL_TABLE_NAMES", "choose", "policy_for",
-           "plan_of_policy", "costs_from_table"]
+           "plan_of_policy", "costs_from_table", "SPARSE_FIXED", "sparse_time", "sparse_target", "parse_sparsity",
+           "split_target", "site_cost"]
 
 #: Time relative to diffusers' stock attention (cuDNN SDPA bf16) on an H200 at Wan2.2 720p
 #: (75,600 tokens, 40 heads × 128; BENCHMARKS.md, `bench kernel`): the default cost of each
@@ -54,6 +61,78 @@ KERNEL_TABLE_NAMES = {
     "FlashAttention-3 FP8 (cast included)": "backend:fa3_fp8",
     "SageAttention2 sageattn (INT8 QK, FP8 PV)": "backend:sage",
 }
+
+
+#: The share of a dense call's time a block-sparse call takes whatever its density (the pre-pass over
+#: every key, the tile lists, the selection itself): :func:`sparse_time`.
+SPARSE_FIXED = 0.04
+
+
+def sparse_time(density: float) -> float:
+    """A block-sparse call's time relative to the dense call of its method at ``density`` (the share
+    of tile pairs it visits): ``SPARSE_FIXED + (1 − SPARSE_FIXED) · density``, the line through the
+    H200's measurements of ``fp4video bench sparse`` at Wan 720p (density 0.25: 0.28× the dense
+    time; 0.5: 0.52×), 1 at density 1. The dynamic selection's pooling reads Q and K once, small
+    next to the attention's Sq × Sk work: inside the fixed share."""
+    return 1.0 if density >= 1 else SPARSE_FIXED + (1.0 - SPARSE_FIXED) * density
+
+
+#: Between a method and its selection in a block-sparse candidate's name.
+SPARSE_SEPARATOR = "+"
+
+
+def parse_sparsity(spec: str):
+    """A :class:`~fp4video.integration.policy.Sparsity` from ``dynamic:TAU`` or
+    ``static:F,Y,X`` (the window's radii in frames, rows, columns) with ``,radial`` optional."""
+    from ..integration.policy import Sparsity
+
+    kind, _, args = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    try:
+        if kind == "dynamic":
+            return Sparsity(dynamic={"tau": float(args)})
+        if kind == "static":
+            parts = args.split(",")
+            radial = parts[-1] == "radial"
+            window = [int(p) for p in parts[:-1 if radial else None]]
+            return Sparsity(static={"window": window, "radial": radial})
+    except ValueError as e:
+        raise ValueError(f"sparse candidate {spec!r}: {str(e).splitlines()[-1].strip() if str(e) else e}") from None
+    raise ValueError(f"sparse candidate {spec!r}: give dynamic:TAU (e.g. dynamic:0.9) or static:F,Y,X[,radial] "
+                     "(e.g. static:4,45,80,radial)")
+
+
+def _spec(sparsity) -> str:
+    if sparsity.dynamic is not None:
+        return f"dynamic:{sparsity.dynamic.tau:g}"
+    st = sparsity.static
+    return "static:" + ",".join(map(str, st.window)) + (",radial" if st.radial else "")
+
+
+def sparse_target(method: str, sparsity) -> str:
+    """The candidate name of ``method`` run block-sparse with ``sparsity`` (a
+    :class:`~fp4video.integration.policy.Sparsity` or its spec string): ``"mxattn-pv8+dynamic:0.9"``."""
+    if isinstance(sparsity, str):
+        sparsity = parse_sparsity(sparsity)
+    return f"{method}{SPARSE_SEPARATOR}{_spec(sparsity)}"
+
+
+def split_target(target: str):
+    """(the method or backend target, its :class:`~fp4video.integration.policy.Sparsity` or None)."""
+    if backend_of(target) is None and SPARSE_SEPARATOR in target:
+        method, _, spec = target.partition(SPARSE_SEPARATOR)
+        return method, parse_sparsity(spec)
+    return target, None
+
+
+def site_cost(cost, target: str, stats: "SiteStats") -> float | None:
+    """``target``'s cost at a site: ``cost(target, shape)``; a block-sparse candidate's is its
+    method's × :func:`sparse_time` of its mean density over the site's calls."""
+    base, sparsity = split_target(target)
+    c = cost(base, stats.shape)
+    if sparsity is None or c is None:
+        return c
+    density = stats.mean_density(target)
+    return math.inf if density is None else c * sparse_time(density)
 
 
 class Budget(BaseModel):
@@ -92,6 +171,17 @@ class SiteStats:
     rel_l2: dict = field(default_factory=dict)  # target -> worst head's relative L2, worst call
     cosine: dict = field(default_factory=dict)  # target -> worst head's cosine, worst call
     refused: dict = field(default_factory=dict)  # target -> why it could not take a call
+    density: dict = field(default_factory=dict)  # block-sparse target -> [sum of its calls' densities, calls]
+
+    def add_density(self, target: str, density: float) -> None:
+        total = self.density.setdefault(target, [0.0, 0])
+        total[0] += density
+        total[1] += 1
+
+    def mean_density(self, target: str) -> float | None:
+        """A block-sparse target's mean density over the site's calls (None: not measured)."""
+        total = self.density.get(target)
+        return None if not total or not total[1] else total[0] / total[1]
 
     def update(self, target: str, rel_l2: float, cosine: float) -> None:
         # NaN compares false: kept as NaN (a candidate whose output is not finite never meets a budget)
@@ -113,18 +203,31 @@ class SiteStats:
 
 
 def choose(stats: dict, candidates: list[str], cost, budget: Budget) -> dict:
-    """{site: target}: per site the cheapest candidate meeting ``budget`` (``cost(target, shape)``;
-    ties go to the smaller error, then to the earlier candidate)."""
+    """{site: target}: per site the cheapest candidate meeting ``budget`` (``cost(target, shape)``, a
+    block-sparse one's by :func:`site_cost`; ties go to a dense candidate (a selection that visits
+    every tile saves nothing), then to the smaller error, then to the earlier candidate)."""
     plan = {}
     for key, s in stats.items():
         ok = [t for t in candidates if s.meets(t, budget)]
-        plan[key] = min(ok, key=lambda t: (cost(t, s.shape), s.rel_l2.get(t, 0.0), candidates.index(t)))
+        plan[key] = min(ok, key=lambda t: (site_cost(cost, t, s), split_target(t)[1] is not None,
+                                           s.rel_l2.get(t, 0.0), candidates.index(t)))
     return plan
 
 
 def _target_fields(target: str) -> dict:
     name = backend_of(target)
-    return {"method": target} if name is None else {"backend": name}
+    if name is not None:
+        return {"backend": name}
+    method, sparsity = split_target(target)
+    if sparsity is None:
+        return {"method": method}
+    return {"method": method, "sparsity": sparsity.model_dump(exclude_none=True)}
+
+
+def _route_target(route) -> str:
+    """The candidate name of a :meth:`Policy.route_for` result."""
+    target, sparsity = route
+    return target if sparsity is None else sparse_target(target, sparsity)
 
 
 def policy_for(plan: dict, *, num_steps: int | None, fp16_backend: str = "stock", fallback="error") -> Policy:
@@ -158,7 +261,8 @@ def policy_for(plan: dict, *, num_steps: int | None, fp16_backend: str = "stock"
             "fallback": fallback}
     policy = Policy.model_validate(spec)
     wrong = {k: (t, got) for k, t in plan.items()
-             if (got := policy.method_for(block=k[1], step=k[3], num_steps=num_steps, kind=k[2], expert=k[0])) != t}
+             if (got := _route_target(policy.route_for(block=k[1], step=k[3], num_steps=num_steps, kind=k[2],
+                                                       expert=k[0]))) != t}
     if wrong:
         raise RuntimeError(f"the calibrated policy routes {len(wrong)} sites otherwise than planned, e.g. "
                            f"{next(iter(wrong.items()))}")
@@ -166,8 +270,9 @@ def policy_for(plan: dict, *, num_steps: int | None, fp16_backend: str = "stock"
 
 
 def plan_of_policy(policy: Policy, keys, num_steps: int | None) -> dict:
-    """{site: target} that ``policy`` gives the sites ``keys``."""
-    return {k: policy.method_for(block=k[1], step=k[3], num_steps=num_steps, kind=k[2], expert=k[0]) for k in keys}
+    """{site: target} that ``policy`` gives the sites ``keys`` (a block-sparse one by :func:`sparse_target`)."""
+    return {k: _route_target(policy.route_for(block=k[1], step=k[3], num_steps=num_steps, kind=k[2], expert=k[0]))
+            for k in keys}
 
 
 def costs_from_table(text: str) -> dict:

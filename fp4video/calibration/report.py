@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .plan import Budget
+from .plan import Budget, site_cost
 
 __all__ = ["build_report", "policy_yaml", "write_all", "heatmap", "predicted_times", "spearman"]
 
@@ -21,11 +21,12 @@ def _site_dict(key) -> dict:
 
 def predicted_times(plan: dict, stats: dict, cost_of, stock_seconds: dict, other_seconds: float) -> float:
     """Predicted seconds of the calibration run's forwards under ``plan``: the time outside
-    attention plus each site's calls at their stock time × the target's relative cost."""
+    attention plus each site's calls at their stock time × the target's relative cost (a
+    block-sparse target's at the site's measured density)."""
     total = other_seconds
     for key, target in plan.items():
         s = stats[key]
-        total += s.calls * stock_seconds[s.shape] * cost_of(target, s.shape)
+        total += s.calls * stock_seconds[s.shape] * site_cost(cost_of, target, s)
     return total
 
 
@@ -141,6 +142,7 @@ def build_report(result, *, pipe, prompts, holdout, budget: Budget, costs, cost_
                         "statistics_kept": sum(len(s.rel_l2) for s in stats.values()) * 2},
         "sites": [{**_site_dict(k), "calls": s.calls, "shape": list(s.shape), "chosen": plan[k],
                    "rel_l2": s.rel_l2, "cosine": s.cosine, "refused": s.refused,
+                   "density": {t: s.mean_density(t) for t in s.density},
                    "holdout_rel_l2": (result.holdout_stats[k].rel_l2 if k in result.holdout_stats else None)}
                   for k, s in sorted(stats.items(), key=lambda kv: tuple(str(x) for x in kv[0]))],
     }

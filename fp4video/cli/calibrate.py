@@ -29,6 +29,7 @@ EXAMPLES = """examples:
       --prompt "a cat on the grass" --prompt "a city street at night" --holdout "a dog running" \\
       --steps 40 --budget 0.1 --costs measure --fp16-backend fastest --out calib-wan22
   fp4video calibrate --transformer wan22 --resolution 720p --budget 0.1 --costs measure --out calib-wan22-720p
+  fp4video calibrate --transformer wan22 --resolution 720p --sparse --out calib-wan22-sparse   # block-sparse too
 """
 
 #: Timesteps of the random-weight transformer's forwards (spread over the schedule), then hold-out.
@@ -66,6 +67,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     how.add_argument("--candidates", nargs="+", default=None, metavar="TARGET",
                      help="fp4video methods and backend:<name> (default: fp8 mxattn-pv8 mxattn and every quantized "
                           "external backend that runs here)")
+    how.add_argument("--sparse", nargs="*", default=None, metavar="SELECTION",
+                     help="block-sparse candidates too: dynamic:TAU and static:F,Y,X[,radial] selections for the "
+                          "fastest method candidate, or METHOD+SELECTION (alone: dynamic:0.9 dynamic:0.95 "
+                          "static:4,45,80,radial); each costs its method's time × its measured density's share")
     how.add_argument("--costs", default="table",
                      help="table (H200 relative times), measure (timed here at the sites' shapes) or a "
                           "`bench kernel --out` markdown file")
@@ -101,7 +106,8 @@ def run(args) -> int:
         target, prompts, holdout, call, name, run = _pipeline(args, device)
     result = calibrate(target, prompts, holdout=holdout, budget=budget, candidates=args.candidates, costs=args.costs,
                        call=call, fp16_backend=args.fp16_backend, backend=args.backend, propagation=args.propagation,
-                       seed=args.seed, progress=not args.quiet, model_name=name)
+                       seed=args.seed, progress=not args.quiet, model_name=name,
+                       sparse=None if args.sparse is None else (args.sparse or True))
     paths = result.write(args.out)
     paths["run config"] = _write_run_config(args.out / "run.yaml", run, result)
     r = result.report
