@@ -124,7 +124,7 @@ def split_target(target: str):
     return target, None
 
 
-def site_cost(cost, target: str, stats: "SiteStats") -> float | None:
+def site_cost(cost, target: str, stats: SiteStats) -> float | None:
     """``target``'s cost at a site: ``cost(target, shape)``; a block-sparse candidate's is its
     method's × :func:`sparse_time` of its mean density over the site's calls."""
     base, sparsity = split_target(target)
