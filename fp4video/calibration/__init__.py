@@ -37,18 +37,8 @@ from pathlib import Path
 import torch
 
 from ..integration.policy import Policy, backend_of
-from .plan import (
-    DEFAULT_RELATIVE_COST,
-    Budget,
-    SiteStats,
-    choose,
-    costs_from_table,
-    nearest,
-    plan_of_policy,
-    policy_for,
-    sparse_target,
-    split_target,
-)
+from .plan import (DEFAULT_RELATIVE_COST, Budget, SiteStats, choose, costs_from_table, nearest, plan_of_policy,
+                   policy_for, sparse_target, split_target)
 
 __all__ = ["calibrate", "Calibration", "Budget", "DEFAULT_CANDIDATES", "OPTIONAL_BACKENDS", "DEFAULT_SPARSE"]
 
