@@ -82,17 +82,15 @@ def run_target(target: str, call: AttentionCall, ctx, kind: str | None = None, d
 
 def _run_sparse(method: str, sparsity, call: AttentionCall, ctx, kind, density):
     from ..attention import fp4_attention
-    from ..integration import routing
+    from ..integration.routing import current_selection
 
-    stack = routing._stack()
-    if kind is None or not stack:
+    if kind is None:
         return "block-sparse candidates are measured within the routed calls only"
     if call.unsupported_options():
         return f"has no {', '.join(call.unsupported_options())}"
     try:
         mask = boolean_mask(call.attn_mask)
-        routed = stack[-1]
-        selection = routing._selection(routed.route, routed, kind, sparsity, call, mask)
+        selection = current_selection(kind, sparsity, call, mask)
         out = fp4_attention(call.query, call.key, call.value, method=method, layout="bshd", attn_mask=mask,
                             scale=call.scale, backend=ctx.backend, sparsity=selection)
     except (ValueError, TypeError, NotImplementedError) as e:

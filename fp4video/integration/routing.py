@@ -34,7 +34,7 @@ from .parallel import uses_ring
 from .policy import backend_of
 from .sites import Site
 
-__all__ = ["BACKEND", "route", "unroute", "call_kind", "possible_kinds", "boolean_mask"]
+__all__ = ["BACKEND", "route", "unroute", "call_kind", "possible_kinds", "boolean_mask", "current_selection"]
 
 #: The diffusers backend name fp4video's routed processors use.
 BACKEND = "fp4video_policy"
@@ -239,6 +239,17 @@ def _run(call: _Call, kind: str, target: str, a: AttentionCall, sparsity=None):
     except (ValueError, TypeError, NotImplementedError) as e:
         raise _Refused(f"cannot take it ({e})", e) from None
     return out, target, extra
+
+
+def current_selection(kind: str, sparsity, a: AttentionCall, mask):
+    """The :class:`fp4video.sparse.BlockSelection` ``sparsity`` gives the routed call in progress on
+    this thread (what its policy would run: calibration measures sparse candidates on it).
+    ValueError outside a routed call, or where the selection cannot apply."""
+    stack = _stack()
+    if not stack:
+        raise ValueError("a block-sparse selection is computed within a routed attention call only")
+    call = stack[-1]
+    return _selection(call.route, call, kind, sparsity, a, mask)
 
 
 def _selection(route, call: _Call, kind: str, sparsity, a: AttentionCall, mask):
