@@ -61,6 +61,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="fp4video methods to time (fp4video methods lists them)")
     k.add_argument("--masked-keys", type=int, default=0,
                    help="mask the last N keys (key padding; HunyuanVideo 720p: --heads 24 --seqs 119056 --masked-keys 56)")
+    k.add_argument("--density", type=float, default=None,
+                   help="also time each method block-sparse at this density (a row per method; the sparse "
+                        "loops' methods only); time against density: fp4video bench sparse")
     k.add_argument("--layout", choices=["bhsd", "bshd"], default="bhsd",
                    help="bshd: (B, S, H, D) tensors as diffusers holds them (SDPA gets transposed views)")
     k.add_argument("--out", default=None, help="append the markdown table to this file")
@@ -174,7 +177,9 @@ def bench_kernel(args) -> str:
     (SageAttention2, FlashAttention-3 FP8 with and without its cast) and fp4video's methods, timed in
     this process on the same inputs; speed × the fastest bf16 and × each peer, accuracy against an
     fp32 reference (its first 4 heads: cosine, worst row), and with NVML (``fp4video[bench]``) the
-    SM clock over each timing and the share of it at the power cap."""
+    SM clock over each timing and the share of it at the power cap. ``--density``: each method whose
+    loop takes a selection also block-sparse at that density (a random selection); its accuracy is
+    against the dense reference, so it includes the weight the selection drops."""
     import contextlib
 
     import torch
@@ -258,6 +263,16 @@ def bench_kernel(args) -> str:
             t_loop = bench(lambda: run_loop(call_plan, operands, key_alive, recipe=recipe, scale=args.head_dim**-0.5,
                                             out_dtype=q.dtype, dv=v.shape[-1], exact=False))
             measured.append(Measured(f"fp4video {m}", m, t_total, power, out, t_pre, t_loop))
+            if args.density is not None and call_plan.sparse_reason is None:
+                from .bench_sparse import uniform_selection
+
+                sel = uniform_selection(args.heads, s, s, args.density)
+                sparse_out = fp4_attention(q, k, v, method=m, attn_mask=mask, backend="triton", sparsity=sel)
+                t_sparse, p_sparse = timed(lambda: fp4_attention(q, k, v, method=m, attn_mask=mask, backend="triton",
+                                                                 sparsity=sel))
+                measured.append(Measured(f"fp4video {m} block-sparse, density {float(sel.density()):.2f}", m,
+                                         t_sparse, p_sparse, sparse_out))
+                sparse_out = sel = None
             print(f"  S={s} {m}: {t_total:.2f} ms", file=sys.stderr, flush=True)
             operands = None
         best = min((r for r in measured if r.precision == "bf16"), key=lambda r: r.ms)
