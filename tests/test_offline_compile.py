@@ -249,6 +249,32 @@ def test_kernel_report_reads_the_compiled_loop(method, target, qk, pv, specializ
     assert (rep["tensor_memory_columns"] > 0) == (target == "sm_100"), rep
 
 
+@pytest.mark.parametrize("method, target", [("mxattn", "sm_100"), ("sage3", "sm_100"), ("mxattn-pv8", "sm_100"),
+                                            ("mxattn", "sm_120"), ("mxattn-pv8", "sm_120")])
+def test_sparse_scaled_loop_compiles_as_the_dense_one(method, target):
+    """`python -m fp4video.kernels.report --sparse`: the dot_scaled loop's block-sparse form (key
+    tiles from a list) compiles where the dense one runs, with its MMA kinds, its warp
+    specialization (sm_100: the TMA partition loads each listed tile's index) and no spill access
+    in the key loops where the dense loop has none."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    reps = []
+    for extra in ([], ["--sparse"]):
+        run = subprocess.run([sys.executable, "-m", "fp4video.kernels.report", "--target", target, "--method", method,
+                              "--json", *extra], capture_output=True, text=True, env=env, timeout=600)
+        compiled(run, int(target[3:]))
+        reps.append(json.loads(run.stdout.strip().splitlines()[0]))
+    dense, sparse = reps
+    if not dense["loop"].startswith("loop_scaled"):
+        pytest.skip(f"the plan runs {dense['loop']} on {target} with this Triton")
+    for key in ("loop", "qk_mma_kind", "pv_mma_kind", "warp_specialized", "tma", "num_warps", "num_stages"):
+        assert sparse[key] == dense[key], (key, dense, sparse)
+    assert sparse["loop_local_accesses"] == 0 or dense["loop_local_accesses"] > 0, (dense, sparse)
+    if sparse["partitions"]:
+        assert sorted(p["role"] for p in sparse["partitions"]) == sorted(p["role"] for p in dense["partitions"])
+
+
 def test_partition_loops_pair_by_role():
     """The report's pairing of SASS key loops with a warp-specialized loop's partitions (TTGIR):
     by role (the MMA-issuing loop, the TMA-issuing loop, the rest), partitions with no key loop, or

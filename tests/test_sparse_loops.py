@@ -104,21 +104,22 @@ def test_full_density_is_the_dense_kernel_bit_for_bit_interpreter(form, monkeypa
     assert all(torch.equal(x, y) for x, y in zip(dense, full)), form
 
 
-@pytest.mark.parametrize("form", ["e4m3 TMA (mxattn)", "e4m3 pointer loads (mxattn-pv8)", "bf16 (mxattn)"])
-def test_a_selection_is_the_dense_loop_with_the_other_tiles_masked_interpreter(form, monkeypatch):
+@pytest.mark.parametrize("form", ["e4m3 TMA (mxattn)", "e4m3 pointer loads (mxattn-pv8)", "bf16 (mxattn)",
+                                  "scaled (mxattn)", "scaled (sage3)", "scaled FP8 P·V (mxattn-pv8)"])
+def test_a_selection_is_the_dense_loop_with_the_other_tiles_masked_interpreter(form, monkeypatch, request):
     """One query tile: visiting key tiles J equals the dense loop on the same operands with every key
-    outside J masked. The bf16 loop bit for bit (a dead tile leaves the running max, sum and
-    accumulator as they are); the e4m3 loop to fp32 rounding (a dead tile moves its units 2^k to the
-    floor's, and the next tile's rescale exponent, a fraction plus that integer, rounds differently)."""
+    outside J masked. The bf16 loop and the dot_scaled loop with FP4 P·V bit for bit (a dead tile
+    leaves the running max, sum and accumulator as they are); the e4m3 loop and the dot_scaled
+    loop's FP8-P·V form to fp32 rounding (a dead tile moves its units 2^k to the floor's, and the
+    next tile's rescale exponent, a fraction plus that integer, rounds differently)."""
     interpreter_only()
+    from fp4video.formats import Format
     from fp4video.kernels import dispatch
     from fp4video.kernels.plan import plan
     from fp4video.kernels.operands import KeyTileLists
     from fp4video.recipe import get_recipe
 
-    method, env = SPARSE_FORMS[form]
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    method = set_form(form, monkeypatch, request)
     recipe = get_recipe(method)
     q, k, v = rand(1, 2, 100, 64, seed=14), rand(1, 2, 520, 64, seed=15), rand(1, 2, 520, 64, seed=16)
     tiles = torch.tensor([True, False, True, False, True]).expand(1, 2, 1, 5).clone()
@@ -130,7 +131,8 @@ def test_a_selection_is_the_dense_loop_with_the_other_tiles_masked_interpreter(f
     for h in range(2):
         alive = tiles[0, h, 0].repeat_interleave(128)[:520][None]
         dense = dispatch.run_loop(run, ops, alive, **args)
-        tol = dict(rtol=0, atol=0) if run.loop == "bf16" else dict(rtol=1e-5, atol=1e-6)
+        exact = run.loop == "bf16" or (run.loop == "scaled" and recipe.pv_format is not Format.E4M3)
+        tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(sparse[0][:, h], dense[0][:, h], **tol, msg=f"{form}, head {h}")
         torch.testing.assert_close(sparse[1][:, h], dense[1][:, h], **tol, msg=f"{form}, head {h}")
 
