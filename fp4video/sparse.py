@@ -419,7 +419,7 @@ def dynamic_selection(q: torch.Tensor, k: torch.Tensor, *, tau: float, scale: fl
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 < tau <= 1.0:
         raise ValueError(f"tau must be a number in (0, 1], the share of estimated mass each query tile keeps; got {tau!r}")
     _check_qk(q, k)
-    b, h, sq, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    sq, sk = q.shape[2], k.shape[2]
     if neighbours is not None:
         if isinstance(neighbours, bool) or not isinstance(neighbours, int) or neighbours < 0:
             raise ValueError(f"neighbours must be None or an int >= 0 (key tiles either side), got {neighbours!r}")
