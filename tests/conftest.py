@@ -16,6 +16,14 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(ROOT / "tools"))  # the lab tools' shared helpers (offline compiles)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist's workers share the cores: each runs torch's CPU ops on its share of them, not on
+    # all of them (spinning intra-op threads of one worker would take cores from the others), and so
+    # do the processes its tests start (a test comparing a subprocess's floats with its own bit for
+    # bit needs the same number of threads on both sides: the same summation order)
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    torch.set_num_threads(_threads)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
 
 
 def rand(*shape, seed, device="cpu", dtype=torch.float32):
