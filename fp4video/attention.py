@@ -134,7 +134,7 @@ def selection_for(sparsity, q: torch.Tensor, k: torch.Tensor, *, layout: str = "
     this call (the same checks and, where the kernels run it, their pooling of Q and K): pass it as
     ``sparsity`` to run the call on it, and read its density."""
     recipe = get_recipe(method)
-    qb, kb, vb = _check_inputs(q, k, k, layout)
+    qb, kb, vb = _check_inputs(q, k, k, layout)  # (V plays no part in a selection: K stands in for it)
     b, h, sq, d = qb.shape
     mask = _check_mask(attn_mask, b, h, sq, kb.shape[-2], q.device)
     scale = _check_scale(scale, d)

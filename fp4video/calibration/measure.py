@@ -90,7 +90,7 @@ def _run_sparse(method: str, sparsity, call: AttentionCall, ctx, kind, density):
         return f"has no {', '.join(call.unsupported_options())}"
     try:
         mask = boolean_mask(call.attn_mask)
-        selection = current_selection(kind, sparsity, call, mask)
+        selection = current_selection(kind, sparsity, call, mask, method)
         out = fp4_attention(call.query, call.key, call.value, method=method, layout="bshd", attn_mask=mask,
                             scale=call.scale, backend=ctx.backend, sparsity=selection)
     except (ValueError, TypeError, NotImplementedError) as e:

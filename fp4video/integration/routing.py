@@ -230,7 +230,7 @@ def _run(call: _Call, kind: str, target: str, a: AttentionCall, sparsity=None):
         mask = boolean_mask(a.attn_mask)
         extra = {}
         if sparsity is not None:
-            selection = _selection(route, call, kind, sparsity, a, mask)
+            selection = _selection(route, call, kind, sparsity, a, mask, target)
             extra = {"sparsity": sparsity.describe(), "density": selection.density()}
         else:
             selection = None
@@ -241,18 +241,18 @@ def _run(call: _Call, kind: str, target: str, a: AttentionCall, sparsity=None):
     return out, target, extra
 
 
-def current_selection(kind: str, sparsity, a: AttentionCall, mask):
+def current_selection(kind: str, sparsity, a: AttentionCall, mask, method: str = "mxattn"):
     """The :class:`fp4video.sparse.BlockSelection` ``sparsity`` gives the routed call in progress on
-    this thread (what its policy would run: calibration measures sparse candidates on it).
+    this thread for ``method`` (what its policy would run: calibration measures sparse candidates on it).
     ValueError outside a routed call, or where the selection cannot apply."""
     stack = _stack()
     if not stack:
         raise ValueError("a block-sparse selection is computed within a routed attention call only")
     call = stack[-1]
-    return _selection(call.route, call, kind, sparsity, a, mask)
+    return _selection(call.route, call, kind, sparsity, a, mask, method)
 
 
-def _selection(route, call: _Call, kind: str, sparsity, a: AttentionCall, mask):
+def _selection(route, call: _Call, kind: str, sparsity, a: AttentionCall, mask, method: str):
     """The :class:`fp4video.sparse.BlockSelection` of a block-sparse call: ``sparsity``'s rule on
     this call (the context tokens of joint attention global; a static window on the latent grid of
     the transformer's input). ValueError where it cannot apply (context parallelism, cross attention
@@ -284,7 +284,7 @@ def _selection(route, call: _Call, kind: str, sparsity, a: AttentionCall, mask):
         rule = StaticSparsity(frames=grid[0], height=grid[1], width=grid[2], window=st.window,
                               text_tokens=sq - n_video, text_position="last", radial=st.radial)
     return selection_for(rule, a.query, a.key, layout="bshd", attn_mask=mask, scale=a.scale,
-                         backend=route.ctx.backend)
+                         backend=route.ctx.backend, method=method)
 
 
 def _stock(call, a: AttentionCall):
