@@ -423,3 +423,120 @@ def test_sparse_candidate_names_parse_and_bad_ones_are_one_line_errors():
             _sparse_targets([bad], ["fp16", "mxattn-pv8"])
     with pytest.raises(ValueError, match="not one of fp4video's quantized methods"):
         _sparse_targets(["fp16+dynamic:0.9"], ["fp16"])
+
+
+# --- exact backends as the FP16 tier, the measured forward, choosing again -------------------------
+
+def test_exact_backends_meet_every_budget_where_they_take_the_calls():
+    """An exact backend is the FP16 tier: it meets any budget, so per site the cheaper of stock
+    and it is chosen, unless it refused a call there."""
+    cost = {"fp16": 1.0, "backend:_native_cudnn": 0.7, "fp8": 0.8}
+    stats = {}
+    for block in (0, 1):
+        s = SiteStats(calls=1, shape=(4, 4, 1, 8))
+        s.update("fp8", 0.5, 0.9)  # over any budget below
+        stats[(None, block, "self", None)] = s
+    stats[(None, 1, "self", None)].refused["backend:_native_cudnn"] = "takes no mask of this shape"
+    plan = choose(stats, ["fp16", "fp8", "backend:_native_cudnn"], lambda t, shape: cost[t], Budget(rel_l2=1e-6))
+    assert plan == {(None, 0, "self", None): "backend:_native_cudnn", (None, 1, "self", None): "fp16"}
+    policy = policy_for(plan, num_steps=None)
+    assert policy.route_for(block=0, step=None, num_steps=None, kind="self", expert=None)[0] == "backend:_native_cudnn"
+
+
+def test_the_observer_records_what_an_exact_backend_refuses_without_running_it():
+    from types import SimpleNamespace
+
+    from fp4video.calibration.measure import Measurer
+    from fp4video.integration.dispatcher import AttentionCall
+
+    ran = []
+
+    class Exact:
+        def why_not(self, call):
+            return "takes no attention mask" if call.attn_mask is not None else None
+
+        def run(self, call):
+            ran.append(call)
+
+    ctx = SimpleNamespace(external={"_native_cudnn": Exact()}, expert=None, step=None, backend="reference")
+    m = Measurer(ctx, ["fp16", "backend:_native_cudnn"], propagation=0, propagation_target=None, seed=0)
+    q = torch.randn(1, 8, 2, 16)
+    for block, mask in ((0, None), (1, torch.ones(1, 8, dtype=torch.bool))):
+        m(site=SimpleNamespace(block=block), kind="self", call=AttentionCall(q, q, q, mask), out=q, ran="fp16")
+    assert not ran
+    assert m.stats[(None, 0, "self", None)].refused == {}
+    assert m.stats[(None, 1, "self", None)].refused == {"backend:_native_cudnn": "takes no attention mask"}
+
+
+def test_a_measured_forward_includes_its_attention(wan):
+    """The forward's time excludes the observer's but keeps its own attention calls: the stock
+    attention time of the calls is at most the forwards' time."""
+    _, result = wan
+    m = result.report["measurements"]
+    attention = sum(row["calls"] * row["stock_seconds"] for row in m["shapes"])
+    assert m["forwards"] == 4 * 2 and 0 < attention <= m["forward_seconds"]  # 4 steps × 2 guidance passes
+    assert 0 < result.report["prediction"]["attention_share_of_stock_forward"] < 1
+
+
+def _leaves(tree, path="") -> dict:
+    """{path: leaf} of a JSON-ready tree (numbers compared with approx, the rest exactly)."""
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _leaves(sub, f"{path}/{key}").items()}
+    if isinstance(tree, (list, tuple)):
+        return {k: v for i, sub in enumerate(tree) for k, v in _leaves(sub, f"{path}/{i}").items()}
+    return {path: tree}
+
+
+def test_choosing_again_from_the_report_needs_no_measuring(wan, tmp_path):
+    from fp4video.calibration import replan
+
+    _, result = wan
+    result.write(tmp_path / "c")
+    same = replan(tmp_path / "c")
+    assert same.plan == result.plan and same.policy == result.policy
+    for key in ("prediction", "holdout", "chosen", "sites"):  # equal up to the order sums are taken in
+        a, b = _leaves(same.report[key]), _leaves(result.report[key])
+        assert a.keys() == b.keys(), key
+        for path in a:
+            numbers = isinstance(b[path], float) and not isinstance(b[path], bool)
+            assert a[path] == (pytest.approx(b[path], rel=1e-12, nan_ok=True) if numbers else b[path]), path
+    for budget in (0.05, 0.5):
+        again = replan(tmp_path / "c" / "report.json", budget=budget)
+        assert again.plan == choose(result.stats, CANDIDATES, lambda t, shape: DEFAULT_RELATIVE_COST[t],
+                                    Budget(rel_l2=budget))
+        assert all(t == "fp16" or result.stats[k].rel_l2[t] <= budget for k, t in again.plan.items())
+        assert again.report["replanned"]["measured_budget"]["rel_l2"] == 0.2
+    loose, tight = replan(tmp_path / "c", budget=0.5), replan(tmp_path / "c", budget=0.05)
+    assert loose.report["prediction"]["step_speedup_vs_stock"] >= tight.report["prediction"]["step_speedup_vs_stock"]
+    only = replan(tmp_path / "c", candidates=["fp8"])
+    assert set(only.plan.values()) <= {"fp16", "fp8"} and "mxattn-pv8" in only.report["unavailable"]
+    with pytest.raises(ValueError, match="sage3 not measured"):
+        replan(tmp_path / "c", candidates=["sage3"])
+    with pytest.raises(ValueError, match="matches mxattn, which is not among"):
+        replan(tmp_path / "c", budget=Budget(match="mxattn"), candidates=["fp8"])
+    old = json.loads((tmp_path / "c" / "report.json").read_text())
+    del old["measurements"]
+    with pytest.raises(ValueError, match="no measurements section"):
+        replan(old)
+
+
+def test_cli_chooses_again_from_an_earlier_calibration(wan, tmp_path, capsys):
+    from fp4video.cli.main import main
+    from fp4video.integration.config import load_config
+
+    _, result = wan
+    result.write(tmp_path / "c")
+    assert main(["calibrate", "--from", str(tmp_path / "c"), "--budget", "0.5", "--out", str(tmp_path / "d")]) == 0
+    assert "chose again for tiny Wan2.2" in capsys.readouterr().out
+    report = json.loads((tmp_path / "d" / "report.json").read_text())
+    assert report["budget"]["rel_l2"] == 0.5 and report["replanned"]["from"].endswith("report.json")
+    assert load_config(tmp_path / "d" / "run.yaml").policy == Policy.model_validate(
+        yaml.safe_load((tmp_path / "d" / "policy.yaml").read_text()))
+    for args, message in ((["--costs", "measure"], "--costs measures; --from only chooses again"),
+                          (["--model", "tiny"], "--model measures"),
+                          (["--candidates", "sage3"], "sage3 not measured")):
+        assert main(["calibrate", "--from", str(tmp_path / "c"), "--out", str(tmp_path / "e"), *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert main(["calibrate", "--from", str(tmp_path / "nothing"), "--out", str(tmp_path / "e")]) == 2
+    assert "no report.json there" in capsys.readouterr().err

@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 
 from ..integration.policy import Policy, backend_of
-from .plan import (DEFAULT_RELATIVE_COST, Budget, SiteStats, choose, costs_from_table, nearest, plan_of_policy,
-                   policy_for, sparse_target, split_target)
+from .plan import (DEFAULT_RELATIVE_COST, Budget, SiteStats, choose, costs_from_table, is_exact_target, nearest,
+                   plan_of_policy, policy_for, sparse_target, split_target)
 
-__all__ = ["calibrate", "Calibration", "Budget", "DEFAULT_CANDIDATES", "OPTIONAL_BACKENDS", "DEFAULT_SPARSE"]
+__all__ = ["calibrate", "replan", "Calibration", "Budget", "DEFAULT_CANDIDATES", "OPTIONAL_BACKENDS", "DEFAULT_SPARSE"]
 
 #: fp4video's methods a calibration tries by default (fp16 is always a candidate).
 DEFAULT_CANDIDATES = ("fp16", "fp8", "mxattn-pv8", "mxattn")
@@ -178,7 +178,10 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
         call: the pipeline's keyword arguments besides the prompt (a dict), or a function
             ``prompt -> kwargs``; ``output_type`` defaults to ``"latent"`` and the generator is
             seeded with ``seed`` per prompt.
-        fp16_backend: the calibrated policy's FP16 tier (``stock``, ``fastest`` or an exact backend).
+        fp16_backend: the calibrated policy's FP16 tier: ``stock``, an exact backend's name, or
+            ``fastest``: per site, stock attention or the exact backend installed that is cheapest
+            there (each exact backend of :data:`~fp4video.integration.backends.EXACT_PREFERENCE`
+            becomes a candidate; the policy names them by rules).
         backend: fp4video's kernels (``auto``, ``reference``, ``triton``).
         propagation: how many (site, step) pairs to replay with that one site quantized, measuring
             the transformer output's error (0: none).
@@ -187,7 +190,7 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
     from tqdm import tqdm
 
     from ..integration import install, uninstall
-    from ..integration.backends import BackendUnavailable, resolve
+    from ..integration.backends import EXACT_PREFERENCE, BackendUnavailable, resolve
     from ..integration.install import _transformers
     from .measure import Measurer
 
@@ -210,10 +213,14 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
     if not isinstance(propagation, int) or isinstance(propagation, bool) or propagation < 0:
         raise ValueError(f"propagation must be a whole number ≥ 0, got {propagation!r}")
     device, dtype = _device_of(pipe)
-    explicit = candidates is not None
-    targets = list(dict.fromkeys(["fp16", *(map(_as_target, candidates) if explicit else DEFAULT_CANDIDATES)]))
-    if not explicit:
+    named = list(map(_as_target, candidates)) if candidates is not None else []
+    targets = ["fp16", *(named if candidates is not None else DEFAULT_CANDIDATES)]
+    if candidates is None:
         targets += [f"backend:{b}" for b in OPTIONAL_BACKENDS]
+    if fp16_backend == "fastest":  # the FP16 tier per site: stock or the fastest exact backend there
+        targets += [f"backend:{b}" for b in EXACT_PREFERENCE if b != "native"]
+    targets = list(dict.fromkeys(targets))
+    optional = set(targets) - set(named)  # tried where they run, listed as unavailable elsewhere
     targets = list(dict.fromkeys(targets + _sparse_targets(sparse, targets)))
     start_bytes = 0
     if device.type == "cuda":
@@ -232,14 +239,14 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
             try:
                 ctx.external[name] = resolve(name, device=device, dtype=dtype)
             except BackendUnavailable as e:
-                if explicit:
+                if t not in optional:
                     raise
                 unavailable[t] = str(e)
                 targets.remove(t)
         if budget.match is not None and budget.match not in targets:
             raise ValueError(f"the budget matches {budget.match}, which is not a candidate here"
                              + (f": {unavailable[budget.match]}" if budget.match in unavailable else ""))
-        quantized = [t for t in targets if t != "fp16"]
+        quantized = [t for t in targets if not is_exact_target(t)]
         cost_of = None
         prop_target = None
         if propagation and quantized:  # the cheapest by the table where it knows them (else the last)
@@ -266,22 +273,17 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
             measurer.detach()
             ctx.observer = None
         num_steps = None if bare else _num_steps(pipe)
-        fp16_exact = None
-        if fp16_backend == "fastest":
-            from ..integration.backends import fastest_exact
-
-            fp16_exact, _ = fastest_exact(device=device, dtype=dtype)
-        elif fp16_backend != "stock":
+        fp16_exact = None  # "fp16" is stock attention, or this exact backend
+        if fp16_backend not in ("stock", "fastest"):
             fp16_exact = resolve(fp16_backend, device=device, dtype=dtype)
         times = _stock_and_candidate_times(samples, targets, ctx, fp16_exact, measure=(costs == "measure"),
                                            progress=progress)
         cost_of = _cost_function(costs, times, fp16_exact)
         missing = sorted({t for t in targets if cost_of(t, next(iter(stats.values())).shape) is None}) if stats else []
-        if missing and not explicit:  # a backend found installed that the cost source has no time for
-            for t in missing:
-                unavailable[t] = f"no time for it in the {costs} cost source (--costs measure times it here)"
-                targets.remove(t)
-            missing = []
+        for t in [t for t in missing if t in optional]:  # installed, but the cost source has no time for it
+            unavailable[t] = f"no time for it in the {costs} cost source (--costs measure times it here)"
+            targets.remove(t)
+            missing.remove(t)
         if missing:
             raise ValueError(f"no cost for {', '.join(missing)} in the {costs} cost source: give --costs measure, a "
                              "`bench kernel` table that has them, or leave them out of the candidates")
@@ -290,18 +292,94 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
     if not stats:
         raise ValueError("no attention call went through fp4video's routing during the calibration run")
     plan = choose(stats, targets, cost_of, budget)
-    policy = policy_for(plan, num_steps=num_steps, fp16_backend=fp16_backend)
+    # under "fastest" the plan names each site's exact backend; elsewhere "fp16" is stock
+    policy = policy_for(plan, num_steps=num_steps, fp16_backend="stock" if fp16_backend == "fastest" else fp16_backend)
     seconds = time.perf_counter() - t_start
-    from .report import build_report
+    from .report import build_report, input_labels, model_summary
 
     result = Calibration(policy=policy, plan=plan, stats=stats, holdout_stats=holdout_stats, report={},
                          num_steps=num_steps, candidates=targets)
+    measurements = {"shapes": [{"shape": list(shape[:4]), "masked": bool(shape[4]), "calls": n,
+                                "stock_seconds": times[shape]["stock"]} for shape, n in calls_by_shape.items()],
+                    "forward_seconds": fwd_seconds, "forwards": forwards}
     result.report = build_report(
-        result, pipe=pipe, prompts=prompts, holdout=holdout, budget=budget, costs=costs, cost_of=cost_of,
-        times=times, calls_by_shape=calls_by_shape, forward_seconds=fwd_seconds, forwards=forwards, pairs=pairs,
-        unavailable=unavailable, seconds=seconds, device=device, device_name=_device_name(device),
-        model_name=model_name, fp16_exact=None if fp16_exact is None else fp16_exact.name,
-        date=datetime.date.today().isoformat(), memory=_peak_memory(device, start_bytes))
+        result, model=model_summary(pipe, model_name), prompts=input_labels(prompts), holdout=input_labels(holdout, "hold-out inputs"),
+        budget=budget, costs=costs, cost_of=cost_of, measurements=measurements, pairs=pairs, unavailable=unavailable,
+        calibration={"seconds": seconds, **_peak_memory(device, start_bytes)}, device_name=_device_name(device),
+        fp16_exact=None if fp16_exact is None else fp16_exact.name, date=datetime.date.today().isoformat())
+    return result
+
+
+def _number(x):
+    return float(x) if isinstance(x, str) else x  # non-finite floats are spelled as strings in report.json
+
+
+def _stats_of(d: dict, shape) -> SiteStats:
+    s = SiteStats(calls=d["calls"], shape=shape, refused=dict(d["refused"]))
+    s.rel_l2 = {t: _number(v) for t, v in d["rel_l2"].items()}
+    s.cosine = {t: _number(v) for t, v in d["cosine"].items()}
+    s.density = {t: [_number(v), 1] for t, v in d["density"].items() if v is not None}
+    return s
+
+
+def replan(report, *, budget=None, candidates=None) -> Calibration:
+    """Choose again from a calibration's report (the path of its ``report.json``, or the dict)
+    at another ``budget`` or among fewer ``candidates``, without measuring anything: the report
+    holds every site's statistics, the candidates' costs and the measured forward. The new report
+    keeps the measurement's date, device and cost, and says where it was re-chosen from."""
+    import json
+
+    from .report import build_report
+
+    source = None
+    if not isinstance(report, dict):
+        source = Path(report)
+        if source.is_dir():
+            source = source / "report.json"
+        if not source.is_file():
+            raise FileNotFoundError(f"{source}: no such calibration report (a `fp4video calibrate --out` folder's "
+                                    "report.json)")
+        report = json.loads(source.read_text())
+    if "measurements" not in report:
+        raise ValueError("this report has no measurements section (written by an older fp4video): calibrate again")
+    budget = Budget(**report["budget"]) if budget is None else _as_budget(budget)
+    measured = report["candidates"]
+    targets = measured if candidates is None else list(dict.fromkeys(["fp16", *map(_as_target, candidates)]))
+    unknown = [t for t in targets if t not in measured]
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)} not measured in this calibration (its candidates: "
+                         f"{', '.join(measured)})")
+    if budget.match is not None and budget.match not in targets:
+        raise ValueError(f"the budget matches {budget.match}, which is not among the candidates")
+    stats, holdout_stats = {}, {}
+    for site in report["sites"]:
+        key = (site["expert"], site["block"], site["kind"], site["step"])
+        stats[key] = _stats_of(site, tuple(site["shape"]))
+        if site.get("holdout") is not None:
+            holdout_stats[key] = _stats_of(site["holdout"], tuple(site["shape"]))
+    table = {t: {shape: _number(v) for shape, v in row.items()}
+             for t, row in report["costs"]["relative_to_stock"].items()}
+
+    def cost_of(target, shape):
+        from .report import shape_key
+
+        return table.get(target, {}).get(shape_key(shape))
+
+    plan = choose(stats, targets, cost_of, budget)
+    policy = policy_for(plan, num_steps=report["num_steps"], fp16_backend=report["fp16_backend"])
+    result = Calibration(policy=policy, plan=plan, stats=stats, holdout_stats=holdout_stats, report={},
+                         num_steps=report["num_steps"], candidates=targets)
+    pairs = [((q["expert"], q["block"], q["kind"], q["step"]), report["propagation"]["target"],
+              _number(q["attention_rel_l2"]), _number(q["output_rel_l2"])) for q in report["propagation"]["pairs"]]
+    calibration = {k: v for k, v in report["calibration"].items() if k not in ("sites", "statistics_kept")}
+    unavailable = {**report["unavailable"], **{t: "left out when re-chosen" for t in measured if t not in targets}}
+    result.report = build_report(
+        result, model=report["model"], prompts=report["prompts"], holdout=report["holdout_prompts"], budget=budget,
+        costs=report["costs"]["source"], cost_of=cost_of, measurements=report["measurements"], pairs=pairs,
+        unavailable=unavailable, calibration=calibration, device_name=report["device"],
+        fp16_exact=report["fp16_exact_backend"], date=report["date"])
+    result.report["replanned"] = {"from": str(source) if source is not None else "(a report dict)",
+                                  "on": datetime.date.today().isoformat(), "measured_budget": report["budget"]}
     return result
 
 

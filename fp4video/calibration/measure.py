@@ -22,7 +22,7 @@ import torch
 from ..integration.dispatcher import AttentionCall
 from ..integration.policy import backend_of
 from ..integration.routing import boolean_mask
-from .plan import SiteStats, split_target
+from .plan import SiteStats, is_exact_target, split_target
 
 __all__ = ["Measurer", "head_errors", "run_target"]
 
@@ -110,7 +110,9 @@ class Measurer:
 
     def __init__(self, ctx, candidates: list[str], *, propagation: int, propagation_target: str | None, seed: int):
         self.ctx = ctx
-        self.candidates = [c for c in candidates if c != "fp16"]
+        # exact backends meet every budget: only whether they take each call is kept
+        self.exact = [c for c in candidates if c != "fp16" and is_exact_target(c)]
+        self.candidates = [c for c in candidates if c != "fp16" and c not in self.exact]
         self.stats: dict = {}
         self.samples: dict = {}  # shape -> AttentionCall (one per distinct shape, for timing)
         self.calls_by_shape: dict = defaultdict(int)
@@ -134,6 +136,8 @@ class Measurer:
     def __call__(self, *, site, kind, call: AttentionCall, out, ran):
         if self.replaying or not self.enabled or site.block < 0:
             return
+        # the stock forward's queued work finishes on its own clock, not the observer's
+        _sync(call.query.device)
         t0 = time.perf_counter()
         exact = out[0] if isinstance(out, (tuple, list)) else out
         ctx = self.ctx
@@ -148,6 +152,10 @@ class Measurer:
             self.samples[shape] = AttentionCall(q.detach().clone(), k.detach().clone(), call.value.detach().clone(),
                                                 None if call.attn_mask is None else call.attn_mask.clone(),
                                                 scale=call.scale)
+        for target in self.exact:
+            why = ctx.external[backend_of(target)].why_not(call)
+            if why is not None:
+                stats.refused.setdefault(target, why)
         errors = {}
         with torch.no_grad():
             for target in self.candidates:

@@ -5,7 +5,8 @@ output, ``‖o_c − o‖ / ‖o‖`` over one head's tokens and channels, taken
 worst call the site made (every prompt, every classifier-free-guidance pass). A candidate meets the
 budget at a site when that number is at most ``Budget.rel_l2`` (and, if set, the worst head's
 cosine is at least ``Budget.min_cosine``), and it took every call there (no refusal). The FP16
-tier meets every budget. Per site the cheapest candidate that meets it is chosen.
+tier and every exact backend that takes the site's calls meet every budget. Per site the cheapest
+candidate that meets it is chosen.
 
 Costs are relative times, ``t(candidate) / t(stock attention)`` at the site's shape, from one of:
 ``"table"`` (:data:`DEFAULT_RELATIVE_COST`, measured on an H200 at Wan2.2 720p), ``"measure"``
@@ -31,7 +32,7 @@ from ..integration.policy import Policy, backend_of
 
 __all__ = ["Budget", "SiteKey", "SiteStats", "DEFAULT_RELATIVE_COST", "KERNEL_TABLE_NAMES", "choose", "policy_for",
            "plan_of_policy", "costs_from_table", "SPARSE_FIXED", "sparse_time", "sparse_target", "parse_sparsity",
-           "split_target", "site_cost"]
+           "split_target", "site_cost", "is_exact_target"]
 
 #: Time relative to diffusers' stock attention (cuDNN SDPA bf16) on an H200 at Wan2.2 720p
 #: (75,600 tokens, 40 heads × 128; BENCHMARKS.md, `bench kernel`): the default cost of each
@@ -124,6 +125,15 @@ def split_target(target: str):
     return target, None
 
 
+def is_exact_target(target: str) -> bool:
+    """Whether ``target`` computes attention unquantized: ``fp16`` (stock) or an exact external
+    backend (FlashAttention, cuDNN, ...). Exact targets meet every budget."""
+    from ..integration.backends import is_exact
+
+    name = backend_of(target)
+    return target == "fp16" or (name is not None and is_exact(name))
+
+
 def site_cost(cost, target: str, stats: SiteStats) -> float | None:
     """``target``'s cost at a site: ``cost(target, shape)``; a block-sparse candidate's is its
     method's × :func:`sparse_time` of its mean density over the site's calls."""
@@ -191,9 +201,11 @@ class SiteStats:
         self.cosine[target] = cosine if old is None or not cosine >= old else old
 
     def meets(self, target: str, budget: Budget) -> bool:
-        if target == "fp16":
+        if target in self.refused:
+            return False
+        if is_exact_target(target):
             return True
-        if target in self.refused or target not in self.rel_l2:
+        if target not in self.rel_l2:
             return False
         ref = budget.match
         if ref is not None and ref not in self.refused and ref in self.rel_l2:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import textwrap
 from pathlib import Path
 
 import torch
 
-from .plan import Budget, site_cost
+from .plan import Budget, is_exact_target, site_cost
 
-__all__ = ["build_report", "policy_yaml", "write_all", "heatmap", "predicted_times", "spearman"]
+__all__ = ["build_report", "policy_yaml", "write_all", "heatmap", "predicted_times", "spearman", "site_order",
+           "model_summary", "input_labels"]
 
 
 def _site_dict(key) -> dict:
@@ -55,14 +57,45 @@ def spearman(xs: list, ys: list) -> float | None:
     return num / den if den else None
 
 
-def build_report(result, *, pipe, prompts, holdout, budget: Budget, costs, cost_of, times, calls_by_shape,
-                 forward_seconds, forwards, pairs, unavailable, seconds, device, device_name, model_name,
-                 fp16_exact, date, memory) -> dict:
+def site_order(key) -> tuple:
+    """Sorts sites by expert, block (as a number), kind, step."""
+    expert, block, kind, step = key
+    return (str(expert), block, kind, -1 if step is None else step)
+
+
+def shape_key(shape) -> str:
+    return "x".join(map(str, shape))
+
+
+def model_summary(pipe, name: str | None) -> dict:
+    """The report's ``model``: its name and each transformer's class, blocks and parameters."""
+    from ..integration.install import _transformers, block_sites
+
+    models = [{"expert": expert, "class": type(m).__name__,
+               "blocks": 1 + max((s.block for s in block_sites(m)), default=-1),
+               "parameters": sum(p.numel() for p in m.parameters())} for expert, m in _transformers(pipe)]
+    return {"name": name or type(pipe).__name__, "transformers": models}
+
+
+def input_labels(prompts, what: str = "inputs") -> list:
+    """Prompts as the report names them (a bare transformer's inputs as ``(what N)``)."""
+    return [p if isinstance(p, str) else f"({what} {i + 1})" for i, p in enumerate(prompts)]
+
+
+def build_report(result, *, model: dict, prompts: list, holdout: list, budget: Budget, costs, cost_of,
+                 measurements: dict, pairs, unavailable, calibration: dict, device_name, fp16_exact, date) -> dict:
+    """The report as a JSON-ready dict. ``measurements`` holds what the prediction needs:
+    ``shapes`` (each distinct call shape: ``shape``, ``masked``, ``calls`` in the calibration
+    forwards, ``stock_seconds``), ``forward_seconds`` (those forwards' total, observers excluded) and
+    ``forwards``; ``calibration`` its time and memory. With the sites' statistics it is enough to
+    choose again at another budget (:func:`~fp4video.calibration.replan`)."""
     stats, plan = result.stats, result.plan
     stock_seconds = {}
-    for shape, row in times.items():
-        stock_seconds.setdefault(shape[:4], row["stock"])
-    attention_stock = sum(n * times[shape]["stock"] for shape, n in calls_by_shape.items())
+    attention_stock = 0.0
+    for row in measurements["shapes"]:
+        stock_seconds.setdefault(tuple(row["shape"]), row["stock_seconds"])
+        attention_stock += row["calls"] * row["stock_seconds"]
+    forward_seconds, forwards = measurements["forward_seconds"], measurements["forwards"]
     other = max(forward_seconds - attention_stock, 0.0)
     t_stock = other + attention_stock
     t_plan = predicted_times(plan, stats, cost_of, stock_seconds, other)
@@ -95,7 +128,7 @@ def build_report(result, *, pipe, prompts, holdout, budget: Budget, costs, cost_
             cal = stats[key].rel_l2.get(target)
             if cal and target in h.rel_l2:
                 ratios.append(h.rel_l2[target] / cal)
-        hold = {"prompts": [p if isinstance(p, str) else "(inputs)" for p in holdout],
+        hold = {"prompts": holdout,
                 "quantized_sites": sum(t != "fp16" for t in plan.values()),
                 "sites_over_budget": len(over), "over_budget": [_site_dict(k) for k in over],
                 "median_error_ratio_holdout_to_calibration": statistics.median(ratios) if ratios else None,
@@ -110,24 +143,17 @@ def build_report(result, *, pipe, prompts, holdout, budget: Budget, costs, cost_
         gains = [oo / aa for aa, oo in zip(a, o) if aa > 0]
         prop["median_gain_output_per_attention"] = statistics.median(gains) if gains else None
         prop["gain_spread_max_over_min"] = (max(gains) / min(gains)) if gains and min(gains) > 0 else None
-    models = []
-    from ..integration.install import _transformers, block_sites
-
-    for expert, m in _transformers(pipe):
-        models.append({"expert": expert, "class": type(m).__name__,
-                       "blocks": 1 + max((s.block for s in block_sites(m)), default=-1),
-                       "parameters": sum(p.numel() for p in m.parameters())})
     return {
-        "model": {"name": model_name or type(pipe).__name__, "transformers": models},
-        "prompts": [p if isinstance(p, str) else "(inputs)" for p in prompts],
-        "holdout_prompts": [p if isinstance(p, str) else "(inputs)" for p in holdout],
+        "model": model,
+        "prompts": prompts,
+        "holdout_prompts": holdout,
         "budget": budget.model_dump(), "budget_text": budget.describe(),
         "date": date, "device": device_name,
         "num_steps": result.num_steps,
         "candidates": result.candidates, "unavailable": unavailable, "fp16_backend": result.policy.fp16_backend,
         "fp16_exact_backend": fp16_exact,
         "costs": {"source": str(costs), "relative_to_stock": {
-            t: {"x".join(map(str, shape)): cost_of(t, shape) for shape in stock_seconds} for t in result.candidates}},
+            t: {shape_key(shape): cost_of(t, shape) for shape in stock_seconds} for t in result.candidates}},
         "chosen": chosen_counts,
         "prediction": {
             "attention_share_of_stock_forward": attention_stock / t_stock if t_stock else None,
@@ -138,14 +164,20 @@ def build_report(result, *, pipe, prompts, holdout, budget: Budget, costs, cost_
         },
         "holdout": hold,
         "propagation": prop,
-        "calibration": {"seconds": seconds, **memory, "sites": len(stats),
+        "calibration": {**calibration, "sites": len(stats),
                         "statistics_kept": sum(len(s.rel_l2) for s in stats.values()) * 2},
+        "measurements": measurements,
         "sites": [{**_site_dict(k), "calls": s.calls, "shape": list(s.shape), "chosen": plan[k],
                    "rel_l2": s.rel_l2, "cosine": s.cosine, "refused": s.refused,
                    "density": {t: s.mean_density(t) for t in s.density},
-                   "holdout_rel_l2": (result.holdout_stats[k].rel_l2 if k in result.holdout_stats else None)}
-                  for k, s in sorted(stats.items(), key=lambda kv: tuple(str(x) for x in kv[0]))],
+                   "holdout": (_stats_dict(result.holdout_stats[k]) if k in result.holdout_stats else None)}
+                  for k, s in sorted(stats.items(), key=lambda kv: site_order(kv[0]))],
     }
+
+
+def _stats_dict(s) -> dict:
+    return {"calls": s.calls, "rel_l2": s.rel_l2, "cosine": s.cosine, "refused": s.refused,
+            "density": {t: s.mean_density(t) for t in s.density}}
 
 
 def policy_yaml(result) -> str:
@@ -158,7 +190,7 @@ def policy_yaml(result) -> str:
         f"# model: {r['model']['name']} ({', '.join(m['class'] + (' ' + m['expert'] if m['expert'] else '') for m in r['model']['transformers'])})",
         f"# prompts: {'; '.join(r['prompts'])}",
         f"# hold-out prompts: {'; '.join(r['holdout_prompts']) or 'none'}",
-        f"# budget: {r['budget_text']}",
+        f"# budget: {r['budget_text']}" + (f" (chosen again from {r['replanned']['from']})" if r.get("replanned") else ""),
         f"# steps: {r['num_steps'] if r['num_steps'] is not None else 'unknown (a bare transformer: per block and kind)'}",
         f"# candidates: {', '.join(r['candidates'])}; costs: {r['costs']['source']}",
         f"# date: {r['date']}; device: {r['device']}",
@@ -181,7 +213,9 @@ def markdown(result) -> str:
     lines = [f"# Calibration of {r['model']['name']}", "",
              f"- device: {r['device']}; date: {r['date']}",
              f"- prompts: {'; '.join(r['prompts'])}; hold-out: {'; '.join(r['holdout_prompts']) or 'none'}",
-             f"- budget: {r['budget_text']}",
+             f"- budget: {r['budget_text']}" + (f" (chosen again from {r['replanned']['from']} on "
+                                                 f"{r['replanned']['on']}; measured {r['date']})"
+                                                 if r.get("replanned") else ""),
              f"- candidates: {', '.join(r['candidates'])}; costs: {r['costs']['source']}",
              f"- calibration: {r['calibration']['seconds']:.1f} s, {r['calibration']['peak_bytes'] / 2**20:.0f} MiB "
              f"({r['calibration']['what']}" + (f"; {r['calibration']['peak_over_start_bytes'] / 2**20:.0f} MiB over "
@@ -228,7 +262,8 @@ def markdown(result) -> str:
               " | ".join(f"{t} rel. L2" for t in result.candidates if t != "fp16") + " |",
               "|" + " --- |" * (5 + len(result.candidates) - 1)]
     for s in r["sites"]:
-        cells = [_fmt(s["rel_l2"].get(t)) if t not in s["refused"] else "refused" for t in result.candidates if t != "fp16"]
+        cells = ["refused" if t in s["refused"] else "exact" if is_exact_target(t) else _fmt(s["rel_l2"].get(t))
+                 for t in result.candidates if t != "fp16"]
         lines.append(f"| {s['expert']} | {s['block']} | {s['kind']} | {s['step']} | {s['chosen']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -246,14 +281,15 @@ def heatmap(result, path: Path) -> Path:
     kinds = sorted({k[2] for k in plan})
     blocks = sorted({k[1] for k in plan})
     steps = sorted({k[3] for k in plan}, key=lambda s: -1 if s is None else s)
-    targets = list(result.candidates)
-    quantized = [t for t in targets if t != "fp16"]
+    chosen = set(plan.values())
+    targets = [t for t in result.candidates if t in chosen]  # the colours: the targets chosen somewhere
+    quantized = [t for t in result.candidates if not is_exact_target(t)]
     rel = result.report["costs"]["relative_to_stock"]
     mean_cost = {t: statistics.fmean([v for v in rel[t].values() if v is not None] or [math.inf]) for t in quantized}
     cheapest = min(quantized, key=mean_cost.get) if quantized else None
     fig, axes = plt.subplots(len(kinds), 2, squeeze=False,
                              figsize=(max(9.0, 2 + 0.3 * len(steps) * 2), max(3.0, 1.5 + 0.12 * len(blocks)) * len(kinds)))
-    cmap = ListedColormap(plt.get_cmap("tab10").colors[:len(targets)])
+    cmap = ListedColormap(plt.get_cmap("tab20" if len(targets) > 10 else "tab10").colors[:len(targets)])
     for row, kind in enumerate(kinds):
         tier = torch.full((len(blocks), len(steps)), float("nan"))
         err = torch.full((len(blocks), len(steps)), float("nan"))
@@ -279,8 +315,8 @@ def heatmap(result, path: Path) -> Path:
             ax.set_ylabel("block")
             ax.set_xticks(range(len(steps)), [str(s) if s is not None else "-" for s in steps], fontsize=7)
             ax.set_yticks(range(len(blocks)), [str(b) for b in blocks], fontsize=7)
-    fig.suptitle(f"fp4video calibrate: {result.report['model']['name']}, budget {result.report['budget_text']}",
-                 fontsize=8)
+    title = f"fp4video calibrate: {result.report['model']['name']}; budget: {result.report['budget_text']}"
+    fig.suptitle(textwrap.fill(title, 110), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

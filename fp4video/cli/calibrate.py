@@ -12,6 +12,9 @@ relative L2 error of a site's attention output (worst head, worst call). Writes 
 ``--transformer`` calibrates a full-size transformer with random weights instead (speed and
 error statistics at the real shapes, no weights needed): each forward takes random latents at a
 different timestep; no denoising step is known, so the policy is per block and kind.
+
+``--from`` chooses again from an earlier calibration's report at another budget or among fewer
+candidates, in a moment: nothing is measured again.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ EXAMPLES = """examples:
       --steps 40 --budget 0.1 --costs measure --fp16-backend fastest --out calib-wan22
   fp4video calibrate --transformer wan22 --resolution 720p --budget 0.1 --costs measure --out calib-wan22-720p
   fp4video calibrate --transformer wan22 --resolution 720p --sparse --out calib-wan22-sparse   # block-sparse too
+  fp4video calibrate --from calib-wan22 --budget 0.2 --out calib-wan22-0.2    # choose again, no measuring
 """
 
 #: Timesteps of the random-weight transformer's forwards (spread over the schedule), then hold-out.
@@ -40,7 +44,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="find the cheapest attention per site within a quality budget",
                        description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="folder for policy.yaml, report.json, report.md, heatmap.png")
-    src = p.add_argument_group("what to calibrate (a pipeline, or --transformer)")
+    src = p.add_argument_group("what to calibrate (a pipeline, --transformer, or --from)")
+    src.add_argument("--from", dest="source", type=Path, metavar="DIR",
+                     help="choose again from this earlier calibration's report (its --out folder or report.json): "
+                          "takes --budget, --min-cosine, --match, --candidates")
     src.add_argument("--config", type=Path, help="run config YAML: model, family, sizes, steps, prompts")
     src.add_argument("--model", help='"tiny", a local pipeline folder or a hub id (overrides the config)')
     src.add_argument("--family", help="the pipeline's family (wan, hunyuan, ltx, ...; overrides the config)")
@@ -58,8 +65,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     src.add_argument("--resolution", choices=["480p", "720p"], default="720p", help="--transformer: video size")
     src.add_argument("--forwards", type=int, default=2, help="--transformer: calibration forwards (+1 hold-out)")
     how = p.add_argument_group("how")
-    how.add_argument("--budget", type=float, default=0.1,
-                     help="largest relative L2 error of a site's attention output (worst head, worst call)")
+    how.add_argument("--budget", type=float, default=None,
+                     help="largest relative L2 error of a site's attention output (worst head, worst call; "
+                          "default 0.1, or with --from the report's)")
     how.add_argument("--min-cosine", type=float, default=None, help="also: smallest cosine of a site's output")
     how.add_argument("--match", default=None, metavar="TARGET",
                      help="per site, no worse than this candidate's own error there (e.g. backend:fa3_fp8); "
@@ -90,10 +98,12 @@ def run(args) -> int:
     from ..calibration import Budget, calibrate
 
     check_output_dir(args.out, "--out")  # written after minutes of measuring: checked first
-    if args.budget <= 0:
+    if args.budget is not None and not args.budget > 0:
         raise UsageError(f"--budget {args.budget}: a relative L2 error, greater than 0")
+    if args.source is not None:
+        return _replan(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    budget = Budget(rel_l2=args.budget, min_cosine=args.min_cosine, match=args.match)
+    budget = Budget(rel_l2=0.1 if args.budget is None else args.budget, min_cosine=args.min_cosine, match=args.match)
     if args.transformer:
         for flag in ("config", "model", "family", "prompt", "steps", "height", "width", "frames"):
             if getattr(args, flag):
@@ -114,6 +124,48 @@ def run(args) -> int:
     print(f"calibrated {name} on {r['device']}: {', '.join(f'{t} {n}' for t, n in r['chosen'].items())} sites; "
           f"predicted step {r['prediction']['step_speedup_vs_stock']:.3f}× stock; "
           f"calibration {r['calibration']['seconds']:.1f} s, {r['calibration']['peak_bytes'] / 2**30:.2f} GiB")
+    for what, path in paths.items():
+        print(f"wrote {path} ({what})", file=sys.stderr)
+    return 0
+
+
+#: Options that measure (refused with --from, which measures nothing), with their defaults.
+MEASURING = {"config": None, "model": None, "family": None, "prompt": None, "holdout": [], "steps": None,
+             "height": None, "width": None, "frames": None, "sensitive": False, "transformer": None, "layers": None,
+             "resolution": "720p", "forwards": 2, "sparse": None, "costs": "table", "fp16_backend": "stock",
+             "backend": "auto", "propagation": 8, "device": None, "seed": 0}
+
+
+def _replan(args) -> int:
+    import yaml
+
+    from ..calibration import Budget, replan
+
+    given = [k for k, default in MEASURING.items() if getattr(args, k) != default]
+    if given:
+        raise UsageError(f"--{given[0].replace('_', '-')} measures; --from only chooses again (it takes --budget, "
+                         "--min-cosine, --match, --candidates)")
+    source = args.source / "report.json" if args.source.is_dir() else args.source
+    if not source.is_file():
+        raise UsageError(f"--from {args.source}: no report.json there (a `fp4video calibrate --out` folder)")
+    budget = None
+    if (args.budget, args.min_cosine, args.match) != (None, None, None):
+        budget = Budget(rel_l2=0.1 if args.budget is None else args.budget, min_cosine=args.min_cosine,
+                        match=args.match)
+    try:
+        result = replan(source, budget=budget, candidates=args.candidates)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"--from {args.source}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    paths = result.write(args.out)
+    run_yaml = source.parent / "run.yaml"
+    run = {}
+    if run_yaml.is_file():
+        run = {k: v for k, v in (yaml.safe_load(run_yaml.read_text()) or {}).items() if k != "policy"}
+    paths["run config"] = _write_run_config(args.out / "run.yaml", run, result)
+    r = result.report
+    print(f"chose again for {r['model']['name']} ({r['budget_text']}): "
+          f"{', '.join(f'{t} {n}' for t, n in r['chosen'].items())} sites; "
+          f"predicted step {r['prediction']['step_speedup_vs_stock']:.3f}× stock")
     for what, path in paths.items():
         print(f"wrote {path} ({what})", file=sys.stderr)
     return 0
