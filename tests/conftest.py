@@ -1,5 +1,5 @@
 """Shared test set-up. Without a GPU, Triton kernels run under Triton's CPU interpreter (set before
-any kernel is defined). GPU tests (marker ``gpu``) run on a CUDA machine: ``python -m pytest -m gpu -n 0``.
+any kernel is defined). GPU tests (marker ``gpu``) run on a CUDA machine: ``python -m pytest -m gpu -n 6 --dist load``.
 Tests of the lab tools in ``tools/`` carry the marker ``tools``."""
 
 from __future__ import annotations

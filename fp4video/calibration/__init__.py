@@ -24,6 +24,9 @@ the site; the policy names the chosen ones with ``sparsity:``.
 A bare transformer calibrates too: ``calibrate(transformer, [inputs, ...])`` with each input a
 dict of the transformer's keyword arguments (one forward each; no denoising step is known, so the
 policy is per block and kind).
+
+:func:`replan` chooses again from a written ``report.json`` at another budget or among fewer
+candidates, measuring nothing.
 """
 
 from __future__ import annotations
