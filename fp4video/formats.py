@@ -104,7 +104,7 @@ class ScaleRule(str, enum.Enum):
         return {ScaleRule.OCP: 8.0, ScaleRule.TFS: 6.0, ScaleRule.UOS: UOS_QMAX}[self]
 
 
-def _parse(enum_cls, value, what):
+def parse_enum(enum_cls, value, what):
     try:
         return enum_cls(value)
     except ValueError:
@@ -245,7 +245,7 @@ def mx_exponent(amax: torch.Tensor, rule: str | ScaleRule | float) -> torch.Tens
             raise ValueError(f"Qmax must be a positive finite number, got {rule!r}")
         rule_enum = None
     else:
-        rule_enum = _parse(ScaleRule, rule, "MXFP4 scale rule")
+        rule_enum = parse_enum(ScaleRule, rule, "MXFP4 scale rule")
         qmax = rule_enum.qmax
     if rule_enum is ScaleRule.OCP:
         _, exp = torch.frexp(safe)
@@ -273,7 +273,7 @@ def block_scales(
     multiplied by (for NVFP4 including the global scale), ``scale_storage`` what is stored
     (uint8 E8M0 codes, or float8_e4m3fn). All-zero blocks get scale 1.
     """
-    fmt = _parse(Format, fmt, "format")
+    fmt = parse_enum(Format, fmt, "format")
     amax = amax.float()
     if fmt is Format.MXFP4:
         if global_scale is not None:
@@ -343,7 +343,7 @@ def _quantize_blocks(x, fmt, scale_rule, dim, global_scale):
 
     Works on a view with ``dim`` moved last and split into ``(..., n_blocks, block)``.
     """
-    fmt = _parse(Format, fmt, "format")
+    fmt = parse_enum(Format, fmt, "format")
     if not fmt.fp4:
         raise ValueError(f"{fmt.value!r} is not a block format: e4m3_pow2_quantize_dequantize quantizes to E4M3 "
                          "with power-of-two group scales")
@@ -446,14 +446,14 @@ def quantize(
     quantizes to zero. Raises ``ValueError`` for a ``dim`` that is not a multiple of the block
     and for NaN/Inf input.
     """
-    fmt = _parse(Format, fmt, "format")
+    fmt = parse_enum(Format, fmt, "format")
     if isinstance(global_scale, torch.Tensor):
         raise TypeError("quantize takes one float global_scale; per-slice tensor scales: quantize_dequantize")
     elements, _, storage, d, _ = _quantize_blocks(x, fmt, scale_rule, dim, global_scale)
     codes = pack_nibbles(e2m1_codes(elements.flatten(-2)))
     rule = None
     if fmt is Format.MXFP4:
-        rule = scale_rule if isinstance(scale_rule, (int, float)) else _parse(
+        rule = scale_rule if isinstance(scale_rule, (int, float)) else parse_enum(
             ScaleRule, scale_rule or "ocp", "MXFP4 scale rule")
     return QTensor(
         codes=codes,

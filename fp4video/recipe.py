@@ -31,7 +31,7 @@ import enum
 import json
 from dataclasses import dataclass
 
-from .formats import Format, ScaleRule, _parse
+from .formats import Format, ScaleRule, parse_enum
 
 __all__ = ["AttentionRecipe", "PScale", "RowSum", "METHODS", "get_recipe"]
 
@@ -65,13 +65,13 @@ class AttentionRecipe:
         def fmt(v, field):
             if v is None or v == "none":
                 return None
-            return _parse(Format, v, f"{field}")
+            return parse_enum(Format, v, f"{field}")
 
         object.__setattr__(self, "qk_format", fmt(self.qk_format, "qk_format"))
         object.__setattr__(self, "pv_format", fmt(self.pv_format, "pv_format"))
-        object.__setattr__(self, "scale_rule", _parse(ScaleRule, self.scale_rule, "scale_rule"))
-        object.__setattr__(self, "p_scale", _parse(PScale, self.p_scale, "p_scale"))
-        object.__setattr__(self, "row_sum", _parse(RowSum, self.row_sum, "row_sum"))
+        object.__setattr__(self, "scale_rule", parse_enum(ScaleRule, self.scale_rule, "scale_rule"))
+        object.__setattr__(self, "p_scale", parse_enum(PScale, self.p_scale, "p_scale"))
+        object.__setattr__(self, "row_sum", parse_enum(RowSum, self.row_sum, "row_sum"))
         for flag in ("hadamard", "smooth_k", "tensor_scale"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")

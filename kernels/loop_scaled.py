@@ -101,7 +101,7 @@ def scale_chunks(tiles: torch.Tensor) -> torch.Tensor:
     """Block scales ``tiles`` (N, R, C) — N tiles of R rows (a multiple of 128) and C scales a row
     (a multiple of 4) — in the layout Blackwell's tensor memory takes them in: (N, R·C/256, 256),
     tile n's bytes contiguous, scale (r, c) with r = 128·g + 32·j + i and c = 4·u + w at
-    ((g·C/4 + u)·32 + i)·16 + 4·j + w. :func:`.loop_scaled_sm100._chunk_scales` reads a tile back as (R, C)."""
+    ((g·C/4 + u)·32 + i)·16 + 4·j + w. :func:`.loop_scaled_sm100.chunk_scales` reads a tile back as (R, C)."""
     n, r, c = tiles.shape
     if r % 128 or c % 4:
         raise ValueError(f"scale tiles need a multiple of 128 rows and of 4 scales a row, got {r} × {c}")

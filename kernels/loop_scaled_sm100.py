@@ -29,7 +29,7 @@ from .tiles import program_rows, scaled_masked, visited_tiles
 
 
 @triton.jit
-def _chunk_scales(desc, chunk, ROWS: tl.constexpr, NS: tl.constexpr):
+def chunk_scales(desc, chunk, ROWS: tl.constexpr, NS: tl.constexpr):
     """The (ROWS, NS) block scales of one key tile (K̂: its keys' scales along D; V̂ᵀ: its
     channels' scales along the tile's keys) from chunk ``chunk`` of :func:`.loop_scaled.scale_chunks`'s
     layout, by TMA. Written as the reshape, permute and reshape that Triton recognizes (its
@@ -60,7 +60,7 @@ def _tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K, KS_base, V, VS_base, M_base, row
     key_ok = keys < SK
     k4 = K.load([k_row + start, 0])
     if SC_TMA:
-        k_sc = _chunk_scales(KS_base, chunk, C.BLOCK_N, C.D // C.QB)
+        k_sc = chunk_scales(KS_base, chunk, C.BLOCK_N, C.D // C.QB)
     else:
         k_sc = key_scales(KS_base, keys, nb_d, key_ok, sks, C)
     qk = tl.dot_scaled(q4, q_sc, "e2m1", tl.trans(k4), as_scales(k_sc, C), "e2m1")
@@ -79,7 +79,7 @@ def _tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K, KS_base, V, VS_base, M_base, row
         nb_n = start // C.QB + tl.arange(0, NB)
         v4t = V.load([v_row, start // 2])
         if SC_TMA:
-            v_sc = _chunk_scales(VS_base, chunk, C.BLOCK_DV, NB)
+            v_sc = chunk_scales(VS_base, chunk, C.BLOCK_DV, NB)
         else:
             v_sc = value_scales(VS_base, dv, nb_n, svsd, C)
         pv = tl.dot_scaled(p4, p_sc, "e2m1", tl.trans(v4t), v_sc, "e2m1")

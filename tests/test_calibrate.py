@@ -407,22 +407,22 @@ def test_installed_sparse_policy_routes_and_selects_as_measured(sparse_calibrati
 
 
 def test_sparse_candidate_names_parse_and_bad_ones_are_one_line_errors():
-    from fp4video.calibration import _sparse_targets
+    from fp4video.calibration import sparse_targets
     from fp4video.calibration.plan import parse_sparsity, sparse_target, sparse_time
 
     assert sparse_target("mxattn", "static:1,4,4,radial") == "mxattn+static:1,4,4,radial"
     assert parse_sparsity("dynamic:0.95").dynamic.tau == 0.95
     assert sparse_time(0.25) == pytest.approx(0.28) and sparse_time(0.5) == pytest.approx(0.52)
     assert sparse_time(1.0) == 1.0
-    assert _sparse_targets(True, ["fp16", "fp8", "mxattn-pv8", "mxattn"]) == [
+    assert sparse_targets(True, ["fp16", "fp8", "mxattn-pv8", "mxattn"]) == [
         "mxattn-pv8+dynamic:0.9", "mxattn-pv8+dynamic:0.95", "mxattn-pv8+static:4,45,80,radial"]
-    assert _sparse_targets(["mxattn+dynamic:0.5"], ["fp16"]) == ["mxattn+dynamic:0.5"]
+    assert sparse_targets(["mxattn+dynamic:0.5"], ["fp16"]) == ["mxattn+dynamic:0.5"]
     for bad, message in (("dynamic:2", "sparse candidate 'dynamic:2'"), ("window:3", "give dynamic:TAU"),
                          ("static:1,2", "sparse candidate 'static:1,2'")):
         with pytest.raises(ValueError, match=message):
-            _sparse_targets([bad], ["fp16", "mxattn-pv8"])
+            sparse_targets([bad], ["fp16", "mxattn-pv8"])
     with pytest.raises(ValueError, match="not one of fp4video's quantized methods"):
-        _sparse_targets(["fp16+dynamic:0.9"], ["fp16"])
+        sparse_targets(["fp16+dynamic:0.9"], ["fp16"])
 
 
 # --- exact backends as the FP16 tier, the measured forward, choosing again -------------------------
@@ -478,6 +478,63 @@ def test_a_measured_forward_includes_its_attention(wan):
     assert 0 < result.report["prediction"]["attention_share_of_stock_forward"] < 1
 
 
+def test_the_observer_lets_the_forwards_queued_work_finish_before_its_clock(monkeypatch):
+    """On a GPU the stock forward's kernels are still queued when the observer starts: it syncs
+    before reading its clock, or their time is counted as its own and subtracted from the forward."""
+    from types import SimpleNamespace
+
+    from fp4video.calibration import measure
+    from fp4video.integration.dispatcher import AttentionCall
+
+    events = []
+    monkeypatch.setattr(measure, "_sync", lambda device: events.append("sync"))
+    real = measure.time.perf_counter
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: events.append("clock") or real())
+    ctx = SimpleNamespace(external={}, expert=None, step=None, backend="reference")
+    m = measure.Measurer(ctx, ["fp16", "fp8"], propagation=0, propagation_target=None, seed=0)
+    q = torch.randn(1, 8, 2, 16)
+    m(site=SimpleNamespace(block=0), kind="self", call=AttentionCall(q, q, q), out=q, ran="fp16")
+    assert events[:2] == ["sync", "clock"] and events[-2:] == ["sync", "clock"]
+
+
+def test_calibrated_policies_fall_back_to_stock_and_exact_matches_are_refused(wan):
+    pipe, result = wan
+    assert result.policy.fallback == "stock"
+    with pytest.raises(ValueError, match="matches backend:_native_cudnn, an exact backend: it has no error"):
+        calibrate(pipe, ["a"], budget=Budget(match="backend:_native_cudnn"), call=WAN_CALL, progress=False)
+    with pytest.raises(ValueError, match="fp16_backend"):
+        calibrate(pipe, ["a"], fp16_backend="sage", call=WAN_CALL, progress=False)
+    assert not hasattr(pipe.transformer, "_fp4video_saved")
+
+
+def test_fastest_fp16_tier_tries_every_exact_backend_and_writes_stock():
+    """fp16_backend="fastest": each exact backend installed is a candidate (on this CPU none runs:
+    each is reported with why), and the policy's own tier is stock."""
+    from fp4video.integration.backends import EXACT_PREFERENCE
+    from fp4video.integration.tiny import tiny_wan_transformer
+
+    model = tiny_wan_transformer(seed=5)
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(1, 16, 2, 8, 8, generator=g),
+                  encoder_hidden_states=torch.randn(1, 16, 32, generator=g), timestep=torch.tensor([500.0]),
+                  return_dict=False)
+    result = calibrate(model, [inputs], holdout=[inputs], budget=0.2, candidates=["fp8"], fp16_backend="fastest",
+                       propagation=0, progress=False)
+    tried = {f"backend:{b}" for b in EXACT_PREFERENCE if b != "native"}
+    assert tried <= set(result.candidates) | set(result.report["unavailable"])
+    if not torch.cuda.is_available():
+        assert tried <= set(result.report["unavailable"])
+    assert result.policy.fp16_backend == "stock" and result.report["fp16_backend"] == "stock"
+    assert result.report["prompts"] == ["(inputs 1)"] and result.report["holdout_prompts"] == ["(hold-out inputs 1)"]
+
+
+def test_sites_are_reported_in_block_order():
+    from fp4video.calibration.report import site_order
+
+    keys = [(None, 10, "self", None), (None, 2, "self", None), ("low", 1, "cross", 3), ("low", 1, "cross", None)]
+    assert sorted(keys, key=site_order) == [keys[1], keys[0], keys[3], keys[2]]
+
+
 def _leaves(tree, path="") -> dict:
     """{path: leaf} of a JSON-ready tree (numbers compared with approx, the rest exactly)."""
     if isinstance(tree, dict):
@@ -510,10 +567,18 @@ def test_choosing_again_from_the_report_needs_no_measuring(wan, tmp_path):
     assert loose.report["prediction"]["step_speedup_vs_stock"] >= tight.report["prediction"]["step_speedup_vs_stock"]
     only = replan(tmp_path / "c", candidates=["fp8"])
     assert set(only.plan.values()) <= {"fp16", "fp8"} and "mxattn-pv8" in only.report["unavailable"]
+    # bounded by a measured candidate's error without using it
+    bounded = replan(tmp_path / "c", budget=Budget(match="mxattn"), candidates=["fp8"])
+    assert all(t == "fp16" or result.stats[k].rel_l2[t] <= result.stats[k].rel_l2["mxattn"]
+               for k, t in bounded.plan.items())
+    again = replan(bounded.report, budget=0.5)  # chained: the measured budget stays the first one's
+    assert again.report["replanned"]["measured_budget"]["rel_l2"] == 0.2
     with pytest.raises(ValueError, match="sage3 not measured"):
         replan(tmp_path / "c", candidates=["sage3"])
-    with pytest.raises(ValueError, match="matches mxattn, which is not among"):
-        replan(tmp_path / "c", budget=Budget(match="mxattn"), candidates=["fp8"])
+    with pytest.raises(ValueError, match="matches sage3, whose error this calibration never measured"):
+        replan(tmp_path / "c", budget=Budget(match="sage3"))
+    with pytest.raises(ValueError, match="an exact backend"):
+        replan(tmp_path / "c", budget=Budget(match="backend:_native_cudnn"))
     old = json.loads((tmp_path / "c" / "report.json").read_text())
     del old["measurements"]
     with pytest.raises(ValueError, match="no measurements section"):
@@ -532,11 +597,35 @@ def test_cli_chooses_again_from_an_earlier_calibration(wan, tmp_path, capsys):
     assert report["budget"]["rel_l2"] == 0.5 and report["replanned"]["from"].endswith("report.json")
     assert load_config(tmp_path / "d" / "run.yaml").policy == Policy.model_validate(
         yaml.safe_load((tmp_path / "d" / "policy.yaml").read_text()))
+    # a flag given replaces that part of the report's budget only
+    assert main(["calibrate", "--from", str(tmp_path / "c"), "--min-cosine", "0.5", "--out", str(tmp_path / "f")]) == 0
+    assert json.loads((tmp_path / "f" / "report.json").read_text())["budget"] == {
+        "rel_l2": 0.2, "min_cosine": 0.5, "match": None}
+    capsys.readouterr()
+    (tmp_path / "bad.json").write_text("{}")
     for args, message in ((["--costs", "measure"], "--costs measures; --from only chooses again"),
                           (["--model", "tiny"], "--model measures"),
-                          (["--candidates", "sage3"], "sage3 not measured")):
+                          (["--candidates", "sage3"], "sage3 not measured"),
+                          (["--from", str(tmp_path / "bad.json")], "not a calibration report (no 'budget' in it)")):
         assert main(["calibrate", "--from", str(tmp_path / "c"), "--out", str(tmp_path / "e"), *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
     assert main(["calibrate", "--from", str(tmp_path / "nothing"), "--out", str(tmp_path / "e")]) == 2
     assert "no report.json there" in capsys.readouterr().err
+
+
+def test_choosing_again_keeps_block_sparse_candidates_and_their_densities(sparse_calibration, tmp_path):
+    from fp4video.calibration import replan
+    from fp4video.calibration.plan import split_target
+
+    _, _, result = sparse_calibration
+    result.write(tmp_path / "s")
+    same = replan(tmp_path / "s")
+    assert same.plan == result.plan and same.policy == result.policy
+    for key, s in result.stats.items():
+        for t in s.density:
+            assert same.stats[key].mean_density(t) == pytest.approx(s.mean_density(t))
+    # a sparse candidate without its dense method: costed from its own row (the method's dense cost)
+    wider = "mxattn-pv8+static:1,4,4"
+    alone = replan(tmp_path / "s", candidates=[wider], budget=10.0)
+    assert {t for t in alone.plan.values() if split_target(t)[1] is not None} == {wider}

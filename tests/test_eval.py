@@ -244,17 +244,17 @@ def test_sweep_produces_both_tables_and_resumes(tmp_path):
 
 
 def test_sweep_tables_bold_only_differences_beyond_the_spread_and_say_the_policy():
-    from fp4video.eval.sweep import _bold_best, describe_rules
+    from fp4video.eval.sweep import bold_best, describe_rules
 
     rows = [{"method": "FP16", "cosine": None},
             {"method": "A", "cosine": 0.990, "cosine_se": 0.001}, {"method": "B", "cosine": 0.980, "cosine_se": 0.001},
             {"method": "C", "cosine": 0.970, "cosine_se": None}]
-    assert [c["cosine"] for c in _bold_best(rows, ["cosine"])] == ["–", "**0.990000**", "0.980000", "0.970000"]
+    assert [c["cosine"] for c in bold_best(rows, ["cosine"])] == ["–", "**0.990000**", "0.980000", "0.970000"]
     close = [dict(r) for r in rows]
     close[1]["cosine"] = 0.9815  # 0.0015 ahead, within 2 × 0.001
-    assert "**" not in "".join(c["cosine"] for c in _bold_best(close, ["cosine"]))
+    assert "**" not in "".join(c["cosine"] for c in bold_best(close, ["cosine"]))
     one_prompt = [dict(r, cosine_se=None) for r in rows]
-    assert "**" not in "".join(c["cosine"] for c in _bold_best(one_prompt, ["cosine"]))
+    assert "**" not in "".join(c["cosine"] for c in bold_best(one_prompt, ["cosine"]))
     assert describe_rules([{"method": "fp16", "blocks": [0]}, {"method": "fp16", "steps": {"last": 2}}]) == \
         "block 0 in fp16; the last 2 steps in fp16"
     assert describe_rules([]) == "none (every call in the method)"

@@ -336,11 +336,11 @@ def test_boolean_mask():
 def test_the_backend_outside_an_install_says_what_to_do():
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    from fp4video.integration.routing import _register_backend
+    from fp4video.integration.routing import register_routing_backend
 
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(RuntimeError, match=rf"{BACKEND} attention backend outside an attention module"):
-        dispatch_attention_fn(q, q, q, backend=_register_backend())
+        dispatch_attention_fn(q, q, q, backend=register_routing_backend())
 
 
 # --- diffusers' caches -----------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from fp4video.kernels.fp4_math import (  # noqa: E402
     fp8_shift_from_raw_max, mx_block_exponent, newton_recip, nvfp4_block_scale, recip_rn_few_bits,
     round_e2m1_at_scale, round_e2m1_f16x2_odd, round_e2m1_signed)
 from fp4video.kernels.loop_nvfp4 import RCP_P_RANGE  # noqa: E402
-from fp4video.kernels.loop_scaled_sm100 import _chunk_scales  # noqa: E402
+from fp4video.kernels.loop_scaled_sm100 import chunk_scales  # noqa: E402
 from fp4video.kernels.scaled_math import packed_p  # noqa: E402
 from fp4video.reference import TWO_LEVEL_P_RANGE as _P_RANGE  # noqa: E402
 
@@ -176,7 +176,7 @@ def _packed_p_kernel(X, Codes, Pairs, N: tl.constexpr, HW: tl.constexpr):
 @triton.jit
 def _chunk_read_back_kernel(desc, out, R: tl.constexpr, C: tl.constexpr):
     t = tl.program_id(0)
-    sc = _chunk_scales(desc, t, R, C)
+    sc = chunk_scales(desc, t, R, C)
     rows, cols = tl.arange(0, R), tl.arange(0, C)
     tl.store(out + t * R * C + rows[:, None] * C + cols[None, :], sc)
 
@@ -191,7 +191,7 @@ def test_chunk_scales_read_back_in_the_kernel_gpu():
 
 
 def check_chunk_scales_read_back(dev):
-    """What the sm_100 loop reads (``loop_scaled_sm100._chunk_scales``: a TMA box of ``scale_chunks``'
+    """What the sm_100 loop reads (``loop_scaled_sm100.chunk_scales``: a TMA box of ``scale_chunks``'
     layout, then the reshape / permute Triton turns into ``tcgen05.cp``) is each tile's (R, C)
     scales as they were: for K̂'s shape (128 keys × 4 or 8 scales) and V̂ᵀ's (128 or 256 channels
     × 4), uint8 and E4M3 bytes (interpreted on the CPU, compiled on a GPU)."""

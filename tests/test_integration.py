@@ -258,13 +258,13 @@ def test_write_video_without_audio_has_no_audio_stream_and_wav_is_exact(tmp_path
 
     import numpy as np
 
-    from fp4video.integration.media import _write_wav, write_video
+    from fp4video.integration.media import write_wav, write_video
 
     frames = np.random.default_rng(0).random((5, 32, 48, 3), dtype=np.float32)
     write_video(frames, tmp_path / "v.mp4", 8)
     assert "Video: h264" in _streams(tmp_path / "v.mp4") and "Audio:" not in _streams(tmp_path / "v.mp4")
     wave_in = torch.tensor([[0.0, 0.5, -0.5, 1.5], [-1.0, 0.25, 2e-5, -3.0]])  # beyond ±1 clipped
-    _write_wav(wave_in, 16000, tmp_path / "a.wav")
+    write_wav(wave_in, 16000, tmp_path / "a.wav")
     with wave.open(str(tmp_path / "a.wav")) as w:
         assert (w.getnchannels(), w.getframerate(), w.getnframes()) == (2, 16000, 4)
         pcm = np.frombuffer(w.readframes(4), "<i2").reshape(4, 2).T
@@ -485,14 +485,14 @@ def test_attention_backends_through_diffusers_dispatcher():
     and the fp16 backend behave."""
     from fp4video.integration import install, uninstall
     from fp4video.integration.dispatcher import register_attention_backends, reset_attention_backend
-    from fp4video.integration.tiny import _tiny_wan_transformer
+    from fp4video.integration.tiny import tiny_wan_transformer
 
     names = register_attention_backends()
     assert "fp4video_mxattn" in names and "fp4video_mxattn_sk" in names
     assert register_attention_backends(["mxattn"]) == ["fp4video_mxattn"]  # idempotent
     with pytest.raises(ValueError, match="unknown method"):
         register_attention_backends(["mxfp8"])
-    model = _tiny_wan_transformer(0, 32)
+    model = tiny_wan_transformer(0, 32)
     g = torch.Generator().manual_seed(1)
     kw = dict(hidden_states=torch.randn(1, 16, 2, 16, 16, generator=g), timestep=torch.tensor([500.0]),
               encoder_hidden_states=torch.randn(1, 12, 32, generator=g), return_dict=False)

@@ -623,6 +623,6 @@ def test_gluon_nvfp4_launch_binds_every_argument_by_name():
     q = torch.zeros(1, 1, 8, 64)
     kv = torch.zeros(1, 1, 128, 64)
     shared = set(nv_launch_args(q, kv, kv, None, sk=100, recipe=METHODS["sage3"], scale=1.0, out_dtype=q.dtype)[2])
-    kernel = loop_nvfp4_sm90._nv_attn_fwd_sm90
+    kernel = loop_nvfp4_sm90.KERNEL
     runtime = [n for i, n in enumerate(kernel.arg_names) if i not in kernel.constexprs]
     assert set(runtime) - shared == {"Kd", "Vd", "SK_PAD"}, runtime

@@ -122,9 +122,9 @@ def _wan_forward(method, degrees=None):
     """A tiny Wan transformer with fp4video installed after context parallelism was enabled with
     ``degrees`` (the config reaches the processors through install; diffusers' own _cp_plan)."""
     from fp4video.integration import distributed, install
-    from fp4video.integration.tiny import _tiny_wan_transformer
+    from fp4video.integration.tiny import tiny_wan_transformer
 
-    model = _tiny_wan_transformer(0, 32)
+    model = tiny_wan_transformer(0, 32)
     if degrees is not None:
         distributed.enable_context_parallel(model, **degrees, device=torch.device("cpu"))
     from fp4video.integration import Policy

@@ -369,9 +369,9 @@ def test_accuracy_seed_1_mse_sweep_inputs_are_finite():
     for seed, laplace_index in ((1, 2), (18, 1)):
         g = torch.Generator().manual_seed(seed)
         for _ in range(8):
-            mxattention._tensor("gaussian", g)
+            mxattention.random_operand("gaussian", g)
         for i in range(laplace_index + 1):
-            x = mxattention._tensor("laplace", g)
+            x = mxattention.random_operand("laplace", g)
             assert torch.isfinite(x).all(), (seed, i)
 
 
@@ -396,8 +396,8 @@ def test_heavy_tailed_sweep_inputs_survive_the_extreme_draws(monkeypatch):
     monkeypatch.setattr(torch, "rand", rand)
     monkeypatch.setattr(torch, "randn", randn)
     g = torch.Generator().manual_seed(0)
-    lap = mxattention._tensor("laplace", g, shape=(4, 64))
-    t3 = mxattention._tensor("student-t3", g, shape=(4, 64))
+    lap = mxattention.random_operand("laplace", g, shape=(4, 64))
+    t3 = mxattention.random_operand("student-t3", g, shape=(4, 64))
     assert torch.isfinite(lap).all() and lap.abs().max() <= 24 * math.log(2) + 1e-4
     assert torch.isfinite(t3).all()
 
@@ -411,7 +411,7 @@ def test_sweep_inputs_are_finite_for_any_seed(seed):
 
     g = torch.Generator().manual_seed(seed)
     for dist in mxattention.SWEEP_DISTRIBUTIONS:
-        assert torch.isfinite(mxattention._tensor(dist, g, shape=(64, 256))).all(), dist
+        assert torch.isfinite(mxattention.random_operand(dist, g, shape=(64, 256))).all(), dist
 
 
 # --- eval: identical videos are PSNR inf --------------------------------------------------------------

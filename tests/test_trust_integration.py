@@ -23,7 +23,7 @@ from fp4video.integration import FP4Processor, Policy, install, uninstall  # noq
 from fp4video.integration import routing  # noqa: E402
 from fp4video.integration.config import ConfigError, load_config, read_yaml_mapping  # noqa: E402
 from fp4video.integration.policy import EXPERTS, KINDS  # noqa: E402
-from fp4video.integration.tiny import (_tiny_wan_transformer, tiny_hunyuan_transformer, tiny_wan_i2v_pipeline,  # noqa: E402
+from fp4video.integration.tiny import (tiny_wan_transformer, tiny_hunyuan_transformer, tiny_wan_i2v_pipeline,  # noqa: E402
                                        tiny_wan_pipeline)
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -63,7 +63,7 @@ def _stock_state(model):
 
 
 def _stack_is_empty():
-    return not getattr(routing._local, "calls", [])
+    return not routing.call_stack()
 
 
 def _assert_backend_refuses_outside_install():
@@ -72,7 +72,7 @@ def _assert_backend_refuses_outside_install():
 
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(RuntimeError, match="outside an attention module"):
-        dispatch_attention_fn(q, q, q, backend=routing._register_backend())
+        dispatch_attention_fn(q, q, q, backend=routing.register_routing_backend())
 
 
 # --- one installation per transformer, whatever the handle -------------------------------------------
@@ -523,7 +523,7 @@ def test_install_checks_its_arguments_before_the_first_call():
     """A backend that does not exist (with `fallback: stock` too, which would only count it), a
     policy that is neither a Policy nor a method name, an unknown method name, a record flag that
     is not a bool: refused by install with one line, the model left as it was."""
-    model = _tiny_wan_transformer(0, 32)
+    model = tiny_wan_transformer(0, 32)
     state = _stock_state(model)
     for policy in (Policy(method="mxattn"), Policy(method="mxattn", fallback="stock")):
         with pytest.raises(ValueError, match=r"backend must be one of auto, reference, triton, got 'bogus'"):
@@ -544,7 +544,7 @@ def test_fp4processor_takes_a_method_name_as_its_policy():
     call); a policy of another type, a method and a context together are refused at construction."""
     from fp4video.integration import AttentionContext
 
-    attn = _tiny_wan_transformer(0, 32).blocks[0].attn1
+    attn = tiny_wan_transformer(0, 32).blocks[0].attn1
     x = _rand(1, 32, 64)
     with torch.no_grad():
         by_policy = FP4Processor(policy="mxattn")(attn, x)

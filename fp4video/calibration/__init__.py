@@ -89,6 +89,19 @@ class Calibration:
         return {k: target if target not in s.refused else "fp16" for k, s in self.stats.items()}
 
 
+#: What a calibrated policy does with a call its chosen backend cannot take (a mask or an LSE request
+#: the calibration run never made): stock attention, recorded with the target it planned.
+FALLBACK = "stock"
+
+
+def _check_match(budget: Budget) -> None:
+    if budget.match is None:
+        return
+    if is_exact_target(_as_target(budget.match)):
+        raise ValueError(f"the budget matches {budget.match}, an exact backend: it has no error to match (every "
+                         "candidate would have to be exact); give a relative L2 budget instead")
+
+
 def _as_budget(budget) -> Budget:
     if isinstance(budget, Budget):
         return budget
@@ -117,7 +130,7 @@ def _as_target(c) -> str:
     raise ValueError(f"unknown candidate {c!r}: give an fp4video method ({', '.join(METHODS)}) or 'backend:<name>'")
 
 
-def _sparse_targets(sparse, targets: list) -> list:
+def sparse_targets(sparse, targets: list) -> list:
     """The block-sparse candidates ``sparse`` names: None or False none; True
     :data:`DEFAULT_SPARSE`; else a list of specs (``dynamic:0.9``, ``static:1,8,8,radial``) for the
     fastest fp4video method among ``targets`` (by :data:`DEFAULT_RELATIVE_COST`) or whole candidate
@@ -142,9 +155,9 @@ def _sparse_targets(sparse, targets: list) -> list:
 
 
 def _device_of(pipe):
-    from ..integration.install import _transformers
+    from ..integration.install import transformers_of
 
-    model = _transformers(pipe)[0][1]
+    model = transformers_of(pipe)[0][1]
     p = next(model.parameters())
     return p.device, p.dtype
 
@@ -194,13 +207,14 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
 
     from ..integration import install, uninstall
     from ..integration.backends import EXACT_PREFERENCE, BackendUnavailable, resolve
-    from ..integration.install import _transformers
+    from ..integration.install import transformers_of
     from .measure import Measurer
 
     budget = _as_budget(budget)
     prompts, holdout = list(prompts), list(holdout)
-    if budget.match is not None:
-        _as_target(budget.match)
+    _check_match(budget)
+    if fp16_backend not in ("stock", "fastest"):
+        Policy(method="fp16", fp16_backend=fp16_backend)  # an unknown or quantizing backend: refused now
     if not prompts:
         raise ValueError("calibrate needs at least one prompt")
     bare = isinstance(pipe, torch.nn.Module)
@@ -224,7 +238,7 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
         targets += [f"backend:{b}" for b in EXACT_PREFERENCE if b != "native"]
     targets = list(dict.fromkeys(targets))
     optional = set(targets) - set(named)  # tried where they run, listed as unavailable elsewhere
-    targets = list(dict.fromkeys(targets + _sparse_targets(sparse, targets)))
+    targets = list(dict.fromkeys(targets + sparse_targets(sparse, targets)))
     start_bytes = 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -257,7 +271,7 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
             prop_target = min(known, key=DEFAULT_RELATIVE_COST.get) if known else quantized[-1]
         measurer = Measurer(ctx, targets, propagation=propagation, propagation_target=prop_target, seed=seed)
         ctx.observer = measurer
-        models = _transformers(pipe)
+        models = transformers_of(pipe)
         measurer.attach(models)
         try:
             for i, p in enumerate(tqdm(prompts, desc="calibrate", unit="prompt", disable=not progress)):
@@ -296,7 +310,8 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
         raise ValueError("no attention call went through fp4video's routing during the calibration run")
     plan = choose(stats, targets, cost_of, budget)
     # under "fastest" the plan names each site's exact backend; elsewhere "fp16" is stock
-    policy = policy_for(plan, num_steps=num_steps, fp16_backend="stock" if fp16_backend == "fastest" else fp16_backend)
+    policy = policy_for(plan, num_steps=num_steps, fp16_backend="stock" if fp16_backend == "fastest" else fp16_backend,
+                        fallback=FALLBACK)
     seconds = time.perf_counter() - t_start
     from .report import build_report, input_labels, model_summary
 
@@ -346,22 +361,25 @@ def replan(report, *, budget=None, candidates=None) -> Calibration:
     if "measurements" not in report:
         raise ValueError("this report has no measurements section (written by an older fp4video): calibrate again")
     budget = Budget(**report["budget"]) if budget is None else _as_budget(budget)
+    _check_match(budget)
     measured = report["candidates"]
     targets = measured if candidates is None else list(dict.fromkeys(["fp16", *map(_as_target, candidates)]))
     unknown = [t for t in targets if t not in measured]
     if unknown:
         raise ValueError(f"{', '.join(unknown)} not measured in this calibration (its candidates: "
                          f"{', '.join(measured)})")
-    if budget.match is not None and budget.match not in targets:
-        raise ValueError(f"the budget matches {budget.match}, which is not among the candidates")
     stats, holdout_stats = {}, {}
     for site in report["sites"]:
         key = (site["expert"], site["block"], site["kind"], site["step"])
         stats[key] = _stats_of(site, tuple(site["shape"]))
         if site.get("holdout") is not None:
             holdout_stats[key] = _stats_of(site["holdout"], tuple(site["shape"]))
+    if budget.match is not None and not any(budget.match in s.rel_l2 for s in stats.values()):
+        raise ValueError(f"the budget matches {budget.match}, whose error this calibration never measured")
     table = {t: {shape: _number(v) for shape, v in row.items()}
              for t, row in report["costs"]["relative_to_stock"].items()}
+    for t in list(table):  # a block-sparse candidate's row is its method's dense cost
+        table.setdefault(split_target(t)[0], table[t])
 
     def cost_of(target, shape):
         from .report import shape_key
@@ -369,7 +387,7 @@ def replan(report, *, budget=None, candidates=None) -> Calibration:
         return table.get(target, {}).get(shape_key(shape))
 
     plan = choose(stats, targets, cost_of, budget)
-    policy = policy_for(plan, num_steps=report["num_steps"], fp16_backend=report["fp16_backend"])
+    policy = policy_for(plan, num_steps=report["num_steps"], fp16_backend=report["fp16_backend"], fallback=FALLBACK)
     result = Calibration(policy=policy, plan=plan, stats=stats, holdout_stats=holdout_stats, report={},
                          num_steps=report["num_steps"], candidates=targets)
     pairs = [((q["expert"], q["block"], q["kind"], q["step"]), report["propagation"]["target"],
@@ -381,8 +399,9 @@ def replan(report, *, budget=None, candidates=None) -> Calibration:
         costs=report["costs"]["source"], cost_of=cost_of, measurements=report["measurements"], pairs=pairs,
         unavailable=unavailable, calibration=calibration, device_name=report["device"],
         fp16_exact=report["fp16_exact_backend"], date=report["date"])
+    measured_budget = report.get("replanned", {}).get("measured_budget", report["budget"])  # chained: the first
     result.report["replanned"] = {"from": str(source) if source is not None else "(a report dict)",
-                                  "on": datetime.date.today().isoformat(), "measured_budget": report["budget"]}
+                                  "on": datetime.date.today().isoformat(), "measured_budget": measured_budget}
     return result
 
 

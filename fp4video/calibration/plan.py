@@ -214,15 +214,26 @@ class SiteStats:
         return budget.met(self.rel_l2[target], self.cosine[target])
 
 
+#: The share of stock's time an exact backend must save at a site to replace stock there (equal
+#: kernels time a little apart; a rule for noise is not worth writing).
+EXACT_MARGIN = 0.02
+
+
 def choose(stats: dict, candidates: list[str], cost, budget: Budget) -> dict:
     """{site: target}: per site the cheapest candidate meeting ``budget`` (``cost(target, shape)``, a
-    block-sparse one's by :func:`site_cost`; ties go to a dense candidate (a selection that visits
-    every tile saves nothing), then to the smaller error, then to the earlier candidate)."""
+    block-sparse one's by :func:`site_cost`; an exact backend's with :data:`EXACT_MARGIN` added; ties
+    go to a dense candidate (a selection that visits every tile saves nothing), then to the smaller
+    error, then to the earlier candidate)."""
+    def key_of(t, s):
+        c = site_cost(cost, t, s)
+        if t != "fp16" and is_exact_target(t):
+            c += EXACT_MARGIN
+        return (c, split_target(t)[1] is not None, s.rel_l2.get(t, 0.0), candidates.index(t))
+
     plan = {}
     for key, s in stats.items():
         ok = [t for t in candidates if s.meets(t, budget)]
-        plan[key] = min(ok, key=lambda t: (site_cost(cost, t, s), split_target(t)[1] is not None,
-                                           s.rel_l2.get(t, 0.0), candidates.index(t)))
+        plan[key] = min(ok, key=lambda t, s=s: key_of(t, s))
     return plan
 
 

@@ -69,11 +69,11 @@ def shape_key(shape) -> str:
 
 def model_summary(pipe, name: str | None) -> dict:
     """The report's ``model``: its name and each transformer's class, blocks and parameters."""
-    from ..integration.install import _transformers, block_sites
+    from ..integration.install import transformers_of, block_sites
 
     models = [{"expert": expert, "class": type(m).__name__,
                "blocks": 1 + max((s.block for s in block_sites(m)), default=-1),
-               "parameters": sum(p.numel() for p in m.parameters())} for expert, m in _transformers(pipe)]
+               "parameters": sum(p.numel() for p in m.parameters())} for expert, m in transformers_of(pipe)]
     return {"name": name or type(pipe).__name__, "transformers": models}
 
 
@@ -120,7 +120,7 @@ def build_report(result, *, model: dict, prompts: list, holdout: list, budget: B
         over, ratios, missing = [], [], 0
         for key, target in plan.items():
             h = result.holdout_stats.get(key)
-            if h is None or target == "fp16":
+            if h is None or is_exact_target(target):
                 missing += h is None
                 continue
             if not h.meets(target, budget):
@@ -129,7 +129,7 @@ def build_report(result, *, model: dict, prompts: list, holdout: list, budget: B
             if cal and target in h.rel_l2:
                 ratios.append(h.rel_l2[target] / cal)
         hold = {"prompts": holdout,
-                "quantized_sites": sum(t != "fp16" for t in plan.values()),
+                "quantized_sites": sum(not is_exact_target(t) for t in plan.values()),
                 "sites_over_budget": len(over), "over_budget": [_site_dict(k) for k in over],
                 "median_error_ratio_holdout_to_calibration": statistics.median(ratios) if ratios else None,
                 "max_error_ratio_holdout_to_calibration": max(ratios) if ratios else None,
@@ -241,8 +241,8 @@ def markdown(result) -> str:
     if h:
         lines += ["", "## Hold-out prompts", "",
                   f"{h['sites_over_budget']} of {h['quantized_sites']} quantized sites exceed the budget on the "
-                  f"hold-out prompts; their error is {_fmt(h['median_error_ratio_holdout_to_calibration'], '.2f')}× "
-                  f"the calibration's (median), at most {_fmt(h['max_error_ratio_holdout_to_calibration'], '.2f')}×."]
+                  f"hold-out prompts; their error is {_fmt(h['median_error_ratio_holdout_to_calibration'], '.2f') or 'n/a'}× "
+                  f"the calibration's (median), at most {_fmt(h['max_error_ratio_holdout_to_calibration'], '.2f') or 'n/a'}×."]
     pr = r["propagation"]
     if pr["pairs"]:
         rho = pr.get("spearman")

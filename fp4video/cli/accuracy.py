@@ -67,7 +67,7 @@ def run(args) -> int:
         result = report.run_all(seed=args.seed, progress=step)
     summary = report.summary_json(result)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(args.out / "accuracy.json", json.dumps(summary, indent=1, default=report._json_default))
+    write_text_atomic(args.out / "accuracy.json", json.dumps(summary, indent=1, default=report.json_default))
     specs = report.tables(result)
     write_text_atomic(args.out / "accuracy.md", report.render_markdown(specs))
     plots = [] if args.no_plots else report.plots(result, args.out)
@@ -78,7 +78,7 @@ def run(args) -> int:
             raise UsageError(f"--speed {args.speed}: {e}") from None
     elapsed = time.perf_counter() - t0
     if args.json:
-        json.dump(summary, sys.stdout, default=report._json_default)
+        json.dump(summary, sys.stdout, default=report.json_default)
         sys.stdout.write("\n")
         return 0
     from rich.console import Console

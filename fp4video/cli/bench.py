@@ -159,7 +159,7 @@ def run(args) -> int:
     return 0
 
 
-def _header(what: str) -> str:
+def run_header(what: str) -> str:
     import torch
     import triton
 
@@ -292,7 +292,7 @@ def bench_kernel(args) -> str:
     notes = [f"{p.name}: {p.missing}" for p in peers if p.fn is None]
     if not sampler.available or any(r.mhz is None for r in rows):
         notes.append(f"SM clock and power cap: {sampler.why or 'not sampled for every row'}")
-    return format_kernel_table(_header(f"bench kernel, B=1 H={args.heads} D={args.head_dim}, bf16{masked}{layout}"),
+    return format_kernel_table(run_header(f"bench kernel, B=1 H={args.heads} D={args.head_dim}, bf16{masked}{layout}"),
                                rows, args.heads, args.head_dim, notes=notes)
 
 
@@ -313,7 +313,7 @@ class Measured:
 
 #: The peers every row is also compared with (× their time), in the table's column order.
 RATIO_PEERS = ("SageAttention2 sageattn (INT8 QK, FP8 PV)", "FlashAttention-3 FP8 (cast included)")
-_RATIO_TITLES = ("× SageAttention2", "× FA3 FP8 (cast incl.)")
+RATIO_TITLES = ("× SageAttention2", "× FA3 FP8 (cast incl.)")
 
 
 @dataclass(frozen=True)
@@ -345,9 +345,9 @@ def format_kernel_table(header: str, rows: list[KernelTiming], heads: int, head_
     share of it spent at the power cap (a kernel that draws more power runs at a lower clock)."""
     lines = [header, "",
              "| S | kernel | ms (total) | TFLOP/s | pre-pass ms | loop ms | × best bf16 | "
-             + " | ".join(_RATIO_TITLES) + " | cosine to fp32 | worst-row cosine to fp32 | cosine to best bf16 | "
+             + " | ".join(RATIO_TITLES) + " | cosine to fp32 | worst-row cosine to fp32 | cosine to best bf16 | "
              "SM MHz | power-capped |",
-             "|" + " --- |" * (13 + len(_RATIO_TITLES) - 1)]
+             "|" + " --- |" * (13 + len(RATIO_TITLES) - 1)]
     fmt = lambda x, spec=".2f": "" if x is None else format(x, spec)  # noqa: E731
     for r in rows:
         tflops = 4 * heads * r.seq * r.seq * head_dim / r.ms / 1e9
@@ -602,7 +602,7 @@ def bench_pipeline(args) -> str:
         del kw
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    lines = [_header(f"bench pipeline, {desc}, one forward, batch 1, {'fp32' if tiny else 'bf16'}"), "",
+    lines = [run_header(f"bench pipeline, {desc}, one forward, batch 1, {'fp32' if tiny else 'bf16'}"), "",
              "| resolution | video tokens | attention | s / forward | × stock |", "| --- | --- | --- | --- | --- |"]
     base = {r[0]: r[3] for r in rows if r[2].startswith("stock")}
     for res, tokens, what, secs in rows:

@@ -67,7 +67,7 @@ def bench_sparse(args) -> tuple[str, list[SparseTiming]]:
     from ..eval.peers import find_peers
     from ..kernels.operands import KeyTileLists
     from ..sparse import DynamicSparsity, StaticSparsity
-    from .bench import RATIO_PEERS, _header
+    from .bench import RATIO_PEERS, run_header
 
     def bench(fn):
         return triton.testing.do_bench(fn, warmup=50, rep=args.rep_ms, return_mode="median")
@@ -136,7 +136,7 @@ def bench_sparse(args) -> tuple[str, list[SparseTiming]]:
         given = bench(lambda: fp4_attention(q, k, v, method=first, backend="triton", sparsity=sel))
         cost_lines.append(f"| {name} | {float(sel.density()):.3f} | {ms:.2f} | {call:.2f} | {given:.2f} | "
                           f"{100 * (call - given) / dense_ms[first]:.1f}% | {lists_ms:.2f} | {dense_ms[first] / call:.2f} |")
-    table = format_sparse_table(_header(f"bench sparse, B=1 H={h} S={s} D={d}, bf16"), rows)
+    table = format_sparse_table(run_header(f"bench sparse, B=1 H={h} S={s} D={d}, bf16"), rows)
     table += ("\nSelections at this size, against the dense `" + first + "` call. The selection alone is timed "
               "with the GPU idle between calls (its many small launches bound it); inside a call its cost is the "
               "call with the rule less the call on the selection computed beforehand:\n\n"
@@ -150,10 +150,10 @@ def bench_sparse(args) -> tuple[str, list[SparseTiming]]:
 def format_sparse_table(header: str, rows: list[SparseTiming]) -> str:
     """The rows as markdown: kernel, density, ms, × dense of the same method, × best bf16, × each
     ratio peer."""
-    from .bench import _RATIO_TITLES, RATIO_PEERS
+    from .bench import RATIO_TITLES, RATIO_PEERS
 
     lines = [header, "", "| kernel | density | ms (whole call) | × its dense time | × best bf16 | "
-             + " | ".join(_RATIO_TITLES) + " |", "|" + " --- |" * (5 + len(_RATIO_TITLES))]
+             + " | ".join(RATIO_TITLES) + " |", "|" + " --- |" * (5 + len(RATIO_TITLES))]
     for r in rows:
         peers = " | ".join("n/a" if r.x_peers.get(p) is None else f"{r.x_peers[p]:.2f}" for p in RATIO_PEERS)
         of = "" if r.of_dense is None else f"{r.of_dense:.3f}"

@@ -82,7 +82,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     how.add_argument("--costs", default="table",
                      help="table (H200 relative times), measure (timed here at the sites' shapes) or a "
                           "`bench kernel --out` markdown file")
-    how.add_argument("--fp16-backend", default="stock", help="the policy's FP16 tier: stock, fastest or a backend")
+    how.add_argument("--fp16-backend", default="stock",
+                     help="the FP16 tier: stock, an exact backend's name, or fastest (per site, stock or the "
+                          "cheapest exact backend installed there, named by the policy's rules)")
     how.add_argument("--backend", default="auto", choices=["auto", "reference", "triton"], help="fp4video's kernels")
     how.add_argument("--propagation", type=int, default=8,
                      help="(site, step) pairs replayed to measure the transformer output's error (0: none)")
@@ -118,14 +120,20 @@ def run(args) -> int:
                        call=call, fp16_backend=args.fp16_backend, backend=args.backend, propagation=args.propagation,
                        seed=args.seed, progress=not args.quiet, model_name=name,
                        sparse=None if args.sparse is None else (args.sparse or True))
-    paths = result.write(args.out)
-    paths["run config"] = _write_run_config(args.out / "run.yaml", run, result)
     r = result.report
-    print(f"calibrated {name} on {r['device']}: {', '.join(f'{t} {n}' for t, n in r['chosen'].items())} sites; "
-          f"predicted step {r['prediction']['step_speedup_vs_stock']:.3f}× stock; "
-          f"calibration {r['calibration']['seconds']:.1f} s, {r['calibration']['peak_bytes'] / 2**30:.2f} GiB")
-    for what, path in paths.items():
-        print(f"wrote {path} ({what})", file=sys.stderr)
+    return _write(result, args.out, run, f"calibrated {name} on {r['device']}",
+                  f"calibration {r['calibration']['seconds']:.1f} s, {r['calibration']['peak_bytes'] / 2**30:.2f} GiB")
+
+
+def _write(result, out: Path, run: dict, what: str, tail: str = "") -> int:
+    """Write the calibration's files and ``run.yaml`` in ``out``; say what was chosen and where it went."""
+    paths = result.write(out)
+    paths["run config"] = _write_run_config(out / "run.yaml", run, result)
+    r = result.report
+    print(f"{what}: {', '.join(f'{t} {n}' for t, n in r['chosen'].items())} sites; "
+          f"predicted step {r['prediction']['step_speedup_vs_stock']:.3f}× stock" + (f"; {tail}" if tail else ""))
+    for kind, path in paths.items():
+        print(f"wrote {path} ({kind})", file=sys.stderr)
     return 0
 
 
@@ -137,6 +145,8 @@ MEASURING = {"config": None, "model": None, "family": None, "prompt": None, "hol
 
 
 def _replan(args) -> int:
+    import json
+
     import yaml
 
     from ..calibration import Budget, replan
@@ -148,27 +158,25 @@ def _replan(args) -> int:
     source = args.source / "report.json" if args.source.is_dir() else args.source
     if not source.is_file():
         raise UsageError(f"--from {args.source}: no report.json there (a `fp4video calibrate --out` folder)")
-    budget = None
-    if (args.budget, args.min_cosine, args.match) != (None, None, None):
-        budget = Budget(rel_l2=0.1 if args.budget is None else args.budget, min_cosine=args.min_cosine,
-                        match=args.match)
     try:
-        result = replan(source, budget=budget, candidates=args.candidates)
-    except (ValueError, KeyError, TypeError) as e:
-        raise UsageError(f"--from {args.source}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    paths = result.write(args.out)
-    run_yaml = source.parent / "run.yaml"
+        report = json.loads(source.read_text())
+        measured = report["budget"]  # the report's budget, with the flags given in its place
+        given = {k: v for k, v in (("rel_l2", args.budget), ("min_cosine", args.min_cosine), ("match", args.match))
+                 if v is not None}
+        result = replan(report, budget=Budget(**{**measured, **given}), candidates=args.candidates)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"--from {source}: not a calibration report ({e})") from None
+    except (KeyError, TypeError) as e:
+        raise UsageError(f"--from {source}: not a calibration report (no {e} in it)") from None
+    except ValueError as e:
+        raise UsageError(f"--from {source}: {str(e).splitlines()[0]}") from None
+    result.report["replanned"]["from"] = str(source)
+    run_yaml = source.parent / "run.yaml"  # the measured run's config, its policy replaced
     run = {}
     if run_yaml.is_file():
         run = {k: v for k, v in (yaml.safe_load(run_yaml.read_text()) or {}).items() if k != "policy"}
-    paths["run config"] = _write_run_config(args.out / "run.yaml", run, result)
     r = result.report
-    print(f"chose again for {r['model']['name']} ({r['budget_text']}): "
-          f"{', '.join(f'{t} {n}' for t, n in r['chosen'].items())} sites; "
-          f"predicted step {r['prediction']['step_speedup_vs_stock']:.3f}× stock")
-    for what, path in paths.items():
-        print(f"wrote {path} ({what})", file=sys.stderr)
-    return 0
+    return _write(result, args.out, run, f"chose again for {r['model']['name']} ({r['budget_text']})")
 
 
 def _pipeline(args, device):

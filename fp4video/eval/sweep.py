@@ -132,7 +132,7 @@ def _fmt(v, digits=4):
     return f"{v:.{digits}f}"
 
 
-def _bold_best(rows, keys):
+def bold_best(rows, keys):
     """Cell text, the best value among quantized rows in bold (higher is better everywhere) only
     where it beats the runner-up by more than twice the larger of their standard errors over
     prompts (a difference within the spread is not a win; with one prompt there is no spread, so
@@ -164,12 +164,12 @@ def _markdown(res) -> str:
              "next best by more than twice their standard error over prompts.", "",
              f"**Table 2 — methods under the config's policy rules: {res.get('policy_table2') or describe_rules(res['policy_rules_table2'])}**", "",
              head.format("Method"), "|" + " --- |" * 7]
-    for r, cells in zip(res["table2"], _bold_best(res["table2"], keys)):
+    for r, cells in zip(res["table2"], bold_best(res["table2"], keys)):
         lines.append(f"| {r['method']} | " + " | ".join(cells[k] for k in keys) + " |")
     lines += ["", "**Table 3 — sequential ablation, fully 4-bit**", "",
               "| Configuration | Hadamard | PNQ | UOS | Subject | Imaging | Aesthetic | Cosine | SSIM | PSNR |",
               "|" + " --- |" * 10]
-    for r, cells in zip(res["table3"], _bold_best(res["table3"], keys)):
+    for r, cells in zip(res["table3"], bold_best(res["table3"], keys)):
         lines.append(f"| {r['configuration']} | {r['hadamard']} | {r['pnq']} | {r['uos']} | "
                      + " | ".join(cells[k] for k in keys) + " |")
     return "\n".join(lines) + "\n"

@@ -129,7 +129,7 @@ def _open_uniform(shape, g: torch.Generator) -> torch.Tensor:
     return torch.rand(shape, generator=g).double() + 2.0**-25
 
 
-def _tensor(dist: str, g: torch.Generator, shape=(256, 1024)) -> torch.Tensor:
+def random_operand(dist: str, g: torch.Generator, shape=(256, 1024)) -> torch.Tensor:
     """A finite fp32 tensor of ``dist`` for every seed (tails are bounded by the draws' resolution:
     Laplace by 24 ln 2 ≈ 16.6, Student-t by the smallest fp32 chi-square)."""
     if dist == "gaussian":
@@ -163,7 +163,7 @@ def mse_sweep(seed: int = 0, tensors: int = 8, progress=None) -> dict:
     for dist in SWEEP_DISTRIBUTIONS:
         optima, curves = [], []
         for _ in range(tensors):
-            x = _tensor(dist, g)
+            x = random_operand(dist, g)
             mse = [float((quantize_dequantize(x, "mxfp4", scale_rule=q) - x).pow(2).mean()) for q in QMAX_SWEEP]
             optima.append(QMAX_SWEEP[min(range(len(mse)), key=mse.__getitem__)])
             curves.append(mse)

@@ -300,10 +300,10 @@ def plots(r: dict, out_dir: Path) -> list[Path]:
 
 def write_json(summary: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=1, default=_json_default))
+    path.write_text(json.dumps(summary, indent=1, default=json_default))
 
 
-def _json_default(o):
+def json_default(o):
     if isinstance(o, torch.Tensor):
         return o.tolist()
     raise TypeError(type(o).__name__)

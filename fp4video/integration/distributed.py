@@ -116,9 +116,9 @@ def enable_context_parallel(pipe, *, ring_degree: int, ulysses_degree: int, devi
                          f"of processes ({size})")
     parallel = cpu_parallel_config(ring_degree=ring_degree, ulysses_degree=ulysses_degree) if device.type == "cpu" \
         else None
-    from .install import _transformers
+    from .install import transformers_of
 
-    for _, model in _transformers(pipe):
+    for _, model in transformers_of(pipe):
         plan = context_parallel_plan(model)
         heads = model.config.num_attention_heads
         if heads % ulysses_degree:

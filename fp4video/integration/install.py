@@ -43,7 +43,7 @@ class _Installed:
     through: str  # the handle install was given, for messages
 
 
-def _transformers(target):
+def transformers_of(target):
     """[(expert name or None, model)] for a pipeline or a bare transformer."""
     if isinstance(target, torch.nn.Module):
         return [(None, target)]
@@ -95,7 +95,7 @@ def install(pipe, policy: Policy | str | None = None, *, backend: str = "auto", 
     check_backend(backend)
     if not isinstance(record, bool):
         raise TypeError(f"record must be True or False, got {type(record).__name__} {record!r:.40}")
-    models = _transformers(pipe)
+    models = transformers_of(pipe)
     for _, model in models:
         saved = getattr(model, "_fp4video_saved", None)
         if saved is not None:
@@ -159,7 +159,7 @@ def uninstall(pipe) -> None:
     whichever handle installed it: its stock processors' backends, no fp4video hook; its
     installation's context records no more calls from it. Transformers without one are left as
     they are."""
-    for _, model in _transformers(pipe):
+    for _, model in transformers_of(pipe):
         saved = getattr(model, "_fp4video_saved", None)
         if saved is None:
             continue

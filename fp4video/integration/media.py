@@ -127,7 +127,7 @@ def write_video(frames, out: Path, fps: int, audio=None, sample_rate: int | None
     with tempfile.TemporaryDirectory() as tmp:
         video, sound = Path(tmp) / "video.mp4", Path(tmp) / "audio.wav"
         export_to_video(frames, str(video), fps=fps)
-        _write_wav(audio, sample_rate, sound)
+        write_wav(audio, sample_rate, sound)
         proc = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-loglevel", "error", "-i", str(video), "-i",
                                str(sound), "-map", "0:v", "-map", "1:a", "-c:v", "copy", "-c:a", "aac", str(out)],
                               capture_output=True, text=True)
@@ -135,7 +135,7 @@ def write_video(frames, out: Path, fps: int, audio=None, sample_rate: int | None
             raise RuntimeError(f"ffmpeg could not mux the soundtrack into {out}: {proc.stderr.strip()[-500:]}")
 
 
-def _write_wav(audio, sample_rate: int, path: Path) -> None:
+def write_wav(audio, sample_rate: int, path: Path) -> None:
     """A channels × samples waveform as 16-bit PCM WAV (clipped to [-1, 1])."""
     a = np.asarray(audio.detach().float().cpu() if hasattr(audio, "detach") else audio, dtype=np.float32)
     if a.ndim == 1:

@@ -85,7 +85,8 @@ class _Route:
     active: bool = True  # False once unrouted: a call still naming this route is refused
 
 
-def _stack() -> list:
+def call_stack() -> list:
+    """The attention module calls in progress on this thread (innermost last)."""
     if not hasattr(_local, "calls"):
         _local.calls = []
     return _local.calls
@@ -96,9 +97,9 @@ def _joins_context(processor) -> bool:
     ``add_q_proj`` (the processors of dual- and single-stream blocks, HunyuanVideo's and Motif's,
     share one ``__call__`` that joins the context projected by ``add_q_proj`` or, without it,
     concatenates the context before the projections); True where its source cannot be read."""
-    from .sites import _call_source
+    from .sites import call_source
 
-    source = _call_source(processor)
+    source = call_source(processor)
     return not source or "add_q_proj" in source
 
 
@@ -155,7 +156,7 @@ class _Refused(Exception):
 
 def _policy_attention(a: AttentionCall):
     """The ``fp4video_policy`` diffusers backend: the policy's target for this call."""
-    stack = _stack()
+    stack = call_stack()
     if not stack or not stack[-1].route.active:
         raise RuntimeError(f"diffusers called the {BACKEND} attention backend outside an attention module fp4video "
                            "routed: use fp4video.install(pipe, policy), not set_attention_backend, for it")
@@ -245,7 +246,7 @@ def current_selection(kind: str, sparsity, a: AttentionCall, mask, method: str =
     """The :class:`fp4video.sparse.BlockSelection` ``sparsity`` gives the routed call in progress on
     this thread for ``method`` (what its policy would run: calibration measures sparse candidates on it).
     ValueError outside a routed call, or where the selection cannot apply."""
-    stack = _stack()
+    stack = call_stack()
     if not stack:
         raise ValueError("a block-sparse selection is computed within a routed attention call only")
     call = stack[-1]
@@ -313,7 +314,7 @@ def _fp4(route, call, kind, method, q, k, v, mask, scale, return_lse, parallel_c
                                       scale=scale, return_lse=return_lse, backend=route.ctx.backend)
 
 
-def _register_backend():
+def register_routing_backend():
     from .dispatcher import register_backend
 
     return register_backend(BACKEND, _backend)
@@ -341,7 +342,7 @@ def _pre_hook(route: _Route, site: Site):
         else:  # it dispatches on the process-wide backend: ours while this module runs
             call.stock_backend = call.active_before = active_backend()
             set_active_backend(route.member)
-        _stack().append(call)
+        call_stack().append(call)
 
     return hook
 
@@ -349,7 +350,7 @@ def _pre_hook(route: _Route, site: Site):
 def _pop_call(route: _Route, site: Site) -> _Call | None:
     """Take this module's call off the stack: the innermost one of this route and site (and any
     above it, left by a module whose call ended without its hook), None when there is none."""
-    stack = _stack()
+    stack = call_stack()
     for i in range(len(stack) - 1, -1, -1):
         if stack[i].route is route and stack[i].site is site:
             call = stack[i]
@@ -374,7 +375,7 @@ def _post_hook(route: _Route, site: Site):
 
 def _added_key_hook(call_site: Site):
     def hook(module, args, output):
-        stack = _stack()
+        stack = call_stack()
         if stack and stack[-1].site is call_site and torch.is_tensor(output):
             stack[-1].added_keys.add(output.untyped_storage().data_ptr())
 
@@ -427,7 +428,7 @@ def _model_post_hook(route: _Route):
 
 def _drop_calls(route: _Route) -> None:
     """Remove this thread's calls of ``route`` from the stack."""
-    stack = _stack()
+    stack = call_stack()
     stack[:] = [c for c in stack if c.route is not route]
 
 
@@ -441,7 +442,7 @@ def route(model: torch.nn.Module, sites: list[Site], ctx) -> _Route:
     A processor shared with a model routed already keeps the stock backend saved then."""
     from .sites import names_its_backend
 
-    member = _register_backend()
+    member = register_routing_backend()
     r = _Route(model, sites, ctx, {}, [], member=member)
     procs = {}
     for site in sites:

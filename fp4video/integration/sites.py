@@ -62,7 +62,7 @@ def names_its_backend(processor) -> bool:
     return hasattr(type(processor), "_attention_backend") or hasattr(processor, "_attention_backend")
 
 
-def _call_source(processor) -> str:
+def call_source(processor) -> str:
     """The source of ``processor``'s ``__call__`` ("" where it cannot be read)."""
     import inspect
 
@@ -76,7 +76,7 @@ def dispatches_without_backend(processor) -> bool:
     """Whether ``processor`` calls diffusers' dispatcher without naming a backend (Cosmos 1.0 and
     2.5), so that the process-wide active backend runs its attention: read from the source of its
     ``__call__`` (False where the source cannot be read)."""
-    source = _call_source(processor)
+    source = call_source(processor)
     return "dispatch_attention_fn(" in source and "backend=" not in source
 
 
@@ -86,7 +86,7 @@ def fixed_backend(processor) -> str | None:
     or None: such a call cannot be routed."""
     import re
 
-    m = re.search(r"backend\s*=\s*AttentionBackendName\.(\w+)", _call_source(processor))
+    m = re.search(r"backend\s*=\s*AttentionBackendName\.(\w+)", call_source(processor))
     return m.group(1) if m else None
 
 

@@ -62,10 +62,6 @@ def tiny_wan_transformer(seed: int = 0, head_dim: int = 64, cls=None, **override
     return cls(**{**config, **overrides}).eval()
 
 
-#: The private name some tests import.
-_tiny_wan_transformer = tiny_wan_transformer
-
-
 def _tiny_wan_parts(seed: int):
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from transformers import T5Config, T5EncoderModel
