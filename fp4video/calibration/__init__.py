@@ -347,7 +347,7 @@ def replan(report, *, budget=None, candidates=None) -> Calibration:
     keeps the measurement's date, device and cost, and says where it was re-chosen from."""
     import json
 
-    from .report import build_report
+    from .report import build_report, shape_key
 
     source = None
     if not isinstance(report, dict):
@@ -382,8 +382,6 @@ def replan(report, *, budget=None, candidates=None) -> Calibration:
         table.setdefault(split_target(t)[0], table[t])
 
     def cost_of(target, shape):
-        from .report import shape_key
-
         return table.get(target, {}).get(shape_key(shape))
 
     plan = choose(stats, targets, cost_of, budget)

@@ -166,8 +166,10 @@ def _replan(args) -> int:
         result = replan(report, budget=Budget(**{**measured, **given}), candidates=args.candidates)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"--from {source}: not a calibration report ({e})") from None
-    except (KeyError, TypeError) as e:
+    except KeyError as e:
         raise UsageError(f"--from {source}: not a calibration report (no {e} in it)") from None
+    except TypeError as e:
+        raise UsageError(f"--from {source}: not a calibration report ({str(e).splitlines()[0]})") from None
     except ValueError as e:
         raise UsageError(f"--from {source}: {str(e).splitlines()[0]}") from None
     result.report["replanned"]["from"] = str(source)
