@@ -169,3 +169,13 @@ def test_a_checkouts_kernels_folder_hands_over_to_an_installed_kernels_package(t
     run = subprocess.run([sys.executable, "-c", "import kernels, fp4video.kernels as k; print(kernels.MARK, "
                           "k.__name__)"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert run.stdout.split() == ["installed", "fp4video.kernels"], run.stderr[-2000:]
+
+
+def test_every_package_folder_is_installed():
+    """A non-editable install ships only the packages pyproject.toml lists: every folder of the
+    package holding an ``__init__.py`` is among them (else its imports fail only after install)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "fp4video").rglob("__init__.py")
+             if "kernels" not in p.parent.relative_to(ROOT).parts}
+    assert found <= listed, f"not in pyproject.toml's packages: {sorted(found - listed)}"
