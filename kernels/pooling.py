@@ -16,10 +16,6 @@ from .tiles import next_pow2
 
 __all__ = ["tile_pool"]
 
-#: fp32's smallest normal: a direction's norm is held at or above it (a zero vector adds 0)
-TINY = tl.constexpr(1.1754943508222875e-38)
-
-
 @triton.jit
 def _tile_pool_kernel(X, W, C, Sums, Units, H, S, D, n_tiles,
                       sxb, sxh, sxs, sxd, swb, swh, sws, scb, sch,
@@ -43,8 +39,12 @@ def _tile_pool_kernel(X, W, C, Sums, Units, H, S, D, n_tiles,
     if UNITS:
         if HAS_C:
             x = x - tl.load(C + b * scb + h * sch + d, mask=d < D, other=0.0)[None, :]
-        norm = tl.sqrt(tl.sum(x * x, axis=1))
-        unit = tl.where(ok[:, None], x / tl.maximum(norm, TINY)[:, None], 0.0)
+        # x / ‖x‖ as u / ‖u‖ with u = x / max|x|: the same directions at any magnitude (no square
+        # underflows or overflows), as fp4video.sparse.estimate.directions
+        big = tl.max(tl.abs(x), axis=1)
+        u = tl.where((big > 0)[:, None], x / tl.where(big > 0, big, 1.0)[:, None], 0.0)
+        norm = tl.sqrt(tl.sum(u * u, axis=1))
+        unit = tl.where(ok[:, None], u / tl.maximum(norm, 1.0)[:, None], 0.0)
         tl.store(Units + out, tl.sum(unit, axis=0), mask=d < D)
 
 

@@ -398,13 +398,18 @@ def test_inputs_are_not_modified():
     assert all(torch.equal(a, b) for a, b in zip((q, k, v), copies))
 
 
-def test_sparse_module_imports_only_torch_and_the_numerics():
-    tree = ast.parse((ROOT / "fp4video" / "sparse.py").read_text())
+@pytest.mark.parametrize("path", sorted((ROOT / "fp4video" / "sparse").glob("*.py")), ids=lambda p: p.name)
+def test_sparse_module_imports_only_torch_and_the_numerics(path):
+    """The selections are numerics: torch, the reference's constants and their own modules only (the
+    kernels are handed in as ``pool`` / ``row_mass``)."""
+    tree = ast.parse(path.read_text())
     mods = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             mods |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             mods.add(("." * node.level) + (node.module or ""))
-    allowed = {"__future__", "functools", "math", "dataclasses", "typing", "torch", ".reference", ".formats", ".recipe"}
+    own = {"." + p.stem for p in (ROOT / "fp4video" / "sparse").glob("*.py")}
+    allowed = {"__future__", "functools", "math", "dataclasses", "typing", "torch", "..reference", "..formats",
+               "..recipe"} | own
     assert mods <= allowed, mods - allowed

@@ -1,0 +1,105 @@
+"""The exact attention mass of sampled query rows on every key tile: :func:`fp4video.sparse.row_block_mass`
+on the GPU, the read behind every block-sparse call's check (and the ``sampled`` estimate).
+
+A program takes ``BLOCK_R`` sampled rows of one batch entry and head and walks every key tile once:
+Q·Kᵀ of those rows in fp32 (16-bit inputs on the tensor cores, exact products), and per key tile the
+rows' largest logit and the sum of their exponentials below it. The host combines the tiles into each
+row's softmax weight per tile. Its work is the rows' share of a dense call's Q·Kᵀ (2 of 128 rows: 1/64),
+with no P·V.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4video.sparse import row_block_mass as reference_row_block_mass
+
+from .tiles import LOG2E, next_pow2
+
+__all__ = ["row_block_mass"]
+
+
+@triton.jit
+def _row_tile_stats_kernel(Q, K, Rows, Alive, Max, Sum, H, Sk, R, n_key_tiles, D, scale_log2,
+                           sqb, sqh, sqs, sqd, skb, skh, sks, skd, sab, sas,
+                           BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                           HAS_ALIVE: tl.constexpr, IEEE: tl.constexpr):
+    pr = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    r = pr * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    rows = tl.load(Rows + r, mask=r_ok, other=0)
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + d[None, :] * sqd,
+                mask=r_ok[:, None] & (d[None, :] < D), other=0.0)
+    out = (bh * R + r) * n_key_tiles
+    for j in range(0, n_key_tiles):
+        n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = n < Sk
+        if HAS_ALIVE:
+            live = live & (tl.load(Alive + b * sab + n * sas, mask=live, other=0) != 0)
+        kt = tl.load(K + b * skb + h * skh + n[None, :] * sks + d[:, None] * skd,
+                     mask=live[None, :] & (d[:, None] < D), other=0.0)
+        if IEEE:
+            s = tl.dot(q, kt, input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)
+        s = s * scale_log2  # log2 units
+        # a NaN or infinite logit at a live key makes its row NaN (as the reference)
+        bad = tl.max(tl.where(live[None, :] & ((s != s) | (tl.abs(s) == float("inf"))), 1, 0), axis=1) > 0
+        s = tl.where(live[None, :], s, -float("inf"))
+        m = tl.max(s, axis=1)
+        m_safe = tl.where(m == -float("inf"), 0.0, m)
+        total = tl.sum(tl.exp2(s - m_safe[:, None]), axis=1)
+        tl.store(Max + out + j, tl.where(bad, float("nan"), m), mask=r_ok)
+        tl.store(Sum + out + j, tl.where(bad, float("nan"), total), mask=r_ok)
+
+
+def row_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, *, scale: float | None = None,
+                   attn_mask: torch.Tensor | None = None, key_tile: int = 128, rows_at_once: int = 1024) -> torch.Tensor:
+    """:func:`fp4video.sparse.row_block_mass` on the GPU (the same contract and values to fp32
+    rounding: the sums run in another order). A mask other than a key-padding one ((B, 1, 1, Sk) or
+    a broadcast of it) runs the reference, on the same device."""
+    if attn_mask is not None and not (attn_mask.dim() == 4 and attn_mask.shape[1] == attn_mask.shape[2] == 1):
+        return reference_row_block_mass(q, k, rows, scale=scale, attn_mask=attn_mask, key_tile=key_tile,
+                                        rows_at_once=rows_at_once)
+    if key_tile & (key_tile - 1) or key_tile < 16:
+        return reference_row_block_mass(q, k, rows, scale=scale, attn_mask=attn_mask, key_tile=key_tile,
+                                        rows_at_once=rows_at_once)
+    b, h, sq, d = q.shape
+    sk = k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    flat = rows.reshape(-1).to(device=q.device, dtype=torch.int64)
+    n_rows, nk = flat.numel(), -(-sk // key_tile)
+    dev = q.device
+    top = torch.empty(b, h, n_rows, nk, device=dev, dtype=torch.float32)
+    total = torch.empty_like(top)
+    alive = None
+    if attn_mask is not None:
+        alive = attn_mask.expand(b, 1, 1, sk).reshape(b, sk).to(torch.int8).contiguous()
+    a = alive if alive is not None else torch.empty(1, 1, dtype=torch.int8, device=dev)
+    if q.dtype != k.dtype or not q.is_cuda:  # (the CPU interpreter has no 16-bit dot)
+        q, k = q.float(), k.float()
+    ieee = q.dtype == torch.float32
+    block_r = 64
+    if n_rows:
+        _row_tile_stats_kernel[(triton.cdiv(n_rows, block_r), b * h)](
+            q, k, flat, a, top, total, h, sk, n_rows, nk, d, scale * LOG2E,
+            *q.stride(), *k.stride(), *(a.stride() if alive is not None else (0, 0)),
+            BLOCK_R=block_r, BLOCK_N=key_tile, BLOCK_D=next_pow2(d), HAS_ALIVE=alive is not None, IEEE=ieee,
+            num_warps=4 if key_tile * next_pow2(d) <= 128 * 64 else 8,
+        )
+    # each row's softmax weight per tile: the tiles' sums brought to the row's largest logit
+    row_top = top.amax(dim=-1, keepdim=True)
+    weight = total * torch.exp2(top - torch.where(row_top == -math.inf, 0.0, row_top))
+    weight = torch.where(top == -math.inf, 0.0, weight)  # tiles without a live key
+    mass = weight / weight.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    bad = torch.isnan(top).any(dim=-1, keepdim=True)
+    mass = torch.where(bad, math.nan, mass)
+    return mass.reshape(b, h, *rows.shape, nk)

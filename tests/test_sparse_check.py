@@ -1,0 +1,247 @@
+"""Every block-sparse call measures what it drops, and repairs it: sampled rows, their exact mass
+(reference against fp64; the GPU kernel in the interpreter against the reference, row by row), the
+check's kept mass against the exact kept mass of the same rows, sinks, the floor's repair on every
+sampled row, the top-k share, the sampled estimate, rules checked when built, scale invariance, and
+no read-back while checking."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fp4video import fp4_attention
+from fp4video.harness.video_heads import VideoGrid, exact_block_mass, selection_quality, video_heads
+from fp4video.sparse import (
+    BlockSelection,
+    DynamicSparsity,
+    HybridSparsity,
+    StaticSparsity,
+    check_selection,
+    dynamic_selection,
+    resolve_sparsity,
+    row_block_mass,
+    sample_rows,
+)
+
+GRID = VideoGrid(4, 16, 32, text=32)  # 2,080 tokens: 17 query tiles
+
+
+@pytest.fixture(scope="module")
+def heads():
+    return video_heads(GRID, seed=0)
+
+
+@pytest.fixture(scope="module")
+def rows_mass(heads):
+    q, k, _ = heads
+    return exact_block_mass(q, k)
+
+
+def _fp64_row_mass(q, k, rows, mask=None, key_tile=128):
+    """Independent: the full fp64 softmax of every row, then the sampled rows' tile sums."""
+    s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    nk = -(-k.shape[2] // key_tile)
+    p = torch.nn.functional.pad(p, (0, nk * key_tile - k.shape[2]))
+    tiles = p.reshape(*p.shape[:-1], nk, key_tile).sum(-1)
+    return tiles[:, :, rows.reshape(-1)].reshape(*p.shape[:2], *rows.shape, nk)
+
+
+# --- sampled rows --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sq,per_tile", [(300, 2), (128, 4), (1000, 3), (5, 2), (129, 8)])
+def test_sample_rows_one_per_stratum_of_each_tile(sq, per_tile):
+    rows = sample_rows(sq, 128, per_tile, seed=7)
+    nq = -(-sq // 128)
+    assert rows.shape == (nq, per_tile) and rows.dtype == torch.int64
+    for i in range(nq):
+        length = min(128, sq - i * 128)
+        for j in range(per_tile):
+            lo, hi = j * length // per_tile, (j + 1) * length // per_tile
+            r = int(rows[i, j]) - i * 128
+            assert 0 <= r < length and (lo <= r < max(hi, lo + 1) or length < per_tile), (i, j, r, lo, hi)
+    assert torch.equal(rows, sample_rows(sq, 128, per_tile, seed=7))  # fixed per seed
+
+
+def test_sample_rows_move_with_the_seed():
+    assert not torch.equal(sample_rows(4096, 128, 2, seed=0), sample_rows(4096, 128, 2, seed=1))
+
+
+# --- exact mass of sampled rows ------------------------------------------------------------------------
+
+
+def test_row_block_mass_equals_fp64_softmax_with_masks_and_dead_rows():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 3, 300, 64, generator=g) * 2, torch.randn(2, 3, 333, 64, generator=g) * 2
+    rows = sample_rows(300, 128, 3, seed=1)
+    mask = torch.rand(2, 1, 300, 333, generator=g) > 0.3
+    mask[1, :, rows[1, 0]] = False  # a sampled row that sees no key: zeros
+    got = row_block_mass(q, k, rows, attn_mask=mask, rows_at_once=5)
+    want = _fp64_row_mass(q, k, rows, mask)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+    assert got[1, :, 1, 0].abs().max() == 0
+    torch.testing.assert_close(got.sum(-1)[0], torch.ones_like(got.sum(-1)[0]), rtol=0, atol=1e-5)
+
+
+def test_row_block_mass_is_nan_for_rows_with_an_infinite_logit():
+    q, k = torch.randn(1, 2, 200, 32), torch.randn(1, 2, 200, 32)
+    k[0, 1, 5] = math.inf
+    got = row_block_mass(q, k, sample_rows(200, 128, 2))
+    assert torch.isnan(got[0, 1]).all() and torch.isfinite(got[0, 0]).all()
+
+
+@pytest.mark.parametrize("d", [32, 64, 80, 128])
+def test_row_mass_kernel_equals_the_reference_per_row(d, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from fp4video.kernels.row_mass import row_block_mass as kernel
+
+    g = torch.Generator().manual_seed(d)
+    q, k = torch.randn(2, 2, 333, d, generator=g) * 3, torch.randn(2, 2, 300, d, generator=g) * 3
+    rows = sample_rows(333, 128, 2, seed=d)
+    pad = torch.ones(2, 1, 1, 300, dtype=torch.bool)
+    pad[1, ..., 170:] = False
+    pad[0, ..., :] = False  # batch entry 0 sees no key: zeros
+    for mask in (None, pad):
+        want = row_block_mass(q, k, rows, attn_mask=mask)
+        got = kernel(q, k, rows, attn_mask=mask)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    k[1, 0, 3] = math.nan
+    got = kernel(q, k, rows)
+    assert torch.isnan(got[1, 0]).all() and torch.isfinite(got[0]).all() and torch.isfinite(got[1, 1]).all()
+
+
+# --- the check ------------------------------------------------------------------------------------------
+
+
+def test_check_measures_the_exact_kept_mass_of_its_rows(heads):
+    q, k, _ = heads
+    sel = dynamic_selection(q, k, tau=0.5, estimate="sampled")
+    checked = check_selection(sel, q, k, rows=3, seed=5)
+    rows = sample_rows(q.shape[2], 128, 3, seed=5)
+    exact = _fp64_row_mass(q, k, rows)  # (B, H, nq, r, nk)
+    want = (exact * sel.tiles.unsqueeze(-2)).sum(-1).mean(-1)
+    torch.testing.assert_close(checked.check.kept.double(), want, rtol=0, atol=1e-5)
+    assert torch.equal(checked.tiles, sel.tiles)  # no floor, no sinks: measured only
+    dense = check_selection(BlockSelection.dense(q.shape[2], k.shape[2], device=q.device), q, k)
+    assert torch.allclose(dense.check.kept, torch.ones(()), atol=1e-5)
+
+
+def test_repair_brings_every_sampled_row_to_the_floor(heads):
+    q, k, _ = heads
+    for floor in (0.5, 0.9, 0.99):
+        rule = StaticSparsity(GRID.frames, GRID.height, GRID.width, window=(0, 2, 4), text_tokens=GRID.text,
+                              text_position="last", floor=floor)
+        sel = resolve_sparsity(rule, q, k)
+        rows = sample_rows(q.shape[2], 128, rule.check_rows, seed=rule.seed)
+        exact = _fp64_row_mass(q, k, rows)
+        row_kept = (exact * sel.tiles.unsqueeze(-2)).sum(-1)
+        assert row_kept.min() >= floor - 1e-5, floor
+        assert sel.check.kept.min() >= floor - 1e-5
+        assert sel.check.kept_before.min() < floor  # the window alone drops mass here
+        assert bool(sel.check.repaired.any())
+        assert float(sel.density()) > float(sel.check.density_before)
+
+
+def test_sinks_are_found_and_kept_by_every_query_tile(heads, rows_mass):
+    q, k, _ = heads
+    h = 3  # the sinks head
+    window = dict(frames=GRID.frames, height=GRID.height, width=GRID.width, window=(0, 2, 4), text_tokens=GRID.text,
+                  text_position="last")
+    plain = resolve_sparsity(StaticSparsity(**window), q[:, h:h + 1], k[:, h:h + 1])
+    with_sinks = resolve_sparsity(StaticSparsity(**window, sinks=True), q[:, h:h + 1], k[:, h:h + 1])
+    a = selection_quality(rows_mass[:, h:h + 1], plain.tiles)
+    b = selection_quality(rows_mass[:, h:h + 1], with_sinks.tiles)
+    assert b["row_min"] > a["row_min"] + 0.2 and b["kept_min"] > 0.95 > a["kept_min"]
+    added = with_sinks.tiles & ~plain.tiles.expand_as(with_sinks.tiles)
+    assert added.any(dim=-2).sum() <= 2  # whole columns: the sink keys' tiles
+    # a spatial head has no sinks: nothing is added
+    spatial = resolve_sparsity(StaticSparsity(**window, sinks=True), q[:, :1], k[:, :1])
+    assert torch.equal(spatial.tiles.expand(1, 1, -1, -1), plain.tiles.expand(1, 1, -1, -1))
+
+
+def test_topk_keeps_at_least_its_share_and_a_superset():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 1024, 64, generator=g), torch.randn(1, 2, 1024, 64, generator=g)
+    base = dynamic_selection(q, k, tau=None, topk=0.25, estimate="sampled", neighbours=None)
+    assert (base.tiles.sum(-1) >= 2).all()
+    more = dynamic_selection(q, k, tau=0.5, topk=0.25, estimate="sampled", neighbours=None)
+    assert (more.tiles | ~base.tiles).all()
+
+
+def test_sampled_estimate_is_near_the_oracle_on_spatial_and_temporal_heads(heads, rows_mass):
+    q, k, _ = heads
+    sel = dynamic_selection(q[:, :2], k[:, :2], tau=0.9, estimate="sampled")
+    quality = selection_quality(rows_mass[:, :2], sel.tiles)
+    assert quality["density"] < 0.5 and quality["efficiency"] >= 0.95
+
+
+def test_hybrid_visits_what_either_rule_keeps(heads):
+    q, k, _ = heads
+    static = StaticSparsity(GRID.frames, GRID.height, GRID.width, window=(0, 2, 4), text_tokens=GRID.text,
+                            text_position="last")
+    dynamic = DynamicSparsity(tau=0.8, estimate="sampled")
+    hybrid = resolve_sparsity(HybridSparsity(static=static, dynamic=dynamic), q, k)
+    a, b = resolve_sparsity(static, q, k), resolve_sparsity(dynamic, q, k)
+    assert torch.equal(hybrid.tiles, a.tiles | b.tiles)
+
+
+def test_a_call_runs_the_repaired_selection(heads):
+    """fp4_attention with a rule is the reference over the checked (repaired) selection."""
+    q, k, v = (t[:, :2, :1024] for t in heads)
+    rule = DynamicSparsity(tau=0.5, estimate="sampled", floor=0.95)
+    sel = resolve_sparsity(rule, q, k)
+    assert sel.check is not None
+    a = fp4_attention(q, k, v, method="fp16", backend="reference", sparsity=rule)
+    b = fp4_attention(q, k, v, method="fp16", backend="reference", sparsity=sel)
+    assert torch.equal(a, b)
+
+
+# --- regressions ------------------------------------------------------------------------------------------
+
+
+def test_dynamic_selection_coherence_is_scale_invariant():
+    """Tiles' self-similarity once depended on scale: Q/K at 1e-25 (fp32 squares underflow) counted as
+    coherent and selected where the same inputs at 1 kept every tile."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 1024, 64, generator=g), torch.randn(1, 2, 1024, 64, generator=g)
+    for s in (1e-38, 1e-30, 1e-25, 1e-20, 1e-15, 1.0, 1e15):
+        assert float(dynamic_selection(q * s, k * s, tau=0.5).density()) == 1.0, s  # random: never coherent
+    from test_sparse import local_inputs
+
+    q, k = local_inputs(n=1024, heads=2, width=16.0)
+    want = dynamic_selection(q, k, tau=0.5)
+    assert float(want.density()) < 1
+    for s in (2.0**-100, 2.0**-60, 2.0**40):  # the same logits at another magnitude: the same tiles
+        got = dynamic_selection(q * s, k * s, tau=0.5, scale=1 / (8 * s * s))
+        assert torch.equal(got.tiles, want.tiles), s
+
+
+@pytest.mark.parametrize("bad", [dict(neighbours=-1), dict(sink_tiles=-2), dict(min_similarity=math.nan),
+                                 dict(query_tile=0), dict(key_tile=-128), dict(topk=1.5), dict(estimate="pooledd"),
+                                 dict(floor=-0.1), dict(floor=math.nan), dict(sinks=1), dict(check_rows=0),
+                                 dict(tau=None), dict(tau=True), dict(estimate_rows=0), dict(seed=-1)])
+def test_dynamic_sparsity_checks_every_option_when_built(bad):
+    """Options once waited for the first call to fail (neighbours=-1, sink_tiles=-2, min_similarity=nan,
+    query_tile=0)."""
+    args = {"tau": 0.9, **bad}
+    name = next(iter(bad)) if next(iter(bad)) != "check_rows" else "check_rows"
+    with pytest.raises(ValueError, match=name if name != "tau" or bad["tau"] is not None else "tau"):
+        DynamicSparsity(**args)
+
+
+def test_checking_reads_nothing_back(heads, monkeypatch):
+    q, k, _ = heads
+    for name in ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, **kw: (_ for _ in ()).throw(AssertionError("read-back")))
+    for rule in (DynamicSparsity(0.9, floor=0.9, sinks=True), DynamicSparsity(0.9, topk=0.1, estimate="sampled",
+                                                                             floor=0.8),
+                 StaticSparsity(GRID.frames, GRID.height, GRID.width, text_tokens=GRID.text, text_position="last",
+                                sinks=True, floor=0.9)):
+        sel = resolve_sparsity(rule, q, k)
+        sel.check.summary()
