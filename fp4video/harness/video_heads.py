@@ -183,22 +183,27 @@ def oracle_selection(rows_mass: torch.Tensor, counts: torch.Tensor, query_tile: 
     return rank < counts.expand(block.shape[:3]).unsqueeze(-1)
 
 
-def selection_quality(rows_mass: torch.Tensor, tiles: torch.Tensor, query_tile: int = 128) -> dict:
-    """What a selection (bool tiles (B|1, H|1, nq, nk)) keeps of the exact attention ``rows_mass``
-    (:func:`exact_block_mass`): per query tile the mean over its rows of the kept weight (``tile_kept``
-    (B, H, nq)), its min / 1% quantile / mean (``kept_min``, ``kept_q01``, ``kept_mean``), the worst row
-    (``row_min``), and the oracle's kept mass at the same count per query tile (``oracle_mean``,
-    ``oracle_min``) with ``efficiency`` = kept mean / oracle mean."""
+def selection_quality(rows_mass: torch.Tensor, tiles: torch.Tensor, query_tile: int = 128, *, v: torch.Tensor | None = None,
+                      q: torch.Tensor | None = None, k: torch.Tensor | None = None, report_tile: int = 128) -> dict:
+    """What a selection (bool ``tiles`` (B|1, H|1, nq, nk) over ``query_tile`` rows × 128 keys) keeps of
+    the exact attention ``rows_mass`` (:func:`exact_block_mass`). Per query tile of ``report_tile`` rows,
+    the mean over its rows of the kept weight (``tile_kept`` (B, H, n)), with its min / 1% quantile / mean
+    (``kept_min``, ``kept_q01``, ``kept_mean``); the worst row (``row_min``); the oracle's kept mass at the
+    same number of key tiles per query tile (``oracle_mean``, ``oracle_min``; for a selection of another
+    query tile, its mean count per report tile) and ``efficiency`` = kept mean / oracle mean; ``density``.
+    With ``q``, ``k``, ``v``: the fp64 attention over the kept keys against the dense one, row by row:
+    ``cosine`` (whole output), ``row_cos_min`` and ``row_cos_q001`` (the 0.1% quantile)."""
     b, h, sq, nk = rows_mass.shape
     t = tiles.expand(b, h, *tiles.shape[2:])
     row_tiles = t.repeat_interleave(query_tile, dim=2)[:, :, :sq]
     row_kept = (rows_mass * row_tiles).sum(-1)
-    tile_kept = _tile_mean(row_kept.unsqueeze(-1), query_tile).squeeze(-1)
-    oracle = oracle_selection(rows_mass, t.sum(-1), query_tile)
-    oracle_kept = _tile_mean((rows_mass * oracle.repeat_interleave(query_tile, dim=2)[:, :, :sq]).sum(-1, keepdim=True),
-                             query_tile).squeeze(-1)
+    tile_kept = _tile_mean(row_kept.unsqueeze(-1), report_tile).squeeze(-1)
+    counts = _tile_mean(row_tiles.sum(-1, keepdim=True).double(), report_tile).squeeze(-1).round().long()
+    oracle = oracle_selection(rows_mass, counts, report_tile)
+    oracle_kept = _tile_mean((rows_mass * oracle.repeat_interleave(report_tile, dim=2)[:, :, :sq]).sum(-1, keepdim=True),
+                             report_tile).squeeze(-1)
     flat = tile_kept.flatten()
-    return {
+    out = {
         "tile_kept": tile_kept,
         "kept_min": float(flat.min()),
         "kept_q01": float(torch.quantile(flat, 0.01)),
@@ -209,3 +214,25 @@ def selection_quality(rows_mass: torch.Tensor, tiles: torch.Tensor, query_tile: 
         "efficiency": float(flat.mean() / oracle_kept.mean()),
         "density": float(t.float().mean()),
     }
+    if v is not None:
+        cos = _row_cosines(q, k, v, row_tiles)
+        out.update(cosine=float(cos[1]), row_cos_min=float(cos[0].min()),
+                   row_cos_q001=float(torch.quantile(cos[0].flatten(), 0.001)))
+    return out
+
+
+def _row_cosines(q, k, v, row_tiles, key_tile: int = 128, rows_at_once: int = 1024):
+    """(per-row cosine (B, H, Sq), whole-output cosine) of fp64 attention over the kept key tiles
+    (``row_tiles`` (B, H, Sq, nk)) against dense fp64 attention."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    sk = k.shape[2]
+    kd, vd = k.double(), v.double()
+    cos, dot, na, nb = [], 0.0, 0.0, 0.0
+    for r0 in range(0, q.shape[2], rows_at_once):
+        s = (q[:, :, r0:r0 + rows_at_once].double() @ kd.transpose(-1, -2)) * scale
+        dense = torch.softmax(s, dim=-1) @ vd
+        keep = row_tiles[:, :, r0:r0 + rows_at_once].repeat_interleave(key_tile, dim=-1)[..., :sk]
+        sparse = torch.softmax(s.masked_fill(~keep, -math.inf), dim=-1).nan_to_num(0.0) @ vd
+        cos.append(torch.nn.functional.cosine_similarity(sparse, dense, dim=-1))
+        dot, na, nb = dot + (sparse * dense).sum(), na + sparse.square().sum(), nb + dense.square().sum()
+    return torch.cat(cos, dim=2), dot / (na.sqrt() * nb.sqrt())
