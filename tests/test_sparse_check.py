@@ -245,3 +245,44 @@ def test_checking_reads_nothing_back(heads, monkeypatch):
                                 sinks=True, floor=0.9)):
         sel = resolve_sparsity(rule, q, k)
         sel.check.summary()
+
+
+# --- on the GPU -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_row_mass_kernel_equals_the_reference_gpu(dtype):
+    from fp4video.kernels.row_mass import row_block_mass as kernel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 8, 9000, 128, device="cuda", generator=g).to(dtype) * 2
+    k = torch.randn(1, 8, 9100, 128, device="cuda", generator=g).to(dtype) * 2
+    rows = sample_rows(9000, 128, 2, seed=3, device="cuda")
+    pad = torch.ones(1, 1, 1, 9100, dtype=torch.bool, device="cuda")
+    pad[..., 8000:] = False
+    for mask in (None, pad):
+        out = kernel(q, k, rows, attn_mask=mask)  # its tile statistics start uninitialized: a tile not
+        want = row_block_mass(q, k, rows, attn_mask=mask)
+        assert torch.isfinite(out).all()  # written would show as garbage here or below
+        torch.testing.assert_close(out, want, rtol=0, atol=2e-5 if dtype == torch.float32 else 1e-5)
+
+
+@pytest.mark.gpu
+def test_checked_repaired_call_captures_in_a_cuda_graph_gpu():
+    """The check, sinks and the repair are tensor operations: a graph captures the call with them."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(1, 4, 4096, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    rule = DynamicSparsity(tau=0.5, topk=0.1, estimate="sampled", sinks=True, floor=0.9)
+    eager = fp4_attention(q, k, v, method="mxattn-pv8", sparsity=rule, backend="triton")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fp4_attention(q, k, v, method="mxattn-pv8", sparsity=rule, backend="triton")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp4_attention(q, k, v, method="mxattn-pv8", sparsity=rule, backend="triton")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
