@@ -65,31 +65,24 @@ def fp4video_rules(grid: VideoGrid) -> list[tuple[str, str, object]]:
     return rules
 
 
-def sparge_module(src: str | None):
-    """SpargeAttn's selection functions: the installed package's, else its ``utils.py`` loaded from
-    ``src`` (Triton only, no build), else None."""
+def sparge_select(src: str | None):
+    """SpargeAttn's selection (:func:`fp4video.eval.peers.sparge_selection`) where installed; else,
+    with ``src`` (its source folder), its selection code alone (Triton, no build); else None."""
+    from fp4video.eval.peers import sparge_selection
+
     try:
-        from spas_sage_attn import utils  # noqa: F401  (the installed package)
+        import spas_sage_attn.utils  # noqa: F401
 
-        return utils
+        return sparge_selection
     except Exception:
-        pass
-    if src:
-        spec = importlib.util.spec_from_file_location("sparge_utils", Path(src) / "spas_sage_attn" / "utils.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    return None
-
-
-def sparge_tiles(utils, q, k, *, topk=None, cdf=None):
-    """SpargeAttn's block map on Hopper's blocks (64 queries × 128 keys), K smoothed as its attention
-    entry points do, the similarity gate as its defaults for the mode (top-k: -0.1; cdf: 0.6)."""
-    km = k.mean(dim=-2, keepdim=True)
-    qh, kh = q.to(torch.float16).contiguous(), (k - km).to(torch.float16).contiguous()
-    if topk is not None:
-        return utils.get_block_map_meansim(qh, kh, BLKQ=64, BLKK=128, simthreshd1=-0.1, cdfthreshd=None, topk=topk)
-    return utils.get_block_map_meansim(qh, kh, BLKQ=64, BLKK=128, simthreshd1=0.6, cdfthreshd=cdf, topk=None)
+        if not src:
+            return None
+    spec = importlib.util.spec_from_file_location("spas_sage_attn.utils", Path(src) / "spas_sage_attn" / "utils.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["spas_sage_attn"] = type(sys)("spas_sage_attn")
+    sys.modules["spas_sage_attn.utils"] = module
+    return sparge_selection
 
 
 def miss_rate(quality: dict, floor: float) -> float:
@@ -108,7 +101,7 @@ def run(args) -> list[dict]:
     t0 = time.perf_counter()
     rows_mass = exact_block_mass(q, k)
     print(f"exact block mass: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    utils = sparge_module(args.sparge_src) if dev.type == "cuda" else None
+    sparge = sparge_select(args.sparge_src) if dev.type == "cuda" else None
     results = []
 
     def record(family, label, tiles, query_tile, h, extra=None):
@@ -128,18 +121,17 @@ def run(args) -> list[dict]:
             tiles = sel.tiles[:, h:h + 1] if sel.tiles.shape[1] > 1 else sel.tiles
             record(family, label, tiles, sel.query_tile, h,
                    {"floor": getattr(rule, "floor", None), "checked_kept_min": summary["kept_min"]})
-            if utils is not None and family in ("sampled τ", "pooled τ", "window"):
+            if sparge is not None and family in ("sampled τ", "pooled τ", "window"):
                 density = float(tiles.float().mean())
                 share = max(density, 1.0 / tiles.shape[-1])
                 record("SpargeAttn top-k", f"SpargeAttn top-k {share:.3f} (at {label})",
-                       sparge_tiles(utils, q[:, h:h + 1], k[:, h:h + 1], topk=share), 64, h)
+                       sparge(q[:, h:h + 1], k[:, h:h + 1], topk=share), 64, h)
         print(f"  {label}", file=sys.stderr)
         (out / "suite.json").write_text(json.dumps(results, indent=1))
-    if utils is not None:
+    if sparge is not None:
         for cdf in (0.8, 0.9, 0.95, 0.98):
             for h in range(len(HEAD_KINDS)):
-                record("SpargeAttn cdf", f"SpargeAttn cdf {cdf}", sparge_tiles(utils, q[:, h:h + 1], k[:, h:h + 1],
-                                                                                cdf=cdf), 64, h)
+                record("SpargeAttn cdf", f"SpargeAttn cdf {cdf}", sparge(q[:, h:h + 1], k[:, h:h + 1], cdf=cdf), 64, h)
     (out / "suite.json").write_text(json.dumps(results, indent=1))
     (out / "suite.md").write_text(markdown(results, grid, args))
     plot(results, out / "suite.png", f"{grid.tokens} tokens, D={args.head_dim}")

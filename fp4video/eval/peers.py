@@ -6,7 +6,10 @@ fp4video never ships or builds them; it imports them when they are there (as dif
 - FlashAttention-3 (``flash_attn_interface``, or the ``fa3-fwd`` wheel's ``fa3_fwd_interface``), in
   bf16 and in FP8 e4m3 with the per-tensor scale a user takes (amax / 448), timed with the cast
   included and as the kernel alone;
-- SageAttention2 (``sageattention.sageattn``: INT8 Q·K, FP8 P·V, its own quantization inside the call).
+- SageAttention2 (``sageattention.sageattn``: INT8 Q·K, FP8 P·V, its own quantization inside the call);
+- SpargeAttn (``spas_sage_attn``), the block-sparse peer: its kernel on a given selection
+  (``block_sparse_sage2_attn_cuda`` on the same tiles, :func:`find_sparse_peers`) and its own top-k
+  and cumulative selections (:func:`sparge_selection`).
 
 :func:`sdpa_replaced_by` puts a peer in place of ``torch.nn.functional.scaled_dot_product_attention``
 for a block of code (``fp4video bench pipeline --peers``: a whole diffusers forward with the peer as
@@ -28,7 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Peer", "find_peers", "E4M3_MAX", "fp8_per_tensor", "SdpaRoute", "sdpa_replaced_by"]
+__all__ = ["Peer", "find_peers", "SparsePeer", "find_sparse_peers", "sparge_selection", "E4M3_MAX", "fp8_per_tensor",
+           "SdpaRoute", "sdpa_replaced_by"]
 
 #: The largest finite float8_e4m3fn value (the per-tensor scale is amax / E4M3_MAX).
 E4M3_MAX = 448.0
@@ -126,6 +130,61 @@ def find_peers(*, key_mask: bool = False) -> list[Peer]:
         peers = [p if p.fn is None else Peer(p.name, p.precision, None, "takes no key-padding mask",
                                              whole_call=p.whole_call) for p in peers]
     return peers
+
+
+@dataclass(frozen=True)
+class SparsePeer:
+    """A block-sparse peer kernel: ``fn(q, k, v, tiles)`` with (B, H, S, D) inputs and fp4video's
+    selection bitmap ``tiles`` (B|1, H|1, ceil(Sq/128), ceil(Sk/128)) returns (B, H, S, D); None with
+    ``missing`` when it cannot run here."""
+
+    name: str
+    fn: Callable | None
+    missing: str | None = None
+
+
+def _sparge_blocks(tiles: torch.Tensor, b: int, h: int, sq: int, major: int) -> torch.Tensor:
+    """fp4video's 128 × 128 bitmap as SpargeAttn's ``mask_id`` (int32 0/1): 64 queries × 128 keys on
+    sm_90, 128 × 64 on sm_80 / sm_89 (each of its blocks visits what its fp4video tile visits)."""
+    t = tiles.expand(b, h, *tiles.shape[2:])
+    if major == 9:
+        t = t.repeat_interleave(2, dim=2)[:, :, : -(-sq // 64)]
+    else:
+        t = t.repeat_interleave(2, dim=3)
+    return t.to(torch.int32).contiguous()
+
+
+def find_sparse_peers() -> list[SparsePeer]:
+    """SpargeAttn's block-sparse SageAttention2 kernel on a given selection (installed or not)."""
+    module, missing = _import(("spas_sage_attn",))
+    name = "SpargeAttn block_sparse_sage2_attn_cuda (same tiles)"
+    if module is None or not hasattr(module, "block_sparse_sage2_attn_cuda"):
+        return [SparsePeer(name, None, f"not installed ({missing or 'no block_sparse_sage2_attn_cuda'})")]
+    kernel = module.block_sparse_sage2_attn_cuda
+
+    def fn(q, k, v, tiles):
+        blocks = _sparge_blocks(tiles, q.shape[0], q.shape[1], q.shape[2], torch.cuda.get_device_capability(q.device)[0])
+        return _first(kernel(q, k, v, mask_id=blocks, tensor_layout="HND"))
+
+    return [SparsePeer(name, fn)]
+
+
+def sparge_selection(q: torch.Tensor, k: torch.Tensor, *, topk: float | None = None, cdf: float | None = None):
+    """SpargeAttn's own selection of key blocks for (B, H, S, D) ``q``, ``k`` (K smoothed by its mean,
+    as its attention entry points do): top-k (a share of key blocks per query block, its similarity
+    gate off as in its top-k entry point) or cumulative (``cdf``, its default similarity gate 0.6).
+    (B, H, ceil(Sq/64), ceil(Sk/128)) bool on Hopper's blocks; ValueError where SpargeAttn is not
+    installed."""
+    utils, missing = _import(("spas_sage_attn.utils",))
+    if utils is None:
+        raise ValueError(f"SpargeAttn is not installed ({missing})")
+    if (topk is None) == (cdf is None):
+        raise ValueError("give exactly one of topk and cdf")
+    km = k.mean(dim=-2, keepdim=True)
+    qh, kh = q.to(torch.float16).contiguous(), (k - km).to(torch.float16).contiguous()
+    if topk is not None:
+        return utils.get_block_map_meansim(qh, kh, BLKQ=64, BLKK=128, simthreshd1=-0.1, cdfthreshd=None, topk=topk)
+    return utils.get_block_map_meansim(qh, kh, BLKQ=64, BLKK=128, simthreshd1=0.6, cdfthreshd=cdf, topk=None)
 
 
 @dataclass
