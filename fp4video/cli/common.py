@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -111,9 +112,58 @@ def check_output_dir(path: Path | str, flag: str) -> Path:
     return path
 
 
+#: The parts of pydantic's own text for a ValidationError (``str(err)``, also inside another message):
+#: a header ``N validation error(s) for Model``, then for each error its location on a line and the
+#: reason on the next, indented and ending in ``[type=..., input_value=..., input_type=...]``, then a
+#: line ``For further information visit <url>``.
+_PYDANTIC_HEADER = re.compile(r"\d+ validation errors? for [\w.\[\], ]+$")
+_PYDANTIC_URL = re.compile(r"For further information visit \S+")
+_PYDANTIC_DETAILS = re.compile(r"\s*\[type=[^,\]]+(?:, input_value=(?P<value>.*), input_type=[^\]]+)?\]$")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _pydantic_reason(text: str) -> str:
+    """pydantic's reason line without its details bracket (the value it got kept, when short and scalar)."""
+    m = _PYDANTIC_DETAILS.search(text)
+    reason = text[: m.start()] if m else text
+    reason = reason.strip().removeprefix("Value error, ")
+    value = m.group("value") if m else None
+    if value is not None and value[:1] not in "{[(" and len(value) <= 60:
+        reason += f" (got {value})"
+    return reason
+
+
 def one_line(message: str) -> str:
-    """A message on one line: several problems joined by "; "."""
-    return "; ".join(line.strip() for line in str(message).splitlines() if line.strip())
+    """A message on one line: several problems joined by "; ". pydantic's own text for a validation
+    error, where a message carries it, becomes ``location: reason`` per error, its header and its
+    links to pydantic's documentation left out: the reason is kept, whatever line a caller printed."""
+    lines = [line.rstrip() for line in str(message).splitlines() if line.strip()]
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        line, text = lines[i], lines[i].strip()
+        i += 1
+        if _PYDANTIC_URL.fullmatch(text):
+            continue
+        head = _PYDANTIC_HEADER.search(text)
+        if head:
+            text = text[: head.start()].strip()
+        if i < len(lines) and _indent(lines[i]) > _indent(line) and _PYDANTIC_DETAILS.search(lines[i]):
+            reason = _pydantic_reason(lines[i])
+            text = f"{text}{' ' if text.endswith(':') else ': '}{reason}" if text else reason
+            i += 1
+        elif _PYDANTIC_DETAILS.search(text):
+            text = _pydantic_reason(text)
+        if not text:
+            continue
+        if out and out[-1].endswith(":"):
+            out[-1] += " " + text
+        else:
+            out.append(text)
+    return "; ".join(out)
 
 
 class _DropMessages(logging.Filter):

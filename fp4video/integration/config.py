@@ -1,5 +1,9 @@
 """Run configs for ``fp4video generate``: model, sizes, sampling, prompts and the precision policy,
-from YAML, validated (every error names the file, the field and what is allowed)."""
+from YAML, validated (every error names the file, the field and what is allowed).
+
+Values are taken as they are typed, as the Python API takes them: an integer field takes an int
+(not ``true``, ``4.0`` or ``'4'``), a number field an int or a finite float (not ``.inf``, ``.nan``,
+``true`` or ``'0.5'``), a text field a string, a flag ``true`` or ``false``."""
 
 from __future__ import annotations
 
@@ -7,9 +11,9 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
 
-from .policy import Policy, format_validation_error
+from .policy import Number, Policy, format_validation_error
 
 __all__ = ["RunConfig", "ParallelSettings", "load_config", "read_yaml_mapping", "ConfigError", "DEFAULT_CONFIG"]
 
@@ -23,33 +27,38 @@ class ParallelSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    ring_degree: int = Field(1, ge=1, description="ring attention over K/V shards, merged with the LSE")
-    ulysses_degree: int = Field(1, ge=1, description="all-to-all over heads (heads must divide)")
+    ring_degree: StrictInt = Field(1, ge=1, description="ring attention over K/V shards, merged with the LSE")
+    ulysses_degree: StrictInt = Field(1, ge=1, description="all-to-all over heads (heads must divide)")
 
 
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
-    model: str = Field("tiny", description='"tiny" (embedded random model), a local folder or a hub id')
+    model: StrictStr = Field("tiny", description='"tiny" (embedded random model), a local folder or a hub id')
     family: Literal["wan", "hunyuan", "hunyuan15", "ltx", "ltx2", "skyreels", "vace", "animate", "sana", "kandinsky5"] = Field(
         "wan", description="the pipeline's family: the tiny model `--model tiny` embeds, and the call's arguments")
     task: Literal["t2v", "i2v"] = "t2v"
-    height: int = Field(480, gt=0, multiple_of=16)
-    width: int = Field(832, gt=0, multiple_of=16)
-    frames: int = Field(81, gt=0)
-    steps: int = Field(40, gt=0)
-    guidance_scale: float = Field(4.0, ge=0)
-    seed: int = 0
-    fps: int = Field(16, gt=0)
-    prompts: list[str] = Field(default_factory=lambda: ["A cat walks on the grass, realistic style."], min_length=1)
-    negative_prompt: str = ""
-    image: str | None = Field(None, description="conditioning image for i2v, the character image of Wan Animate (a file path)")
-    pose_video: str | None = Field(None, description="Wan Animate: the pose video to follow (a file path)")
-    face_video: str | None = Field(None, description="Wan Animate: the face video, cropped to the face (a file path)")
+    height: StrictInt = Field(480, gt=0, multiple_of=16)
+    width: StrictInt = Field(832, gt=0, multiple_of=16)
+    frames: StrictInt = Field(81, gt=0)
+    steps: StrictInt = Field(40, gt=0)
+    guidance_scale: Number = Field(4.0, ge=0)
+    seed: StrictInt = 0
+    fps: StrictInt = Field(16, gt=0)
+    prompts: list[StrictStr] = Field(default_factory=lambda: ["A cat walks on the grass, realistic style."],
+                                     min_length=1)
+    negative_prompt: StrictStr = ""
+    image: StrictStr | None = Field(
+        None, description="conditioning image for i2v, the character image of Wan Animate (a file path)")
+    pose_video: StrictStr | None = Field(None, description="Wan Animate: the pose video to follow (a file path)")
+    face_video: StrictStr | None = Field(
+        None, description="Wan Animate: the face video, cropped to the face (a file path)")
     animate_mode: Literal["animate", "replace"] = Field(
         "animate", description="Wan Animate: animate the character image, or replace the person in background_video")
-    background_video: str | None = Field(None, description="Wan Animate, replace mode: the video whose person is replaced")
-    mask_video: str | None = Field(None, description="Wan Animate, replace mode: the mask of that person (a file path)")
+    background_video: StrictStr | None = Field(
+        None, description="Wan Animate, replace mode: the video whose person is replaced")
+    mask_video: StrictStr | None = Field(
+        None, description="Wan Animate, replace mode: the mask of that person (a file path)")
     policy: Policy = Policy()
     parallel: ParallelSettings | None = Field(None, description="context parallelism under torchrun")
 

@@ -262,6 +262,9 @@ def _step_hook(pipe, ctx: AttentionContext, expert):
         hits = (timesteps == torch.as_tensor(t, device=timesteps.device).flatten()[0]).nonzero()
         ctx.step = int(hits[0]) // getattr(scheduler, "order", 1) if len(hits) else None
         ctx.num_steps = len(timesteps) // getattr(scheduler, "order", 1)
+        if ctx.num_steps < 1:  # fewer timesteps than the scheduler's order: no schedule to place a step in
+            ctx.step = ctx.num_steps = None
+            return
         if ctx.num_steps not in warned:
             warned.add(ctx.num_steps)
             for msg in ctx.policy.step_warnings(ctx.num_steps):

@@ -35,10 +35,11 @@ carry the target that actually ran (and a sparse call its selection and density)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (AllowInfNan, BaseModel, ConfigDict, Discriminator, Field, Strict, StrictBool, StrictInt,
+                      StrictStr, Tag, field_validator, model_serializer, model_validator)
 
 from ..recipe import METHODS
 
@@ -47,6 +48,15 @@ from ..recipe import METHODS
 #: among the queries: HunyuanVideo's blocks).
 KINDS = ("self", "cross", "image", "joint")
 EXPERTS = ("high_noise", "low_noise")
+#: The kinds whose keys come from another sequence than the queries (so Sq and Sk differ): a static
+#: window (over the latent grid's tokens) and the dynamic selection's neighbours (a band around each
+#: query tile's own tokens) have no meaning there.
+CROSS_KINDS = ("cross", "image")
+
+#: A number for a float field, validated as strictly as the integers (:class:`pydantic.StrictInt`):
+#: an int or a float, finite; never a boolean (YAML's ``true`` is not 1), a string of digits, nan or
+#: ±inf. One strictness for YAML, the command line and Python callers.
+Number = Annotated[float, Strict(), AllowInfNan(False)]
 
 
 #: How a target names an external backend: ``"backend:" + name``.
@@ -88,15 +98,14 @@ def backend_of(target: str) -> str | None:
     return target[len(BACKEND_TARGET):] if target.startswith(BACKEND_TARGET) else None
 
 
-def _not_bool(v):
-    """YAML's ``true`` / ``false`` are not numbers here (pydantic would read them as 1 / 0)."""
-    if isinstance(v, bool):
-        raise ValueError(f"expected a number, got the boolean {str(v).lower()}")
-    return v
-
-
-#: A fraction of the schedule: an int or a float, never a boolean.
-_Fraction = Annotated[float, BeforeValidator(_not_bool)]
+def check_schedule(step, num_steps) -> None:
+    """ValueError unless ``num_steps`` (the denoising steps of the schedule) is None or an int >= 1
+    and ``step`` (a step's index) None or an int >= 0: step rules divide by the schedule's length."""
+    if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1):
+        raise ValueError(f"num_steps must be an int >= 1 (the denoising steps of the schedule) or None (no "
+                         f"schedule known), got {num_steps!r}")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be an int >= 0 (a denoising step's index) or None (no step known), got {step!r}")
 
 
 class _Strict(BaseModel):
@@ -109,7 +118,7 @@ class StepRange(_Strict):
     first: StrictInt | None = Field(None, ge=0, description="the first N steps")
     last: StrictInt | None = Field(None, ge=0, description="the last N steps")
     range: tuple[StrictInt, StrictInt] | None = Field(None, description="[start, stop) step indices")
-    fraction: tuple[_Fraction, _Fraction] | None = Field(None, description="[lo, hi) as fractions of the schedule")
+    fraction: tuple[Number, Number] | None = Field(None, description="[lo, hi) as fractions of the schedule")
 
     @model_validator(mode="after")
     def _exactly_one(self):
@@ -136,6 +145,11 @@ class StepRange(_Strict):
             return "last", 0, self.last
         return "fraction", *self.fraction
 
+    @property
+    def every_step(self) -> bool:
+        """Whether the range holds every step of every schedule (``fraction: [0, 1]``)."""
+        return self.fraction is not None and self.fraction[0] == 0 and self.fraction[1] == 1
+
     def covers(self, other: "StepRange") -> bool:
         """Whether this range holds every step ``other`` holds, for every schedule length (False
         where that depends on the length: ``first`` against ``last``, steps against fractions)."""
@@ -143,6 +157,12 @@ class StepRange(_Strict):
         return kind == other_kind and lo <= other_lo and other_hi <= hi
 
     def contains(self, step: int, num_steps: int) -> bool:
+        """Whether step ``step`` of a schedule of ``num_steps`` steps lies in the range (ValueError
+        for a ``num_steps`` below 1 or a negative ``step``)."""
+        if step is None or num_steps is None:
+            raise ValueError(f"StepRange.contains needs a step and the schedule's num_steps, got step {step!r} and "
+                             f"num_steps {num_steps!r}")
+        check_schedule(step, num_steps)
         if self.first is not None:
             return step < self.first
         if self.last is not None:
@@ -155,12 +175,20 @@ class StepRange(_Strict):
 
 class DynamicSelection(_Strict):
     """:class:`fp4video.sparse.DynamicSparsity`'s rule: the share ``tau`` of each query tile's
-    estimated mass; in joint attention the context (text) tokens are global."""
+    estimated mass; in joint attention the context (text) tokens are global. ``neighbours``: the key
+    tiles either side of a query tile's own tokens it always keeps (0: its own; null: none), in calls
+    with as many queries as keys (self and joint attention); cross attention has no tokens of the
+    query tile's own among its keys, so a rule naming cross kinds (``cross``, ``image``) cannot give
+    it a band (neighbours >= 1 is refused there)."""
 
-    tau: Annotated[float, Field(gt=0, le=1)]
-    neighbours: Annotated[int, Field(ge=0)] | None = 0
-    sink_tiles: Annotated[int, Field(ge=0)] = 0
-    min_similarity: Annotated[float, Field(ge=-1, le=1)] = 0.1
+    tau: Annotated[Number, Field(gt=0, le=1)]
+    neighbours: Annotated[StrictInt, Field(ge=0)] | None = 0
+    sink_tiles: Annotated[StrictInt, Field(ge=0)] = 0
+    min_similarity: Annotated[Number, Field(ge=-1, le=1)] = 0.1
+
+
+#: A window's radius in latent frames, rows or columns.
+_Radius = Annotated[StrictInt, Field(ge=0)]
 
 
 class StaticSelection(_Strict):
@@ -168,8 +196,13 @@ class StaticSelection(_Strict):
     transformer's input): ``window`` radii (frames, rows, columns), ``radial`` narrowing with frame
     distance; in joint attention the context (text) tokens are global."""
 
-    window: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]]
+    window: tuple[_Radius, _Radius, _Radius]
     radial: StrictBool = False
+
+
+#: Why a static window cannot apply to a call of each cross kind (for messages).
+_NO_WINDOW = {"cross": "cross attention (keys from another sequence)",
+              "image": "image attention (keys from the image context)"}
 
 
 class Sparsity(_Strict):
@@ -193,14 +226,38 @@ class Sparsity(_Strict):
 def _sparse_method(sparsity, method, where: str):
     if sparsity is not None and method is None:
         raise ValueError(f"{where}: sparsity applies to an fp4video method (method: ...), not to an external backend")
+    if sparsity is not None and method == "fp16":
+        raise ValueError(f"{where}: sparsity applies to fp4video's quantized methods, not to fp16 (the stock attention "
+                         "or an exact backend, which takes no selection): it could never apply")
+
+
+def _sparse_kinds(sparsity: "Sparsity | None", kinds) -> None:
+    """A rule's sparsity that cannot apply to kinds it names (every model): refused."""
+    cross = [k for k in (kinds or ()) if k in CROSS_KINDS]
+    if sparsity is None or not cross:
+        return
+    if sparsity.static is not None:
+        raise ValueError(f"kinds {cross}: a static window applies to self and joint attention over the latent grid, "
+                         f"not to {' or '.join(_NO_WINDOW[k] for k in cross)}: it could never apply to those calls "
+                         "(name only self or joint kinds, or give them a rule of their own)")
+    n = sparsity.dynamic.neighbours
+    if n is not None and n > 0:
+        raise ValueError(f"sparsity.dynamic.neighbours {n} with kinds {cross}: the band of key tiles around a query "
+                         "tile's own tokens needs as many queries as keys (self or joint attention), which "
+                         f"{' and '.join(cross)} attention never has (leave neighbours out for those kinds)")
+
+
+def _neighbours(sparsity: "Sparsity | None") -> int:
+    """The band the dynamic selection of ``sparsity`` keeps beside each query tile's own key tiles (0: none)."""
+    return (sparsity.dynamic.neighbours or 0) if sparsity is not None and sparsity.dynamic is not None else 0
 
 
 class Rule(_Strict):
     """One rule: ``method`` (an fp4video method) or ``backend`` (an external backend) for the calls
     that match every condition given (a condition left out matches every call)."""
 
-    method: str | None = None
-    backend: str | None = Field(None, description="an external attention backend (diffusers' name, or a peer)")
+    method: StrictStr | None = None
+    backend: StrictStr | None = Field(None, description="an external attention backend (diffusers' name, or a peer)")
     blocks: list[StrictInt] | None = Field(None, description="transformer block indices (0-based)")
     steps: StepRange | None = None
     kinds: list[Literal["self", "cross", "image", "joint"]] | None = None
@@ -223,6 +280,7 @@ class Rule(_Strict):
             raise ValueError("give exactly one of method (an fp4video method) and backend (an external attention "
                              f"backend), got {'both' if self.method else 'neither'}")
         _sparse_method(self.sparsity, self.method, "a rule")
+        _sparse_kinds(self.sparsity, self.kinds)
         return self
 
     @property
@@ -279,8 +337,8 @@ class Rule(_Strict):
 class Fallback(_Strict):
     """Where a call goes that its target cannot take: an fp4video method or an external backend."""
 
-    method: str | None = None
-    backend: str | None = None
+    method: StrictStr | None = None
+    backend: StrictStr | None = None
 
     _known_method = field_validator("method")(classmethod(lambda cls, v: None if v is None else _check_method(v)))
     _known_backend = field_validator("backend")(classmethod(lambda cls, v: _check_backend(v)))
@@ -296,6 +354,13 @@ class Fallback(_Strict):
         return target_of(self.method, self.backend)
 
 
+def _fallback_form(v) -> str | None:
+    """Which form of ``fallback`` a value is (a name or a target), None for neither: one error each."""
+    if isinstance(v, str):
+        return "name"
+    return "target" if isinstance(v, (dict, Fallback)) else None
+
+
 class Policy(_Strict):
     """A precision policy. ``method`` (or ``backend``): the default for calls no rule matches.
     ``fallback``: what to do when a call's target refuses it (an input the FP4 path or an external
@@ -305,11 +370,15 @@ class Policy(_Strict):
     backend, the stock output), ``"fastest"`` (the fastest exact backend installed, chosen at
     install: :data:`fp4video.integration.backends.EXACT_PREFERENCE`) or an exact backend's name."""
 
-    method: str = "mxattn"
-    backend: str | None = Field(None, description="the default as an external backend (instead of method)")
+    method: StrictStr = "mxattn"
+    backend: StrictStr | None = Field(None, description="the default as an external backend (instead of method)")
     rules: list[Rule] = []
-    fallback: Literal["error", "stock"] | Fallback = "error"
-    fp16_backend: str = "stock"
+    fallback: Annotated[
+        Annotated[Literal["error", "stock"], Tag("name")] | Annotated[Fallback, Tag("target")],
+        Discriminator(_fallback_form, custom_error_type="fallback_type",
+                      custom_error_message="Input should be error, stock or a mapping {method: ...} / {backend: ...}"),
+    ] = "error"
+    fp16_backend: StrictStr = "stock"
     refiner: StrictBool = Field(False, description="quantize the attention outside the transformer blocks too "
                                                   "(HunyuanVideo's token refiner); block rules never match it")
     sparsity: Sparsity | None = Field(None, description="block-sparse attention for the default method's calls")
@@ -346,6 +415,15 @@ class Policy(_Strict):
             raise ValueError("give method or backend as the default, not both")
         _sparse_method(self.sparsity, None if self.backend is not None else self.method, "the policy's default")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_unused_method(self, handler):
+        """A backend default's dump leaves ``method`` out (it is not the default then), so that the
+        dump validates again: a mapping naming both is refused."""
+        out = handler(self)
+        if self.backend is not None and isinstance(out, dict):
+            out.pop("method", None)
+        return out
 
     @property
     def target(self) -> str:
@@ -402,7 +480,11 @@ class Policy(_Strict):
 
     def step_warnings(self, num_steps: int) -> list[str]:
         """Step rules that cover every one or none of ``num_steps`` denoising steps (almost
-        always a policy written for another schedule), one message each."""
+        always a policy written for another schedule), one message each; ValueError for a
+        ``num_steps`` below 1."""
+        if num_steps is None:
+            raise ValueError("num_steps must be an int >= 1 (the denoising steps of the schedule), got None")
+        check_schedule(None, num_steps)
         out = []
         for i, r in enumerate(self.rules):
             if r.steps is None:
@@ -440,6 +522,29 @@ class Policy(_Strict):
                 out.append(f"rules[{i}] {r.describe()} can never match: {why}")
         return out
 
+    def unfit_sparsity(self, space: "CallSpace") -> list[str]:
+        """One message for each rule (and the default) whose sparsity cannot apply to calls of
+        ``space`` it takes: a static window to calls of ``space.cross`` or ``space.no_window``, the
+        dynamic selection's neighbours (>= 1) to calls of ``space.cross``. A rule takes the calls it
+        matches that no earlier rule takes at every step; the default takes those no rule does."""
+        out, left = [], set(space.calls)
+        for i, r in enumerate(self.rules):
+            if r.steps is not None and not space.steps_known:
+                continue  # it takes no call (:meth:`unmatchable` says so)
+            calls = {c for c in left if r.matches_call(*c)}
+            why = _unfit(r.sparsity, calls, space)
+            if why:
+                out.append(f"rules[{i}] {r.describe()}: {why} (give those calls a rule of their own before it, or "
+                           "name the kinds it takes)")
+            if r.steps is None or r.steps.every_step:
+                left -= calls
+        why = _unfit(self.sparsity, left, space)
+        if why:
+            out.append(f"the policy's default {{method: {self.method}, sparsity: {self.sparsity.describe()}}}: {why} "
+                       "(give those calls a rule of their own, or put the sparsity on a rule naming the kinds it "
+                       "takes)")
+        return out
+
     def method_for(self, *, block: int, step: int | None, num_steps: int | None, kind: str,
                    expert: str | None) -> str:
         """The target of a call: an fp4video method name, or ``"backend:<name>"``."""
@@ -448,7 +553,9 @@ class Policy(_Strict):
     def route_for(self, *, block: int, step: int | None, num_steps: int | None, kind: str,
                   expert: str | None) -> tuple[str, Sparsity | None]:
         """(the target of a call, its :class:`Sparsity` or None: dense), from the first rule that
-        matches, else the default."""
+        matches, else the default. ``step`` and ``num_steps``: the call's denoising step and the
+        schedule's length (None: not known; a ``num_steps`` below 1 is a ValueError)."""
+        check_schedule(step, num_steps)
         for rule in self.rules:
             if rule.matches(block=block, step=step, num_steps=num_steps, kind=kind, expert=expert):
                 return rule.target, rule.sparsity
@@ -459,13 +566,54 @@ class Policy(_Strict):
 class CallSpace:
     """The attention calls a policy can see: (expert, block, kind) triples, whether the denoising
     step is known, and phrases for messages (``name``: what the calls are of; ``no_experts`` and
-    ``no_steps``: why no call has an expert, a step)."""
+    ``no_steps``: why no call has an expert, a step). What the model's structure shows of calls
+    that occur (for :meth:`Policy.unfit_sparsity`; empty: nothing known): ``cross``, calls whose
+    keys come from another sequence (a cross-attention module's); ``no_window``, {call: why} for
+    other calls no static window can apply to (attention outside the blocks, a model whose latent
+    grid cannot be read)."""
 
     calls: set
     steps_known: bool
     name: str
     no_experts: str = "no call has an expert"
     no_steps: str = "no call has a denoising step"
+    cross: frozenset = frozenset()
+    no_window: dict = field(default_factory=dict)
+
+
+def _unfit(sparsity: Sparsity | None, calls: set, space: CallSpace) -> str | None:
+    """Why ``sparsity`` cannot apply to some of ``calls`` (None: it can, as far as ``space`` shows)."""
+    if sparsity is None:
+        return None
+    if sparsity.static is not None:
+        bad = {c: space.no_window[c] for c in calls if c in space.no_window}
+        bad.update({c: _NO_WINDOW[c[2]] for c in calls & space.cross})
+        what = "its static window applies to self and joint attention over the latent grid, but it takes"
+    elif _neighbours(sparsity) > 0:
+        bad = {c: _NO_WINDOW[c[2]] for c in calls & space.cross}
+        what = (f"its dynamic selection's neighbours {_neighbours(sparsity)} (a band around each query tile's own "
+                "tokens) need as many queries as keys, but it takes")
+    else:
+        return None
+    if not bad:
+        return None
+    blocks: dict = {}
+    for (_, block, _), why in bad.items():
+        blocks.setdefault(why, set()).add(block)
+    parts = [why + (f" in {_block_list(bs)}" if any(b >= 0 for b in bs) else "") for why, bs in sorted(blocks.items())]
+    return f"{what} {space.name}'s {' and '.join(parts)}, where it could never apply"
+
+
+def _block_list(blocks) -> str:
+    """``block 3``, ``blocks 0-39``, ``blocks 0, 2-5`` (the transformer blocks among ``blocks``)."""
+    inside = sorted(b for b in blocks if b >= 0)
+    runs: list = []
+    for b in inside:
+        if runs and runs[-1][1] == b - 1:
+            runs[-1][1] = b
+        else:
+            runs.append([b, b])
+    return f"block{'s' if len(inside) > 1 else ''} " + ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _steps_cover(earlier: Rule, rule: Rule) -> bool:
@@ -506,16 +654,39 @@ def as_policy(policy, what: str = "policy") -> "Policy":
                                                                  if isinstance(policy, dict) else ""))
 
 
-def format_validation_error(err, source: str) -> str:
-    """pydantic's errors as ``source: field.path: message`` lines, all of them."""
+def format_validation_error(err, source: str | None = None) -> str:
+    """pydantic's errors as ``source: field.path: reason`` lines (without ``source`` where None), all
+    of them: the path names fields and list indices only (a union member's or validator's tag is
+    left out), the reason is pydantic's message without its ``Value error, `` prefix."""
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in e["loc"]).replace(".[", "[")
-        msg = e["msg"]
+        loc = field_path(err.title, e["loc"], unknown_field=e["type"] == "extra_forbidden")
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = f"unknown field (allowed: {', '.join(_allowed_fields(err.title, e['loc']))})"
-        lines.append(f"{source}: {loc or '(top level)'}: {msg}")
+        line = f"{loc or '(top level)'}: {msg}"
+        line = line if source is None else f"{source}: {line}"
+        if line not in lines:  # several members of a union can fail alike
+            lines.append(line)
     return "\n".join(lines)
+
+
+def field_path(model_name: str, loc, unknown_field: bool = False) -> str:
+    """``policy.rules[0].steps`` for a pydantic error location under the fp4video model
+    ``model_name``: field names and list indices, the tags pydantic puts between them (a union
+    member's, a validator's) left out; with ``unknown_field`` the last part is a key the model does
+    not have, kept."""
+    model = _fp4video_models().get(model_name)
+    parts = []
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            parts.append(f"[{part}]")
+        elif model is None or part in model.model_fields:
+            parts.append(str(part))
+            model = _inner_model(model.model_fields[part].annotation) if model is not None else None
+        elif unknown_field and i == len(loc) - 1:
+            parts.append(str(part))
+    return ".".join(parts).replace(".[", "[")
 
 
 def _fp4video_models() -> dict:
@@ -537,7 +708,8 @@ def _allowed_fields(model_name: str, loc) -> list[str]:
         if model is None or isinstance(part, int):
             continue
         field = model.model_fields.get(part)
-        model = _inner_model(field.annotation) if field else None
+        if field is not None:  # else a union member's or validator's tag: the same model
+            model = _inner_model(field.annotation)
     return sorted(model.model_fields) if model else []
 
 
