@@ -15,7 +15,10 @@ handle) is refused, and nothing is changed. :func:`uninstall` on any handle rest
 transformer of it that has an installation, whichever handle installed it, so uninstalling in
 any order ends with the stock model. Rules that can never match on the transformers installed
 (an expert rule without two experts, a kind their calls never have, a step rule where no
-denoising step is known, a rule every call of which an earlier one takes) are refused at install.
+denoising step is known, a rule every call of which an earlier one takes) are refused at install,
+and so is sparsity that could never apply to calls its rule (or the default) takes: a static
+window on cross-attention modules' calls, on the attention outside the blocks or on a transformer
+whose latent grid cannot be read, the dynamic selection's neighbours on cross-attention calls.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .policy import CallSpace, Policy, as_policy
+from .policy import CROSS_KINDS, CallSpace, Policy, as_policy
 from .processor import AttentionContext, FP4Processor, check_backend
-from .routing import is_routed, possible_kinds, route, unroute
+from .routing import is_routed, patch_sizes, possible_kinds, route, unroute
 from .sites import NotRoutable, Site, attention_sites, routable, unroutable_reason
 
 __all__ = ["install", "uninstall", "annotate", "block_sites", "installed_context"]
@@ -90,7 +93,8 @@ def install(pipe, policy: Policy | str | None = None, *, backend: str = "auto", 
 
     Refused, with nothing changed: a transformer that has an installation already (through this
     handle or another: uninstall it first), a policy with a rule that can never match on these
-    transformers, a ``backend`` that is not one of ``auto``, ``reference``, ``triton``."""
+    transformers or sparsity that could never apply to calls it takes, a ``backend`` that is not
+    one of ``auto``, ``reference``, ``triton``."""
     policy = as_policy(policy)
     check_backend(backend)
     if not isinstance(record, bool):
@@ -169,13 +173,27 @@ def uninstall(pipe) -> None:
 
 
 def _check_rules_can_match(pipe, policy: Policy, models, all_sites) -> None:
-    """Refuse a policy with a rule that no attention call of these transformers can match."""
-    if not policy.rules:
+    """Refuse a policy with a rule that no attention call of these transformers can match, or with
+    sparsity (on a rule or the default) that cannot apply to calls the structure shows it takes."""
+    if not policy.rules and policy.sparsity is None:
         return
     bare = isinstance(pipe, torch.nn.Module)
     names = " and ".join(sorted({type(m).__name__ for _, m in models}))
     calls = {(expert, s.block, kind) for (expert, _), sites in zip(models, all_sites) for s in sites
              for kind in possible_kinds(s)}
+    cross, no_window = set(), {}
+    for (expert, model), sites in zip(models, all_sites):
+        gridless = patch_sizes(model) is None
+        for s in sites:
+            for kind in possible_kinds(s):
+                call = (expert, s.block, kind)
+                if s.role == "cross" and kind in CROSS_KINDS:  # a module built for another sequence's keys
+                    cross.add(call)
+                if s.block < 0:
+                    no_window[call] = "attention outside the transformer blocks (the token refiner's, over text)"
+                elif gridless:
+                    no_window[call] = ("attention, whose latent grid is unknown (the transformer's config gives no "
+                                       "patch sizes)")
     if bare:
         no_experts = (f"installed on a bare {names}, no call has an expert (experts tell Wan2.2's two "
                       "transformers apart: install on the pipeline)")
@@ -183,8 +201,8 @@ def _check_rules_can_match(pipe, policy: Policy, models, all_sites) -> None:
         no_experts = f"{type(pipe).__name__} has one transformer, so no call has an expert (Wan2.2's pipelines have two)"
     space = CallSpace(calls=calls, steps_known=not bare, name=names, no_experts=no_experts,
                       no_steps=f"installed on a bare {names}, no denoising step is known (install on the pipeline: "
-                               "it follows the scheduler's step)")
-    problems = policy.unmatchable(space)
+                               "it follows the scheduler's step)", cross=frozenset(cross), no_window=no_window)
+    problems = policy.unmatchable(space) + policy.unfit_sparsity(space)
     if problems:
         raise ValueError(f"the policy does not fit {names}: " + "; ".join(problems))
 

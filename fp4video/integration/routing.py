@@ -34,7 +34,8 @@ from .parallel import uses_ring
 from .policy import backend_of
 from .sites import Site
 
-__all__ = ["BACKEND", "route", "unroute", "call_kind", "possible_kinds", "boolean_mask", "current_selection"]
+__all__ = ["BACKEND", "route", "unroute", "call_kind", "possible_kinds", "boolean_mask", "current_selection",
+           "patch_sizes", "latent_grid"]
 
 #: The diffusers backend name fp4video's routed processors use.
 BACKEND = "fp4video_policy"
@@ -387,20 +388,26 @@ def _record_skipped(route: _Route, site: Site) -> None:
     route.ctx.record_call(site.block, None, "skipped", site=site.name)
 
 
-def latent_grid(model: torch.nn.Module, hidden_states) -> tuple[int, int, int] | None:
-    """(frames, height, width) of the tokens a video transformer makes of its 5-D input latents
-    (B, C, F, H, W), from its patch sizes (Wan's ``patch_size`` (t, h, w); HunyuanVideo's
-    ``patch_size`` and ``patch_size_t``); None for other inputs."""
+def patch_sizes(model: torch.nn.Module) -> tuple[int, int, int] | None:
+    """(t, h, w): the patch sizes a video transformer's config gives (Wan's ``patch_size`` (t, h, w);
+    HunyuanVideo's ``patch_size`` and ``patch_size_t``), None where it gives none: then the latent
+    grid of its input is never known."""
     config = getattr(model, "config", None)
-    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 5 or config is None:
-        return None
     patch = getattr(config, "patch_size", None)
     if isinstance(patch, (tuple, list)) and len(patch) == 3:
-        pt, ph, pw = patch
-    elif isinstance(patch, int):
-        pt, ph, pw = getattr(config, "patch_size_t", 1) or 1, patch, patch
-    else:
+        return tuple(patch)
+    if isinstance(patch, int):
+        return getattr(config, "patch_size_t", 1) or 1, patch, patch
+    return None
+
+
+def latent_grid(model: torch.nn.Module, hidden_states) -> tuple[int, int, int] | None:
+    """(frames, height, width) of the tokens a video transformer makes of its 5-D input latents
+    (B, C, F, H, W), from its patch sizes (:func:`patch_sizes`); None for other inputs."""
+    patch = patch_sizes(model)
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 5 or patch is None:
         return None
+    pt, ph, pw = patch
     f, h, w = hidden_states.shape[2:]
     return f // pt, h // ph, w // pw
 
