@@ -290,6 +290,7 @@ def test_pydantic_text_in_a_message_keeps_its_reason_on_one_line():
     assert one_line(_pydantic_text(lambda: Policy(method="fp16", backend="native"))) == \
         "give method or backend as the default, not both"
     assert one_line("first\n  second\nthird") == "first; second; third"
+    assert one_line("--from r.json: 1 validation error for Budget") == "--from r.json: 1 validation error for Budget"
 
 
 def test_the_cli_names_the_file_the_field_and_pydantics_reason(tmp_path, capsys):

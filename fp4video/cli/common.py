@@ -149,7 +149,7 @@ def one_line(message: str) -> str:
         if _PYDANTIC_URL.fullmatch(text):
             continue
         head = _PYDANTIC_HEADER.search(text)
-        if head:
+        if head and i < len(lines):  # the errors follow: they say it (a header alone is all there is)
             text = text[: head.start()].strip()
         if i < len(lines) and _indent(lines[i]) > _indent(line) and _PYDANTIC_DETAILS.search(lines[i]):
             reason = _pydantic_reason(lines[i])
