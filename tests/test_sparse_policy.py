@@ -156,9 +156,7 @@ def test_a_static_default_on_joint_attention_only_is_installed():
     ({"method": "mxattn", "rules": [{"backend": "native", "sparsity": {"dynamic": {"tau": 0.9}}}]},
      "sparsity applies to an fp4video method"),
     ({"backend": "native", "sparsity": {"dynamic": {"tau": 0.9}}}, "sparsity applies to an fp4video method"),
-    ({"method": "mxattn", "sparsity": {}}, "exactly one of dynamic"),
-    ({"method": "mxattn", "sparsity": {"dynamic": {"tau": 0.9}, "static": {"window": [1, 2, 2]}}},
-     "exactly one of dynamic"),
+    ({"method": "mxattn", "sparsity": {}}, "dynamic: {tau: ...}, static: {window: \\[f, y, x\\]} or both"),
     ({"method": "mxattn", "sparsity": {"dynamic": {"tau": 1.5}}}, "less than or equal to 1"),
     ({"method": "mxattn", "sparsity": {"static": {"window": [1, -2, 2]}}}, "greater than or equal to 0"),
     ({"method": "mxattn", "sparsity": {"dynamic": {"tau": 0.9, "windw": 1}}}, "windw"),
@@ -178,3 +176,33 @@ def test_a_static_default_on_joint_attention_only_is_installed():
 def test_bad_sparsity_is_refused_when_the_policy_is_read(policy, message):
     with pytest.raises(ValidationError, match=message):
         Policy.model_validate(policy)
+
+
+def test_sparse_calls_record_what_their_check_measured(pipe):
+    """Every sparse call carries its check: kept mass (min, 1% quantile, mean), before repair, the
+    repaired share and the rule's own density; a floor of 1 repairs every query tile to dense mass."""
+    _, calls = generate(pipe, {"method": "mxattn", "rules": [{"method": "mxattn", "kinds": ["self"], "sparsity": {
+        "static": {"window": [0, 1, 1]}, "sinks": True, "floor": 0.999}}]})
+    sparse = [c for c in calls if "sparsity" in c]
+    assert sparse and all(c["kind"] == "self" for c in sparse)
+    for c in sparse:
+        assert set(c) >= {"kept_min", "kept_q01", "kept_mean", "kept_min_before", "repaired", "density_before"}
+        assert c["kept_min"] >= 0.998 and c["kept_min"] <= c["kept_q01"] <= c["kept_mean"] <= 1.0
+        assert c["density"] >= c["density_before"]
+        assert c["sparsity"] == "static window [0, 1, 1], sinks, floor 0.999"
+
+
+def test_a_hybrid_of_a_window_and_a_dynamic_rule_installs_and_runs(pipe):
+    _, calls = generate(pipe, {"method": "mxattn", "rules": [{"method": "mxattn", "kinds": ["self"], "sparsity": {
+        "static": {"window": [0, 1, 1]}, "dynamic": {"topk": 0.2, "estimate": "sampled"}}}]})
+    sparse = [c for c in calls if "sparsity" in c]
+    assert sparse and all(c["sparsity"] == "static window [0, 1, 1] ∪ dynamic top-k 0.2 sampled" for c in sparse)
+
+
+@pytest.mark.parametrize("bad, field", [({"dynamic": {}}, "tau"), ({"dynamic": {"tau": 0.9}, "floor": 1.5}, "floor"),
+                                        ({"dynamic": {"tau": 0.9}, "sinks": 1}, "sinks"),
+                                        ({"dynamic": {"tau": 0.9, "estimate": "exact"}}, "estimate"),
+                                        ({"dynamic": {"tau": 0.9}, "check_rows": 0}, "check_rows"), ({}, "or both")])
+def test_bad_checks_and_estimates_are_refused_when_read(bad, field):
+    with pytest.raises(ValidationError, match=field):
+        Policy.model_validate({"method": "mxattn", "sparsity": bad})

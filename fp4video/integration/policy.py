@@ -181,10 +181,25 @@ class DynamicSelection(_Strict):
     query tile's own among its keys, so a rule naming cross kinds (``cross``, ``image``) cannot give
     it a band (neighbours >= 1 is refused there)."""
 
-    tau: Annotated[Number, Field(gt=0, le=1)]
+    tau: Annotated[Number, Field(gt=0, le=1)] | None = None
     neighbours: Annotated[StrictInt, Field(ge=0)] | None = 0
     sink_tiles: Annotated[StrictInt, Field(ge=0)] = 0
     min_similarity: Annotated[Number, Field(ge=-1, le=1)] = 0.1
+    topk: Annotated[Number, Field(ge=0, le=1)] = 0.0
+    estimate: Literal["pooled", "sampled"] = "pooled"
+    estimate_rows: Annotated[StrictInt, Field(ge=1)] = 4
+
+    @model_validator(mode="after")
+    def _tau_or_topk(self):
+        if self.tau is None and not self.topk:
+            raise ValueError("dynamic gives tau (a cumulative share of estimated mass), topk (a share of key tiles) "
+                             "or both")
+        return self
+
+    def describe(self) -> str:
+        parts = ([f"τ={self.tau:g}"] if self.tau is not None else []) + (
+            [f"top-k {self.topk:g}"] if self.topk else []) + ([self.estimate] if self.estimate != "pooled" else [])
+        return "dynamic " + " ".join(parts)
 
 
 #: A window's radius in latent frames, rows or columns.
@@ -206,21 +221,36 @@ _NO_WINDOW = {"cross": "cross attention (keys from another sequence)",
 
 
 class Sparsity(_Strict):
-    """Block-sparse attention for a method's calls: exactly one of ``dynamic`` and ``static``."""
+    """Block-sparse attention for a method's calls: ``dynamic``, ``static`` or both (a hybrid: each
+    query tile visits what either keeps), and the check every call runs
+    (:func:`fp4video.sparse.check_selection`): ``check_rows`` sampled rows per query tile measure the
+    exact mass kept; ``sinks`` makes key tiles heavy for most query tiles global; ``floor`` repairs a
+    query tile whose sampled rows keep less (null: measured, not repaired)."""
 
     dynamic: DynamicSelection | None = None
     static: StaticSelection | None = None
+    floor: Annotated[Number, Field(ge=0, le=1)] | None = None
+    sinks: StrictBool = False
+    check_rows: Annotated[StrictInt, Field(ge=1, le=128)] = 2
 
     @model_validator(mode="after")
     def _one(self):
-        if (self.dynamic is None) == (self.static is None):
-            raise ValueError("sparsity gives exactly one of dynamic: {tau: ...} and static: {window: [f, y, x]}")
+        if self.dynamic is None and self.static is None:
+            raise ValueError("sparsity gives dynamic: {tau: ...}, static: {window: [f, y, x]} or both")
         return self
 
     def describe(self) -> str:
+        parts = []
+        if self.static is not None:
+            parts.append(f"static window {list(self.static.window)}{', radial' if self.static.radial else ''}")
         if self.dynamic is not None:
-            return f"dynamic τ={self.dynamic.tau:g}"
-        return f"static window {list(self.static.window)}{', radial' if self.static.radial else ''}"
+            parts.append(self.dynamic.describe())
+        text = " ∪ ".join(parts)
+        if self.sinks:
+            text += ", sinks"
+        if self.floor is not None:
+            text += f", floor {self.floor:g}"
+        return text
 
 
 def _sparse_method(sparsity, method, where: str):

@@ -23,7 +23,7 @@ from ..attention import BACKENDS, fp4_attention
 from .parallel import uses_ring
 from .policy import Policy, as_policy
 
-__all__ = ["FP4Processor", "AttentionContext"]
+__all__ = ["FP4Processor", "AttentionContext", "sparse_summary"]
 
 #: Wan's I2V processor splits its context at ``len - 512``: the text encoder's fixed length.
 WAN_TEXT_CONTEXT = 512
@@ -100,6 +100,29 @@ class AttentionContext:
         for (i, key), value in zip(tensors, values):
             out[i][key] = round(value, 4)
         return out
+
+
+def sparse_summary(calls: list[dict]) -> dict | None:
+    """What the block-sparse calls among ``calls`` (:meth:`AttentionContext.recorded_calls`) kept, in
+    one dict: how many there were (``calls``, ``share`` of all), their mean ``density`` (and the rules'
+    own, ``density_before``), the exact mass their query tiles kept by their checks' sampled rows:
+    ``kept_min`` (the worst query tile of any call), ``kept_q01`` (the worst call's 1% quantile),
+    ``kept_mean`` (the mean over calls), ``kept_min_before`` (before sinks and repair), and the mean
+    share of query tiles ``repaired``. None without a sparse call."""
+    sparse = [c for c in calls if "density" in c]
+    if not sparse:
+        return None
+    checked = [c for c in sparse if "kept_min" in c]
+
+    def mean(key, rows):
+        return round(sum(c[key] for c in rows) / len(rows), 4)
+
+    out = {"calls": len(sparse), "share": round(len(sparse) / len(calls), 4), "density": mean("density", sparse)}
+    if checked:
+        out.update(density_before=mean("density_before", checked), kept_min=min(c["kept_min"] for c in checked),
+                   kept_q01=min(c["kept_q01"] for c in checked), kept_mean=mean("kept_mean", checked),
+                   kept_min_before=min(c["kept_min_before"] for c in checked), repaired=mean("repaired", checked))
+    return out
 
 
 def check_backend(backend) -> str:

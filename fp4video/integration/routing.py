@@ -234,6 +234,8 @@ def _run(call: _Call, kind: str, target: str, a: AttentionCall, sparsity=None):
         if sparsity is not None:
             selection = _selection(route, call, kind, sparsity, a, mask, target)
             extra = {"sparsity": sparsity.describe(), "density": selection.density()}
+            if selection.check is not None:  # what the call's check measured (tensors until read back)
+                extra.update(selection.check.summary())
         else:
             selection = None
         out = _fp4(route, call, kind, target, a.query, a.key, a.value, mask, a.scale, a.return_lse,
@@ -260,7 +262,7 @@ def _selection(route, call: _Call, kind: str, sparsity, a: AttentionCall, mask, 
     the transformer's input). ValueError where it cannot apply (context parallelism, cross attention
     under a static window, a grid unknown)."""
     from ..attention import selection_for
-    from ..sparse import DynamicSparsity, StaticSparsity
+    from ..sparse import DynamicSparsity, HybridSparsity, StaticSparsity
 
     if a.parallel_config is not None:
         raise ValueError("block-sparse attention does not run under context parallelism")
@@ -272,19 +274,26 @@ def _selection(route, call: _Call, kind: str, sparsity, a: AttentionCall, mask, 
     if kind == "joint":
         n_video = grid[0] * grid[1] * grid[2] if grid is not None else sq - (call.context or 0)
     context = ((n_video, sq),) if 0 < n_video < sq else ()
+    check = dict(floor=sparsity.floor, sinks=sparsity.sinks, check_rows=sparsity.check_rows)
+    dynamic = static = None
     if sparsity.dynamic is not None:
         d = sparsity.dynamic
-        rule = DynamicSparsity(tau=d.tau, neighbours=d.neighbours if sq == sk else None, global_tokens=context,
-                               sink_tiles=d.sink_tiles, min_similarity=d.min_similarity)
-    else:
+        dynamic = DynamicSparsity(tau=d.tau, neighbours=d.neighbours if sq == sk else None, global_tokens=context,
+                                  sink_tiles=d.sink_tiles, min_similarity=d.min_similarity, topk=d.topk,
+                                  estimate=d.estimate, estimate_rows=d.estimate_rows, **check)
+    if sparsity.static is not None:
         if kind not in ("self", "joint") or sq != sk:
             raise ValueError(f"a static window applies to self and joint attention, not to {kind} attention")
         if grid is None or grid[0] * grid[1] * grid[2] != n_video:
             raise ValueError(f"a static window needs the latent grid of the call's {n_video} video tokens; the "
                              f"transformer's input gave {'none' if grid is None else '×'.join(map(str, grid))}")
         st = sparsity.static
-        rule = StaticSparsity(frames=grid[0], height=grid[1], width=grid[2], window=st.window,
-                              text_tokens=sq - n_video, text_position="last", radial=st.radial)
+        static = StaticSparsity(frames=grid[0], height=grid[1], width=grid[2], window=st.window,
+                                text_tokens=sq - n_video, text_position="last", radial=st.radial, **check)
+    if dynamic is not None and static is not None:
+        rule = HybridSparsity(static=static, dynamic=dynamic, **check)
+    else:
+        rule = dynamic if dynamic is not None else static
     return selection_for(rule, a.query, a.key, layout="bshd", attn_mask=mask, scale=a.scale,
                          backend=route.ctx.backend, method=method)
 

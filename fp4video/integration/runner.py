@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 from .config import RunConfig
-from .processor import AttentionContext
+from .processor import AttentionContext, sparse_summary
 
 __all__ = ["generate_video"]
 
@@ -49,6 +49,7 @@ def generate_video(pipe, ctx: AttentionContext, cfg: RunConfig, prompt: str, cal
         "audio": sound,
         "methods_used": dict(Counter(c["method"] for c in calls)),
         "fallbacks": dict(ctx.fallbacks),
+        "block_sparse": sparse_summary(calls),
         "attention_calls": calls,
     }
     if write:
