@@ -31,13 +31,12 @@ if __name__ == "kernels":
 __all__ = ["supports", "triton_available"]
 
 
-#: looked up once at import: torch.compile cannot trace importlib (a graph break inside
-#: fp4_attention's backend choice)
-_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
-
-
 def triton_available() -> bool:
-    return _TRITON_AVAILABLE
+    """Whether Triton is installed (:func:`.plan.triton_available`; the submodules never import
+    this package's own names, so no import cycle runs through it)."""
+    from .plan import triton_available
+
+    return triton_available()
 
 
 def supports(recipe, q, mask=None) -> tuple[bool, str]:

@@ -30,6 +30,7 @@ The loops, one module each: ``loop_e4m3`` (MXFP4 and FP8 on e4m3 tensor cores, s
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -234,13 +235,21 @@ def gluon_reason(arch: str | None, dtype: torch.dtype, d: int, dv: int) -> str |
     return None
 
 
+#: looked up once at import: torch.compile cannot trace importlib (a graph break inside
+#: fp4_attention's backend choice)
+_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
+def triton_available() -> bool:
+    """Whether Triton is installed (looked up once, when this module is imported)."""
+    return _TRITON_AVAILABLE
+
+
 def plan(recipe: AttentionRecipe, q: torch.Tensor, v: torch.Tensor | None = None, mask: torch.Tensor | None = None,
          *, launch_given: bool = False) -> Plan:
     """The plan for a call on ``q``'s device and head dims (``v``: the value head dim, default
     q's), with its mask (key-padding masks ``(B|1, 1, 1, Sk|1)`` only). ``launch_given``: the caller
     sets the Triton loops' launch values (``block_m``, ...), which the Gluon loop does not take."""
-    from . import triton_available
-
     if not triton_available():
         return Plan(None, reason="Triton is not installed (pip install 'fp4video[triton]')")
     if not (q.is_cuda or interpreting()):

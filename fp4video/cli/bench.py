@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .bench_shared import RATIO_PEERS, RATIO_TITLES, run_header, uniform_selection
 from .common import UsageError, check_output_file
 
 EXAMPLES = """examples:
@@ -159,15 +160,6 @@ def run(args) -> int:
     return 0
 
 
-def run_header(what: str) -> str:
-    import torch
-    import triton
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    return (f"### {what}: {device}, torch {torch.__version__}, triton {triton.__version__}, "
-            f"{datetime.date.today().isoformat()}")
-
-
 #: Heads of the fp32 reference every row's accuracy is measured against (all heads cost seconds).
 REFERENCE_HEADS = 4
 
@@ -264,8 +256,6 @@ def bench_kernel(args) -> str:
                                             out_dtype=q.dtype, dv=v.shape[-1], exact=False))
             measured.append(Measured(f"fp4video {m}", m, t_total, power, out, t_pre, t_loop))
             if args.density is not None and call_plan.sparse_reason is None:
-                from .bench_sparse import uniform_selection
-
                 sel = uniform_selection(args.heads, s, s, args.density)
                 sparse_out = fp4_attention(q, k, v, method=m, attn_mask=mask, backend="triton", sparsity=sel)
                 t_sparse, p_sparse = timed(lambda: fp4_attention(q, k, v, method=m, attn_mask=mask, backend="triton",
@@ -309,11 +299,6 @@ class Measured:
     out: object
     pre_ms: float | None = None
     loop_ms: float | None = None
-
-
-#: The peers every row is also compared with (× their time), in the table's column order.
-RATIO_PEERS = ("SageAttention2 sageattn (INT8 QK, FP8 PV)", "FlashAttention-3 FP8 (cast included)")
-RATIO_TITLES = ("× SageAttention2", "× FA3 FP8 (cast incl.)")
 
 
 @dataclass(frozen=True)
@@ -520,6 +505,7 @@ def bench_pipeline(args) -> str:
 
     from ..eval.peers import find_peers, sdpa_replaced_by
     from ..integration import Policy, install, uninstall
+    from ..integration.processor import sparse_summary
     from ..integration.config import load_config
 
     tiny = getattr(args, "tiny", False)
@@ -577,11 +563,15 @@ def bench_pipeline(args) -> str:
                 secs = forward_seconds(kw)
             finally:
                 uninstall(model)
-            densities = [c["density"] for c in ctx.recorded_calls() if "density" in c]
-            if densities:
-                share = len(densities) / len(ctx.calls)
-                notes.append(f"{res} {label}: {100 * share:.0f}% of the attention calls block-sparse, mean density "
-                             f"{sum(densities) / len(densities):.3f}")
+            summary = sparse_summary(ctx.recorded_calls())
+            if summary is not None:
+                notes.append(f"{res} {label}: {100 * summary['share']:.0f}% of the attention calls block-sparse, "
+                             f"mean density {summary['density']:.3f}" + (
+                                 f" ({summary['density_before']:.3f} before repair); exact mass kept per query "
+                                 f"tile (sampled rows): min {summary['kept_min']:.3f}, 1% {summary['kept_q01']:.3f}, "
+                                 f"mean {summary['kept_mean']:.4f} (min {summary['kept_min_before']:.3f} before); "
+                                 f"{100 * summary['repaired']:.1f}% of query tiles repaired"
+                                 if "kept_min" in summary else ""))
             rows.append((res, tokens, label, secs))
             print(f"  {res} {label}: {secs:.2f} s", file=sys.stderr, flush=True)
         for p in peers:

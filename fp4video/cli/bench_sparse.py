@@ -17,6 +17,8 @@ import sys
 import textwrap
 from dataclasses import dataclass
 
+from .bench_shared import RATIO_PEERS, RATIO_TITLES, run_header, uniform_selection
+
 #: the densities timed by default (the share of (query tile, key tile) pairs visited)
 DENSITIES = (0.1, 0.25, 0.5, 1.0)
 
@@ -35,25 +37,6 @@ class SparseTiming:
     x_peers: dict
 
 
-def uniform_selection(heads: int, sq: int, sk: int, density: float, seed: int = 0):
-    """A :class:`fp4video.sparse.BlockSelection` on the GPU visiting round(density · n_key_tiles)
-    key tiles (at least one) in every query tile's list, the tile on its diagonal among them, the
-    others drawn at random."""
-    import torch
-
-    from ..sparse import KEY_TILE, QUERY_TILE, BlockSelection
-
-    nq, nk = -(-sq // QUERY_TILE), -(-sk // KEY_TILE)
-    keep = max(1, round(density * nk))
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    score = torch.rand(1, heads, nq, nk, device="cuda", generator=g)
-    diagonal = (torch.arange(nq, device="cuda") * QUERY_TILE // KEY_TILE).clamp(max=nk - 1)
-    score[..., torch.arange(nq, device="cuda"), diagonal] = 2.0  # always kept
-    kept = score.topk(keep, dim=-1).indices
-    tiles = torch.zeros(1, heads, nq, nk, dtype=torch.bool, device="cuda").scatter_(-1, kept, True)
-    return BlockSelection(tiles, sq, sk)
-
-
 def bench_sparse(args) -> tuple[str, list[SparseTiming]]:
     """The markdown table and its rows (see the module's docstring)."""
     import contextlib
@@ -64,10 +47,9 @@ def bench_sparse(args) -> tuple[str, list[SparseTiming]]:
 
     from .. import fp4_attention
     from ..attention import selection_for
-    from ..eval.peers import find_peers
+    from ..eval.peers import find_peers, find_sparse_peers
     from ..kernels.operands import KeyTileLists
     from ..sparse import DynamicSparsity, StaticSparsity
-    from .bench import RATIO_PEERS, run_header
 
     def bench(fn):
         return triton.testing.do_bench(fn, warmup=50, rep=args.rep_ms, return_mode="median")
@@ -105,6 +87,7 @@ def bench_sparse(args) -> tuple[str, list[SparseTiming]]:
                             {p: peer_ms[p] / ms if p in peer_ms else None for p in RATIO_PEERS})
 
     rows = [row(name, 1.0, True, ms, None) for name, _, ms in base]
+    peer_lines = []
     dense_ms = {}
     for m in args.methods:
         fp4_attention(q, k, v, method=m, backend="triton")
@@ -117,6 +100,23 @@ def bench_sparse(args) -> tuple[str, list[SparseTiming]]:
             ms = bench(lambda: fp4_attention(q, k, v, method=m, backend="triton", sparsity=sel))
             rows.append(row(f"fp4video {m}", float(sel.density()), False, ms, ms / dense_ms[m]))
             print(f"  {m} density {float(sel.density()):.3f}: {ms:.2f} ms", file=sys.stderr, flush=True)
+    for density in args.densities:  # the sparse peers on the very same tiles
+        sel = uniform_selection(h, s, s, density)
+        for p in find_sparse_peers():
+            if p.fn is None:
+                notes.append(f"{p.name}: {p.missing}")
+                break
+            try:
+                p.fn(q, k, v, sel.tiles)
+                ms = bench(lambda: p.fn(q, k, v, sel.tiles))
+            except Exception as e:  # a peer's build that cannot run this shape: say so, keep going
+                notes.append(f"{p.name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})")
+                continue
+            ours = {r.kernel: r.ms for r in rows if not r.dense and abs(r.density - float(sel.density())) < 1e-9}
+            rows.append(row(p.name, float(sel.density()), False, ms, None))
+            versus = ", ".join(f"{name.removeprefix('fp4video ')} {ms / t:.2f}×" for name, t in ours.items())
+            peer_lines.append(f"| {float(sel.density()):.3f} | {ms:.2f} | {versus} |")
+            print(f"  {p.name} density {float(sel.density()):.3f}: {ms:.2f} ms", file=sys.stderr, flush=True)
     # the selections' own cost at this size, against the first method's dense call
     first = args.methods[0]
     frames, height, width = args.grid
@@ -126,7 +126,13 @@ def bench_sparse(args) -> tuple[str, list[SparseTiming]]:
         costs.append((f"static window {tuple(args.window)}, radial", static))
     else:
         notes.append(f"static selection: the grid {frames}×{height}×{width} does not hold {s} tokens")
+    if frames * height * width == s:
+        costs.append((f"static window {tuple(args.window)}, radial, sinks", StaticSparsity(
+            frames=frames, height=height, width=width, window=tuple(args.window), radial=True, sinks=True)))
     costs.append((f"dynamic τ={args.tau}", DynamicSparsity(tau=args.tau)))
+    costs.append((f"dynamic τ={args.tau}, sampled", DynamicSparsity(tau=args.tau, estimate="sampled")))
+    costs.append((f"dynamic τ={args.tau}, sampled, sinks, floor 0.9", DynamicSparsity(
+        tau=args.tau, estimate="sampled", sinks=True, floor=0.9)))
     cost_lines = []
     for name, rule in costs:
         sel = selection_for(rule, q, k, backend="triton", method=first)
@@ -136,7 +142,30 @@ def bench_sparse(args) -> tuple[str, list[SparseTiming]]:
         given = bench(lambda: fp4_attention(q, k, v, method=first, backend="triton", sparsity=sel))
         cost_lines.append(f"| {name} | {float(sel.density()):.3f} | {ms:.2f} | {call:.2f} | {given:.2f} | "
                           f"{100 * (call - given) / dense_ms[first]:.1f}% | {lists_ms:.2f} | {dense_ms[first] / call:.2f} |")
+    # the check every rule's call runs, alone: sampled rows' exact mass (the kernel), kept mass, and with
+    # sinks and a floor the repair; against the dense call
+    from ..kernels.row_mass import row_block_mass
+    from ..sparse import CHECK_ROWS, check_selection
+
+    sel = uniform_selection(h, s, s, 0.3)
+    check_lines = []
+    for name, extra in (("measure", {}), ("measure, sinks, floor 0.9", dict(sinks=True, floor=0.9))):
+        check_selection(sel, q, k, row_mass=row_block_mass, **extra)
+        ms = bench(lambda: check_selection(sel, q, k, row_mass=row_block_mass, **extra))
+        check_lines.append(f"| {name} | {CHECK_ROWS} | {ms:.2f} | {100 * ms / dense_ms[first]:.1f}% |")
+    from ..sparse import sample_rows
+
+    rows_ = sample_rows(s, 128, CHECK_ROWS, device="cuda")
+    kernel_ms = bench(lambda: row_block_mass(q, k, rows_))
+    check_lines.append(f"| the rows' exact mass alone (kernel) | {CHECK_ROWS} | {kernel_ms:.2f} | "
+                       f"{100 * kernel_ms / dense_ms[first]:.1f}% |")
     table = format_sparse_table(run_header(f"bench sparse, B=1 H={h} S={s} D={d}, bf16"), rows)
+    if peer_lines:
+        table += ("\nThe block-sparse peer on the same tiles (ms), and each fp4video method's speed against it:\n\n"
+                  "| density | SpargeAttn same tiles ms | × SpargeAttn |\n| --- | --- | --- |\n" + "\n".join(peer_lines) + "\n")
+    table += ("\nThe check every rule's call runs (a random selection at density 0.3), against the dense `" + first
+              + "` call:\n\n| check | sampled rows per query tile | ms | of the dense call |\n| --- | --- | --- | --- |\n"
+              + "\n".join(check_lines) + "\n")
     table += ("\nSelections at this size, against the dense `" + first + "` call. The selection alone is timed "
               "with the GPU idle between calls (its many small launches bound it); inside a call its cost is the "
               "call with the rule less the call on the selection computed beforehand:\n\n"
@@ -150,8 +179,6 @@ def bench_sparse(args) -> tuple[str, list[SparseTiming]]:
 def format_sparse_table(header: str, rows: list[SparseTiming]) -> str:
     """The rows as markdown: kernel, density, ms, × dense of the same method, × best bf16, × each
     ratio peer."""
-    from .bench import RATIO_TITLES, RATIO_PEERS
-
     lines = [header, "", "| kernel | density | ms (whole call) | × its dense time | × best bf16 | "
              + " | ".join(RATIO_TITLES) + " |", "|" + " --- |" * (5 + len(RATIO_TITLES))]
     for r in rows:
