@@ -75,7 +75,7 @@ def quad_key_order(rows):
     ``mma.sync``'s accumulator gives lane t of a quad the columns 8j + 2t + e of each 32; its FP4
     A operand wants lane t to hold 8 consecutive keys, 8t … 8t + 7. With K̂'s rows so ordered, the
     lane's columns of S are those keys, and P's packed codes, relabelled from byte 4j + t to byte
-    4t + j (:func:`.loop_scaled._codes_in_key_order`: two index digits swap, no data moves), are in
+    4t + j (in :mod:`.loop_scaled_sm120`'s loop: two index digits swap, no data moves), are in
     key order where the MMA wants them — no byte-wise exchange through shared memory. MXFP4's P blocks of 32 keys are
     whole groups; NVFP4's of 16 are the columns of one t // 2."""
     k = rows % 32

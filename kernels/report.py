@@ -60,7 +60,7 @@ class LoopReport:
     num_stages: int
 
 
-def _loop(method: str, arch: int, sparse: bool = False):
+def loop_kernel(method: str, arch: int, sparse: bool = False):
     """(name, jit fn, constexprs, pointer types, elements of S per thread per key tile, options, gluon)
     of the loop the dispatch runs ``method`` with on ``sm_{arch}`` (``sparse``: its block-sparse form)."""
     r = METHODS[method]
@@ -149,7 +149,7 @@ def _loop(method: str, arch: int, sparse: bool = False):
             dict(num_warps=LAUNCH.num_warps, num_stages=stages), False)
 
 
-def _local_accesses(ops) -> int:
+def local_accesses(ops) -> int:
     """Local-memory loads and stores (ptxas's spills) among a loop's SASS opcodes."""
     return sum(n for op, n in ops.items() if op.split(".")[0] in ("LDL", "STL"))
 
@@ -180,7 +180,7 @@ def compile_loop(method: str, arch: int, sparse: bool = False):
     """(name, compiled kernel, constexprs, elements of S per thread per key tile, launch options,
     gluon) of the loop the dispatch runs ``method`` with on ``sm_{arch}``, compiled offline as it is
     launched there (head dim 128, no mask, a Wan-480p launch's sizes)."""
-    name, fn, consts, ptr, per_thread, options, gluon = _loop(method, arch, sparse)
+    name, fn, consts, ptr, per_thread, options, gluon = loop_kernel(method, arch, sparse)
     kernel = compile_kernel(fn, consts, ptr, dict(WAN_480P_INTS, smb=1), arch=arch, floats=("scale_log2", "scale"),
                             gluon=gluon, **options)
     return name, kernel, consts, per_thread, options, gluon
@@ -218,7 +218,7 @@ def loop_report(method: str, target: str, sparse: bool = False) -> LoopReport:
                                         (lambda op: op.startswith("MUFU.EX2")) if ws else (lambda op: "MMA" in op),
                                         most=ws, lines=lines)
             count, source = sum(sass_ops.values()), "SASS"
-            local = _local_accesses(sass_ops)
+            local = local_accesses(sass_ops)
             if ws:  # every partition's loop issues on the same SM: their sum, each by its warps, is the work
                 softmax = round(count / per_thread, 2)
                 paired = partition_issue(sass_loops(lines),
@@ -227,9 +227,9 @@ def loop_report(method: str, target: str, sparse: bool = False) -> LoopReport:
                     source = "SASS, the softmax partition's loop (the other partitions' loops not paired)"
                 else:
                     count = sum(sum(ops.values()) * warps for _, warps, ops in paired) / options["num_warps"]
-                    local = sum(_local_accesses(ops) for _, _, ops in paired)
+                    local = sum(local_accesses(ops) for _, _, ops in paired)
                     parts = [dict(role=role, warps=warps, instructions_per_tile=sum(ops.values()),
-                                  local_accesses_per_tile=_local_accesses(ops)) for role, warps, ops in paired]
+                                  local_accesses_per_tile=local_accesses(ops)) for role, warps, ops in paired]
                     source = "SASS, all partitions' loops"
         except (SystemExit, OSError, subprocess.CalledProcessError) as e:  # report PTX instead, saying why
             why = str(e) if isinstance(e, SystemExit) else f"nvdisasm failed ({type(e).__name__})"

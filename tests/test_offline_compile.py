@@ -128,7 +128,7 @@ import sys
 sys.path.insert(0, {tools!r})
 from offline_compile import compile_kernel
 from fp4video.formats import ScaleRule
-from fp4video.kernels.loop_e4m3 import TILE_EXP_FLOOR, _e4m3_attn_fwd as fn
+from fp4video.kernels.loop_e4m3 import TILE_EXP_FLOOR, KERNEL as fn
 ptr = dict(Q8="*fp8e4nv", QFac="*fp32", K8="*fp8e4nv", KFac="*fp32", V8T="*fp8e4nv", VFac="*fp32", KeyMask="*i8",
            KIdx="*i32", KCnt="*i32", Out="*bf16", Lse="*fp32")
 consts = dict(HAS_MASK=True, OCP=False, QMAX=ScaleRule.UOS.qmax, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=64,
@@ -168,22 +168,22 @@ ints = dict(H=40, SQ=_S, SK=_S, SK_PAD=_SP, DV=128, sqb=40 * _S * 128, sqh=_S * 
             sob=40 * _S * 128, soh=_S * 128, sos=128, sod=1, slb=40 * _S, slh=_S, sls=1)  # Wan 480p, as launched
 if {kernel!r}.startswith("scaled-tma-"):  # the warp-specialized loop of sm_100: the format's hungriest method
     from fp4video.kernels.loop_scaled import TMA_LAUNCH
-    from fp4video.kernels.report import _loop
+    from fp4video.kernels.report import loop_kernel
     key = {kernel!r}[len("scaled-tma-"):]
-    _, fn, consts, ptr, _, options, _ = _loop({{"mx": "mxfp4-ocp", "nv": "sage3-hpnq", "nv-pv8": "sage3-pv8"}}[key], {arch})
+    _, fn, consts, ptr, _, options, _ = loop_kernel({{"mx": "mxfp4-ocp", "nv": "sage3-hpnq", "nv-pv8": "sage3-pv8"}}[key], {arch})
     LAUNCH = TMA_LAUNCH[key]
     consts = dict(consts, HAS_MASK=True)
     from fp4video.kernels.offline import WAN_480P_INTS
     ints = dict(WAN_480P_INTS, smb=1)  # (as its table was compiled: the report's sizes)
     options = dict(enable_fp_fusion=False)
 elif {kernel!r} == "nvfp4":
-    from fp4video.kernels.loop_nvfp4 import LAUNCH, _nv_attn_fwd as fn
+    from fp4video.kernels.loop_nvfp4 import LAUNCH, KERNEL as fn
     ptr = dict(Q="*bf16", K="*bf16", V="*bf16", KeyMask="*i8", Out="*bf16", Lse="*fp32")
     consts = dict(HAS_MASK=True, TWO_LEVEL=True, P_RANGE=TWO_LEVEL_P_RANGE, PNQ=False, IEEE=False, FAST_RCP=True,
                   HW_E4M3=True, D=128, BLOCK_DV=128, DV_PAD=False, BLOCK_M=128, BLOCK_N=128, P_E4M3=False)
     options = dict(enable_fp_fusion=False)
 else:
-    from fp4video.kernels.loop_e4m3 import POINTER_LAUNCH as LAUNCH, TILE_EXP_FLOOR, _e4m3_attn_fwd as fn
+    from fp4video.kernels.loop_e4m3 import POINTER_LAUNCH as LAUNCH, TILE_EXP_FLOOR, KERNEL as fn
     ptr = dict(Q8="*fp8e4nv", QFac="*fp32", K8="*fp8e4nv", KFac="*fp32", V8T="*fp8e4nv", VFac="*fp32", KeyMask="*i8",
                KIdx="*i32", KCnt="*i32", Out="*bf16", Lse="*fp32")
     consts = dict(HAS_MASK=True, OCP=False, QMAX=ScaleRule.UOS.qmax, PNQ=True, D=128, BLOCK_DV=128, BLOCK_M=64,
@@ -415,15 +415,15 @@ def test_column_bases_reads_linear_and_blocked_layouts():
 SM90_LOOP_SPILLS = """
 import tempfile
 from fp4video.kernels.offline import WAN_480P_INTS, compile_kernel, sass_lines, sass_loops, tool_path
-from fp4video.kernels.report import _local_accesses, _loop
-name, fn, consts, ptr, _, options, gluon = _loop({method!r}, 90)
+from fp4video.kernels.report import local_accesses, loop_kernel
+name, fn, consts, ptr, _, options, gluon = loop_kernel({method!r}, 90)
 assert name == "loop_nvfp4_sm90._nv_attn_fwd_sm90" and gluon, name
 ints = dict(WAN_480P_INTS, smb=WAN_480P_INTS["SK"] if {masked!r} else 1)
 kernel = compile_kernel(fn, dict(consts, HAS_MASK={masked!r}), ptr, ints, arch=90, floats=("scale_log2",), gluon=True,
                         **options)
 with tempfile.TemporaryDirectory() as tmp:
     lines = sass_lines(kernel, tool_path("nvdisasm"), tmp)
-print("SPILLS", [_local_accesses(ops) for ops in sass_loops(lines) if any("GMMA" in op for op in ops)])
+print("SPILLS", [local_accesses(ops) for ops in sass_loops(lines) if any("GMMA" in op for op in ops)])
 """
 
 
