@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import diffusers_api
 from .dispatcher import PREFIX, AttentionCall
 
 __all__ = ["PEERS", "ExternalBackend", "BackendUnavailable", "backend_names", "check_backend_name", "resolve",
@@ -218,23 +219,26 @@ class ExternalBackend:
 def _diffusers_backend(name: str) -> ExternalBackend:
     import diffusers.models.attention_dispatch as dispatch
 
-    member = dispatch.AttentionBackendName(name)
-    registry = dispatch._AttentionBackendRegistry
+    member = diffusers_api.backend_enum()(name)
     try:
-        dispatch._check_attention_backend_requirements(member)
+        diffusers_api.check_backend_requirements(member)
+    except diffusers_api.DiffusersAPIChanged:
+        raise
     except RuntimeError as e:
         raise BackendUnavailable(f"backend {name!r} is not installed: {e}") from None
-    if member not in registry._backends:
+    if diffusers_api.registered_function(member) is None:
         raise BackendUnavailable(f"backend {name!r} has no function in diffusers' registry")
     if name.endswith("_hub"):
         try:
-            dispatch._maybe_download_kernel_for_backend(member)
+            diffusers_api.download_hub_kernel(member)
+        except diffusers_api.DiffusersAPIChanged:
+            raise
         except Exception as e:  # a download or a kernel load that fails: the reason, on one line
             raise BackendUnavailable(f"backend {name!r}: its hub kernel did not load ({type(e).__name__}: "
                                      f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
-    args = registry._supported_arg_names[member]
-    constraints = registry._constraints.get(member, [])
-    cp = registry._is_context_parallel_available(member)
+    args = diffusers_api.backend_arg_names(member)
+    constraints = diffusers_api.backend_constraints(member)
+    cp = diffusers_api.backend_supports_context_parallel(member)
 
     def why_not(call: AttentionCall) -> str | None:
         if call.return_lse and "return_lse" not in args:

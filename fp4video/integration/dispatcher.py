@@ -10,8 +10,9 @@ leaves the process-wide active backend set, so the model would keep running fp4v
 One method everywhere the model's processors call diffusers' dispatcher (no per-block or per-step
 policy: use :func:`fp4video.install` for that), context parallelism included. diffusers 0.42 has
 no public way to add a backend: its backend names are a closed enum and the registry is private.
-This module — and only this module — extends both; it checks the internals it needs first and
-says what to do instead when a diffusers release changes them.
+This module extends both through :mod:`.diffusers_api`, the one module that touches diffusers'
+private names; it checks them first and says what to do instead when a diffusers release changes
+them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..recipe import METHODS
+from . import diffusers_api
 
 __all__ = ["register_attention_backends", "register_backend", "backend_name", "reset_attention_backend",
            "active_backend", "set_active_backend", "AttentionCall", "diffusers_backend"]
@@ -29,37 +31,6 @@ PREFIX = "fp4video_"
 def backend_name(method: str) -> str:
     """The diffusers backend name of a method: ``"fp4video_" + method`` with ``-`` as ``_``."""
     return PREFIX + method.replace("-", "_")
-
-
-def _internals():
-    try:
-        import diffusers
-        from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
-    except ImportError as e:
-        raise RuntimeError(f"fp4video's attention backends need diffusers, which did not import: {e}") from e
-    needed = [hasattr(_AttentionBackendRegistry, a) for a in
-              ("register", "_backends", "_supported_arg_names", "_supports_context_parallel", "_active_backend",
-               "set_active_backend")]
-    needed += [hasattr(AttentionBackendName, a) for a in ("_member_map_", "_value2member_map_", "_member_names_")]
-    if not all(needed):
-        raise RuntimeError(
-            f"diffusers {diffusers.__version__} changed the attention-backend internals fp4video extends "
-            "(checked with 0.42.1); set_attention_backend cannot offer fp4video's methods. Use "
-            "fp4video.install(pipe, policy) instead, which only uses diffusers' public processor API.")
-    return AttentionBackendName, _AttentionBackendRegistry
-
-
-def _member(enum_cls, value: str):
-    """The enum member for ``value``, added to diffusers' closed AttentionBackendName if missing."""
-    if value in enum_cls._value2member_map_:
-        return enum_cls._value2member_map_[value]
-    member = str.__new__(enum_cls, value)
-    member._name_, member._value_ = value.upper(), value
-    member.__objclass__ = enum_cls
-    enum_cls._member_map_[member._name_] = member
-    enum_cls._value2member_map_[value] = member
-    enum_cls._member_names_.append(member._name_)
-    return member
 
 
 @dataclass(frozen=True)
@@ -131,22 +102,21 @@ def _backend_fn(method: str):
 def register_backend(name: str, fn):
     """Register ``fn`` as the diffusers attention backend ``name`` (context parallelism supported;
     calling again with the same function is harmless). Returns its ``AttentionBackendName`` member."""
-    enum_cls, registry = _internals()
-    member = _member(enum_cls, name)
-    if registry._backends.get(member) is not fn:
-        registry.register(member, supports_context_parallel=True)(fn)
+    member = diffusers_api.add_backend_name(name)
+    if diffusers_api.registered_function(member) is not fn:
+        diffusers_api.register_backend(member, fn, supports_context_parallel=True)
     return member
 
 
 def active_backend():
     """The process-wide backend that runs the attention of processors naming none (the
     ``attention_backend`` context manager's, or ``DIFFUSERS_ATTN_BACKEND``)."""
-    return _internals()[1]._active_backend
+    return diffusers_api.active_backend()
 
 
 def set_active_backend(member) -> None:
     """Make ``member`` the process-wide active backend (:func:`active_backend`)."""
-    _internals()[1].set_active_backend(member)
+    diffusers_api.set_active_backend(member)
 
 
 def register_attention_backends(methods=None) -> list[str]:
@@ -166,4 +136,4 @@ def reset_attention_backend(model) -> None:
 
     model.reset_attention_backend()
     default = getattr(dispatch, "DIFFUSERS_ATTN_BACKEND", "native")
-    dispatch._AttentionBackendRegistry.set_active_backend(dispatch.AttentionBackendName(default))
+    diffusers_api.set_active_backend(diffusers_api.backend_enum()(default))
