@@ -11,9 +11,11 @@ import argparse
 import os
 import sys
 
+from .. import __version__
 from . import accuracy, bench, calibrate, check, generate, vbench_weights
 from . import eval as eval_
 from .common import one_line, quiet_optional_imports
+from .help_text import plain_help
 
 SUBCOMMANDS = {"generate": generate, "eval": eval_, "accuracy": accuracy, "bench": bench, "calibrate": calibrate,
                "check": check, "vbench-weights": vbench_weights}
@@ -29,10 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fp4video",
         description="4-bit microscaling (MXFP4 / NVFP4) attention for video diffusion transformers.",
     )
+    parser.add_argument("--version", action="version", version=f"fp4video {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in SUBCOMMANDS.items():
         module.add_parser(sub)
-    return parser
+    return plain_help(parser)  # docstrings serve as descriptions: --help prints them as plain text
 
 
 def command_name(args) -> str:
