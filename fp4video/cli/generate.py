@@ -41,7 +41,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", help='"tiny", a local pipeline folder or a hub id (overrides the config)')
     p.add_argument("--prompt", action="append", help="prompt (repeat for several; overrides the config)")
     p.add_argument("--output", type=Path, default=Path("fp4video.mp4"),
-                   help="output mp4 (several prompts: NAME_0.mp4, NAME_1.mp4, ...); a .json sidecar goes beside it")
+                   help="output mp4, a .json sidecar beside it; a config or --prompt list with several prompts "
+                        "writes one video each, NAME_0.mp4, NAME_1.mp4, ... (said before the run starts)")
     p.add_argument("--steps", type=int, help="denoising steps (overrides the config)")
     p.add_argument("--seed", type=seed_arg, help="random seed, 0 .. 2**64 - 1 (overrides the config)")
     p.add_argument("--height", type=int, help=f"video height, at most {MAX_SIDE} (overrides the config)")
@@ -134,6 +135,18 @@ def output_names(output: Path, prompts: int) -> list[Path]:
     return [output.with_name(f"{output.stem}_{i}{output.suffix}") for i in range(prompts)]
 
 
+def several_outputs(outputs: list[Path]) -> str:
+    """What a run of several prompts writes, said before it starts (``--output`` names one file)."""
+    return (f"{len(outputs)} prompts, so one video each: {', '.join(str(o) for o in outputs)} "
+            "(--prompt \"...\" runs one prompt into --output itself)")
+
+
+def video_title(out, frames: int, fps: int, generation_seconds: float) -> str:
+    """The summary's title: the video's own length (frames at fps) apart from the time it took."""
+    return (f"{out}: {frames} frames at {fps} fps ({frames / fps:.2f} s of video), "
+            f"generated in {generation_seconds:.1f} s")
+
+
 def run(args) -> int:
     """Every input is checked before anything loads (config, sizes, seed, outputs, device); a
     problem is a :class:`UsageError` (one line, exit 2, from ``main``)."""
@@ -177,12 +190,17 @@ def run(args) -> int:
     if rank != 0:
         pipe.set_progress_bar_config(disable=True)
     ctx = install(pipe, cfg.policy, backend=args.backend)
+    if rank == 0 and len(outputs) > 1:
+        print(f"fp4video generate: {several_outputs(outputs)}", file=sys.stderr)
 
     for prompt, call, out in zip(cfg.prompts, calls, outputs):
         sidecar = generate_video(pipe, ctx, cfg, prompt, call, out, device=device, backend=args.backend,
                                  load_seconds=t_load, write=rank == 0, world_size=size)
         if rank == 0:
-            _summary(out, sidecar)
+            _summary(out, sidecar, cfg.fps)
+    if rank == 0 and len(outputs) > 1:
+        print(f"fp4video generate: wrote {len(outputs)} videos, one per prompt: "
+              f"{', '.join(str(o) for o in outputs)} (each with its .json)", file=sys.stderr)
     if size > 1:
         import torch.distributed as dist
 
@@ -225,12 +243,12 @@ def device_problem(device: str | None, backend: str) -> str | None:
     return None
 
 
-def _summary(out, sidecar):
+def _summary(out, sidecar, fps: int):
     from rich.console import Console
     from rich.table import Table
 
     calls = sidecar["attention_calls"]
-    t = Table(title=f"{out}  ({sidecar['frames']} frames, {sidecar['timings_s']['generate']:.1f} s)",
+    t = Table(title=video_title(out, sidecar["frames"], fps, sidecar["timings_s"]["generate"]),
               title_justify="left", min_width=72)
     for col in ("method", "kind", "calls"):
         t.add_column(col, justify="left" if col != "calls" else "right")
