@@ -24,6 +24,27 @@ __all__ = ["row_block_mass"]
 
 
 @triton.jit
+def _tile_stats(q, K, Max, Sum, out, j, n, live, d, D, kbase, sks, skd, scale_log2, r_ok,
+                MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """One key tile of the rows: its largest logit (log2 units) and the sum of exponentials below it.
+    A NaN or +Inf logit makes the sum NaN (as the reference's row); masked keys weigh nothing."""
+    if MASKED:
+        kt = tl.load(K + kbase + n[None, :] * sks + d[:, None] * skd, mask=live[None, :] & (d[:, None] < D), other=0.0)
+    else:
+        kt = tl.load(K + kbase + n[None, :] * sks + d[:, None] * skd, mask=d[:, None] < D, other=0.0)
+    if IEEE:
+        s = tl.dot(q, kt, input_precision="ieee") * scale_log2
+    else:
+        s = tl.dot(q, kt) * scale_log2
+    if MASKED:
+        s = tl.where(live[None, :], s, -float("inf"))
+    m = tl.max(s, axis=1)
+    total = tl.sum(tl.exp2(s - tl.where(m == -float("inf"), 0.0, m)[:, None]), axis=1)
+    tl.store(Max + out + j, m, mask=r_ok)
+    tl.store(Sum + out + j, total, mask=r_ok)
+
+
+@triton.jit
 def _row_tile_stats_kernel(Q, K, Rows, Alive, Max, Sum, H, Sk, R, n_key_tiles, D, scale_log2,
                            sqb, sqh, sqs, sqd, skb, skh, sks, skd, sab, sas,
                            BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -39,26 +60,21 @@ def _row_tile_stats_kernel(Q, K, Rows, Alive, Max, Sum, H, Sk, R, n_key_tiles, D
     q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + d[None, :] * sqd,
                 mask=r_ok[:, None] & (d[None, :] < D), other=0.0)
     out = (bh * R + r) * n_key_tiles
-    for j in range(0, n_key_tiles):
-        n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        live = n < Sk
-        if HAS_ALIVE:
-            live = live & (tl.load(Alive + b * sab + n * sas, mask=live, other=0) != 0)
-        kt = tl.load(K + b * skb + h * skh + n[None, :] * sks + d[:, None] * skd,
-                     mask=live[None, :] & (d[:, None] < D), other=0.0)
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = s * scale_log2  # log2 units
-        # a NaN or infinite logit at a live key makes its row NaN (as the reference)
-        bad = tl.max(tl.where(live[None, :] & ((s != s) | (tl.abs(s) == float("inf"))), 1, 0), axis=1) > 0
-        s = tl.where(live[None, :], s, -float("inf"))
-        m = tl.max(s, axis=1)
-        m_safe = tl.where(m == -float("inf"), 0.0, m)
-        total = tl.sum(tl.exp2(s - m_safe[:, None]), axis=1)
-        tl.store(Max + out + j, tl.where(bad, float("nan"), m), mask=r_ok)
-        tl.store(Sum + out + j, tl.where(bad, float("nan"), total), mask=r_ok)
+    kbase = b * skb + h * skh
+    n0 = tl.arange(0, BLOCK_N)
+    if HAS_ALIVE:  # a key-padding mask: every tile masked
+        for j in range(0, n_key_tiles):
+            n = j * BLOCK_N + n0
+            live = (n < Sk) & (tl.load(Alive + b * sab + n * sas, mask=n < Sk, other=0) != 0)
+            _tile_stats(q, K, Max, Sum, out, j, n, live, d, D, kbase, sks, skd, scale_log2, r_ok, True, IEEE)
+    else:  # whole tiles unmasked, the partial last one masked
+        full = Sk // BLOCK_N
+        for j in range(0, full):
+            n = j * BLOCK_N + n0
+            _tile_stats(q, K, Max, Sum, out, j, n, n < Sk, d, D, kbase, sks, skd, scale_log2, r_ok, False, IEEE)
+        if full < n_key_tiles:
+            n = full * BLOCK_N + n0
+            _tile_stats(q, K, Max, Sum, out, full, n, n < Sk, d, D, kbase, sks, skd, scale_log2, r_ok, True, IEEE)
 
 
 def row_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, *, scale: float | None = None,
@@ -87,19 +103,17 @@ def row_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, *, scal
     if q.dtype != k.dtype or not q.is_cuda:  # (the CPU interpreter has no 16-bit dot)
         q, k = q.float(), k.float()
     ieee = q.dtype == torch.float32
-    block_r = 64
+    block_r = 128 if n_rows >= 128 * 132 // (b * h) else 64  # larger blocks re-read K less; enough programs
     if n_rows:
         _row_tile_stats_kernel[(triton.cdiv(n_rows, block_r), b * h)](
             q, k, flat, a, top, total, h, sk, n_rows, nk, d, scale * LOG2E,
             *q.stride(), *k.stride(), *(a.stride() if alive is not None else (0, 0)),
             BLOCK_R=block_r, BLOCK_N=key_tile, BLOCK_D=next_pow2(d), HAS_ALIVE=alive is not None, IEEE=ieee,
-            num_warps=4 if key_tile * next_pow2(d) <= 128 * 64 else 8,
+            num_warps=8 if block_r == 128 else 4, num_stages=3,
         )
     # each row's softmax weight per tile: the tiles' sums brought to the row's largest logit
     row_top = top.amax(dim=-1, keepdim=True)
     weight = total * torch.exp2(top - torch.where(row_top == -math.inf, 0.0, row_top))
-    weight = torch.where(top == -math.inf, 0.0, weight)  # tiles without a live key
+    weight = torch.where(top == -math.inf, 0.0, weight)  # tiles without a live key (a NaN sum stays NaN)
     mass = weight / weight.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-    bad = torch.isnan(top).any(dim=-1, keepdim=True)
-    mass = torch.where(bad, math.nan, mass)
     return mass.reshape(b, h, *rows.shape, nk)

@@ -170,7 +170,7 @@ def _tile_mean(rows_mass: torch.Tensor, query_tile: int) -> torch.Tensor:
     b, h, sq, nk = rows_mass.shape
     nq = -(-sq // query_tile)
     pad = torch.nn.functional.pad(rows_mass, (0, 0, 0, nq * query_tile - sq))
-    counts = torch.clamp(sq - torch.arange(nq) * query_tile, max=query_tile).double()
+    counts = torch.clamp(sq - torch.arange(nq, device=rows_mass.device) * query_tile, max=query_tile).double()
     return pad.reshape(b, h, nq, query_tile, nk).sum(3) / counts[:, None]
 
 
@@ -179,7 +179,7 @@ def oracle_selection(rows_mass: torch.Tensor, counts: torch.Tensor, query_tile: 
     block mass (the mean of its rows' weight): the most any selection visiting that many keeps."""
     block = _tile_mean(rows_mass, query_tile)
     order = block.argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(block.shape[-1]).expand_as(order).contiguous())
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(block.shape[-1], device=block.device).expand_as(order).contiguous())
     return rank < counts.expand(block.shape[:3]).unsqueeze(-1)
 
 

@@ -237,7 +237,7 @@ def row_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, *, scal
     the softmax over every key of ``scale · q·k`` (fp32 logits of the inputs' values; ``scale``
     default 1/sqrt(D)), keys ``attn_mask`` (bool, broadcastable to (B, H, Sq, Sk), True = attend)
     hides left out, summed over each tile of ``key_tile`` keys. A row's weights sum to 1; a row that
-    sees no key has 0 everywhere; a row with a NaN or Inf logit has NaN. ``rows_at_once`` bounds the
+    sees no key has 0 everywhere; a row with a NaN or +Inf logit has NaN (a -Inf logit weighs nothing). ``rows_at_once`` bounds the
     memory (that many × Sk fp32 logits per batch entry and head). Nothing is read back to the host.
     :func:`fp4video.kernels.row_mass.row_block_mass` computes the same on the GPU."""
     check_qk(q, k)
@@ -254,7 +254,7 @@ def row_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, *, scal
     for r0 in range(0, flat.numel(), rows_at_once):
         idx = flat[r0 : r0 + rows_at_once]
         logits = (q.index_select(2, idx).float() @ kf) * scale  # (B, H, r, Sk)
-        bad = ~torch.isfinite(logits)
+        bad = torch.isnan(logits) | (logits == math.inf)  # (-inf weighs nothing, as a masked key)
         if mask is not None:
             m = mask if mask.shape[-2] == 1 else mask.index_select(2, idx)
             logits = logits.masked_fill(~m, -math.inf)
@@ -262,6 +262,6 @@ def row_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, *, scal
         top = logits.amax(dim=-1, keepdim=True)
         p = torch.exp(logits - torch.where(top == -math.inf, 0.0, top))
         p = p / p.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-        p = torch.where(bad.any(dim=-1, keepdim=True), math.nan, p)  # a NaN or infinite logit: the row is NaN
+        p = torch.where(bad.any(dim=-1, keepdim=True), math.nan, p)  # a NaN or +Inf logit: the row is NaN
         out.append(tile_sums(p, -1, key_tile))
     return torch.cat(out, dim=2).reshape(b, h, *rows.shape, n_tiles(sk, key_tile))
