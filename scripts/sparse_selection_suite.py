@@ -48,6 +48,10 @@ def fp4video_rules(grid: VideoGrid) -> list[tuple[str, str, object]]:
     for tau in (0.8, 0.9, 0.95):
         rules.append(("sampled τ + sinks + floor 0.9", f"sampled τ={tau} sinks floor=0.9",
                       DynamicSparsity(tau, estimate="sampled", global_tokens=text, sinks=True, floor=0.9)))
+    for topk in (0.05, 0.1, 0.2, 0.4, 0.6, 0.8):  # SpargeAttn's top-k on 64-row tiles, then the check
+        rules.append(("pooled top-k, 64-row tiles + sinks + floor 0.9", f"pooled top-k {topk} (64) sinks floor=0.9",
+                      DynamicSparsity(None, topk=topk, min_similarity=-1.0, query_tile=64, global_tokens=text,
+                                      sinks=True, floor=0.9, check_rows=1)))
     for topk in (0.1, 0.2, 0.3):
         rules.append(("sampled top-k", f"sampled top-k {topk}", DynamicSparsity(None, topk=topk, estimate="sampled",
                                                                                 global_tokens=text)))
