@@ -1,0 +1,270 @@
+"""The test model's configuration, its diffusers parts, its text encoding, and its files.
+
+The model is a Wan text-to-video pipeline in diffusers' own classes: ``WanTransformer3DModel``,
+``AutoencoderKLWan``, a small ``T5EncoderModel`` with a word-level ``PreTrainedTokenizerFast`` over
+the captions' words, and ``UniPCMultistepScheduler`` with Wan's flow settings. :data:`FULL` is the
+shipped size (docs/test-model.md says why), :data:`SMOKE` a tiny one for CPU tests.
+
+A saved model is a folder ``WanPipeline.from_pretrained`` loads (model_index.json, transformer/,
+vae/, text_encoder/, tokenizer/, scheduler/; safetensors in fp16). :func:`pack` turns it into four
+files (one safetensors per model and ``model.json`` holding every other file's text) and
+:func:`unpack` turns those back into the folder, byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from .scenes import vocabulary
+
+__all__ = ["TestModelConfig", "FULL", "SMOKE", "TEST_MODEL_CALL", "SPECIAL_TOKENS", "build_tokenizer",
+           "build_pipeline", "text_embeddings", "tokenize", "save_pipeline", "pack", "unpack", "is_pack",
+           "PACK_FILE", "PACKED_MODELS", "parameter_counts"]
+
+SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]
+
+#: The pack's index file (configs, tokenizer, scheduler and model index as text).
+PACK_FILE = "model.json"
+#: The models a pack holds one safetensors file each of (``<name>.safetensors``).
+PACKED_MODELS = ("transformer", "vae", "text_encoder")
+_PACK_FORMAT = "fp4video-testmodel-pack"
+
+
+class TestModelConfig(BaseModel):
+    """Sizes of the test model and of its clips."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    __test__ = False  # not a pytest test class (its name starts with "Test")
+
+    height: int = Field(gt=0, multiple_of=8)
+    width: int = Field(gt=0, multiple_of=8)
+    frames: int = Field(gt=0, description="4n + 1 (the VAE's causal 4× in time)")
+    # VAE (AutoencoderKLWan): 8× in space, 4× in time
+    z_dim: int = Field(gt=0)
+    vae_base_dim: int = Field(gt=0)
+    vae_dim_mult: tuple[int, int, int, int]
+    vae_res_blocks: int = Field(gt=0)
+    # transformer (WanTransformer3DModel)
+    patch_size: tuple[int, int, int]
+    heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    layers: int = Field(gt=0)
+    ffn_dim: int = Field(gt=0)
+    freq_dim: int = Field(gt=0)
+    # text encoder (T5EncoderModel)
+    text_dim: int = Field(gt=0)
+    text_layers: int = Field(gt=0)
+    text_heads: int = Field(gt=0)
+    text_ff: int = Field(gt=0)
+    max_sequence_length: int = Field(gt=0, description="text tokens the pipeline pads to (TEST_MODEL_CALL's)")
+    flow_shift: float = Field(gt=0)
+
+    def model_post_init(self, _context) -> None:
+        if (self.frames - 1) % 4:
+            raise ValueError(f"frames must be 4n + 1 (the Wan VAE's time compression), got {self.frames}")
+        lf, lh, lw = self.latent_shape
+        pt, ph, pw = self.patch_size
+        if lf % pt or lh % ph or lw % pw:
+            raise ValueError(f"the latent grid {lf}×{lh}×{lw} does not divide into patches {self.patch_size}")
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """(latent frames, latent height, latent width)."""
+        return ((self.frames - 1) // 4 + 1, self.height // 8, self.width // 8)
+
+    @property
+    def video_tokens(self) -> int:
+        """Tokens of one clip in the transformer's self-attention (after patching)."""
+        lf, lh, lw = self.latent_shape
+        pt, ph, pw = self.patch_size
+        return (lf // pt) * (lh // ph) * (lw // pw)
+
+
+#: The shipped model: 128×128 px, 29 frames -> latent 8 × 16 × 16 -> 2,048 video tokens with the
+#: (1, 1, 1) patch; 4 blocks of 4 heads × 64 (width 256).
+FULL = TestModelConfig(
+    height=128, width=128, frames=29, z_dim=16, vae_base_dim=32, vae_dim_mult=(1, 2, 2, 2), vae_res_blocks=1,
+    patch_size=(1, 1, 1), heads=4, head_dim=64, layers=4, ffn_dim=1024, freq_dim=256,
+    text_dim=128, text_layers=2, text_heads=4, text_ff=256, max_sequence_length=32, flow_shift=3.0)
+
+#: A tiny model for CPU tests: 32×32 px, 5 frames -> 2 × 4 × 4 = 32 tokens; 2 blocks.
+SMOKE = TestModelConfig(
+    height=32, width=32, frames=5, z_dim=4, vae_base_dim=8, vae_dim_mult=(1, 1, 1, 1), vae_res_blocks=1,
+    patch_size=(1, 1, 1), heads=2, head_dim=64, layers=2, ffn_dim=128, freq_dim=64,
+    text_dim=32, text_layers=1, text_heads=2, text_ff=64, max_sequence_length=32, flow_shift=3.0)
+
+#: Call arguments for generating with the shipped model (besides the prompt and the generator).
+TEST_MODEL_CALL = {"height": FULL.height, "width": FULL.width, "num_frames": FULL.frames, "num_inference_steps": 16,
+                   "guidance_scale": 4.0, "max_sequence_length": FULL.max_sequence_length}
+
+
+def build_tokenizer():
+    """A word-level tokenizer over the captions' words (lower-cased, split on whitespace; ``</s>``
+    appended, as T5's tokenizer does), made in memory."""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    words = SPECIAL_TOKENS + vocabulary()
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                                   model_max_length=512)
+
+
+def build_pipeline(config: TestModelConfig = FULL, seed: int = 0):
+    """A ``WanPipeline`` of ``config``'s sizes with fresh (random) weights from ``seed``."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    vae = AutoencoderKLWan(base_dim=config.vae_base_dim, z_dim=config.z_dim, dim_mult=list(config.vae_dim_mult),
+                           num_res_blocks=config.vae_res_blocks, temperal_downsample=[False, True, True],
+                           latents_mean=[0.0] * config.z_dim, latents_std=[1.0] * config.z_dim)
+    torch.manual_seed(seed + 1)
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tokenizer), d_model=config.text_dim, d_kv=config.text_dim // config.text_heads,
+        d_ff=config.text_ff, num_layers=config.text_layers, num_heads=config.text_heads,
+        relative_attention_num_buckets=16, relative_attention_max_distance=32, dropout_rate=0.0,
+        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    torch.manual_seed(seed + 2)
+    transformer = WanTransformer3DModel(
+        patch_size=config.patch_size, num_attention_heads=config.heads, attention_head_dim=config.head_dim,
+        in_channels=config.z_dim, out_channels=config.z_dim, text_dim=config.text_dim, freq_dim=config.freq_dim,
+        ffn_dim=config.ffn_dim, num_layers=config.layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        eps=1e-6, rope_max_seq_len=1024)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        num_train_timesteps=1000, flow_shift=config.flow_shift)
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                       scheduler=scheduler)
+
+
+def tokenize(tokenizer, captions: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), each (len(captions), max_sequence_length), as WanPipeline tokenizes prompts."""
+    out = tokenizer(list(captions), padding="max_length", max_length=max_sequence_length, truncation=True,
+                    add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+    return out.input_ids, out.attention_mask
+
+
+def text_embeddings(text_encoder, ids: torch.Tensor, mask: torch.Tensor, pad_to: int | None = None) -> torch.Tensor:
+    """The text encoder's output as WanPipeline passes it to the transformer: zero past each
+    caption's tokens, and zero-padded to ``pad_to`` tokens (the pipeline's max_sequence_length)."""
+    hidden = text_encoder(ids, attention_mask=mask).last_hidden_state
+    hidden = hidden * mask[..., None].to(hidden.dtype)
+    if pad_to is not None and pad_to > hidden.shape[1]:
+        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad_to - hidden.shape[1]))
+    return hidden
+
+
+def parameter_counts(pipe) -> dict:
+    """{model: parameters} of the pipeline's transformer, VAE and text encoder."""
+    return {name: sum(p.numel() for p in getattr(pipe, name).parameters()) for name in PACKED_MODELS}
+
+
+def save_pipeline(pipe, folder, dtype=torch.float16) -> Path:
+    """Save ``pipe`` as a WanPipeline folder with its floating-point weights stored in ``dtype``
+    (the pipeline itself is not changed). Written next to ``folder`` and moved into place, so an
+    interrupted save never leaves a half-written folder."""
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        for path in tmp.rglob("*.safetensors"):
+            with safe_open(str(path), framework="pt") as f:
+                metadata = f.metadata()
+            tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
+            save_file(tensors, str(path), metadata=metadata)
+        old = folder.with_name(folder.name + ".old")
+        if folder.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            folder.rename(old)
+        tmp.chmod(0o755)  # (mkdtemp makes it private)
+        tmp.rename(folder)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def is_pack(path) -> bool:
+    """Whether ``path`` is a folder :func:`pack` wrote."""
+    return (Path(path) / PACK_FILE).is_file()
+
+
+def pack(folder, out_dir, extra: dict | None = None) -> list[Path]:
+    """Pack the pipeline folder ``folder`` into ``out_dir``: ``<model>.safetensors`` for each of
+    :data:`PACKED_MODELS` and :data:`PACK_FILE` (every other file's text, and ``extra``). Each file
+    is written beside its target and renamed into place. Returns the files."""
+    folder, out_dir = Path(folder), Path(out_dir)
+    if not (folder / "model_index.json").is_file():
+        raise FileNotFoundError(f"{folder}: not a pipeline folder (no model_index.json)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    texts, weights = {}, {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if path.suffix == ".safetensors":
+            model = rel.split("/")[0]
+            if model not in PACKED_MODELS or model in weights:
+                raise ValueError(f"{folder}: unexpected weights file {rel} (a pack holds one safetensors file for "
+                                 f"each of {', '.join(PACKED_MODELS)})")
+            weights[model] = rel
+        else:
+            texts[rel] = path.read_text()
+    missing = [m for m in PACKED_MODELS if m not in weights]
+    if missing:
+        raise ValueError(f"{folder}: no weights for {', '.join(missing)}")
+    written = []
+    for model, rel in weights.items():
+        target = out_dir / f"{model}.safetensors"
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.copyfile(folder / rel, tmp)
+        tmp.replace(target)
+        written.append(target)
+    index = {"format": _PACK_FORMAT, "version": 1, "weights": weights, "files": texts, "extra": extra or {}}
+    target = out_dir / PACK_FILE
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(index, indent=1))
+    tmp.replace(target)
+    written.append(target)
+    return written
+
+
+def unpack(pack_dir, folder) -> Path:
+    """Write the pipeline folder a :func:`pack` holds (``pack_dir``) to ``folder``."""
+    pack_dir, folder = Path(pack_dir), Path(folder)
+    if not is_pack(pack_dir):
+        raise FileNotFoundError(f"{pack_dir}: not a packed test model (no {PACK_FILE})")
+    index = json.loads((pack_dir / PACK_FILE).read_text())
+    if index.get("format") != _PACK_FORMAT:
+        raise ValueError(f"{pack_dir / PACK_FILE}: not a test-model pack (format {index.get('format')!r})")
+    for model, rel in index["weights"].items():
+        src = pack_dir / f"{model}.safetensors"
+        if not src.is_file():
+            raise FileNotFoundError(f"{pack_dir}: {src.name} is missing")
+    for rel, text in index["files"].items():
+        _inside(folder, rel).parent.mkdir(parents=True, exist_ok=True)
+        _inside(folder, rel).write_text(text)
+    for model, rel in index["weights"].items():
+        _inside(folder, rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(pack_dir / f"{model}.safetensors", _inside(folder, rel))
+    return folder
+
+
+def _inside(folder: Path, rel: str) -> Path:
+    path = (folder / rel).resolve()
+    if folder.resolve() not in path.parents:
+        raise ValueError(f"a pack names a file outside its folder: {rel!r}")
+    return path

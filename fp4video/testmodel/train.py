@@ -1,0 +1,493 @@
+"""Training the test model within a wall-clock budget: the VAE first (reconstruction and a small
+KL), then the transformer and the text encoder jointly with flow matching on the VAE's latents.
+
+Data are drawn on the training device from :mod:`~fp4video.testmodel.scenes`, each batch's scenes
+from the run's seed and the batch's index, so a seed gives the same data on every run. The
+transformer trains on a pool of latents encoded once (as many clips as the pool's share of the
+budget allows), with fresh noise and timesteps every step:
+
+    x_t = (1 - t) x_0 + t ε,   the transformer predicts ε - x_0,
+
+t = shift·u / (1 + (shift - 1)·u) with u uniform (Wan's shifted schedule, the scheduler's
+``flow_shift``), the timestep passed as 1000·t; captions are dropped (the empty caption) with
+probability ``caption_dropout`` for classifier-free guidance; the text is padded as the pipeline
+pads it (to ``max_sequence_length``, and to 512 tokens every ``long_text_every``-th step, the
+pipeline's default, so a call without ``max_sequence_length`` works too).
+
+Everything is written as it goes under the run's folder: the pipeline (a checkpoint every
+``checkpoint_seconds``; packed into a few files with ``pack``), ``train_log.json`` (losses,
+steps, times, settings, sizes, the evaluation) and ``loss.png``; at the end the held-out captions
+are generated and checked (:mod:`~fp4video.testmodel.checker`), and ``samples.png`` shows them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from .checker import check_rate
+from .model import (FULL, SMOKE, TestModelConfig, build_pipeline, is_pack, pack, parameter_counts, save_pipeline,
+                    text_embeddings, tokenize)
+from .scenes import held_out_scenes, render, sample_scenes
+
+__all__ = ["Settings", "SMOKE_SETTINGS", "train", "clip_frames", "generate", "evaluate", "call_for", "flow_sample"]
+
+_PHASES = {"vae": 1, "stats": 2, "pool": 3, "noise": 4}
+
+
+class Settings(BaseModel):
+    """A training run's settings (the script's options)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    seed: int = 0
+    minutes: float = Field(8.0, gt=0, description="wall-clock budget of the whole run, from its start")
+    vae_minutes: float = Field(2.0, ge=0, description="of which the VAE trains (from the start)")
+    reserve_seconds: float = Field(60.0, ge=0, description="kept at the end for the evaluation and the last save")
+    vae_batch: int = Field(16, gt=0)
+    vae_frames: int = Field(9, gt=0, description="frames of the VAE's training clips (4n + 1)")
+    vae_lr: float = Field(4e-4, gt=0)
+    kl_weight: float = Field(1e-5, ge=0)
+    shape_weight: float = Field(4.0, ge=0, description="extra reconstruction weight on the shape's pixels")
+    batch: int = Field(128, gt=0)
+    lr: float = Field(4e-4, gt=0)
+    warmup_steps: int = Field(200, ge=0)
+    pool_size: int = Field(12288, gt=0, description="clips in the latent pool (at most)")
+    pool_share: float = Field(0.15, gt=0, le=1, description="of the time left after the VAE, at most, for the pool")
+    encode_batch: int = Field(64, gt=0)
+    stats_clips: int = Field(256, gt=1, description="clips whose latents set latents_mean / latents_std")
+    caption_dropout: float = Field(0.1, ge=0, lt=1)
+    long_text_every: int = Field(4, ge=0, description="pad the text to 512 tokens every n-th step (0: never)")
+    checkpoint_seconds: float = Field(60.0, gt=0)
+    log_seconds: float = Field(10.0, ge=0)
+    max_vae_steps: int | None = Field(None, ge=0)
+    max_steps: int | None = Field(None, ge=0)
+    eval_clips: int = Field(24, ge=0, description="held-out captions generated and checked at the end")
+    eval_steps: int | None = Field(None, gt=0, description="denoising steps (default TEST_MODEL_CALL's)")
+    eval_guidance: float | None = Field(None, ge=0)
+    eval_seed: int = 1234
+    compile: bool = False
+    smoke: bool = False
+
+
+#: A run on the CPU in seconds: the smoke model, a few steps of each phase, two clips checked.
+SMOKE_SETTINGS = dict(minutes=2.0, vae_minutes=1.0, reserve_seconds=0.0, vae_batch=2, vae_frames=5, batch=2,
+                      warmup_steps=1, pool_size=4, encode_batch=2, stats_clips=4, checkpoint_seconds=1e9, log_seconds=0.0,
+                      max_vae_steps=2, max_steps=3, eval_clips=2, eval_steps=2, smoke=True)
+
+
+def call_for(config: TestModelConfig, steps: int | None = None, guidance: float | None = None) -> dict:
+    """Generation arguments of a model of ``config``'s sizes (TEST_MODEL_CALL's for the shipped one)."""
+    from .model import TEST_MODEL_CALL
+
+    return {"height": config.height, "width": config.width, "num_frames": config.frames,
+            "num_inference_steps": steps or TEST_MODEL_CALL["num_inference_steps"],
+            "guidance_scale": TEST_MODEL_CALL["guidance_scale"] if guidance is None else guidance,
+            "max_sequence_length": config.max_sequence_length}
+
+
+def flow_sample(x0: torch.Tensor, noise: torch.Tensor, u: torch.Tensor, shift: float):
+    """Wan's flow-matching training pair: ``(x_t, timestep, target)`` for clean latents ``x0``,
+    noise, and uniform ``u`` (one per clip): t = shift·u / (1 + (shift - 1)·u), x_t = (1 - t) x0 +
+    t·noise, the timestep 1000·t, the target noise - x0 (what UniPC's ``flow_prediction`` takes)."""
+    t = shift * u / (1 + (shift - 1) * u)
+    tt = t.view(-1, *([1] * (x0.dim() - 1)))
+    return (1 - tt) * x0 + tt * noise, t * 1000, noise - x0
+
+
+def _stream(seed: int, phase: str, index: int) -> int:
+    """The seed of batch ``index`` of a phase's data."""
+    return ((seed * 7919 + _PHASES[phase]) * 1_000_003 + index) % (2 ** 62)
+
+
+def clip_frames(video: torch.Tensor) -> torch.Tensor:
+    """(B, 3, T, H, W) in [-1, 1] -> (B, T, H, W, 3) float in [0, 1] (what the checker takes)."""
+    return ((video.float() + 1) / 2).clamp(0, 1).permute(0, 2, 3, 4, 1).cpu()
+
+
+class _Run:
+    """The run's log, written as it goes (JSON and the loss plot)."""
+
+    def __init__(self, out: Path, log, info: dict, started: float | None):
+        self.out, self.print = out, log
+        self.t0 = time.perf_counter() if started is None else started
+        self.data = {**info, "curves": {"vae": [], "transformer": []}, "phases": {}}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def say(self, text: str) -> None:
+        self.print(text)
+        sys.stdout.flush()
+
+    def write(self) -> None:
+        path = self.out / "train_log.json"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        tmp.replace(path)
+        try:
+            _plot_losses(self.data["curves"], self.out / "loss.png")
+        except Exception as e:  # a plot failure never stops training
+            self.data["plot_error"] = f"{type(e).__name__}: {e}"
+
+
+def _plot_losses(curves: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, (name, rows) in zip(axes, curves.items()):
+        if rows:
+            ax.plot([r["elapsed"] for r in rows], [r["loss"] for r in rows], lw=1.2)
+        ax.set_title(f"{name} loss")
+        ax.set_xlabel("seconds since the run's start")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def _load(resume: Path, device):
+    """A pipeline to continue training (a pipeline folder or a pack), in float32 on ``device``."""
+    from . import test_model_pipeline
+
+    return test_model_pipeline(device=device, dtype=torch.float32, path=resume)
+
+
+def _config_of(pipe, base: TestModelConfig) -> TestModelConfig:
+    """The sizes of a loaded test-model pipeline (to continue training it): its models' from their
+    configs, the clips' from ``base``."""
+    t, v, te = pipe.transformer.config, pipe.vae.config, pipe.text_encoder.config
+    return TestModelConfig(**{**base.model_dump(), "z_dim": v.z_dim, "vae_base_dim": v.base_dim,
+                              "vae_dim_mult": tuple(v.dim_mult), "vae_res_blocks": v.num_res_blocks,
+                              "patch_size": tuple(t.patch_size), "heads": t.num_attention_heads,
+                              "head_dim": t.attention_head_dim, "layers": t.num_layers, "ffn_dim": t.ffn_dim,
+                              "freq_dim": t.freq_dim, "text_dim": te.d_model, "text_layers": te.num_layers,
+                              "text_heads": te.num_heads, "text_ff": te.d_ff,
+                              "flow_shift": float(pipe.scheduler.config.flow_shift)})
+
+
+def _autocast(device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def _lr_factor(step: int, warmup: int, frac: float) -> float:
+    """Linear warm-up over ``warmup`` steps, then a cosine from 1 to 0.1 over the phase's budget."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(max(frac, 0.0), 1.0)))
+
+
+def _save(run: _Run, pipe, packed: bool, final: bool = False) -> None:
+    t = time.perf_counter()
+    if packed:
+        with tempfile.TemporaryDirectory(prefix="fp4video-testmodel-") as tmp:
+            folder = save_pipeline(pipe, Path(tmp) / "pipeline")
+            files = pack(folder, run.out, extra={"config": run.data.get("config")})
+    else:
+        folder = save_pipeline(pipe, run.out / "pipeline")
+        files = sorted(p for p in folder.rglob("*.safetensors"))
+    run.data["weights_bytes"] = {p.parent.name if not packed else p.stem: p.stat().st_size
+                                 for p in files if p.suffix == ".safetensors"}
+    run.data["checkpoints"] = run.data.get("checkpoints", 0) + 1
+    run.data["last_checkpoint"] = {"elapsed": round(run.elapsed(), 1), "final": final,
+                                   "seconds": round(time.perf_counter() - t, 2)}
+    run.write()
+
+
+def _vae_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, device, deadline: float, packed: bool) -> None:
+    vae = pipe.vae
+    vae.train()
+    opt = torch.optim.AdamW(vae.parameters(), lr=s.vae_lr, betas=(0.9, 0.99), weight_decay=0.0,
+                            **({"fused": True} if device.type == "cuda" else {}))
+    gen = torch.Generator(device).manual_seed(_stream(s.seed, "noise", 0))
+    start, step, acc, last_log, last_ckpt = run.elapsed(), 0, [], run.elapsed(), run.elapsed()
+    budget = max(deadline - start, 1e-9)
+    while run.elapsed() < deadline and (s.max_vae_steps is None or step < s.max_vae_steps):
+        scenes = sample_scenes(s.vae_batch, seed=_stream(s.seed, "vae", step))
+        video, mask = render(scenes, frames=s.vae_frames, height=config.height, width=config.width, device=device)
+        frac = (run.elapsed() - start) / budget
+        if s.max_vae_steps:
+            frac = max(frac, step / s.max_vae_steps)
+        for group in opt.param_groups:
+            group["lr"] = s.vae_lr * _lr_factor(step, s.warmup_steps, frac)
+        with _autocast(device):
+            posterior = vae.encode(video).latent_dist
+            z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=gen, device=device,
+                                                             dtype=posterior.mean.dtype)
+            recon = vae.decode(z).sample
+        weight = 1 + s.shape_weight * mask
+        rec_loss = (weight * (recon.float() - video).abs()).mean() / weight.mean()
+        mean, logvar = posterior.mean.float(), posterior.logvar.float()
+        kl = 0.5 * (mean.pow(2) + logvar.exp() - 1 - logvar).mean()
+        loss = rec_loss + s.kl_weight * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        step += 1
+        acc.append(torch.stack([loss.detach(), rec_loss.detach(), kl.detach()]))
+        now = run.elapsed()
+        if now - last_log >= s.log_seconds or run.elapsed() >= deadline:
+            l, r, k = torch.stack(acc).mean(0).tolist()
+            run.data["curves"]["vae"].append({"step": step, "elapsed": round(now, 2), "loss": l, "recon": r, "kl": k})
+            run.say(f"vae step {step} loss {l:.4f} recon {r:.4f} kl {k:.2f} lr {opt.param_groups[0]['lr']:.2e} "
+                    f"elapsed {now:.0f}s ({step / max(now - start, 1e-9):.2f} steps/s)")
+            acc, last_log = [], now
+        if now - last_ckpt >= s.checkpoint_seconds:
+            run.data["phases"]["vae"] = {"steps": step, "seconds": round(now - start, 1), "done": False}
+            _save(run, pipe, packed)
+            last_ckpt = run.elapsed()
+    vae.eval()
+    seconds = run.elapsed() - start
+    run.data["phases"]["vae"] = {"steps": step, "seconds": round(seconds, 1), "clips": step * s.vae_batch,
+                                 "steps_per_second": round(step / max(seconds, 1e-9), 3), "done": True}
+    _latent_statistics(run, pipe, config, s, device)
+
+
+@torch.no_grad()
+def _latent_statistics(run: _Run, pipe, config: TestModelConfig, s: Settings, device) -> None:
+    """Set the VAE's latents_mean / latents_std (the pipeline's normalisation) from its latents of
+    fresh clips."""
+    n = s.stats_clips
+    means = []
+    for i in range(0, n, s.encode_batch):
+        scenes = sample_scenes(min(s.encode_batch, n - i), seed=_stream(s.seed, "stats", i))
+        video, _ = render(scenes, frames=config.frames, height=config.height, width=config.width, device=device)
+        with _autocast(device):
+            means.append(pipe.vae.encode(video).latent_dist.mean.float())
+    mu = torch.cat(means).transpose(0, 1).flatten(1)  # (z, everything else)
+    mean, std = mu.mean(1), mu.std(1).clamp_min(1e-4)
+    pipe.vae.register_to_config(latents_mean=[round(float(x), 5) for x in mean],
+                                latents_std=[round(float(x), 5) for x in std])
+    run.data["latent_statistics"] = {"clips": n, "mean": pipe.vae.config.latents_mean,
+                                     "std": pipe.vae.config.latents_std}
+
+
+def _normalizer(pipe, device):
+    mean = torch.tensor(pipe.vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
+    std = torch.tensor(pipe.vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
+    return mean, std
+
+
+@torch.no_grad()
+def _build_pool(run: _Run, pipe, config: TestModelConfig, s: Settings, device, deadline: float):
+    """Latents (normalized, bfloat16 on CUDA) and token ids of as many fresh clips as fit before
+    ``deadline`` (at least one encode batch, at most ``pool_size``)."""
+    mean, std = _normalizer(pipe, device)
+    store = torch.bfloat16 if device.type == "cuda" else torch.float32
+    latents, ids, masks = [], [], []
+    start, n = run.elapsed(), 0
+    while n < s.pool_size and (n == 0 or run.elapsed() < deadline):
+        b = min(s.encode_batch, s.pool_size - n)
+        scenes = sample_scenes(b, seed=_stream(s.seed, "pool", n))
+        video, _ = render(scenes, frames=config.frames, height=config.height, width=config.width, device=device)
+        with _autocast(device):
+            mu = pipe.vae.encode(video).latent_dist.mean.float()
+        latents.append(((mu - mean) / std).to(store))
+        i, m = tokenize(pipe.tokenizer, scenes.captions(), config.max_sequence_length)
+        ids.append(i.to(device))
+        masks.append(m.to(device))
+        n += b
+    seconds = run.elapsed() - start
+    run.data["phases"]["pool"] = {"clips": n, "seconds": round(seconds, 1),
+                                  "clips_per_second": round(n / max(seconds, 1e-9), 1)}
+    run.say(f"latent pool: {n} clips in {seconds:.0f}s")
+    return torch.cat(latents), torch.cat(ids), torch.cat(masks)
+
+
+def _transformer_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, device, deadline: float,
+                       packed: bool) -> None:
+    pool_deadline = run.elapsed() + s.pool_share * max(deadline - run.elapsed(), 0.0)
+    latents, ids, masks = _build_pool(run, pipe, config, s, device, pool_deadline)
+    empty_ids, empty_mask = (t.to(device) for t in tokenize(pipe.tokenizer, [""], config.max_sequence_length))
+    transformer, text_encoder = pipe.transformer, pipe.text_encoder
+    transformer.train()
+    text_encoder.train()
+    model = torch.compile(transformer) if s.compile else transformer
+    params = [p for m in (transformer, text_encoder) for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.99), weight_decay=0.0,
+                            **({"fused": True} if device.type == "cuda" else {}))
+    gen = torch.Generator(device).manual_seed(_stream(s.seed, "noise", 1))
+    shift = config.flow_shift
+    start, step, acc, last_log, last_ckpt = run.elapsed(), 0, [], run.elapsed(), run.elapsed()
+    budget = max(deadline - start, 1e-9)
+    while run.elapsed() < deadline and (s.max_steps is None or step < s.max_steps):
+        b = s.batch
+        idx = torch.randint(len(latents), (b,), generator=gen, device=device)
+        x0 = latents[idx].float()
+        ids_b, mask_b = ids[idx], masks[idx]
+        drop = torch.rand(b, generator=gen, device=device) < s.caption_dropout
+        ids_b = torch.where(drop[:, None], empty_ids, ids_b)
+        mask_b = torch.where(drop[:, None], empty_mask, mask_b)
+        u = torch.rand(b, generator=gen, device=device)
+        noise = torch.randn(x0.shape, generator=gen, device=device)
+        xt, timestep, target = flow_sample(x0, noise, u, shift)
+        pad_to = 512 if s.long_text_every and step % s.long_text_every == s.long_text_every - 1 else None
+        frac = (run.elapsed() - start) / budget
+        if s.max_steps:
+            frac = max(frac, step / s.max_steps)
+        for group in opt.param_groups:
+            group["lr"] = s.lr * _lr_factor(step, s.warmup_steps, frac)
+        with _autocast(device):
+            text = text_embeddings(text_encoder, ids_b, mask_b, pad_to)
+            pred = model(hidden_states=xt, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+        loss = (pred.float() - target).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        acc.append(loss.detach())
+        now = run.elapsed()
+        if now - last_log >= s.log_seconds or now >= deadline:
+            l = float(torch.stack(acc).mean())
+            run.data["curves"]["transformer"].append({"step": step, "elapsed": round(now, 2), "loss": l})
+            run.say(f"transformer step {step} loss {l:.4f} lr {opt.param_groups[0]['lr']:.2e} elapsed {now:.0f}s "
+                    f"({step / max(now - start, 1e-9):.2f} steps/s, batch {b})")
+            acc, last_log = [], now
+        if now - last_ckpt >= s.checkpoint_seconds:
+            run.data["phases"]["transformer"] = {"steps": step, "seconds": round(now - start, 1), "done": False}
+            transformer.eval()
+            text_encoder.eval()
+            _save(run, pipe, packed)
+            transformer.train()
+            text_encoder.train()
+            last_ckpt = run.elapsed()
+    transformer.eval()
+    text_encoder.eval()
+    seconds = run.elapsed() - start
+    run.data["phases"]["transformer"] = {
+        "steps": step, "seconds": round(seconds, 1), "batch": s.batch, "samples": step * s.batch,
+        "steps_per_second": round(step / max(seconds, 1e-9), 3),
+        "pool_epochs": round(step * s.batch / max(len(latents), 1), 2), "done": True}
+
+
+@torch.no_grad()
+def generate(pipe, captions: list[str], call: dict, seed: int, device, batch: int = 8) -> torch.Tensor:
+    """Clips of ``captions`` (B, T, H, W, 3) in [0, 1], clip i from generator seed ``seed + i``."""
+    out = []
+    for start in range(0, len(captions), batch):
+        part = captions[start:start + batch]
+        gens = [torch.Generator(device).manual_seed(seed + start + i) for i in range(len(part))]
+        frames = pipe(prompt=part, generator=gens, output_type="pt", **call).frames  # (B, T, 3, H, W) in [0, 1]
+        out.append(frames.float().permute(0, 1, 3, 4, 2).cpu())
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def evaluate(pipe, config: TestModelConfig, *, clips: int, call: dict, seed: int, device) -> dict:
+    """The motion checker's rate on ``clips`` held-out captions: ground-truth renders, their VAE
+    reconstructions and the model's generations. Returns the rates and the clips (frames)."""
+    scenes = held_out_scenes(seed=seed, repeats=max(1, math.ceil(clips / 24)))
+    scenes = scenes.subset(torch.arange(clips))
+    video, _ = render(scenes, frames=config.frames, height=config.height, width=config.width, device=device)
+    truth = clip_frames(video)
+    with _autocast(device):
+        recon = torch.cat([pipe.vae.decode(pipe.vae.encode(v[None].to(pipe.vae.dtype)).latent_dist.mean).sample.float()
+                           for v in video])
+    recon = clip_frames(recon)
+    generated = generate(pipe, scenes.captions(), call, seed, device)
+    result = {"captions": scenes.captions(), "call": call, "seed": seed}
+    for name, frames in (("ground_truth", truth), ("vae_reconstruction", recon), ("generated", generated)):
+        result[name] = check_rate(list(frames), scenes.specs)
+    result["_frames"] = {"ground_truth": truth, "generated": generated}
+    return result
+
+
+def _samples_png(frames: dict, path: Path, rows: int = 8) -> None:
+    """Rows of clips: ground truth then generated, first, middle and last frames."""
+    from PIL import Image
+
+    truth, gen = frames["ground_truth"][:rows], frames["generated"][:rows]
+    if not len(truth):
+        return
+    t = truth.shape[1]
+    pick = [0, t // 2, t - 1]
+    tiles = []
+    for a, b in zip(truth, gen):
+        tiles.append(torch.cat([a[i] for i in pick] + [torch.ones_like(a[0][:, :4])] + [b[i] for i in pick], 1))
+    grid = (torch.cat(tiles, 0) * 255).round().clamp(0, 255).to(torch.uint8).numpy()
+    Image.fromarray(grid).save(path)
+
+
+def _environment(device) -> dict:
+    import diffusers
+    import transformers
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "diffusers": diffusers.__version__,
+           "transformers": transformers.__version__, "device": str(device)}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def train(settings: Settings, out, *, resume=None, packed: bool = False, device=None, git: dict | None = None,
+          log=print, started: float | None = None) -> dict:
+    """Run the training ``settings`` describe, writing under ``out`` as it goes; returns the log.
+    ``started``: the ``time.perf_counter()`` the budget counts from (default: now)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+    s = settings
+    run = _Run(out, log, {"settings": s.model_dump(), "environment": _environment(device), "git": git or {},
+                          "resumed_from": str(resume) if resume else None}, started)
+    deadline = s.minutes * 60 - s.reserve_seconds
+    if resume is not None:
+        resume = Path(resume)
+        if is_pack(resume) and (resume / "train_log.json").is_file():
+            run.data["previous_log"] = json.loads((resume / "train_log.json").read_text())
+        pipe = _load(resume, device)
+        config = _config_of(pipe, SMOKE if s.smoke else FULL)
+    else:
+        config = SMOKE if s.smoke else FULL
+        pipe = build_pipeline(config, seed=s.seed).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    counts = parameter_counts(pipe)
+    run.data.update(config=config.model_dump(), video_tokens=config.video_tokens, parameters=counts)
+    run.say(f"test model: {config.video_tokens} video tokens per clip ({config.height}×{config.width}, "
+            f"{config.frames} frames), parameters " + ", ".join(f"{k} {v / 1e6:.2f}M" for k, v in counts.items())
+            + f"; device {device}; budget {s.minutes:g} min")
+    run.write()
+    if s.vae_minutes > 0 and (s.max_vae_steps is None or s.max_vae_steps > 0):
+        _vae_phase(run, pipe, config, s, device, min(s.vae_minutes * 60, deadline), packed)
+        _save(run, pipe, packed)
+    elif resume is None:
+        raise ValueError("a fresh run trains its VAE first: give --vae-minutes > 0 (or --resume a trained model)")
+    _transformer_phase(run, pipe, config, s, device, deadline, packed)
+    _save(run, pipe, packed, final=True)
+    if s.eval_clips:
+        call = call_for(config, s.eval_steps, s.eval_guidance)
+        t = time.perf_counter()
+        result = evaluate(pipe, config, clips=s.eval_clips, call=call, seed=s.eval_seed, device=device)
+        frames = result.pop("_frames")
+        result["seconds"] = round(time.perf_counter() - t, 1)
+        run.data["evaluation"] = result
+        _samples_png(frames, out / "samples.png")
+        g, gt, rc = result["generated"], result["ground_truth"], result["vae_reconstruction"]
+        run.say(f"held-out motion check: generated {g['rate']:.0%} of {g['clips']} (colour {g['colour']:.0%}, "
+                f"shape {g['shape']:.0%}, motion {g['motion']:.0%}); ground truth {gt['rate']:.0%}, VAE "
+                f"reconstructions {rc['rate']:.0%}")
+    run.data["elapsed"] = round(run.elapsed(), 1)
+    run.write()
+    run.say(f"done in {run.elapsed():.0f}s: {out}")
+    return run.data

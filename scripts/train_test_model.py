@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Train the project's test text-to-video model (fp4video.testmodel) within a wall-clock budget.
+
+    # the H200 run: 8 minutes in all (2 for the VAE), the pipeline packed into a few files
+    python3 scripts/train_test_model.py --minutes 8 --vae-minutes 2 --pack --out $OUT/testmodel
+    # here, on the CPU: the tiny smoke model, a few steps of each phase (well under a minute)
+    python scripts/train_test_model.py --smoke --out /tmp/smoke
+    # continue training a saved model (a pipeline folder or a pack); its VAE is kept
+    python3 scripts/train_test_model.py --resume $OUT/testmodel --minutes 8 --pack --out $OUT/testmodel2
+    # a pack -> the pipeline folder WanPipeline.from_pretrained loads (the shipped weights' place)
+    python scripts/train_test_model.py --unpack run/ --out fp4video/testmodel/weights
+
+The budget counts from the script's start; the VAE trains for ``--vae-minutes`` (reconstruction +
+a small KL), then the transformer and the text encoder with flow matching until
+``--reserve-seconds`` before the end, which the last save and the held-out evaluation use. Data
+are drawn on the device from ``--seed``. Progress lines (step, loss, elapsed) are flushed as they
+come; ``--out`` gets the pipeline (a checkpoint every ``--checkpoint-seconds`` and at the end: a
+``pipeline/`` folder, or with ``--pack`` ``transformer/vae/text_encoder.safetensors`` and
+``model.json``), ``train_log.json``, ``loss.png`` and ``samples.png`` (held-out captions: ground
+truth left, generated right). The last line gives the motion checker's rate on the held-out
+captions. docs/test-model.md describes the model.
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.perf_counter()
+
+import argparse  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+try:
+    import fp4video  # noqa: F401
+except ImportError:  # a checkout without an install: the package beside this script
+    sys.path.insert(0, str(ROOT))
+
+
+def _git() -> dict:
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"commit": commit, "dirty": bool(dirty)} if commit else {}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="train_test_model.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="folder the run writes (or --unpack's pipeline folder)")
+    p.add_argument("--minutes", type=float, help="wall-clock budget of the whole run (default 8; smoke 2)")
+    p.add_argument("--vae-minutes", type=float,
+                   help="of which the VAE trains (default 2 for a fresh run, 0 with --resume)")
+    p.add_argument("--reserve-seconds", type=float, help="kept for the last save and the evaluation (default 60)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, help="transformer batch (default 128)")
+    p.add_argument("--vae-batch", type=int, help="VAE batch (default 16)")
+    p.add_argument("--lr", type=float, help="transformer and text encoder learning rate (default 4e-4)")
+    p.add_argument("--vae-lr", type=float, help="VAE learning rate (default 4e-4)")
+    p.add_argument("--pool-size", type=int, help="clips in the transformer's latent pool, at most (default 12288)")
+    p.add_argument("--max-steps", type=int, help="stop the transformer after this many steps")
+    p.add_argument("--max-vae-steps", type=int, help="stop the VAE after this many steps")
+    p.add_argument("--eval-clips", type=int, help="held-out captions checked at the end (default 24; 0: none)")
+    p.add_argument("--checkpoint-seconds", type=float, help="seconds between checkpoints (default 60)")
+    p.add_argument("--resume", type=Path, help="continue training this model (a pipeline folder or a pack)")
+    p.add_argument("--pack", action="store_true",
+                   help="write the pipeline as one safetensors per model and model.json (few, small files)")
+    p.add_argument("--unpack", type=Path, metavar="PACK",
+                   help="only write the pipeline folder of the pack PACK to --out (no training)")
+    p.add_argument("--smoke", action="store_true", help="the tiny model and a few steps (a CPU check)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the transformer")
+    p.add_argument("--device", help="default: cuda when available, else cpu")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    from fp4video.testmodel.model import is_pack, unpack
+
+    if args.unpack is not None:
+        if not is_pack(args.unpack):
+            parser.error(f"--unpack {args.unpack}: not a packed test model (no model.json)")
+        if args.out.exists() and any(args.out.iterdir()) and not (args.out / "model_index.json").is_file():
+            parser.error(f"--out {args.out}: a folder with other files in it (give an empty or a pipeline folder)")
+        unpack(args.unpack, args.out)
+        print(f"unpacked {args.unpack} -> {args.out}")
+        return 0
+    for name in ("minutes", "vae_minutes", "reserve_seconds", "lr", "vae_lr", "checkpoint_seconds"):
+        v = getattr(args, name)
+        if v is not None and (v != v or v < 0 or (v == 0 and name not in ("vae_minutes", "reserve_seconds"))):
+            parser.error(f"--{name.replace('_', '-')} must be a positive number, got {v}")
+    for name in ("batch", "vae_batch", "pool_size"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {v}")
+    for name in ("max_steps", "max_vae_steps", "eval_clips"):
+        v = getattr(args, name)
+        if v is not None and v < 0:
+            parser.error(f"--{name.replace('_', '-')} must be at least 0, got {v}")
+    if args.resume is not None and not args.resume.is_dir():
+        parser.error(f"--resume {args.resume}: no such folder")
+    if args.resume is not None and not (is_pack(args.resume) or (args.resume / "model_index.json").is_file()):
+        parser.error(f"--resume {args.resume}: neither a pipeline folder (model_index.json) nor a pack (model.json)")
+    if args.resume is not None and args.resume.resolve() == args.out.resolve():
+        parser.error("--resume and --out are the same folder: write the continued run elsewhere")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out}: a file, not a folder")
+    if args.device is not None:
+        import torch
+
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as e:
+            parser.error(f"--device {args.device}: {e}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: no CUDA device here")
+
+    from pydantic import ValidationError
+
+    from fp4video.testmodel.train import SMOKE_SETTINGS, Settings, train
+
+    given = {k: v for k, v in dict(
+        seed=args.seed, minutes=args.minutes, vae_minutes=args.vae_minutes, reserve_seconds=args.reserve_seconds,
+        batch=args.batch, vae_batch=args.vae_batch, lr=args.lr, vae_lr=args.vae_lr, pool_size=args.pool_size,
+        max_steps=args.max_steps, max_vae_steps=args.max_vae_steps, eval_clips=args.eval_clips,
+        checkpoint_seconds=args.checkpoint_seconds, compile=args.compile).items() if v is not None}
+    if args.resume is not None and args.vae_minutes is None:
+        given["vae_minutes"] = 0.0
+    base = dict(SMOKE_SETTINGS) if args.smoke else {}
+    try:
+        settings = Settings(**{**base, **{k: float(v) if isinstance(v, int) and k in ("minutes", "vae_minutes",
+                                                                                         "reserve_seconds", "lr",
+                                                                                         "vae_lr",
+                                                                                         "checkpoint_seconds")
+                                          else v for k, v in given.items()}})
+    except ValidationError as e:
+        first = e.errors()[0]
+        parser.error(f"--{'-'.join(map(str, first['loc'])).replace('_', '-')}: {first['msg']}")
+    if settings.vae_minutes * 60 >= settings.minutes * 60 - settings.reserve_seconds:
+        parser.error(f"--vae-minutes {settings.vae_minutes:g} leaves the transformer no time within --minutes "
+                     f"{settings.minutes:g} less {settings.reserve_seconds:g} reserved seconds")
+    if args.resume is None and settings.vae_minutes == 0:
+        parser.error("a fresh run trains its VAE first: give --vae-minutes > 0 (or --resume a trained model)")
+    train(settings, args.out, resume=args.resume, packed=args.pack, device=args.device, git=_git(),
+          started=STARTED)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
