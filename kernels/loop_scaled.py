@@ -163,13 +163,17 @@ def variant(plan: Plan):
 
 
 def kernel(plan: Plan, recipe: AttentionRecipe, capability: tuple[int, int], *, d: int, dv_pad: int, block_m: int,
-           has_mask: bool, sc_tma: bool = False, sparse: bool = False, query_tile: int = KEY_TILE):
+           has_mask: bool, sc_tma: bool = False, sparse: bool = False, query_tile: int = KEY_TILE,
+           exact: bool = False):
     """(jit kernel, constexpr arguments) of ``plan``'s variant (:func:`variant`) running ``recipe``
     on a GPU of this compute capability ((0, 0): the interpreter) at head dim ``d``, value head dim
     padded to ``dv_pad``, ``block_m`` rows a program, with a key-padding mask or not; ``sc_tma``:
     the block scales by TMA in :func:`scale_chunks`'s layout (TMA plans); ``sparse``: the
     block-sparse form, key tiles from a :class:`.operands.KeyTileLists` of query tiles of
-    ``query_tile`` rows. What :func:`attention_packed` launches and :mod:`.report` compiles."""
+    ``query_tile`` rows; ``exact``: the exponents' exact form (:class:`.scaled_math.Config`'s
+    EXACT), False for the form a call within :data:`.loop_e4m3.FAST_LOGIT_BOUND` runs (the
+    default: what :mod:`.report` compiles). What :func:`attention_packed` launches (with the call's
+    ``exact``) and :mod:`.report` compiles."""
     qk = FMT_NVFP4 if recipe.qk_format is Format.NVFP4 else FMT_MXFP4
     consts = {"HAS_MASK": has_mask, "QK": qk.value, "PV": (FMT_E4M3 if recipe.pv_format is Format.E4M3 else qk).value,
               "OCP": recipe.scale_rule is ScaleRule.OCP, "QMAX": recipe.scale_rule.qmax,
@@ -177,7 +181,7 @@ def kernel(plan: Plan, recipe: AttentionRecipe, capability: tuple[int, int], *, 
               "P_RANGE": TWO_LEVEL_P_RANGE, "FAST_RCP": capability >= (8, 0), "HW_E4M3": capability >= (8, 9),
               "HW_E2M1": capability >= (10, 0),  # Blackwell's E2M1 conversions
               "D": d, "QB": recipe.qk_format.block, "BLOCK_M": block_m, "BLOCK_N": KEY_TILE, "BLOCK_DV": dv_pad,
-              "SPARSE": sparse, "QT": query_tile}
+              "SPARSE": sparse, "QT": query_tile, "EXACT": bool(exact)}
     module = variant(plan)
     if module is not loop_scaled_sm120:
         consts["F32X2"] = capability[0] in WS_MAJORS  # datacenter Blackwell's two-lane fp32 arithmetic
@@ -193,9 +197,11 @@ def attention_packed(ops: PackedOperands, key_alive, plan: Plan, *, recipe: Atte
     ``plan.tma``: K̂ / V̂ᵀ codes by TMA (the CPU interpreter runs it when asked, which is how CI
     tests it); ``plan.warp_specialized``: the warp-specialized loop (TMA only); ``plan.key_order``
     ``"quad"``: K̂ is in the quad key order (``prepass_packed(..., quad_order=True)``: the
-    pointer-load loop of consumer Blackwell, FP4 P·V). The loop has one exponent form, exact at any
-    logit magnitude (``exact`` is the call's uniform argument). ``visit``: a block-sparse call's key
-    tiles (None: every tile). Returns (out, lse)."""
+    pointer-load loop of consumer Blackwell, FP4 P·V). ``exact``: the exponents' exact form, right
+    at any logit magnitude; False (only where every logit is known to lie within
+    :data:`.loop_e4m3.FAST_LOGIT_BOUND` nats) runs NVFP4 P's fused form, one FMA an exponent
+    (:func:`.scaled_math.nv_p`; MXFP4 and FP8 P have the exact form alone). ``visit``: a
+    block-sparse call's key tiles (None: every tile). Returns (out, lse)."""
     nv = recipe.qk_format is Format.NVFP4
     pv8 = recipe.pv_format is Format.E4M3
     tma, ws, quad_order = plan.tma, plan.warp_specialized, ops.quad_order
@@ -253,7 +259,8 @@ def attention_packed(ops: PackedOperands, key_alive, plan: Plan, *, recipe: Atte
         vt = TensorDescriptor.from_tensor(v4t.reshape(b * h * dvp, v4t.shape[-1]),
                                           [dvp, KEY_TILE if pv8 else KEY_TILE // 2])
     fn, consts = kernel(plan, recipe, cap, d=d, dv_pad=dvp, block_m=block_m, has_mask=key_alive is not None,
-                        sc_tma=sc_tma, sparse=visit is not None, query_tile=visit.query_tile if visit else KEY_TILE)
+                        sc_tma=sc_tma, sparse=visit is not None, query_tile=visit.query_tile if visit else KEY_TILE,
+                        exact=exact)
     fn[(triton.cdiv(sq, block_m), b * h)](
         (q4, q4 if nv else qs), kt, k_sc_arg, vt, v_sc_arg, (gqk, gv), km,
         (*KeyTileLists.pointers(visit, km), *(visit.index.shape[-2:] if visit else (1, 1))), (out, lse),

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from .fp4_math import FMT_E4M3, FMT_NVFP4
-from .scaled_math import Config, as_scales, e4m3_p, fp4_p, key_scales, store_result, value_scales
-from .tiles import program_rows, scaled_masked, visited_tiles
+from .scaled_math import Config, as_scales, e4m3_p, fp4_p, key_scales, masked_logits, store_result, value_scales
+from .tiles import program_rows, visited_tiles
 
 
 @triton.jit
@@ -64,9 +64,7 @@ def _tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K, KS_base, V, VS_base, M_base, row
     else:
         k_sc = key_scales(KS_base, keys, nb_d, key_ok, sks, C)
     qk = tl.dot_scaled(q4, q_sc, "e2m1", tl.trans(k4), as_scales(k_sc, C), "e2m1")
-    # log2 units, dead keys -inf; the product two lanes an instruction on datacenter Blackwell except
-    # in the FP8-P·V form, where it spills
-    qk = scaled_masked(qk, scale_log2, M_base, keys, SK, sms, C.HAS_MASK, TAIL, C.F32X2 and C.PV != FMT_E4M3)
+    qk = masked_logits(qk, scale_log2, M_base, keys, SK, sms, C, TAIL)  # dead keys -inf
     if C.PV == FMT_E4M3:  # FP8 P·V: P̂ and V̂ᵀ in E4M3 on the FP8 MMA
         p8, m_new, k_i, l_i, alpha = e4m3_p(qk, m_i, k_i, l_i, C.PNQ, C.HW_E4M3, C.F32X2)
         v8t = V.load([v_row, start])
@@ -75,7 +73,7 @@ def _tile(q4, q_sc, m_i, r_i, k_i, l_i, acc, K, KS_base, V, VS_base, M_base, row
         # there (as an FMA of a fresh product, that partition reads both and spills)
         acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(v8t))
     else:
-        p4, p_sc, m_new, r_i, l_i, acc_scale = fp4_p(qk, m_i, r_i, l_i, C, WS=WS)
+        p4, p_sc, m_new, r_i, l_i, acc_scale = fp4_p(qk, m_i, r_i, l_i, scale_log2, C, WS=WS)
         nb_n = start // C.QB + tl.arange(0, NB)
         v4t = V.load([v_row, start // 2])
         if SC_TMA:
@@ -95,7 +93,7 @@ def _attn_fwd(
     PNQ: tl.constexpr, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, FAST_RCP: tl.constexpr,
     HW_E4M3: tl.constexpr, HW_E2M1: tl.constexpr, F32X2: tl.constexpr, D: tl.constexpr, QB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, WS: tl.constexpr, SC_TMA: tl.constexpr,
-    SPARSE: tl.constexpr = False, QT: tl.constexpr = 128,
+    SPARSE: tl.constexpr = False, QT: tl.constexpr = 128, EXACT: tl.constexpr = True,
 ):
     """Online-softmax FP4 attention on ``tl.dot_scaled`` with K̂ / V̂ᵀ by TMA; operands from
     :func:`.prepass.prepass_packed`, arguments as :func:`.loop_scaled.attention_packed` groups them.
@@ -114,7 +112,7 @@ def _attn_fwd(
     fields."""
     # the constexprs as one argument of the helpers (:class:`.scaled_math.Config`)
     C: tl.constexpr = Config(HAS_MASK, QK, PV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3,
-                             HW_E2M1, F32X2, D, QB, BLOCK_M, BLOCK_N, BLOCK_DV)
+                             HW_E2M1, F32X2, D, QB, BLOCK_M, BLOCK_N, BLOCK_DV, EXACT)
     Q4, QS = q_ptrs
     GQK, GV = g_ptrs
     H, SQ, SK, SK_PAD, DV = sizes

@@ -18,8 +18,8 @@ import triton.language as tl
 
 from .fp4_math import FMT_E4M3, FMT_NVFP4
 from .key_order import quad_key_order
-from .scaled_math import Config, as_scales, fp4_p, key_scales, store_result, value_scales
-from .tiles import kv_bases, program_rows, scaled_masked, visited_tiles
+from .scaled_math import Config, as_scales, fp4_p, key_scales, masked_logits, store_result, value_scales
+from .tiles import kv_bases, program_rows, visited_tiles
 
 
 @triton.jit
@@ -51,8 +51,8 @@ def _tile(q4, q_sc, m_i, r_i, l_i, acc, K_base, KS_base, V_base, VS_base, M_base
     k4 = tl.load(K_base + keys[:, None] * sks + half_d[None, :], mask=key_ok[:, None], other=0)
     k_sc = key_scales(KS_base, keys, nb_d, key_ok, sks, C)
     qk = tl.dot_scaled(q4, q_sc, "e2m1", tl.trans(k4), as_scales(k_sc, C), "e2m1")
-    qk = scaled_masked(qk, scale_log2, M_base, held, SK, sms, C.HAS_MASK, TAIL)  # log2 units, dead keys -inf
-    p4, p_sc, m_new, r_i, l_i, acc_scale = fp4_p(qk, m_i, r_i, l_i, C, WS=False, QUAD=True)
+    qk = masked_logits(qk, scale_log2, M_base, held, SK, sms, C, TAIL)  # dead keys -inf
+    p4, p_sc, m_new, r_i, l_i, acc_scale = fp4_p(qk, m_i, r_i, l_i, scale_log2, C, WS=False, QUAD=True)
     p4 = _codes_in_key_order(p4)
     half_n = start // 2 + tl.arange(0, C.BLOCK_N // 2)
     nb_n = start // C.QB + tl.arange(0, NB)
@@ -71,7 +71,7 @@ def _attn_fwd(
     PNQ: tl.constexpr, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, FAST_RCP: tl.constexpr,
     HW_E4M3: tl.constexpr, HW_E2M1: tl.constexpr, D: tl.constexpr, QB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, SPARSE: tl.constexpr = False,
-    QT: tl.constexpr = 128,
+    QT: tl.constexpr = 128, EXACT: tl.constexpr = True,
 ):
     """Online-softmax FP4 attention on ``tl.dot_scaled``, K̂ in the quad key order; operands from
     ``prepass_packed(..., quad_order=True)``, arguments as :func:`.loop_scaled.attention_packed`
@@ -87,7 +87,7 @@ def _attn_fwd(
     two-lane fp32 arithmetic on sm_120)."""
     # the constexprs as one argument of the helpers (:class:`.scaled_math.Config`)
     C: tl.constexpr = Config(HAS_MASK, QK, PV, OCP, QMAX, PNQ, TWO_LEVEL, P_RANGE, FAST_RCP, HW_E4M3,
-                             HW_E2M1, False, D, QB, BLOCK_M, BLOCK_N, BLOCK_DV)
+                             HW_E2M1, False, D, QB, BLOCK_M, BLOCK_N, BLOCK_DV, EXACT)
     tl.static_assert(C.PV != FMT_E4M3, "the quad key order is the FP4-P·V loop's")
     Q4, QS = q_ptrs
     GQK, GV = g_ptrs

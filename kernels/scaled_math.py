@@ -26,15 +26,15 @@ from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
 from .fp4_math import (FMT_E4M3, FMT_MXFP4, FMT_NVFP4, e2m1_block_sums_hw, e2m1_magnitude_codes, e2m1_pack_hw,
-                       e2m1_pair_sums_hw, e4m3_bits, e4m3_p_shift, mul_f32x2, mx_block_exponent, pack_nibbles, pow2,
-                       round_e2m1_at_scale, round_e4m3_signed, sub_lanes)
+                       e2m1_pair_sums_hw, e4m3_bits, e4m3_p_shift, fma_lanes, mul_f32x2, mx_block_exponent,
+                       pack_nibbles, pow2, round_e2m1_at_scale, round_e4m3_signed, sub_lanes)
 from .loop_e4m3 import TILE_EXP_FLOOR
 from .loop_nvfp4 import block_scale_and_reciprocal, two_level_factors
-from .tiles import store_out_lse
+from .tiles import scaled_masked, store_out_lse
 
 __all__ = ["EXP_FLOOR", "FMT_E4M3", "FMT_MXFP4", "FMT_NVFP4", "INTERPRETED", "Config", "as_scales", "block_exp2",
-           "block_sums", "code_block_sums", "e4m3_p", "fp4_p", "key_scales", "mx_p", "nv_p", "packed_p", "store_result",
-           "value_scales"]
+           "block_sums", "code_block_sums", "e4m3_p", "exponent_scale", "fp4_p", "key_scales",
+           "masked_logits", "mx_p", "nv_p", "packed_p", "store_result", "value_scales"]
 
 
 class Config(NamedTuple):
@@ -47,7 +47,9 @@ class Config(NamedTuple):
     MXFP4 scale rule; ``PNQ``: the row sum of the quantized P̂; ``TWO_LEVEL``, ``P_RANGE``: NVFP4's
     two-level P. ``FAST_RCP`` (sm_80+), ``HW_E4M3`` (sm_89+), ``HW_E2M1`` (sm_100+), ``F32X2``
     (sm_10x / sm_11x: two-lane fp32 arithmetic): the target's instructions. ``D``: the head dim,
-    ``QB``: the Q̂·K̂ᵀ block, ``BLOCK_DV``: the padded value head dim."""
+    ``QB``: the Q̂·K̂ᵀ block, ``BLOCK_DV``: the padded value head dim. ``EXACT``: the exponents'
+    exact form; False runs NVFP4 P's fused form (:func:`nv_p`, :func:`masked_logits`), which the
+    dispatch picks only where every logit lies within :data:`.loop_e4m3.FAST_LOGIT_BOUND` nats."""
 
     HAS_MASK: tl.constexpr
     QK: tl.constexpr
@@ -66,6 +68,7 @@ class Config(NamedTuple):
     BLOCK_M: tl.constexpr
     BLOCK_N: tl.constexpr
     BLOCK_DV: tl.constexpr
+    EXACT: tl.constexpr
 
 
 @triton.jit
@@ -137,6 +140,30 @@ def block_exp2(x):
 
 
 @triton.jit
+def masked_logits(qk, scale_log2, M_base, keys, SK, sms, C, TAIL: tl.constexpr):
+    """One tile's Q̂·K̂ᵀ products ``qk`` as P's quantization (:func:`fp4_p`, :func:`e4m3_p`) takes
+    them, dead keys (``keys``, the key of each column, not alive in the key-padding mask, or at or
+    past SK: :func:`.tiles.scaled_masked`) selected to -inf: in log2 units (times ``scale_log2``,
+    rounded once, then masked), or, where the exponents are fused, the raw products masked
+    (:func:`nv_p` scales them in its exponents). The fused form is NVFP4 P's (the NVFP4 FP4-P·V
+    methods) where the launch is not EXACT; MXFP4 P keeps the exact form (under the OCP rule a
+    residual that leaves the row's largest P̃ at 1 - 2^-24 moves its block one scale down), and so
+    does FP8 P. On datacenter Blackwell the product runs two lanes an instruction, except in the
+    FP8-P·V form, where it spills."""
+    if C.QK == FMT_NVFP4 and C.PV != FMT_E4M3 and not C.EXACT:
+        return scaled_masked(qk, 1.0, M_base, keys, SK, sms, C.HAS_MASK, TAIL)
+    return scaled_masked(qk, scale_log2, M_base, keys, SK, sms, C.HAS_MASK, TAIL, C.F32X2 and C.PV != FMT_E4M3)
+
+
+@triton.jit
+def exponent_scale(scale_log2):
+    """The fused exponents' factor: ``scale_log2`` held at or above fp32's smallest normal, so that
+    a masked product (-inf) stays -inf when the factor underflows (heads of zeros or ~1e-30, whose
+    tensor scales multiply to below fp32's range; live products then stay ~0, as they are)."""
+    return tl.maximum(scale_log2, 1.1754943508222875e-38)
+
+
+@triton.jit
 def mx_p(qk, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr, QB: tl.constexpr,
          HW_E2M1: tl.constexpr, WS: tl.constexpr = False, F32X2: tl.constexpr = False):
     """MXFP4 P of one tile of logits ``qk`` in log2 units (scaled, then masked keys selected to -inf:
@@ -175,14 +202,30 @@ def mx_p(qk, m_i, l_i, OCP: tl.constexpr, QMAX: tl.constexpr, PNQ: tl.constexpr,
 @triton.jit
 def nv_p(qk, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ: tl.constexpr,
          FAST_RCP: tl.constexpr, HW_E4M3: tl.constexpr, QB: tl.constexpr, HW_E2M1: tl.constexpr,
-         QUAD: tl.constexpr = False, WS: tl.constexpr = False, F32X2: tl.constexpr = False):
-    """NVFP4 P of one tile of logits ``qk`` in log2 units (scaled, then masked keys selected to -inf:
-    :func:`.tiles.scaled_masked`), blocks of QB consecutive keys: (packed codes, E4M3 scale bytes, m_new, r_new, l_new,
-    acc_scale), with :func:`.loop_nvfp4.nv_quantize_p`'s arithmetic step for step (its lane layout
-    aside): P̂ is in units of r_new, the accumulator is rescaled by acc_scale. QUAD (QB = 16; the
-    S tile of :mod:`.loop_scaled_sm120`): the columns in :func:`.key_order.quad_key_order` (column
-    8j + 2t + e of each 32 holds key 8t + 2j + e, so a block of 16 keys is the columns of one t // 2,
-    and a lane holds half a block); the codes come out in that order too. F32X2 (datacenter
+         QUAD: tl.constexpr = False, WS: tl.constexpr = False, F32X2: tl.constexpr = False, scale_log2=1.0,
+         EXACT: tl.constexpr = True):
+    """NVFP4 P of one tile of logits (masked keys selected to -inf: :func:`masked_logits`), blocks of
+    QB consecutive keys: (packed codes, E4M3 scale bytes, m_new, r_new, l_new, acc_scale), with
+    :func:`.loop_nvfp4.nv_quantize_p`'s arithmetic step for step (its lane layout aside): P̂ is in
+    units of r_new, the accumulator is rescaled by acc_scale. Two forms of the exponents (m is in
+    log2 units in both):
+
+    - EXACT: ``qk`` holds the logits in log2 units, and every exponent is the exact difference
+      ``qk - m`` (exact near the row maximum: the row's largest P̃ is exactly 1 at any magnitude).
+    - fused (where :func:`masked_logits` says): ``qk`` holds the raw products, every exponent is
+      one ``fma(qk, scale_log2, -m)`` (two lanes an instruction where F32X2), and m is the rounded
+      product of the largest one. Each exponent then carries m's rounding residual (at most half an
+      ulp of m: under 2^-7 within :data:`.loop_e4m3.FAST_LOGIT_BOUND`, where |m| < 2^18) in place
+      of its own product's rounding, and the row's largest P̃ is exp2 of that residual, not exactly
+      1 (the residual grows with |m|, to half a binade at 1e7 nats: the dispatch runs the exact
+      form past the bound). NVFP4's block scale rounds amax / 6, far from an E4M3 rounding boundary
+      at the row's largest block (amax near 1, or near 448·6 with two-level P), so the residual
+      leaves that block's scale as it is.
+
+    QUAD (QB = 16; the S tile of :mod:`.loop_scaled_sm120`): the columns in
+    :func:`.key_order.quad_key_order` (column 8j + 2t + e of each 32 holds key 8t + 2j + e, so a
+    block of 16 keys is the columns of one t // 2, and a lane holds half a block); the codes come
+    out in that order too. F32X2 (datacenter
     Blackwell): the exp2 arguments and P̃'s scaling by the block reciprocals two lanes an
     instruction, PNQ's block sums as :func:`mx_p`'s (the same values). WS (the warp-specialized
     loop's arithmetic): PNQ's block sums added in fp16 (exact: at most 96, in halves), converted
@@ -204,18 +247,30 @@ def nv_p(qk, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ:
         s3 = tl.reshape(qk, (BLOCK_M, NB, QB))
         bmax = tl.max(s3, axis=2)
     tile_max = tl.max(bmax, axis=1)
-    m_new = tl.maximum(m_i, tile_max)
+    if EXACT:
+        m_new = tl.maximum(m_i, tile_max)
+    else:  # the tile's largest logit, rounded once (the rounding is monotonic: the largest product's)
+        m_new = tl.maximum(m_i, tile_max * scale_log2)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    if QUAD:
-        p = tl.exp2(s3 - m_safe[:, None, None, None, None, None])
-    else:
-        p = tl.exp2(sub_lanes(s3, m_safe[:, None, None], F32X2))  # qk - m (exact near m)
-    # the block maxima of P̃ by the exp2 of the blocks' largest logits: one exp2 a block, no
-    # reduction of P̃ (the reference takes the largest of the block's P̃: the same value, exp2 and
-    # the subtraction being monotonic)
-    amax = block_exp2(bmax - m_safe[:, None])
+    if EXACT:
+        if QUAD:
+            p = tl.exp2(s3 - m_safe[:, None, None, None, None, None])
+        else:
+            p = tl.exp2(sub_lanes(s3, m_safe[:, None, None], F32X2))  # qk - m (exact near m)
+        # the block maxima of P̃ by the exp2 of the blocks' largest logits: one exp2 a block, no
+        # reduction of P̃ (the reference takes the largest of the block's P̃: the same value, exp2 and
+        # the subtraction being monotonic)
+        amax = block_exp2(bmax - m_safe[:, None])
+        top = tl.exp2(tile_max - m_safe)
+    else:  # the same, each exponent one FMA (monotonic as well: amax is the block's largest P̃)
+        if QUAD:
+            p = tl.exp2(tl.fma(s3, scale_log2, -m_safe[:, None, None, None, None, None]))
+        else:
+            p = tl.exp2(fma_lanes(s3, scale_log2, -m_safe[:, None, None], F32X2))
+        amax = block_exp2(tl.fma(bmax, scale_log2, -m_safe[:, None]))
+        top = tl.exp2(tl.fma(tile_max, scale_log2, -m_safe))
     if TWO_LEVEL:
-        inv_s1, r_new, acc_ratio = two_level_factors(tl.exp2(tile_max - m_safe), r_i, P_RANGE, FAST_RCP)
+        inv_s1, r_new, acc_ratio = two_level_factors(top, r_i, P_RANGE, FAST_RCP)
         amax = amax * inv_s1[:, None]
     else:
         r_new = r_i
@@ -277,13 +332,15 @@ def e4m3_p(qk, m_i, k_i, l_i, PNQ: tl.constexpr, HW_E4M3: tl.constexpr, F32X2: t
 
 
 @triton.jit
-def fp4_p(qk, m_i, r_i, l_i, C, WS: tl.constexpr, QUAD: tl.constexpr = False):
-    """FP4 P of one tile of logits in P̂·V̂'s format (``C``: the launch's :class:`Config`): (packed
-    codes, block scales as ``tl.dot_scaled`` takes them, m_new, r_new, l_new, acc_scale) by
+def fp4_p(qk, m_i, r_i, l_i, scale_log2, C, WS: tl.constexpr, QUAD: tl.constexpr = False):
+    """FP4 P of one tile of logits in P̂·V̂'s format (``C``: the launch's :class:`Config`; ``qk`` as
+    :func:`masked_logits` gives them, ``scale_log2`` the launch's factor from products to log2 units):
+    (packed codes, block scales as ``tl.dot_scaled`` takes them, m_new, r_new, l_new, acc_scale) by
     :func:`mx_p` (r unchanged) or :func:`nv_p`; WS, QUAD as there."""
     if C.QK == FMT_NVFP4:
         p4, p_sc, m_new, r_i, l_i, acc_scale = nv_p(qk, m_i, r_i, l_i, C.TWO_LEVEL, C.P_RANGE, C.PNQ, C.FAST_RCP,
-                                                    C.HW_E4M3, C.QB, C.HW_E2M1, QUAD, WS, C.F32X2)
+                                                    C.HW_E4M3, C.QB, C.HW_E2M1, QUAD, WS, C.F32X2,
+                                                    exponent_scale(scale_log2), C.EXACT)
         p_sc = p_sc.to(tl.float8e4nv, bitcast=True)
     else:
         p4, p_sc, m_new, l_i, acc_scale = mx_p(qk, m_i, l_i, C.OCP, C.QMAX, C.PNQ, C.QB, C.HW_E2M1, WS, C.F32X2)

@@ -514,6 +514,66 @@ def test_scaled_nvfp4_kernel_matches_reference_interpreter(method, monkeypatch, 
         assert row_cosine(a, b).min() > 0.99999, method
 
 
+@pytest.mark.parametrize("method", ["sage3", "sage3-hpnq"])
+def test_scaled_nvfp4_exponent_forms_agree_within_the_fast_bound_and_the_exact_one_runs_beyond(
+        method, monkeypatch, e4m3_dot_scaled):
+    """The NVFP4 dot_scaled loop has two forms of P's exponents (``scaled_math.nv_p``): the fused one
+    (one FMA an exponent, what keeps sm_100 and sm_120 within their instruction budgets) for calls
+    whose logit bound lies within ``FAST_LOGIT_BOUND`` nats, the exact one beyond. Within the bound
+    — an ordinary head, a sharp one, a head of ±1e-30 values whose tensor scales multiply to below
+    fp32's range (the fused factor is held at fp32's smallest normal: a masked product stays -inf,
+    not NaN), a padding mask — both forms equal the reference row by row, and they are two kernels
+    (their outputs differ in some bits); the dispatch runs the fused one there and the exact one for
+    logits past the bound."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test")
+    import math
+
+    from fp4video.kernels import dispatch
+    from fp4video.kernels.checks import k_smoothing_mean, smoothing_lse_shift
+    from fp4video.kernels.loop_e4m3 import FAST_LOGIT_BOUND
+    from fp4video.kernels.loop_scaled import attention_packed
+    from fp4video.kernels.plan import plan
+    from fp4video.kernels.prepass import prepass_packed
+    from fp4video.metrics import row_cosine
+
+    monkeypatch.setenv("FP4VIDEO_NV_KERNEL", "scaled")
+    recipe = METHODS[method]
+    q, k, v = rand(1, 3, 70, 64, seed=100), rand(1, 3, 200, 64, seed=101) + 0.4, rand(1, 3, 200, 40, seed=102)
+    q[:, 1] *= 6.0  # sharp rows
+    q[:, 2], k[:, 2] = 1e-30 * q[:, 2].sign(), 1e-30 * k[:, 2].sign()
+    mask = rand(1, 1, 1, 200, seed=103) > -0.8
+    alive = dispatch.key_padding(mask, 1, 200)
+    want, lse_want = fp4_attention(q, k, v, method=method, attn_mask=mask, return_lse=True, backend="reference")
+    call_plan = plan(recipe, q, v, mask)
+    assert call_plan.loop == "scaled", call_plan
+    ops = prepass_packed(q, k, v, recipe, alive)
+    shift = smoothing_lse_shift(q, k_smoothing_mean(k, alive), 64**-0.5)  # (the loop's LSE: of the smoothed logits)
+    forms = []
+    for exact in (False, True):
+        out, lse = attention_packed(ops, alive, call_plan, recipe=recipe, scale=64**-0.5, out_dtype=q.dtype, dv=40,
+                                    exact=exact)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all(), exact
+        assert (want - out).abs().max() < 1e-5 and (lse_want - (lse + shift)).abs().max() < 1e-5, exact
+        assert row_cosine(want, out).min() > 0.99999, exact
+        forms.append(out)
+    assert not torch.equal(forms[0], forms[1])  # the fused exponents round differently: another kernel ran
+
+    seen = []
+    real_loop_function = dispatch.loop_function
+
+    def spy(*a, **kw):
+        seen.append(kw["exact"])
+        return attention_packed(*a, **kw)
+
+    monkeypatch.setattr(dispatch, "loop_function", lambda loop: spy if loop == "scaled" else real_loop_function(loop))
+    fp4_attention(q[:, :1], k[:, :1], v[:, :1], method=method, attn_mask=mask, backend="triton")
+    big = math.sqrt(4 * FAST_LOGIT_BOUND * 64**0.5 / 64)  # scale·D·max|q|·max|k| past the bound
+    far = fp4_attention(q[:, :1].clamp(-1, 1) * big, k[:, :1].clamp(-1, 1) * big, v[:, :1], method=method,
+                        attn_mask=mask, backend="triton")
+    assert seen == [False, True] and torch.isfinite(far).all()
+
+
 @pytest.mark.parametrize("method", ["mxattn-pv8", "sage3-pv8"])
 def test_scaled_fp8_pv_kernel_matches_reference_interpreter(method, monkeypatch, e4m3_dot_scaled):
     """The FP8-P·V methods on the dot_scaled loop (Blackwell: Q·K on the native FP4 MMA — MXFP4 or
