@@ -135,11 +135,7 @@ def main(argv=None) -> int:
         given["vae_minutes"] = 0.0
     base = dict(SMOKE_SETTINGS) if args.smoke else {}
     try:
-        settings = Settings(**{**base, **{k: float(v) if isinstance(v, int) and k in ("minutes", "vae_minutes",
-                                                                                         "reserve_seconds", "lr",
-                                                                                         "vae_lr",
-                                                                                         "checkpoint_seconds")
-                                          else v for k, v in given.items()}})
+        settings = Settings(**{**base, **given})
     except ValidationError as e:
         first = e.errors()[0]
         parser.error(f"--{'-'.join(map(str, first['loc'])).replace('_', '-')}: {first['msg']}")

@@ -279,6 +279,12 @@ def _latent_statistics(run: _Run, pipe, config: TestModelConfig, s: Settings, de
                                      "std": pipe.vae.config.latents_std}
 
 
+def _default_statistics(pipe) -> bool:
+    """Whether the VAE's latents_mean / latents_std are still the fresh model's zeros and ones."""
+    cfg = pipe.vae.config
+    return all(m == 0 for m in cfg.latents_mean) and all(s == 1 for s in cfg.latents_std)
+
+
 def _normalizer(pipe, device):
     mean = torch.tensor(pipe.vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
     std = torch.tensor(pipe.vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
@@ -473,6 +479,8 @@ def train(settings: Settings, out, *, resume=None, packed: bool = False, device=
         _save(run, pipe, packed)
     elif resume is None:
         raise ValueError("a fresh run trains its VAE first: give --vae-minutes > 0 (or --resume a trained model)")
+    elif _default_statistics(pipe):  # a checkpoint from within the VAE's training: its statistics not yet set
+        _latent_statistics(run, pipe, config, s, device)
     _transformer_phase(run, pipe, config, s, device, deadline, packed)
     _save(run, pipe, packed, final=True)
     if s.eval_clips:
