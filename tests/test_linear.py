@@ -1,0 +1,508 @@
+"""Low-precision linear layers through torchao (fp4video.integration.linear): the policy (strict,
+first matching rule wins, steps and rules that can never match refused), the kinds of linear layer
+read from the structure of diffusers' Wan and HunyuanVideo transformers, install / uninstall
+(original weights back bit for bit, a second install refused, a failure half-way undone), the one
+place that refuses a method a device cannot run, and torchao's emulated MXFP8 against an
+independent MXFP8 reference (fp4video.formats' E4M3 rounding)."""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from fp4video.formats import round_e4m3
+from fp4video.integration import linear as L
+from fp4video.integration.policy import EXPERTS, format_validation_error
+
+pytest.importorskip("diffusers")
+from fp4video.integration.tiny import tiny_hunyuan_transformer, tiny_wan_pipeline, tiny_wan_transformer  # noqa: E402
+
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="torchao (the linear extra) is not installed")
+
+# The kinds of every linear layer of the tiny transformers, written out from diffusers' module trees
+# (Wan: attn1 self attention, attn2 cross attention, ffn; HunyuanVideo: the dual block's joint
+# attention with its context projections, the adaptive norms' modulation, the single block's MLP).
+WAN_KINDS = {
+    "condition_embedder.time_embedder.linear_1": "embedder", "condition_embedder.time_embedder.linear_2": "embedder",
+    "condition_embedder.time_proj": "embedder", "condition_embedder.text_embedder.linear_1": "embedder",
+    "condition_embedder.text_embedder.linear_2": "embedder", "proj_out": "head",
+    **{f"blocks.{b}.{n}": k for b in (0, 1) for n, k in [
+        ("attn1.to_q", "attention"), ("attn1.to_k", "attention"), ("attn1.to_v", "attention"),
+        ("attn1.to_out.0", "attention"), ("attn2.to_q", "cross_attention"), ("attn2.to_k", "cross_attention"),
+        ("attn2.to_v", "cross_attention"), ("attn2.to_out.0", "cross_attention"), ("ffn.net.0.proj", "ffn"),
+        ("ffn.net.2", "ffn")]},
+}
+HUNYUAN_KINDS = {
+    **{f"context_embedder.{n}": "embedder" for n in [
+        "time_text_embed.timestep_embedder.linear_1", "time_text_embed.timestep_embedder.linear_2",
+        "time_text_embed.text_embedder.linear_1", "time_text_embed.text_embedder.linear_2", "proj_in",
+        "token_refiner.refiner_blocks.0.attn.to_q", "token_refiner.refiner_blocks.0.attn.to_k",
+        "token_refiner.refiner_blocks.0.attn.to_v", "token_refiner.refiner_blocks.0.attn.to_out.0",
+        "token_refiner.refiner_blocks.0.ff.net.0.proj", "token_refiner.refiner_blocks.0.ff.net.2",
+        "token_refiner.refiner_blocks.0.norm_out.linear"]},
+    **{f"time_text_embed.{n}": "embedder" for n in [
+        "timestep_embedder.linear_1", "timestep_embedder.linear_2", "text_embedder.linear_1", "text_embedder.linear_2",
+        "guidance_embedder.linear_1", "guidance_embedder.linear_2"]},
+    **{f"transformer_blocks.0.{n}": k for n, k in [
+        ("norm1.linear", "modulation"), ("norm1_context.linear", "modulation"), ("attn.to_q", "attention"),
+        ("attn.to_k", "attention"), ("attn.to_v", "attention"), ("attn.add_k_proj", "attention"),
+        ("attn.add_v_proj", "attention"), ("attn.add_q_proj", "attention"), ("attn.to_out.0", "attention"),
+        ("attn.to_add_out", "attention"), ("ff.net.0.proj", "ffn"), ("ff.net.2", "ffn"),
+        ("ff_context.net.0.proj", "ffn"), ("ff_context.net.2", "ffn")]},
+    **{f"single_transformer_blocks.0.{n}": k for n, k in [
+        ("attn.to_q", "attention"), ("attn.to_k", "attention"), ("attn.to_v", "attention"),
+        ("norm.linear", "modulation"), ("proj_mlp", "ffn"), ("proj_out", "ffn")]},
+    "norm_out.linear": "head", "proj_out": "head",
+}
+
+
+def wan_bf16(seed=0):
+    return tiny_wan_transformer(seed).to(torch.bfloat16)
+
+
+def wan_inputs():
+    g = torch.Generator().manual_seed(1)
+    return dict(hidden_states=torch.randn(1, 16, 2, 16, 16, generator=g).bfloat16(),
+                encoder_hidden_states=torch.randn(1, 24, 32, generator=g).bfloat16(),
+                timestep=torch.tensor([500.0]), return_dict=False)
+
+
+def forward(model):
+    with torch.no_grad():
+        return model(**wan_inputs())[0]
+
+
+def snapshot(model):
+    """(every parameter and buffer, cloned with its dtype and device; the module's repr)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, repr(model)
+
+
+def assert_bit_for_bit(model, snap):
+    tensors, text = snap
+    now = model.state_dict()
+    assert set(now) == set(tensors)
+    for k, v in tensors.items():
+        assert type(now[k]) in (torch.Tensor, torch.nn.Parameter), (k, type(now[k]))
+        assert now[k].dtype == v.dtype and now[k].device == v.device and torch.equal(now[k], v), k
+    assert repr(model) == text
+
+
+def rel(a, b):
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
+
+
+# --- the policy ---------------------------------------------------------------------------------------
+
+
+def test_policy_fields_are_strict_and_unknown_fields_refused():
+    assert L.LinearPolicy().method == "bf16"
+    for bad in ({"method": "fp8"}, {"method": "fp8-rowwise", "compile": "yes"}, {"compile": 1},
+                {"rules": [{"method": "bf16", "kinds": ["mlp"]}]}, {"rules": [{"method": "bf16", "blocks": ["3"]}]},
+                {"rules": [{"method": "bf16", "blocks": [True]}]}, {"rules": [{"method": "bf16", "experts": ["high"]}]},
+                {"method": "bf16", "sparsity": {}}, {"rules": [{"kinds": ["ffn"]}]}, {"originals": "disk"}):
+        with pytest.raises(ValidationError):
+            L.LinearPolicy.model_validate(bad)
+    with pytest.raises(ValidationError) as err:
+        L.LinearPolicy.model_validate({"rules": [{"method": "bf16", "backend": "flash"}]})
+    assert "rules[0].backend: unknown field" in format_validation_error(err.value)
+    policy = L.LinearPolicy(method="fp8-rowwise")
+    with pytest.raises(ValidationError):
+        policy.method = "bf16"  # frozen
+
+
+def test_steps_are_refused_with_the_reason():
+    for bad in ({"rules": [{"method": "bf16", "steps": {"last": 2}}]}, {"method": "fp8-rowwise", "steps": {"first": 1}}):
+        with pytest.raises(ValidationError) as err:
+            L.LinearPolicy.model_validate(bad)
+        text = format_validation_error(err.value)
+        assert "steps do not apply to linear layers" in text and "quantized once" in text
+        assert len(text.splitlines()) == 1
+
+
+@pytest.mark.parametrize("rules, expect", [
+    ([{"method": "bf16", "kinds": []}], "kinds: [] lists none"),
+    ([{"method": "bf16", "blocks": [-1]}], "count from 0"),
+    ([{"method": "bf16", "kinds": ["embedder", "head"], "blocks": [0]}], "lie outside the transformer blocks"),
+    ([{"method": "bf16", "kinds": ["ffn"]}, {"method": "mxfp8", "kinds": ["ffn"], "blocks": [3]}],
+     "rules[1] {method: mxfp8, blocks: [3], kinds: ['ffn']} can never match: every layer it would take is taken "
+     "first by rules[0]"),
+    ([{"method": "bf16", "experts": ["high_noise", "low_noise"]}, {"method": "mxfp8", "experts": ["low_noise"]}],
+     "can never match"),
+])
+def test_rules_that_could_never_match_are_refused(rules, expect):
+    with pytest.raises(ValidationError) as err:
+        L.LinearPolicy.model_validate({"method": "fp8-rowwise", "rules": rules})
+    assert expect in format_validation_error(err.value)
+
+
+def test_a_rule_outside_kinds_and_a_later_block_rule_both_stand():
+    """Rules on different layers do not shadow each other (no false refusal)."""
+    policy = L.LinearPolicy.model_validate({"method": "fp8-rowwise", "rules": [
+        {"method": "bf16", "kinds": ["embedder", "head", "modulation"]}, {"method": "bf16", "blocks": [0]},
+        {"method": "mxfp8", "kinds": ["ffn"]}, {"method": "fp8-tensor", "experts": ["low_noise"]}]})
+    assert len(policy.rules) == 4
+
+
+def test_the_first_matching_rule_wins():
+    policy = L.LinearPolicy.model_validate({"method": "fp8-rowwise", "rules": [
+        {"method": "bf16", "blocks": [0]}, {"method": "mxfp8", "kinds": ["ffn"]},
+        {"method": "nvfp4", "kinds": ["ffn", "attention"], "experts": ["low_noise"]}]})
+    assert policy.method_for(expert=None, block=0, kind="ffn") == "bf16"
+    assert policy.method_for(expert="low_noise", block=3, kind="ffn") == "mxfp8"
+    assert policy.method_for(expert="low_noise", block=3, kind="attention") == "nvfp4"
+    assert policy.method_for(expert="high_noise", block=3, kind="attention") == "fp8-rowwise"
+    assert policy.method_for(expert=None, block=-1, kind="embedder") == "fp8-rowwise"
+
+
+def test_emulate_needs_a_method_torchao_emulates():
+    assert L.LinearPolicy(method="mxfp8", emulate=True).emulate
+    with pytest.raises(ValidationError, match="torchao's emulation of mxfp8"):
+        L.LinearPolicy(method="fp8-rowwise", emulate=True)
+
+
+def test_experts_are_the_attention_policys():
+    assert L.EXPERTS == EXPERTS
+
+
+def test_as_linear_policy():
+    assert L.as_linear_policy(None) == L.LinearPolicy()
+    assert L.as_linear_policy("mxfp8").method == "mxfp8"
+    with pytest.raises(ValueError, match="unknown method 'fp4'"):
+        L.as_linear_policy("fp4")
+    with pytest.raises(TypeError, match="model_validate"):
+        L.as_linear_policy({"method": "mxfp8"})
+
+
+# --- the kinds, the plan ----------------------------------------------------------------------------
+
+
+def test_kinds_of_the_tiny_wan_and_hunyuan_transformers():
+    for model, expect, blocks in ((tiny_wan_transformer(), WAN_KINDS, {"blocks.0": 0, "blocks.1": 1}),
+                                  (tiny_hunyuan_transformer(), HUNYUAN_KINDS,
+                                   {"transformer_blocks.0": 0, "single_transformer_blocks.0": 1})):
+        sites = L.linear_sites(model)
+        assert {s.name: s.kind for s in sites} == expect
+        every = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        assert {s.name for s in sites} == every  # nothing left out
+        for s in sites:
+            block = next((i for prefix, i in blocks.items() if s.name.startswith(prefix + ".")), -1)
+            assert s.block == block and s.expert is None and s.module is model.get_submodule(s.name)
+
+
+def test_plan_is_pure_and_names_the_experts_layers():
+    pipe = tiny_wan_pipeline(two_experts=True)
+    for t in (pipe.transformer, pipe.transformer_2):
+        t.to(torch.bfloat16)
+    snaps = [snapshot(pipe.transformer), snapshot(pipe.transformer_2)]
+    policy = L.LinearPolicy.model_validate({"method": "bf16", "rules": [
+        {"method": "mxfp8", "experts": ["low_noise"], "kinds": ["ffn"]}, {"method": "fp8-rowwise", "blocks": [1]}]})
+    plan = L.plan_linear(pipe, policy)
+    assert plan.quantized() == {
+        **{f"transformer_2.blocks.{b}.{n}": "mxfp8" for b in (0, 1) for n in ("ffn.net.0.proj", "ffn.net.2")},
+        **{f"{t}.blocks.1.{n}": "fp8-rowwise" for t in ("transformer", "transformer_2") for n in WAN_KINDS_BLOCK1
+           if not (t == "transformer_2" and n.startswith("ffn"))}}
+    assert len(plan) == 2 * len(WAN_KINDS) and not plan.kept
+    assert_bit_for_bit(pipe.transformer, snaps[0])
+    assert_bit_for_bit(pipe.transformer_2, snaps[1])
+
+
+WAN_KINDS_BLOCK1 = [n.removeprefix("blocks.1.") for n in WAN_KINDS if n.startswith("blocks.1.")]
+
+
+def test_layers_a_method_cannot_take_stay_and_are_listed():
+    """An fp32 layer (Wan keeps its time embedder in fp32) and one whose shape the format does not
+    take (HunyuanVideo's tiny text embedder: 8 input features) keep their precision, each listed."""
+    wan = wan_bf16()
+    wan.condition_embedder.time_embedder.float()
+    plan = L.plan_linear(wan, "fp8-rowwise")
+    assert set(plan.kept) == {"condition_embedder.time_embedder.linear_1", "condition_embedder.time_embedder.linear_2"}
+    assert "float32" in plan.kept["condition_embedder.time_embedder.linear_1"]
+    assert plan["condition_embedder.time_embedder.linear_1"] == "bf16"
+    assert len(plan.quantized()) == len(WAN_KINDS) - 2
+    hunyuan = tiny_hunyuan_transformer().to(torch.bfloat16)
+    plan = L.plan_linear(hunyuan, "mxfp8")
+    assert "context_embedder.time_text_embed.text_embedder.linear_1" in plan.kept
+    assert "16 -> 128 features: mxfp8 needs in_features a multiple of 32" in plan.kept[
+        "context_embedder.time_text_embed.text_embedder.linear_1"]
+    assert "time_text_embed.text_embedder.linear_1" in plan.kept  # 8 input features
+
+
+@pytest.mark.parametrize("target, rules, expect", [
+    ("wan", [{"method": "mxfp8", "blocks": [1, 2]}], "names blocks WanTransformer3DModel does not have (it has 2, 0 to 1)"),
+    ("wan", [{"method": "mxfp8", "kinds": ["modulation"]}],
+     "kinds ['modulation']: WanTransformer3DModel has no such linear layers (its kinds: attention, cross_attention, "
+     "ffn, embedder, head)"),
+    ("wan", [{"method": "mxfp8", "experts": ["low_noise"]}], "installed on a bare WanTransformer3DModel, no layer has an expert"),
+    ("hunyuan", [{"method": "mxfp8", "kinds": ["cross_attention"]}], "HunyuanVideoTransformer3DModel has no such"),
+    ("wan21", [{"method": "mxfp8", "experts": ["high_noise"]}], "WanPipeline has one transformer, so no layer has an expert"),
+])
+def test_a_policy_that_does_not_fit_the_model_is_refused(target, rules, expect):
+    model = {"wan": tiny_wan_transformer, "hunyuan": tiny_hunyuan_transformer,
+             "wan21": lambda: tiny_wan_pipeline(two_experts=False)}[target]()
+    with pytest.raises(ValueError) as err:
+        L.plan_linear(model, L.LinearPolicy.model_validate({"method": "bf16", "rules": rules}))
+    assert expect in str(err.value) and "\n" not in str(err.value)
+
+
+# --- the device check ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method, expect", [
+    ("fp8-rowwise", "linear method fp8-rowwise needs an NVIDIA GPU of compute capability 8.9 or newer"),
+    ("fp8-tensor", "torchao has no emulation of it: use bf16 there"),
+    ("nvfp4", "compute capability 10.0 or newer (Blackwell)"),
+    ("mxfp8", "(emulate: true runs its numerics anywhere, slower than bf16)"),
+])
+def test_the_cpu_is_refused_in_one_line(method, expect):
+    with pytest.raises(L.LinearUnsupported) as err:
+        L.check_linear_support(method, "cpu")
+    assert expect in str(err.value) and "the layers are on cpu" in str(err.value) and "\n" not in str(err.value)
+    model = wan_bf16()
+    snap = snapshot(model)
+    with pytest.raises(L.LinearUnsupported):
+        L.install_linear(model, method)
+    assert_bit_for_bit(model, snap)
+    assert L.installed_linear(model) is None
+
+
+def test_bf16_needs_no_torchao_and_a_missing_torchao_is_one_line(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    assert L.check_linear_support("bf16", "cpu") == "unchanged (bf16)"
+    model = wan_bf16()
+    report = L.install_linear(model, L.LinearPolicy(method="bf16"))
+    assert not report.plan.quantized()
+    L.uninstall_linear(model)
+    with pytest.raises(L.LinearUnsupported, match=r"torchao>=0.17,<0.19, which is not installed \(pip install "
+                                                  r"'fp4video\[linear\]'\)"):
+        L.check_linear_support("mxfp8", "cpu", emulate=True)
+
+
+# --- install / uninstall -----------------------------------------------------------------------------
+
+
+@needs_torchao
+@pytest.mark.parametrize("originals", ["cpu", "device"])
+def test_install_quantizes_and_uninstall_restores_bit_for_bit(originals):
+    model = wan_bf16()
+    stock, snap = forward(model), snapshot(model)
+    params = {n: p for n, p in model.named_parameters()}
+    report = L.install_linear(model, L.LinearPolicy(method="mxfp8", emulate=True, originals=originals,
+                                                    rules=[L.LinearRule(method="bf16", kinds=["embedder", "head"])]))
+    assert report.plan.quantized() == {n: "mxfp8" for n, k in WAN_KINDS.items() if k not in ("embedder", "head")}
+    assert L.installed_linear(model) is report
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+    assert isinstance(model.blocks[0].ffn.net[2].weight, MXTensor)
+    assert type(model.proj_out.weight) is torch.nn.Parameter  # a bf16 rule's layer is untouched
+    quantized = forward(model)
+    assert 1e-3 < rel(quantized, stock) < 0.1  # it runs the format, and the output is still the model's
+    L.uninstall_linear(model)
+    assert_bit_for_bit(model, snap)
+    assert all(p is params[n] for n, p in model.named_parameters())  # a CPU model gets its own tensors back
+    assert torch.equal(forward(model), stock)
+    assert L.installed_linear(model) is None
+    L.uninstall_linear(model)  # nothing installed: nothing to do
+
+
+@needs_torchao
+def test_a_second_install_is_refused_and_changes_nothing():
+    model = wan_bf16()
+    L.install_linear(model, L.LinearPolicy(method="mxfp8", emulate=True))
+    first = forward(model)
+    with pytest.raises(RuntimeError, match="already installed on WanTransformer3DModel .through the bare "
+                                           "WanTransformer3DModel.: call .*uninstall_linear"):
+        L.install_linear(model, L.LinearPolicy(method="bf16"))
+    assert torch.equal(forward(model), first)
+    L.uninstall_linear(model)
+
+
+@needs_torchao
+def test_a_pipeline_install_covers_both_experts_and_any_handle_uninstalls():
+    pipe = tiny_wan_pipeline(two_experts=True)
+    models = (pipe.transformer, pipe.transformer_2)
+    for t in models:
+        t.to(torch.bfloat16)
+    snaps = [snapshot(t) for t in models]
+    report = L.install_linear(pipe, L.LinearPolicy(method="bf16", emulate=True, rules=[
+        L.LinearRule(method="mxfp8", experts=["low_noise"], kinds=["attention"])]))
+    assert set(report.plan.quantized()) == {f"transformer_2.blocks.{b}.attn1.{n}" for b in (0, 1)
+                                            for n in ("to_q", "to_k", "to_v", "to_out.0")}
+    with pytest.raises(RuntimeError, match="through WanPipeline"):
+        L.install_linear(pipe.transformer_2, "bf16")
+    assert_bit_for_bit(pipe.transformer, snaps[0])  # the high-noise expert: no rule quantizes it
+    L.uninstall_linear(pipe.transformer_2)
+    assert_bit_for_bit(pipe.transformer_2, snaps[1])
+    assert L.installed_linear(pipe.transformer) is report  # still installed there, through the pipeline
+    L.uninstall_linear(pipe)
+    assert L.installed_linear(pipe.transformer) is None
+
+
+@needs_torchao
+def test_a_failure_half_way_leaves_the_model_as_it_was(monkeypatch):
+    import torchao.quantization
+
+    model = wan_bf16()
+    snap = snapshot(model)
+    real, calls = torchao.quantization.quantize_, []
+
+    def failing(module, config, *a, **k):
+        calls.append(module)
+        if len(calls) == 5:
+            raise RuntimeError("a torchao failure")
+        return real(module, config, *a, **k)
+
+    monkeypatch.setattr(torchao.quantization, "quantize_", failing)
+    with pytest.raises(RuntimeError, match="a torchao failure"):
+        L.install_linear(model, L.LinearPolicy(method="mxfp8", emulate=True))
+    assert len(calls) == 5
+    assert_bit_for_bit(model, snap)
+    assert L.installed_linear(model) is None
+
+
+@needs_torchao
+def test_refusals_before_anything_changes():
+    model = wan_bf16()
+    model.blocks[1].ffn.net[2].weight = model.blocks[0].ffn.net[2].weight  # tied
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match="blocks.1.ffn.net.2 and blocks.0.ffn.net.2 share one weight tensor"):
+        L.install_linear(model, L.LinearPolicy(method="mxfp8", emulate=True))
+    assert_bit_for_bit(model, snap)
+    fp32 = tiny_wan_transformer()
+    with pytest.raises(ValueError, match="would quantize none of the layers it names .26, e.g. "
+                                         "condition_embedder.time_embedder.linear_1: mxfp8: its weight is float32"):
+        L.install_linear(fp32, L.LinearPolicy(method="mxfp8", emulate=True))
+    assert L.installed_linear(fp32) is None
+
+
+@needs_torchao
+def test_kept_layers_are_warned_once():
+    model = wan_bf16()
+    model.condition_embedder.time_embedder.float()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = L.install_linear(model, L.LinearPolicy(method="mxfp8", emulate=True))
+    ours = [str(w.message) for w in caught if "fp4video linear" in str(w.message)]
+    assert ours == ["fp4video linear: 2 linear layers keep their precision (condition_embedder.time_embedder.linear_1: "
+                    "mxfp8: its weight is float32 (torchao's mxfp8 takes bfloat16 weights), ...): see the report's "
+                    "plan.kept"]
+    assert len(report.plan.kept) == 2
+    L.uninstall_linear(model)
+
+
+@needs_torchao
+def test_regional_compile_wraps_each_block_and_uninstall_unwraps():
+    """compile: true compiles each block's forward (here with torch.compile's eager backend: the
+    tracing, not inductor's code generation); the output is the eager quantized model's, and
+    uninstall leaves the class's forward."""
+    model = wan_bf16()
+    stock, snap = forward(model), snapshot(model)
+    L.install_linear(model, L.LinearPolicy(method="mxfp8", emulate=True))
+    eager = forward(model)
+    L.uninstall_linear(model)
+    report = L.install_linear(model, L.LinearPolicy(method="mxfp8", emulate=True, compile=True),
+                              compile_backend="eager")
+    assert report.compiled == 2 and all("forward" in b.__dict__ for b in model.blocks)
+    assert torch.equal(forward(model), eager)
+    L.uninstall_linear(model)
+    assert all("forward" not in b.__dict__ for b in model.blocks)
+    assert_bit_for_bit(model, snap)
+    assert torch.equal(forward(model), stock)
+
+
+# --- torchao's emulated MXFP8 against an independent reference, and the layer measure --------------
+
+
+def mxfp8_reference(x: torch.Tensor) -> torch.Tensor:
+    """MXFP8 (E4M3 elements, one power-of-two scale per 32 values along the last dim, the scale
+    2^ceil(log2(amax / 448)): cuBLAS's / torchao's RCEIL rule), dequantized, in fp64."""
+    blocks = x.double().reshape(*x.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / 448.0))), torch.ones_like(amax))
+    return (round_e4m3(blocks / scale) * scale).reshape(x.shape)
+
+
+@needs_torchao
+def test_emulated_mxfp8_layer_is_the_mxfp8_product():
+    """Weights and activations both in MXFP8 (not weight-only: that misses the reference by the
+    activations' rounding), product to within bf16 output rounding."""
+    torch.manual_seed(3)
+    layer = torch.nn.Linear(256, 96, dtype=torch.bfloat16)
+    x = (torch.randn(40, 256) * torch.exp2(torch.randint(-4, 5, (40, 1)).float())).bfloat16()
+    x_before, w_before = x.clone(), layer.weight.detach().clone()
+    expect = mxfp8_reference(x) @ mxfp8_reference(layer.weight.detach()).T + layer.bias.double()
+    weight_only = x.double() @ mxfp8_reference(layer.weight.detach()).T + layer.bias.double()
+    m = L.measure_linear(layer, [x[:25], x[25:]], "mxfp8", emulate=True)
+    assert torch.equal(x, x_before) and torch.equal(layer.weight, w_before)  # the caller's tensors
+    assert type(layer.weight) is torch.nn.Parameter
+    q = torch.nn.Linear(256, 96, dtype=torch.bfloat16)
+    q.load_state_dict(layer.state_dict())
+    from torchao.quantization import quantize_
+
+    quantize_(q, L.torchao_config("mxfp8", emulate=True))
+    with torch.no_grad():
+        out = q(x)
+    assert rel(out, expect) < 4e-3 < rel(weight_only, expect) / 2
+    with torch.no_grad():
+        stock = layer(x)
+    assert m.rel_l2 == pytest.approx(rel(out, stock), rel=1e-6)
+    assert m.bf16_ms is None and m.method_ms is None and m.saved_ms is None  # not timed off a GPU
+    assert 5e-3 < m.rel_l2 < 0.1
+
+
+def test_measure_refuses_what_install_refuses():
+    layer = torch.nn.Linear(64, 32, dtype=torch.bfloat16)
+    with pytest.raises(L.LinearUnsupported, match="needs an NVIDIA GPU"):
+        L.measure_linear(layer, torch.randn(4, 64).bfloat16(), "fp8-rowwise")
+    with pytest.raises(ValueError, match=r"inputs must be tensors \(\.\.\., 64\)"):
+        L.measure_linear(layer, torch.randn(4, 32).bfloat16(), "bf16")
+    assert L.measure_linear(layer, torch.randn(4, 64).bfloat16(), "bf16").rel_l2 == 0.0
+
+
+# --- on the GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_torchao
+def test_fp8_rowwise_on_the_gpu_is_the_rowwise_e4m3_product():
+    """Scales amax / 448 per row of the activations and per output channel of the weight, E4M3
+    elements, fp32 accumulation; and the layer's measure times both forms."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs sm_89+")
+    torch.manual_seed(4)
+    layer = torch.nn.Linear(512, 256, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(300, 512, device="cuda").bfloat16()
+
+    def rowwise(t):
+        t = t.double().cpu()
+        s = t.abs().amax(-1, keepdim=True) / 448.0
+        return round_e4m3(t / s).double() * s
+
+    expect = rowwise(x) @ rowwise(layer.weight.detach()).T + layer.bias.double().cpu()
+    m = L.measure_linear(layer, x, "fp8-rowwise", reps=5)
+    q = torch.nn.Linear(512, 256, device="cuda", dtype=torch.bfloat16)
+    q.load_state_dict(layer.state_dict())
+    from torchao.quantization import quantize_
+
+    quantize_(q, L.torchao_config("fp8-rowwise"))
+    with torch.no_grad():
+        out = q(x).cpu()
+    assert rel(out, expect) < 4e-3
+    assert m.bf16_ms > 0 and m.method_ms > 0 and m.saved_ms == m.bf16_ms - m.method_ms
+
+
+@pytest.mark.gpu
+@needs_torchao
+def test_install_on_the_gpu_keeps_originals_on_the_host_and_restores_them():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs sm_89+")
+    model = wan_bf16().cuda()
+    snap = snapshot(model)
+    L.install_linear(model, L.LinearPolicy(method="fp8-rowwise"))
+    L.uninstall_linear(model)
+    assert_bit_for_bit(model, snap)
