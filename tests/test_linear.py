@@ -410,6 +410,14 @@ def test_regional_compile_wraps_each_block_and_uninstall_unwraps():
     assert report.compiled == 2 and all("forward" in b.__dict__ for b in model.blocks)
     assert torch.equal(forward(model), eager)
     L.uninstall_linear(model)
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()  # a backend that counts the graphs it is given and runs them
+    L.install_linear(model, L.LinearPolicy(method="mxfp8", emulate=True, compile=True), compile_backend=counter)
+    forward(model)
+    forward(model)
+    assert counter.frame_count == 1  # one graph for both blocks and both forwards, no graph break
+    L.uninstall_linear(model)
     assert all("forward" not in b.__dict__ for b in model.blocks)
     assert_bit_for_bit(model, snap)
     assert torch.equal(forward(model), stock)
@@ -506,3 +514,39 @@ def test_install_on_the_gpu_keeps_originals_on_the_host_and_restores_them():
     L.install_linear(model, L.LinearPolicy(method="fp8-rowwise"))
     L.uninstall_linear(model)
     assert_bit_for_bit(model, snap)
+
+
+def test_unfit_shapes_and_weights_are_named():
+    bf16 = lambda k, n: torch.nn.Linear(k, n, dtype=torch.bfloat16)  # noqa: E731
+    assert L.unfit_reason(bf16(128, 128), "bf16") is None
+    assert L.unfit_reason(bf16(256, 128), "fp8-tensor") is None
+    assert "torchao takes its per-tensor scale for 128 x 128 block scaling" in L.unfit_reason(bf16(128, 128), "fp8-tensor")
+    assert L.unfit_reason(bf16(128, 128), "fp8-rowwise") is None
+    assert "multiple of 16" in L.unfit_reason(bf16(24, 128), "fp8-rowwise")
+    assert "multiple of 32" in L.unfit_reason(bf16(48, 128), "mxfp8")
+    assert "float32" in L.unfit_reason(torch.nn.Linear(64, 64), "nvfp4")
+    assert "meta device" in L.unfit_reason(torch.nn.Linear(64, 64, device="meta", dtype=torch.bfloat16), "nvfp4")
+
+
+@pytest.mark.slow
+@needs_torchao
+def test_the_profile_script_runs_its_code_paths_on_the_cpu(tmp_path):
+    """scripts/profile_linear.py --smoke: the tiny model, mxfp8 emulated, every stage run and recorded
+    as it goes, the table written (its GPU numbers come from the H200)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "profile_linear.py"), "--out", str(tmp_path), "--smoke"],
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert not [r for r in rows if "error" in r or "skipped" in r], rows
+    configs = {r.get("config") for r in rows if r.get("part") == "forward" and "s" in r}
+    assert configs == {"bf16 eager", "mxfp8 eager", "mxfp8 regional compile", "bf16 regional compile"}
+    assert len([r for r in rows if r.get("part") == "shapes"]) == 3
+    compare = next(r for r in rows if r.get("config") == "compare")
+    assert compare["quant_op_calls_added"] > 0  # the quantized forward's own ops, found by the profile
+    assert "| mxfp8 regional compile |" in (tmp_path / "table.md").read_text()

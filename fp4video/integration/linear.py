@@ -3,19 +3,15 @@ transformer runs (a :class:`LinearPolicy`), installed and uninstalled like the a
 
 fp4video writes no GEMM here: it picks layers and hands them to torchao's inference workflows.
 
-=============  ==============================================================  =====================
-method         torchao workflow                                                GPU
-=============  ==============================================================  =====================
-``bf16``       none: the layer is left as it is                                any, CPU
-``fp8-rowwise`` ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``  sm_89+ (Ada, Hopper,
-               (e4m3 weights with a scale per output channel, activations     Blackwell)
-               quantized per token at run time; ``torch._scaled_mm``)
-``fp8-tensor`` the same with ``PerTensor()`` (one scale per tensor)             sm_89+
-``mxfp8``      ``MXDynamicActivationMXWeightConfig`` (e4m3, an e8m0 scale per   sm_100+ (Blackwell);
-               32 values along K)                                              anywhere emulated
-``nvfp4``      ``NVFP4DynamicActivationNVFP4WeightConfig`` (e2m1, an e4m3 scale  sm_100+
-               per 16 values and a per-tensor scale)
-=============  ==============================================================  =====================
+- ``bf16``: the layer is left as it is (any device).
+- ``fp8-rowwise``: ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``: e4m3
+  weights with a scale per output channel, activations quantized per token at run time,
+  ``torch._scaled_mm``. NVIDIA sm_89+ (Ada, Hopper, Blackwell).
+- ``fp8-tensor``: the same with ``PerTensor()`` (one scale per tensor). sm_89+.
+- ``mxfp8``: ``MXDynamicActivationMXWeightConfig`` (e4m3 elements, an e8m0 scale per 32 values
+  along K). sm_100+ (Blackwell); anywhere emulated.
+- ``nvfp4``: ``NVFP4DynamicActivationNVFP4WeightConfig`` (e2m1 elements, an e4m3 scale per 16
+  values and a per-tensor scale). sm_100+.
 
 ``emulate: true`` runs mxfp8 through torchao's emulated MX GEMM (``KernelPreference.EMULATED``:
 the MX quantization, then a bf16 matmul of the dequantized operands): the format's exact numerics
@@ -390,6 +386,9 @@ def unfit_reason(module: torch.nn.Linear, method: str) -> str | None:
         return "its weight is on the meta device (not loaded)"
     if w.dtype != torch.bfloat16:
         return f"its weight is {str(w.dtype).removeprefix('torch.')} (torchao's {method} takes bfloat16 weights)"
+    if method == "fp8-tensor" and tuple(w.shape) == (128, 128):
+        return ("a 128 x 128 weight: torchao takes its per-tensor scale for 128 x 128 block scaling, and its GEMM "
+                "refuses the layer")
     k_mult, n_mult = _SHAPE[method]
     if module.in_features % k_mult or module.out_features % n_mult:
         return (f"{module.in_features} -> {module.out_features} features: {method} needs in_features a multiple of "
@@ -583,11 +582,11 @@ def installed_linear(model: torch.nn.Module) -> LinearInstall | None:
     return saved.report if saved is not None else None
 
 
-def install_linear(target, policy=None, *, compile_backend: str = "inductor") -> LinearInstall:
+def install_linear(target, policy=None, *, compile_backend="inductor") -> LinearInstall:
     """Quantize the linear layers of ``target`` (a pipeline, both Wan2.2 experts included, or a bare
     transformer) as ``policy`` says (a :class:`LinearPolicy` or a method name), through torchao;
     with ``policy.compile``, compile each transformer block (``compile_backend``: torch.compile's
-    backend). Each original weight is kept (``policy.originals``) for :func:`uninstall_linear`.
+    backend, a name or a callable). Each original weight is kept (``policy.originals``) for :func:`uninstall_linear`.
 
     Refused, with nothing changed: a transformer that has a linear installation (uninstall it
     first), a policy that does not fit the model (:func:`plan_linear`), a method the layers' device
