@@ -270,6 +270,33 @@ def test_the_cpu_is_refused_in_one_line(method, expect):
     assert L.installed_linear(model) is None
 
 
+@needs_torchao
+@pytest.mark.parametrize("gpu, capability", [("NVIDIA L40S", (8, 9)), ("NVIDIA H200", (9, 0)),
+                                             ("NVIDIA B200", (10, 0)), ("NVIDIA RTX A6000", (8, 6))])
+@pytest.mark.parametrize("mslk", [False, True])
+def test_what_each_gpu_kind_runs(monkeypatch, gpu, capability, mslk):
+    """The GPU-kind check on the CPU (the device's name and compute capability stand in): fp8 from
+    sm_89, mxfp8 and nvfp4 from sm_100, each refusal naming the GPU; fp8-rowwise on sm_90+ says
+    MSLK's kernels run it where MSLK is installed, torch ops elsewhere."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (real("torch") if mslk else None) if name == "mslk" else real(name, *a))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
+    for method, need in (("fp8-rowwise", (8, 9)), ("fp8-tensor", (8, 9)), ("mxfp8", (10, 0)), ("nvfp4", (10, 0))):
+        if capability < need:
+            with pytest.raises(L.LinearUnsupported) as err:
+                L.check_linear_support(method, "cuda")
+            assert f"{gpu} is sm_{capability[0]}{capability[1]}" in str(err.value), str(err.value)
+            continue
+        runs = L.check_linear_support(method, "cuda")
+        if method == "fp8-rowwise":
+            assert ("MSLK" in runs) == (mslk and capability >= (9, 0)), runs
+            assert ("torch ops" in runs) == (not (mslk and capability >= (9, 0))), runs
+        assert L.check_linear_support(method, "cuda", emulate=True).startswith(
+            "torchao's emulated" if method == "mxfp8" else "torchao")
+
+
 def test_bf16_needs_no_torchao_and_a_missing_torchao_is_one_line(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))

@@ -492,7 +492,7 @@ def check_linear_support(method: str, device, *, emulate: bool = False) -> str:
                                 f"{hint}")
     _torchao(method)
     if method.startswith("fp8"):
-        if importlib.util.find_spec("mslk") is not None and capability >= (9, 0) and method == "fp8-rowwise":
+        if importlib.util.find_spec("mslk") is not None and found >= (9, 0) and method == "fp8-rowwise":
             return "torchao float8 rowwise: MSLK's fused row quantization and rowwise GEMM"
         return (f"torchao float8 {method.removeprefix('fp8-')}wise: activations quantized by torch ops (amax, divide, "
                 "clamp, cast; fused only under compile), torch._scaled_mm")
@@ -623,20 +623,16 @@ def install_linear(target, policy=None, *, compile_backend="inductor") -> Linear
     configs = {m: torchao_config(m, emulate=policy.emulate) for m in set(todo.values())}
     through = type(target).__name__ if not isinstance(target, torch.nn.Module) else f"the bare {type(target).__name__}"
     done: list = []
+    by_model: dict = {id(m): [] for _, _, m in models}
     try:
         for name, method in todo.items():
-            module = plan.sites[name].module
-            done.append(_keep(module, policy.originals))
-            _quantize(module, configs[method])
+            site = plan.sites[name]
+            done.append(_keep(site.module, policy.originals))
+            by_model[id(site.model)].append(done[-1])
+            _quantize(site.module, configs[method])
     except BaseException:
         _restore(done)
         raise
-    by_model: dict = {id(m): [] for _, _, m in models}
-    for original in done:
-        for _, _, m in models:
-            if any(x is original.module for x in m.modules()):
-                by_model[id(m)].append(original)
-                break
     for _, _, model in models:
         forwards = _compile_blocks(model, compile_backend) if policy.compile else []
         report.compiled += len(forwards)
@@ -668,6 +664,8 @@ def _restore(originals: list) -> None:
         if o.copied:
             device = o.module.weight.device
             o.module.weight = torch.nn.Parameter(o.weight.to(device), requires_grad=o.requires_grad)
+        elif o.weight.device != o.module.weight.device:  # the model moved since: the original follows it
+            o.module.weight = torch.nn.Parameter(o.weight.to(o.module.weight.device), requires_grad=o.requires_grad)
         else:
             o.module.weight = o.weight
         if o.extra_repr is None:
