@@ -21,8 +21,23 @@ from fp4video.integration.policy import EXPERTS, format_validation_error
 pytest.importorskip("diffusers")
 from fp4video.integration.tiny import tiny_hunyuan_transformer, tiny_wan_pipeline, tiny_wan_transformer  # noqa: E402
 
-HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
-needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="torchao (the linear extra) is not installed")
+
+
+def _torchao_in_range() -> bool:
+    """Whether a torchao within fp4video.integration.linear.TORCHAO_REQUIREMENT is installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.specifiers import SpecifierSet
+
+    try:
+        return version("torchao").split("+")[0] in SpecifierSet(L.TORCHAO_REQUIREMENT)
+    except PackageNotFoundError:
+        return False
+
+
+HAS_TORCHAO = _torchao_in_range()
+needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason=f"torchao{L.TORCHAO_REQUIREMENT} (the linear extra) is "
+                                                           "not installed")
 
 # The kinds of every linear layer of the tiny transformers, written out from diffusers' module trees
 # (Wan: attn1 self attention, attn2 cross attention, ffn; HunyuanVideo: the dual block's joint
@@ -237,7 +252,7 @@ def test_layers_a_method_cannot_take_stay_and_are_listed():
     ("wan", [{"method": "mxfp8", "kinds": ["modulation"]}],
      "kinds ['modulation']: WanTransformer3DModel has no such linear layers (its kinds: attention, cross_attention, "
      "ffn, embedder, head)"),
-    ("wan", [{"method": "mxfp8", "experts": ["low_noise"]}], "installed on a bare WanTransformer3DModel, no layer has an expert"),
+    ("wan", [{"method": "mxfp8", "experts": ["low_noise"]}], "on a bare WanTransformer3DModel, no layer has an expert"),
     ("hunyuan", [{"method": "mxfp8", "kinds": ["cross_attention"]}], "HunyuanVideoTransformer3DModel has no such"),
     ("wan21", [{"method": "mxfp8", "experts": ["high_noise"]}], "WanPipeline has one transformer, so no layer has an expert"),
 ])

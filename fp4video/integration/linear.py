@@ -99,6 +99,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 
+def _refuse_steps(data):
+    """A mapping with ``steps``: refused with the reason (not as an unknown field)."""
+    if isinstance(data, dict) and "steps" in data:
+        raise ValueError("steps do not apply to linear layers: a layer's weights are quantized once, at install, "
+                         "for every denoising step (leave steps out; step rules belong to the attention policy)")
+    return data
+
+
 # --- the policy -------------------------------------------------------------------------------------
 
 
@@ -111,13 +119,7 @@ class LinearRule(_Strict):
     kinds: list[Literal["attention", "cross_attention", "ffn", "modulation", "embedder", "head"]] | None = None
     experts: list[Literal["high_noise", "low_noise"]] | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_steps(cls, data):
-        if isinstance(data, dict) and "steps" in data:
-            raise ValueError("steps do not apply to linear layers: a layer's weights are quantized once, at install, "
-                             "for every denoising step (leave steps out; step rules belong to the attention policy)")
-        return data
+    _no_steps = model_validator(mode="before")(classmethod(lambda cls, data: _refuse_steps(data)))
 
     @field_validator("blocks")
     @classmethod
@@ -160,8 +162,8 @@ class LinearRule(_Strict):
 class LinearPolicy(_Strict):
     """Which method each linear layer runs. ``method``: the default for layers no rule takes.
     ``compile``: regional ``torch.compile`` of the transformer blocks (each block's forward; the
-    blocks share one compiled graph per block list), which fuses the activations' quantization into
-    the elementwise work around each GEMM. ``emulate``: mxfp8 through torchao's emulation (exact MX
+    blocks share one compiled graph per block list), so that inductor can fuse the activations'
+    quantization with the elementwise work around each GEMM. ``emulate``: mxfp8 through torchao's emulation (exact MX
     numerics on any device, slower than bf16). ``originals``: where the original weights wait for
     :func:`uninstall_linear`: ``cpu`` (host memory: the GPU keeps only the quantized weights; a
     model already on the CPU keeps its own tensors) or ``device`` (next to the quantized weights:
@@ -173,13 +175,7 @@ class LinearPolicy(_Strict):
     emulate: StrictBool = False
     originals: Literal["cpu", "device"] = "cpu"
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_steps(cls, data):
-        if isinstance(data, dict) and "steps" in data:
-            raise ValueError("steps do not apply to linear layers: a layer's weights are quantized once, at install, "
-                             "for every denoising step (leave steps out; step rules belong to the attention policy)")
-        return data
+    _no_steps = model_validator(mode="before")(classmethod(lambda cls, data: _refuse_steps(data)))
 
     @model_validator(mode="after")
     def _emulate_applies(self):
@@ -418,7 +414,7 @@ def plan_linear(target, policy) -> LinearPlan:
     def why_none(rule: LinearRule) -> str:
         have_kinds = sorted({k for _, _, k in layers}, key=KINDS.index)
         if rule.experts is not None and not any(e is not None for e, _, _ in layers):
-            return (f"experts {rule.experts}: " + (f"installed on a bare {names}, no layer has an expert (experts tell "
+            return (f"experts {rule.experts}: " + (f"on a bare {names}, no layer has an expert (experts tell "
                                                    "Wan2.2's two transformers apart: pass the pipeline)" if bare else
                                                    f"{type(target).__name__} has one transformer, so no layer has an "
                                                    "expert"))
