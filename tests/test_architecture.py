@@ -373,15 +373,7 @@ def test_the_private_name_check_sees_every_way_in(tmp_path):
 ADAPTER = ROOT / "fp4video" / "integration" / "diffusers_api.py"
 #: Uses in modules edited elsewhere, each to move onto the adapter (its functions are there): the
 #: test fails when one is gone, so this list only shrinks.
-PENDING_DIFFUSERS_PRIVATE = {
-    "fp4video/integration/processor.py": [
-        "from diffusers.models.transformers.transformer_wan import _get_added_kv_projections",
-        "from diffusers.models.transformers.transformer_wan import _get_qkv_projections"],
-    "fp4video/integration/parallel.py": [
-        "from diffusers.models.attention_dispatch import _templated_context_parallel_attention"],
-    "fp4video/integration/distributed.py": [
-        "import of the private module diffusers.models._modeling_parallel"],
-}
+PENDING_DIFFUSERS_PRIVATE: dict = {}
 
 
 def _in_diffusers(dotted: str) -> bool:

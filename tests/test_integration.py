@@ -193,7 +193,7 @@ def test_generate_embedded_default(tmp_path):
     assert len(calls) == TINY_SIZES["steps"] * 2 * 2 * 2
     assert {c["method"] for c in calls} == {"fp16", "mxattn"}
     assert all(c["expert"] in ("high_noise", "low_noise") and c["kind"] in ("self", "cross") for c in calls)
-    assert side["config"]["policy"]["method"] == "mxattn" and side["timings_s"]["generate"] > 0
+    assert side["config"]["policy"]["method"] == "mxattn" and side["generation_seconds"] > 0 and side["video_seconds"] == side["frames"] / side["fps"]
     assert "wrote" in proc.stderr
 
 

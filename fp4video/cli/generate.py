@@ -248,7 +248,7 @@ def _summary(out, sidecar, fps: int):
     from rich.table import Table
 
     calls = sidecar["attention_calls"]
-    t = Table(title=video_title(out, sidecar["frames"], fps, sidecar["timings_s"]["generate"]),
+    t = Table(title=video_title(out, sidecar["frames"], fps, sidecar["generation_seconds"]),
               title_justify="left", min_width=72)
     for col in ("method", "kind", "calls"):
         t.add_column(col, justify="left" if col != "calls" else "right")

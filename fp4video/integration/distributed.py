@@ -51,13 +51,13 @@ def hunyuan_video_plan() -> dict:
     sees the local video length, so the mask it builds is the local joint mask. The output
     projection gathers the video tokens back.
     """
-    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+    from .diffusers_api import context_parallel_input, context_parallel_output
 
-    split_rows = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
+    split_rows = context_parallel_input(split_dim=0, expected_dims=2, split_output=True)
     return {
         "rope": {0: split_rows, 1: split_rows},
-        "x_embedder": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
-        "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+        "x_embedder": {0: context_parallel_input(split_dim=1, expected_dims=3, split_output=True)},
+        "proj_out": context_parallel_output(gather_dim=1, expected_dims=3),
     }
 
 
@@ -92,8 +92,7 @@ def cpu_parallel_config(*, ring_degree: int, ulysses_degree: int):
     """diffusers' ``ParallelConfig`` for a CPU (gloo) process group, set up on this rank — what
     ``enable_parallelism`` builds on GPUs (it requires an accelerator in diffusers 0.42)."""
     import torch.distributed as dist
-    from diffusers import ContextParallelConfig
-    from diffusers.models._modeling_parallel import ParallelConfig
+    from diffusers import ContextParallelConfig, ParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (ring_degree, ulysses_degree), mesh_dim_names=("ring", "ulysses"))

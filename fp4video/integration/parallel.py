@@ -22,26 +22,13 @@ from __future__ import annotations
 
 from ..attention import fp4_attention
 from ..recipe import AttentionRecipe, get_recipe
+from .diffusers_api import templated_context_parallel_attention
 
 
 def uses_ring(parallel_config) -> bool:
     """Whether ``parallel_config`` (diffusers' ``ParallelConfig`` or None) splits keys over a ring."""
     cp = getattr(parallel_config, "context_parallel_config", None)
     return cp is not None and cp.ring_degree > 1
-
-
-def _templated_attention():
-    try:
-        from diffusers.models.attention_dispatch import _templated_context_parallel_attention
-    except ImportError as e:  # pragma: no cover - depends on the installed diffusers
-        import diffusers
-
-        raise RuntimeError(
-            "fp4video's context-parallel attention uses diffusers' _templated_context_parallel_attention "
-            f"(present in diffusers 0.42.1); diffusers {diffusers.__version__} does not have it. Pin "
-            "diffusers to a version with it, or run without context parallelism."
-        ) from e
-    return _templated_context_parallel_attention
 
 
 def make_forward_op(method: str | AttentionRecipe, backend: str = "auto"):
@@ -129,7 +116,7 @@ def context_parallel_attention(q, k, v, *, method: str | AttentionRecipe, parall
         if _any_rank(not bool(attn_mask.all()), parallel_config, q.device):  # every rank decides alike (or one would wait forever)
             return _gathered_attention(q, k, v, attn_mask, method, parallel_config, scale, backend, return_lse)
         attn_mask = None  # every key kept: the mask changes nothing
-    return _templated_attention()(
+    return templated_context_parallel_attention()(
         q, k, v, attn_mask, 0.0, False, scale, False, return_lse,
         forward_op=make_forward_op(method, backend), backward_op=_no_backward, _parallel_config=parallel_config,
     )
@@ -159,7 +146,7 @@ def joint_context_parallel_attention(q, k, v, *, n_replicated: int, method: str 
     cp_config = parallel_config.context_parallel_config
     if cp_config.ring_degree == 1:
         return _joint_ulysses(q, k, v, s_local, text_mask, method, cp_config, scale, backend)
-    cp = _templated_attention()(
+    cp = templated_context_parallel_attention()(
         q, k[:, :s_local], v[:, :s_local], None, 0.0, False, scale, False, True,
         forward_op=make_forward_op(method, backend), backward_op=_no_backward, _parallel_config=parallel_config,
     )

@@ -261,21 +261,21 @@ class FP4Processor:
         return out
 
     def _wan(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb):
-        from diffusers.models.transformers.transformer_wan import _get_added_kv_projections, _get_qkv_projections
+        from .diffusers_api import wan_added_kv_projections, wan_qkv_projections
 
         context_img = None
         if attn.add_k_proj is not None:
             split = encoder_hidden_states.shape[1] - WAN_TEXT_CONTEXT
             context_img = encoder_hidden_states[:, :split]
             encoder_hidden_states = encoder_hidden_states[:, split:]
-        q, k, v = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        q, k, v = wan_qkv_projections()(attn, hidden_states, encoder_hidden_states)
         q, k = attn.norm_q(q), attn.norm_k(k)
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
         if rotary_emb is not None:
             q, k = _rope_wan(q, *rotary_emb), _rope_wan(k, *rotary_emb)
         out_img = None
         if context_img is not None:
-            k_img, v_img = _get_added_kv_projections(attn, context_img)
+            k_img, v_img = wan_added_kv_projections()(attn, context_img)
             k_img = attn.norm_added_k(k_img).unflatten(2, (attn.heads, -1))
             v_img = v_img.unflatten(2, (attn.heads, -1))
             out_img = self._attend(attn, q, k_img, v_img, None, "image").flatten(2, 3).type_as(q)
