@@ -371,9 +371,6 @@ def test_the_private_name_check_sees_every_way_in(tmp_path):
 # --- diffusers' private API: one adapter module ----------------------------------------------------
 
 ADAPTER = ROOT / "fp4video" / "integration" / "diffusers_api.py"
-#: Uses in modules edited elsewhere, each to move onto the adapter (its functions are there): the
-#: test fails when one is gone, so this list only shrinks.
-PENDING_DIFFUSERS_PRIVATE: dict = {}
 
 
 def _in_diffusers(dotted: str) -> bool:
@@ -402,10 +399,8 @@ def test_only_the_diffusers_adapter_names_private_diffusers_attributes(path):
     ``integration/diffusers_api.py`` alone, which checks each against the installed release."""
     pytest.importorskip("diffusers")
     rel = str(path.relative_to(ROOT))
-    found, pending = _diffusers_private_uses(path), sorted(PENDING_DIFFUSERS_PRIVATE.get(rel, []))
-    new, gone = sorted(set(found) - set(pending)), sorted(set(pending) - set(found))
-    assert not new, f"{rel} names private diffusers attributes {new}: use fp4video.integration.diffusers_api"
-    assert not gone, f"{rel} no longer uses {gone}: remove them from PENDING_DIFFUSERS_PRIVATE"
+    found = _diffusers_private_uses(path)
+    assert not found, f"{rel} names private diffusers attributes {found}: use fp4video.integration.diffusers_api"
 
 
 def test_the_diffusers_check_sees_imports_and_module_attributes(tmp_path):
