@@ -145,9 +145,9 @@ def test_the_readmes_quick_start_snippets_run_and_sparsity_shows():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(first + sparse, "README.md", "exec"), {})
-    printed = re.findall(r"tau ([\d.]+): density ([\d.]+), ([\d.]+)% from dense", out.getvalue())
-    assert [t for t, _, _ in printed] == ["0.9", "0.99"], out.getvalue()
-    (d90, e90), (d99, e99) = ((float(d), float(e)) for _, d, e in printed)
-    assert d90 < d99 < 1 and e99 < e90, printed
-    for tau, d, e in printed:  # the README quotes what it prints
-        assert f"tau {tau}: density {d}, {e}% from dense" in README
+    printed = re.findall(r"tau ([\d.]+): density ([\d.]+), kept ([\d.]+), ([\d.]+)% from dense", out.getvalue())
+    assert [p[0] for p in printed] == ["0.9", "0.99"], out.getvalue()
+    (d90, k90, e90), (d99, k99, e99) = ((float(d), float(k), float(e)) for _, d, k, e in printed)
+    assert d90 < d99 < 1 and e99 < e90 and k90 < k99 <= 1, printed
+    for tau, d, k, e in printed:  # the README quotes what it prints
+        assert f"tau {tau}: density {d}, kept {k}, {e}% from dense" in README
