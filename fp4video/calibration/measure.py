@@ -130,6 +130,7 @@ class Measurer:
         self._t0 = None
         self._replayed = set()
         self.run_index = 0  # which prompt's run is going on (replays happen in the first)
+        self.num_steps_seen: set = set()  # the schedule lengths the observed calls knew (None: unknown)
 
     # --- the observer ----------------------------------------------------------------------------
 
@@ -142,6 +143,7 @@ class Measurer:
         exact = out[0] if isinstance(out, (tuple, list)) else out
         ctx = self.ctx
         key = (ctx.expert, site.block, kind, ctx.step)
+        self.num_steps_seen.add(ctx.num_steps)
         stats = self.stats.setdefault(key, SiteStats())
         q, k = call.query, call.key
         stats.calls += 1

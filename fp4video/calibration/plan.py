@@ -83,23 +83,43 @@ SPARSE_SEPARATOR = "+"
 
 
 def parse_sparsity(spec: str):
-    """A :class:`~fp4video.integration.policy.Sparsity` from ``dynamic:TAU`` or
-    ``static:F,Y,X`` (the window's radii in frames, rows, columns) with ``,radial`` optional."""
-    from ..integration.policy import Sparsity
+    """A :class:`~fp4video.integration.policy.Sparsity` from ``dynamic:TAU`` (a share of the
+    estimated attention mass, greater than 0 and at most 1) or ``static:F,Y,X`` (the window's radii
+    in frames, rows, columns: whole numbers from 0) with ``,radial`` optional; a one-line
+    ValueError naming the spec and the reason otherwise."""
+    from pydantic import ValidationError
+
+    from ..integration.policy import Sparsity, format_validation_error
 
     kind, _, args = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if kind not in ("dynamic", "static"):
+        raise ValueError(f"sparse candidate {spec!r}: give dynamic:TAU (e.g. dynamic:0.9) or static:F,Y,X[,radial] "
+                         "(e.g. static:4,45,80,radial)")
     try:
         if kind == "dynamic":
-            return Sparsity(dynamic={"tau": float(args)})
-        if kind == "static":
-            parts = args.split(",")
-            radial = parts[-1] == "radial"
-            window = [int(p) for p in parts[:-1 if radial else None]]
-            return Sparsity(static={"window": window, "radial": radial})
+            try:
+                tau = float(args)
+            except ValueError:
+                raise ValueError(f"τ {args!r} is not a number") from None
+            if not 0 < tau <= 1:  # (nan fails too)
+                raise ValueError(f"τ is a share of the estimated attention mass, greater than 0 and at most 1, "
+                                 f"got {args}")
+            return Sparsity(dynamic={"tau": tau})
+        parts = args.split(",")
+        radial = parts[-1] == "radial"
+        radii = parts[:-1] if radial else parts
+        if len(radii) != 3:
+            raise ValueError(f"the window takes 3 radii (frames, rows, columns), got {len(radii)}")
+        window = []
+        for r in radii:
+            if not r.strip().isdecimal():
+                raise ValueError(f"a window radius is a whole number from 0, got {r!r}")
+            window.append(int(r))
+        return Sparsity(static={"window": window, "radial": radial})
+    except ValidationError as e:
+        raise ValueError(f"sparse candidate {spec!r}: {'; '.join(format_validation_error(e).splitlines())}") from None
     except ValueError as e:
-        raise ValueError(f"sparse candidate {spec!r}: {str(e).splitlines()[-1].strip() if str(e) else e}") from None
-    raise ValueError(f"sparse candidate {spec!r}: give dynamic:TAU (e.g. dynamic:0.9) or static:F,Y,X[,radial] "
-                     "(e.g. static:4,45,80,radial)")
+        raise ValueError(f"sparse candidate {spec!r}: {e}") from None
 
 
 def _spec(sparsity) -> str:
@@ -148,10 +168,13 @@ def site_cost(cost, target: str, stats: SiteStats) -> float | None:
 class Budget(BaseModel):
     """The quality a site must keep: its worst head's relative L2 error (and optionally cosine)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a number is an int or a float (never a string or a boolean), finite
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    rel_l2: float = Field(0.1, gt=0, description="largest relative L2 error of a site's attention output, worst head")
-    min_cosine: float | None = Field(None, gt=-1, le=1, description="smallest cosine of a site's output, worst head")
+    rel_l2: float = Field(0.1, gt=0, allow_inf_nan=False,
+                          description="largest relative L2 error of a site's attention output, worst head")
+    min_cosine: float | None = Field(None, gt=-1, le=1, allow_inf_nan=False,
+                                     description="smallest cosine of a site's output, worst head")
     match: str | None = Field(None, description="a candidate whose own error at each site is the bound there (e.g. "
                                                  "backend:fa3_fp8: no site worse than FlashAttention-3 FP8 would be); "
                                                  "rel_l2 bounds the sites it cannot take")
@@ -315,6 +338,10 @@ def costs_from_table(text: str) -> dict:
             if stock is None:
                 continue
             for target, ms in times.items():
+                if not (math.isfinite(ms) and ms > 0):  # a time is positive: a cost is never 0, negative or nan
+                    name = next(k for k, v in KERNEL_TABLE_NAMES.items() if v == target) if target == "fp16" else target
+                    raise ValueError(f"the cost table's row {name!r} at S={seq}: its time must be a number > 0 ms, "
+                                     f"got {ms:g}")
                 out[target].append((seq, ms / stock))
     if not out:
         raise ValueError("the cost table has no `bench kernel` rows with a 'SDPA default dispatch bf16' baseline")

@@ -6,14 +6,14 @@ import json
 import math
 import statistics
 import textwrap
-from pathlib import Path
 
 import torch
 
 from .plan import Budget, is_exact_target, site_cost
 
-__all__ = ["build_report", "policy_yaml", "write_all", "heatmap", "predicted_times", "spearman", "site_order",
-           "model_summary", "input_labels"]
+__all__ = ["build_report", "policy_yaml", "render_files", "markdown", "heatmap", "heatmap_figure", "costs_phrase",
+           "short_reason", "FILE_NAMES", "predicted_times", "spearman", "site_order", "shape_key", "model_summary",
+           "input_labels"]
 
 
 def _site_dict(key) -> dict:
@@ -195,7 +195,7 @@ def policy_yaml(result) -> str:
         f"# candidates: {', '.join(r['candidates'])}; costs: {r['costs']['source']}",
         f"# date: {r['date']}; device: {r['device']}",
         f"# predicted speed-up vs stock attention: step {r['prediction']['step_speedup_vs_stock']:.3f}x, attention "
-        f"{r['prediction']['attention_speedup_vs_stock']:.3f}x",
+        f"{_fmt(r['prediction']['attention_speedup_vs_stock'], '.3f') or 'n/a'}x (costs: {r['costs']['source']})",
         "# load: fp4video.Policy.model_validate(yaml.safe_load(open(path)))",
     ]
     body = yaml.safe_dump(result.policy.model_dump(mode="json", exclude_defaults=False, exclude_none=True),
@@ -207,31 +207,48 @@ def _fmt(x, spec=".4f"):
     return "" if x is None else format(x, spec)
 
 
+def costs_phrase(source: str) -> str:
+    """Where a report's relative costs come from, in words."""
+    if source == "table":
+        return "the H200 cost table (times relative to stock measured on an H200 at Wan2.2 720p, not on this device)"
+    if source == "measure":
+        return "timings on this device at the sites' own shapes"
+    return f"the `fp4video bench kernel` table {source}"
+
+
+def short_reason(why: str) -> str:
+    """A candidate's reason for not being measured, short: ``not installed`` for a backend that is not."""
+    return "not installed" if "is not installed" in why else why
+
+
 def markdown(result) -> str:
     r = result.report
     p = r["prediction"]
+    source = r["costs"]["source"]
     lines = [f"# Calibration of {r['model']['name']}", "",
              f"- device: {r['device']}; date: {r['date']}",
              f"- prompts: {'; '.join(r['prompts'])}; hold-out: {'; '.join(r['holdout_prompts']) or 'none'}",
              f"- budget: {r['budget_text']}" + (f" (chosen again from {r['replanned']['from']} on "
                                                  f"{r['replanned']['on']}; measured {r['date']})"
                                                  if r.get("replanned") else ""),
-             f"- candidates: {', '.join(r['candidates'])}; costs: {r['costs']['source']}",
+             f"- candidates measured: {', '.join(r['candidates'])}; costs: {costs_phrase(source)}",
              f"- calibration: {r['calibration']['seconds']:.1f} s, {r['calibration']['peak_bytes'] / 2**20:.0f} MiB "
              f"({r['calibration']['what']}" + (f"; {r['calibration']['peak_over_start_bytes'] / 2**20:.0f} MiB over "
                                                 "what was allocated before" if "peak_over_start_bytes" in
-                                                r["calibration"] else "") + f"), {r['calibration']['sites']} sites",
-             ""]
-    for t, why in r["unavailable"].items():
-        lines.append(f"- not a candidate: {t}: {why}")
+                                                r["calibration"] else "") + f"), {r['calibration']['sites']} sites"]
     lines += ["", "## Chosen per site", "", "| target | sites |", "| --- | --- |"]
     lines += [f"| {t} | {n} |" for t, n in sorted(r["chosen"].items(), key=lambda kv: -kv[1])]
-    lines += ["", "## Predicted step speed-up", "",
+    lines += ["", "## Predicted speed-up of the denoising step against stock attention", "",
+              "Predicted, not measured: the time of a stock forward outside attention (measured here) plus each "
+              "site's calls at their stock attention time (measured here) × the candidate's time relative to "
+              f"stock, from {costs_phrase(source)}."
+              + (" The speed-ups below are therefore what this plan would gain where those relative times hold; "
+                 "`--costs measure` times the candidates on this device instead." if source == "table" else ""), "",
               f"Attention is {100 * (p['attention_share_of_stock_forward'] or 0):.0f}% of a stock forward on this "
-              f"device. Calibrated policy: **{p['step_speedup_vs_stock']:.3f}× stock** for the step, "
-              f"{_fmt(p['attention_speedup_vs_stock'], '.3f')}× for the attention alone.", "",
-              "| single target everywhere | step × stock | attention × stock | calibrated step × it | "
-              "sites over budget | worst rel. L2 |",
+              f"device. Calibrated policy: the denoising step **{p['step_speedup_vs_stock']:.3f}×** as fast as "
+              f"stock, the attention alone {_fmt(p['attention_speedup_vs_stock'], '.3f') or 'n/a'}×.", "",
+              "| one candidate at every site | step speed-up vs stock (predicted) | attention speed-up vs stock "
+              "(predicted) | calibrated policy's step speed-up vs this | sites over budget | worst rel. L2 |",
               "| --- | --- | --- | --- | --- | --- |"]
     for t, u in p["vs_single_target"].items():
         lines.append(f"| {t} | {u['predicted_step_speedup_vs_stock']:.3f} | "
@@ -265,72 +282,143 @@ def markdown(result) -> str:
         cells = ["refused" if t in s["refused"] else "exact" if is_exact_target(t) else _fmt(s["rel_l2"].get(t))
                  for t in result.candidates if t != "fp16"]
         lines.append(f"| {s['expert']} | {s['block']} | {s['kind']} | {s['step']} | {s['chosen']} | " + " | ".join(cells) + " |")
+    if r["unavailable"]:
+        lines += ["", "## Not measured", ""]
+        lines += [f"- {t} ({short_reason(why)})" for t, why in r["unavailable"].items()]
+        lines += ["", "(each one's full reason: report.json, `unavailable`)"]
     return "\n".join(lines) + "\n"
 
 
-def heatmap(result, path: Path) -> Path:
-    """Per kind: the chosen target (blocks × steps) and the error of the cheapest candidate measured
-    there (log10 relative L2), as one PNG."""
+def _columns(plan: dict) -> list:
+    """The heatmap's columns: each (step, expert) the plan has, by step then expert."""
+    return sorted({(k[3], k[0]) for k in plan}, key=lambda c: (-1 if c[0] is None else c[0], str(c[1])))
+
+
+def _expert_spans(columns: list) -> list:
+    """[(first column, last column, expert)] of the runs of consecutive columns with one expert."""
+    spans = []
+    for i, (_, expert) in enumerate(columns):
+        if spans and spans[-1][2] == expert:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i, expert])
+    return [tuple(s) for s in spans]
+
+
+def heatmap(result, path):
+    """:func:`heatmap_figure` as a PNG in ``path`` (a file name or a binary file); returns ``path``."""
+    fig = heatmap_figure(result)  # (selects matplotlib's file-only backend first)
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def heatmap_figure(result):
+    """The heatmap as a matplotlib figure: per kind, the chosen target over blocks × denoising steps
+    (each step's expert named above, a line where it changes) and the relative L2 error of the
+    cheapest candidate measured there (log scale); every error panel on one colour scale, centred
+    on the budget (blue within it, red over it) and marked on the colour bar."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
+    from matplotlib.colors import ListedColormap, TwoSlopeNorm
 
     stats, plan = result.stats, result.plan
+    report = result.report
     kinds = sorted({k[2] for k in plan})
     blocks = sorted({k[1] for k in plan})
-    steps = sorted({k[3] for k in plan}, key=lambda s: -1 if s is None else s)
+    columns = _columns(plan)
+    spans = _expert_spans(columns)
+    experts_named = any(c[1] is not None for c in columns)
     chosen = set(plan.values())
     targets = [t for t in result.candidates if t in chosen]  # the colours: the targets chosen somewhere
     quantized = [t for t in result.candidates if not is_exact_target(t)]
-    rel = result.report["costs"]["relative_to_stock"]
+    rel = report["costs"]["relative_to_stock"]
     mean_cost = {t: statistics.fmean([v for v in rel[t].values() if v is not None] or [math.inf]) for t in quantized}
     cheapest = min(quantized, key=mean_cost.get) if quantized else None
-    fig, axes = plt.subplots(len(kinds), 2, squeeze=False,
-                             figsize=(max(9.0, 2 + 0.3 * len(steps) * 2), max(3.0, 1.5 + 0.12 * len(blocks)) * len(kinds)))
-    cmap = ListedColormap(plt.get_cmap("tab20" if len(targets) > 10 else "tab10").colors[:len(targets)])
-    for row, kind in enumerate(kinds):
-        tier = torch.full((len(blocks), len(steps)), float("nan"))
-        err = torch.full((len(blocks), len(steps)), float("nan"))
+    tiers, errors = {}, {}
+    for kind in kinds:
+        tier = torch.full((len(blocks), len(columns)), float("nan"))
+        err = torch.full((len(blocks), len(columns)), float("nan"))
         for (expert, block, k, step), target in plan.items():
             if k != kind:
                 continue
-            i, j = blocks.index(block), steps.index(step)
+            i, j = blocks.index(block), columns.index((step, expert))
             tier[i, j] = targets.index(target)
             e = stats[(expert, block, k, step)].rel_l2.get(cheapest)
-            if e is not None and e > 0:
+            if e is not None and e > 0 and math.isfinite(e):
                 err[i, j] = math.log10(e)
-        ax = axes[row][0]
-        im = ax.imshow(tier.numpy(), cmap=cmap, vmin=-0.5, vmax=len(targets) - 0.5, aspect="auto", origin="lower")
-        ax.set_title(f"{kind}: chosen")
-        cb = fig.colorbar(im, ax=ax, ticks=range(len(targets)))
-        cb.ax.set_yticklabels(targets, fontsize=7)
-        ax = axes[row][1]
-        im = ax.imshow(err.numpy(), cmap="magma", aspect="auto", origin="lower")
-        ax.set_title(f"{kind}: log10 rel. L2 of {cheapest}")
-        fig.colorbar(im, ax=ax)
+        tiers[kind], errors[kind] = tier, err
+    budget = math.log10(report["budget"]["rel_l2"])
+    finite = torch.cat([e.flatten() for e in errors.values()])
+    finite = finite[~finite.isnan()]
+    low = min(float(finite.min()) if len(finite) else budget, budget) - 0.1
+    high = max(float(finite.max()) if len(finite) else budget, budget) + 0.1
+    norm = TwoSlopeNorm(vmin=low, vcenter=budget, vmax=high)
+    err_cmap = plt.get_cmap("coolwarm").with_extremes(bad="0.85")
+    # each candidate keeps its colour whatever is chosen (a re-plan's map reads like the first's)
+    palette = plt.get_cmap("tab20" if len(result.candidates) > 10 else "tab10").colors
+    tier_cmap = ListedColormap([palette[result.candidates.index(t) % len(palette)] for t in targets]).with_extremes(
+        bad="0.85")
+    fig, axes = plt.subplots(len(kinds), 2, squeeze=False, layout="constrained",
+                             figsize=(max(10.0, 3 + 0.35 * len(columns) * 2),
+                                      max(3.2, 1.7 + 0.13 * len(blocks)) * len(kinds) + 0.6))
+    step_labels = [str(s) if s is not None else "-" for s, _ in columns]
+    for row, kind in enumerate(kinds):
+        tier_im = axes[row][0].imshow(tiers[kind].numpy(), cmap=tier_cmap, vmin=-0.5, vmax=len(targets) - 0.5,
+                                      aspect="auto", origin="lower", interpolation="nearest")
+        axes[row][0].set_title(f"{kind} attention: chosen per site", fontsize=9)
+        err_im = axes[row][1].imshow(errors[kind].numpy(), cmap=err_cmap, norm=norm, aspect="auto", origin="lower",
+                                     interpolation="nearest")
+        axes[row][1].set_title(f"{kind} attention: error of {cheapest} (rel. L2)", fontsize=9)
         for ax in axes[row]:
-            ax.set_xlabel("denoising step" if steps != [None] else "(one forward)")
-            ax.set_ylabel("block")
-            ax.set_xticks(range(len(steps)), [str(s) if s is not None else "-" for s in steps], fontsize=7)
+            ax.set_xlabel("denoising step" if columns[0][0] is not None or len(columns) > 1 else "(one forward)",
+                          fontsize=8)
+            ax.set_ylabel("block", fontsize=8)
+            ax.set_xticks(range(len(columns)), step_labels, fontsize=7)
             ax.set_yticks(range(len(blocks)), [str(b) for b in blocks], fontsize=7)
-    title = f"fp4video calibrate: {result.report['model']['name']}; budget: {result.report['budget_text']}"
-    fig.suptitle(textwrap.fill(title, 110), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+            if experts_named:  # each step's expert above the panel, a line where the expert changes
+                for first, _, _ in spans[1:]:
+                    ax.axvline(first - 0.5, color="black", linewidth=1.5)
+                top = ax.secondary_xaxis("top")
+                top.set_xticks([(a + b) / 2 for a, b, _ in spans], [str(e) for _, _, e in spans], fontsize=8)
+                top.tick_params(length=0)
+    cb = fig.colorbar(tier_im, ax=list(axes[:, 0]), ticks=range(len(targets)), shrink=0.9)
+    cb.ax.set_yticklabels(targets, fontsize=7)
+    cb.set_label("chosen target", fontsize=8)
+    # the colour bar reads in relative L2 (ticks at 1, 2, 5 × powers of ten), the budget marked on it
+    nice = [m * 10.0 ** e for e in range(math.floor(low) - 1, math.ceil(high) + 1) for m in (1, 2, 5)]
+    ticks = [math.log10(v) for v in nice if low <= math.log10(v) <= high and abs(math.log10(v) - budget) > 0.12]
+    cb = fig.colorbar(err_im, ax=list(axes[:, 1]), shrink=0.9, ticks=sorted([*ticks, budget]))
+    cb.ax.set_yticklabels([f"budget {10 ** t:g}" if t == budget else f"{10 ** t:g}" for t in sorted([*ticks, budget])],
+                          fontsize=7)
+    cb.ax.axhline(budget, color="black", linewidth=2)
+    cb.set_label(f"relative L2 of {cheapest}, log scale (one scale for every panel; red: over the budget)", fontsize=8)
+    title = (f"fp4video calibrate: {report['model']['name']}; budget: {report['budget_text']}; grey: no such site")
+    fig.suptitle(textwrap.fill(title, 120), fontsize=8)
+    return fig
 
 
-def write_all(result, out_dir: Path) -> dict:
+#: The files of a calibration: {what: file name}.
+FILE_NAMES = {"policy": "policy.yaml", "json": "report.json", "markdown": "report.md", "heatmap": "heatmap.png"}
+
+
+def render_files(result) -> tuple[dict, dict]:
+    """({file name: bytes}, {what: file name}): the calibration's files, made in memory (written as
+    a set by :meth:`~fp4video.calibration.Calibration.write`)."""
+    import io
+
     from ..eval.paired import json_ready
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"policy": out_dir / "policy.yaml", "json": out_dir / "report.json", "markdown": out_dir / "report.md",
-             "heatmap": out_dir / "heatmap.png"}
-    paths["policy"].write_text(policy_yaml(result))
-    paths["json"].write_text(json.dumps(json_ready(result.report), indent=1))
-    paths["markdown"].write_text(markdown(result))
-    heatmap(result, paths["heatmap"])
-    return paths
+    png = io.BytesIO()
+    heatmap(result, png)
+    files = {FILE_NAMES["policy"]: policy_yaml(result).encode("utf-8"),
+             FILE_NAMES["json"]: json.dumps(json_ready(result.report), indent=1).encode("utf-8"),
+             FILE_NAMES["markdown"]: markdown(result).encode("utf-8"),
+             FILE_NAMES["heatmap"]: png.getvalue()}
+    return files, dict(FILE_NAMES)
