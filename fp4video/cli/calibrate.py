@@ -43,7 +43,8 @@ FORWARD_TIMESTEPS = (999.0, 750.0, 500.0, 250.0, 100.0)
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="find the cheapest attention per site within a quality budget",
                        description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="folder for policy.yaml, report.json, report.md, heatmap.png")
+    p.add_argument("--out", type=Path, required=True,
+                   help="folder for policy.yaml, run.yaml, report.json, report.md, heatmap.png (written as one set)")
     src = p.add_argument_group("what to calibrate (a pipeline, --transformer, or --from)")
     src.add_argument("--from", dest="source", type=Path, metavar="DIR",
                      help="choose again from this earlier calibration's report (its --out folder or report.json): "
@@ -62,8 +63,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     src.add_argument("--transformer", choices=["wan22", "hunyuan"],
                      help="a full-size Wan2.2-A14B- or HunyuanVideo-shaped transformer with random bf16 weights")
     src.add_argument("--layers", type=int, help="--transformer: blocks (default: the real model's)")
-    src.add_argument("--resolution", choices=["480p", "720p"], default="720p", help="--transformer: video size")
-    src.add_argument("--forwards", type=int, default=2, help="--transformer: calibration forwards (+1 hold-out)")
+    src.add_argument("--resolution", choices=["480p", "720p"], default=None,
+                     help="--transformer: video size (default 720p)")
+    src.add_argument("--forwards", type=int, default=None,
+                     help="--transformer: calibration forwards, 1 to 4 (default 2; +1 hold-out)")
     how = p.add_argument_group("how")
     how.add_argument("--budget", type=float, default=None,
                      help="largest relative L2 error of a site's attention output (worst head, worst call; "
@@ -94,27 +97,134 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+#: The pipeline's flags, with the run config's field each sets.
+PIPELINE_FLAGS = {"config": None, "model": "model", "family": "family", "prompt": "prompts", "holdout": None,
+                  "steps": "steps", "height": "height", "width": "width", "frames": "frames", "sensitive": None}
+#: --transformer's own flags (refused without it), and the defaults of two of them.
+TRANSFORMER_FLAGS = ("layers", "resolution", "forwards")
+DEFAULT_RESOLUTION, DEFAULT_FORWARDS = "720p", 2
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_flags(args) -> None:
+    """Every flag's value, checked before anything loads or runs: a :class:`UsageError` naming the
+    flag and the reason, on one line."""
+    import math
+
+    from ..calibration.candidates import DEFAULT_CANDIDATES, as_target, check_match, sparse_targets
+    from ..calibration.plan import Budget
+
+    check_output_dir(args.out, "--out")  # written after minutes of measuring: checked first
+    for name in ("policy.yaml", "report.json", "report.md", "heatmap.png", "run.yaml"):
+        if (args.out / name).is_dir():
+            raise UsageError(f"--out {args.out}: {args.out / name} is a folder, where the calibration's {name} goes")
+    if args.budget is not None and not (math.isfinite(args.budget) and args.budget > 0):
+        raise UsageError(f"--budget {args.budget}: a relative L2 error, greater than 0 and finite")
+    if args.min_cosine is not None and not -1 < args.min_cosine <= 1:  # (nan fails too)
+        raise UsageError(f"--min-cosine {args.min_cosine}: a cosine, greater than -1 and at most 1")
+    for flag, values in (("--match", [args.match] if args.match is not None else []),
+                         ("--candidates", args.candidates or [])):
+        for v in values:
+            try:
+                as_target(v)
+            except (ValueError, TypeError) as e:
+                raise UsageError(f"{flag} {v}: {e}") from None
+    if args.match is not None:
+        try:
+            check_match(Budget(match=args.match))
+        except ValueError as e:
+            raise UsageError(f"--match {args.match}: {e}") from None
+    if args.sparse:
+        try:
+            sparse_targets(args.sparse, ["fp16", *(args.candidates or DEFAULT_CANDIDATES)])
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"--sparse: {e}") from None
+    _check_costs(args.costs)
+    if args.fp16_backend not in ("stock", "fastest"):
+        from ..integration.backends import check_backend_name, is_exact
+
+        try:
+            check_backend_name(args.fp16_backend)
+        except ValueError as e:
+            raise UsageError(f"--fp16-backend {args.fp16_backend}: {e}; or stock, fastest") from None
+        if not is_exact(args.fp16_backend):
+            raise UsageError(f"--fp16-backend {args.fp16_backend}: quantizes; the FP16 tier is stock, fastest or an "
+                             "exact backend (native, _native_cudnn, flash, _flash_3, ...)")
+    if args.propagation < 0:
+        raise UsageError(f"--propagation {args.propagation}: a number of (site, step) pairs, 0 or more")
+    for name in ("steps", "height", "width", "frames", "layers", "forwards"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise UsageError(f"{_flag(name)} {v}: at least 1")
+    if args.forwards is not None and args.forwards >= len(FORWARD_TIMESTEPS):
+        raise UsageError(f"--forwards {args.forwards}: 1 to {len(FORWARD_TIMESTEPS) - 1}")
+    for flag, values in (("--prompt", args.prompt or []), ("--holdout", args.holdout)):
+        for v in values:
+            if not v.strip():
+                raise UsageError(f"{flag} {v!r}: an empty prompt")
+    if args.model is not None and not args.model.strip():
+        raise UsageError(f"--model {args.model!r}: empty; give \"tiny\", a local pipeline folder or a hub id")
+    _check_device(args.device, args.backend)
+
+
+def _check_costs(costs: str) -> None:
+    if costs in ("table", "measure"):
+        return
+    from ..calibration.plan import costs_from_table
+
+    path = Path(costs)
+    if not path.is_file():
+        raise UsageError(f"--costs {costs}: no such file; give table, measure or a `fp4video bench kernel --out` "
+                         "markdown file")
+    try:
+        costs_from_table(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UsageError(f"--costs {costs}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def _check_device(device: str | None, backend: str) -> None:
+    import torch
+
+    if device is not None:
+        try:
+            kind = torch.device(device).type
+        except (RuntimeError, ValueError, TypeError):
+            raise UsageError(f"--device {device!r}: not a device name (cpu, cuda, cuda:N)") from None
+        if kind not in ("cpu", "cuda"):
+            raise UsageError(f"--device {device}: calibration runs on cpu or cuda[:N]")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise UsageError(f"--device {device}: no CUDA GPU is visible here (leave --device out: the CPU)")
+        index = torch.device(device).index
+        if kind == "cuda" and index is not None and index >= torch.cuda.device_count():
+            raise UsageError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if backend == "triton" and (not torch.cuda.is_available() or (device or "cuda").startswith("cpu")):
+        raise UsageError("--backend triton runs fp4video's kernels on a CUDA GPU; on the CPU use --backend reference "
+                         "(or auto)")
+
+
 def run(args) -> int:
     import torch
 
     from ..calibration import Budget, calibrate
 
-    check_output_dir(args.out, "--out")  # written after minutes of measuring: checked first
-    if args.budget is not None and not args.budget > 0:
-        raise UsageError(f"--budget {args.budget}: a relative L2 error, greater than 0")
+    check_flags(args)
     if args.source is not None:
         return _replan(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     budget = Budget(rel_l2=0.1 if args.budget is None else args.budget, min_cosine=args.min_cosine, match=args.match)
     if args.transformer:
-        for flag in ("config", "model", "family", "prompt", "steps", "height", "width", "frames"):
-            if getattr(args, flag):
+        for flag in PIPELINE_FLAGS:
+            if getattr(args, flag) not in (None, [], False):
                 raise UsageError(f"--{flag} is for a pipeline; --transformer takes --layers, --resolution, --forwards")
         target, prompts, holdout, name = _random_transformer(args, device)
         call, run = None, {"family": "wan" if args.transformer == "wan22" else "hunyuan"}
     else:
-        if args.layers is not None:
-            raise UsageError("--layers is for --transformer")
+        for flag in TRANSFORMER_FLAGS:
+            if getattr(args, flag) is not None:
+                raise UsageError(f"{_flag(flag)} is for --transformer")
         target, prompts, holdout, call, name, run = _pipeline(args, device)
     result = calibrate(target, prompts, holdout=holdout, budget=budget, candidates=args.candidates, costs=args.costs,
                        call=call, fp16_backend=args.fp16_backend, backend=args.backend, propagation=args.propagation,
@@ -125,14 +235,14 @@ def run(args) -> int:
                   f"calibration {r['calibration']['seconds']:.1f} s, {r['calibration']['peak_bytes'] / 2**30:.2f} GiB")
 
 
-def _write(result, out: Path, run: dict, what: str, tail: str = "") -> int:
-    """Write the calibration's files and ``run.yaml`` in ``out``; say what was chosen and where it went."""
-    paths = result.write(out)
-    paths["run config"] = _write_run_config(out / "run.yaml", run, result)
+def _write(result, out: Path, run: dict, what: str, tail: str = "", run_source: str | None = None) -> int:
+    """Write the calibration's files and ``run.yaml`` in ``out`` as one set; say what was chosen
+    and where it went. ``run_source`` names where ``run`` came from (for its errors)."""
+    paths = result.write(out, extra={"run.yaml": _run_config_text(run, result, run_source)})
     r = result.report
     print(f"{what}: {', '.join(f'{t} {n}' for t, n in r['chosen'].items())} sites; "
           f"predicted step {r['prediction']['step_speedup_vs_stock']:.3f}× stock" + (f"; {tail}" if tail else ""))
-    for kind, path in paths.items():
+    for kind, path in {**paths, "run config": out / "run.yaml"}.items():
         print(f"wrote {path} ({kind})", file=sys.stderr)
     return 0
 
@@ -140,16 +250,15 @@ def _write(result, out: Path, run: dict, what: str, tail: str = "") -> int:
 #: Options that measure (refused with --from, which measures nothing), with their defaults.
 MEASURING = {"config": None, "model": None, "family": None, "prompt": None, "holdout": [], "steps": None,
              "height": None, "width": None, "frames": None, "sensitive": False, "transformer": None, "layers": None,
-             "resolution": "720p", "forwards": 2, "sparse": None, "costs": "table", "fp16_backend": "stock",
+             "resolution": None, "forwards": None, "sparse": None, "costs": "table", "fp16_backend": "stock",
              "backend": "auto", "propagation": 8, "device": None, "seed": 0}
 
 
 def _replan(args) -> int:
-    import json
-
-    import yaml
-
     from ..calibration import Budget, replan
+    from ..calibration.candidates import as_target
+    from ..calibration.replan import read_report
+    from ..integration.config import ConfigError, read_yaml_mapping
 
     given = [k for k, default in MEASURING.items() if getattr(args, k) != default]
     if given:
@@ -159,36 +268,45 @@ def _replan(args) -> int:
     if not source.is_file():
         raise UsageError(f"--from {args.source}: no report.json there (a `fp4video calibrate --out` folder)")
     try:
-        report = json.loads(source.read_text())
-        measured = report["budget"]  # the report's budget, with the flags given in its place
-        given = {k: v for k, v in (("rel_l2", args.budget), ("min_cosine", args.min_cosine), ("match", args.match))
-                 if v is not None}
+        report, _ = read_report(source)
+    except ValueError as e:  # the report's file, field and reason
+        raise UsageError(f"--from {e}") from None
+    measured = report.budget.model_dump()  # the report's budget, with the flags given in its place
+    given = {k: v for k, v in (("rel_l2", args.budget), ("min_cosine", args.min_cosine), ("match", args.match))
+             if v is not None}
+    for flag, names in (("--candidates", args.candidates or []), ("--match", [args.match] if args.match else [])):
+        unknown = [c for c in names if as_target(c) not in report.candidates]
+        if unknown:
+            raise UsageError(f"{flag}: {unknown[0]} not measured in this calibration (its candidates: "
+                             f"{', '.join(report.candidates)})")
+    try:
         result = replan(report, budget=Budget(**{**measured, **given}), candidates=args.candidates)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"--from {source}: not a calibration report ({e})") from None
-    except KeyError as e:
-        raise UsageError(f"--from {source}: not a calibration report (no {e} in it)") from None
-    except TypeError as e:
-        raise UsageError(f"--from {source}: not a calibration report ({str(e).splitlines()[0]})") from None
     except ValueError as e:
         raise UsageError(f"--from {source}: {str(e).splitlines()[0]}") from None
     result.report["replanned"]["from"] = str(source)
     run_yaml = source.parent / "run.yaml"  # the measured run's config, its policy replaced
     run = {}
-    if run_yaml.is_file():
-        run = {k: v for k, v in (yaml.safe_load(run_yaml.read_text()) or {}).items() if k != "policy"}
+    if run_yaml.exists():
+        try:
+            run = {k: v for k, v in read_yaml_mapping(run_yaml).items() if k != "policy"}
+        except ConfigError as e:
+            raise UsageError(f"--from {args.source}: {e}") from None
     r = result.report
-    return _write(result, args.out, run, f"chose again for {r['model']['name']} ({r['budget_text']})")
+    return _write(result, args.out, run, f"chose again for {r['model']['name']} ({r['budget_text']})",
+                  run_source=str(run_yaml))
 
 
 def _pipeline(args, device):
     import torch
 
-    from ..integration.config import DEFAULT_CONFIG, RunConfig, load_config
+    from ..integration.config import DEFAULT_CONFIG, ConfigError, load_config
     from ..integration.pipelines import load_pipeline, pipeline_kwargs
     from ..integration.tiny import add_sensitivity, tiny_sizes
 
-    cfg = load_config(args.config) if args.config else DEFAULT_CONFIG
+    try:
+        cfg = load_config(args.config) if args.config else DEFAULT_CONFIG
+    except ConfigError as e:
+        raise UsageError(f"--config {e}") from None
     changes = {k: v for k, v in (("model", args.model), ("family", args.family)) if v is not None}
     model = changes.get("model", cfg.model)
     family = changes.get("family", cfg.family)
@@ -201,7 +319,7 @@ def _pipeline(args, device):
         changes["prompts"] = args.prompt
     elif model == "tiny" and not args.config:
         changes["prompts"] = ["a cat walks on the grass", "a city street at night"]
-    cfg = RunConfig.model_validate({**cfg.model_dump(), **changes})
+    cfg = _run_config({**cfg.model_dump(), **changes}, args)
     if args.sensitive and cfg.model != "tiny":
         raise UsageError("--sensitive builds sensitivity into the tiny model's random weights: it needs --model tiny")
     pipe = load_pipeline(cfg, device)
@@ -225,18 +343,56 @@ def _pipeline(args, device):
     return pipe, list(cfg.prompts), list(args.holdout), call, name, run
 
 
-def _write_run_config(path: Path, run: dict, result) -> Path:
-    """A run config with the calibrated policy (``fp4video generate --config``, ``bench pipeline
-    --configs``), headed like the policy."""
-    import yaml
+def _run_config(spec: dict, args):
+    """The run config of ``spec`` (the config file's, the flags' changes applied), checked as
+    ``fp4video generate`` checks its own; a problem names the flag that set the field, else the
+    config file."""
+    from pydantic import ValidationError
 
     from ..integration.config import RunConfig
+    from ..integration.policy import format_validation_error
+    from .generate import check_run_config
+
+    def problem(field: str, line: str) -> UsageError:
+        """``line`` (``field ...: reason``) blamed on the flag that set ``field``, else the config."""
+        flag = next((f for f, name in PIPELINE_FLAGS.items() if name == field and getattr(args, f)), None)
+        if flag is None:
+            return UsageError(f"--config {args.config}: {line}" if args.config else f"the default run config: {line}")
+        value = getattr(args, flag)
+        reason = line.split(": ", 1)[1] if line.startswith(field) and ": " in line else line
+        return UsageError(f"--{flag} {' '.join(value) if isinstance(value, list) else value}: {reason}")
+
+    try:
+        cfg = RunConfig.model_validate(spec)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise problem(str(first["loc"][0]) if first["loc"] else "", format_validation_error(e).splitlines()[0]) \
+            from None
+    try:
+        check_run_config(cfg)
+    except UsageError as e:
+        raise problem(str(e).split(" ", 1)[0].rstrip(":"), str(e)) from None
+    return cfg
+
+
+def _run_config_text(run: dict, result, source: str | None = None) -> str:
+    """``run.yaml``: a run config with the calibrated policy (``fp4video generate --config``,
+    ``bench pipeline --configs``), headed like the policy; checked to load back. ``source`` names
+    the file ``run`` was read from (a problem there is its own, one line)."""
+    import yaml
+    from pydantic import ValidationError
+
+    from ..integration.config import RunConfig
+    from ..integration.policy import format_validation_error
 
     spec = {**run, "policy": result.policy.model_dump(mode="json", exclude_none=True)}
-    RunConfig.model_validate(spec)  # what is written loads back
+    try:
+        RunConfig.model_validate(spec)  # what is written loads back
+    except ValidationError as e:
+        where = source or "the run config"
+        raise UsageError(f"{where}: {'; '.join(format_validation_error(e).splitlines())}") from None
     header = "".join(line + "\n" for line in result.policy_yaml().splitlines() if line.startswith("#"))
-    path.write_text(header + yaml.safe_dump(spec, sort_keys=False, width=120, default_flow_style=None))
-    return path
+    return header + yaml.safe_dump(spec, sort_keys=False, width=120, default_flow_style=None)
 
 
 def _random_transformer(args, device):
@@ -246,8 +402,8 @@ def _random_transformer(args, device):
 
     from .bench import HUNYUAN, HUNYUAN_LATENTS, LATENTS, WAN22_A14B
 
-    if args.forwards < 1 or args.forwards >= len(FORWARD_TIMESTEPS):
-        raise UsageError(f"--forwards {args.forwards}: 1 to {len(FORWARD_TIMESTEPS) - 1}")
+    resolution = args.resolution or DEFAULT_RESOLUTION
+    forwards = args.forwards or DEFAULT_FORWARDS
     torch.manual_seed(args.seed)
     default = torch.get_default_dtype()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -259,14 +415,14 @@ def _random_transformer(args, device):
 
                 layers = args.layers or WAN22_A14B["num_layers"]
                 model = WanTransformer3DModel(**{**WAN22_A14B, "num_layers": layers}).eval()
-                name = f"Wan2.2-A14B-shaped transformer, random weights, {layers} blocks, {args.resolution}"
+                name = f"Wan2.2-A14B-shaped transformer, random weights, {layers} blocks, {resolution}"
             else:
                 from diffusers import HunyuanVideoTransformer3DModel
 
                 dual = args.layers or HUNYUAN["num_layers"]
                 model = HunyuanVideoTransformer3DModel(**{**HUNYUAN, "num_layers": dual,
                                                           "num_single_layers": 2 * dual}).eval()
-                name = f"HunyuanVideo-shaped transformer, random weights, {dual}+{2 * dual} blocks, {args.resolution}"
+                name = f"HunyuanVideo-shaped transformer, random weights, {dual}+{2 * dual} blocks, {resolution}"
     finally:
         torch.set_default_dtype(default)
 
@@ -275,10 +431,10 @@ def _random_transformer(args, device):
         rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, generator=g)  # noqa: E731
         kw = {"timestep": torch.tensor([t], device=device), "return_dict": False}
         if args.transformer == "wan22":
-            f, h, w = LATENTS[args.resolution]
+            f, h, w = LATENTS[resolution]
             kw.update(hidden_states=rand(1, 16, f, h, w), encoder_hidden_states=rand(1, 512, 4096))
         else:
-            f, h, w = HUNYUAN_LATENTS[args.resolution]
+            f, h, w = HUNYUAN_LATENTS[resolution]
             mask = torch.zeros(1, 256, device=device, dtype=torch.bool)
             mask[:, :200] = True
             kw.update(hidden_states=rand(1, 16, f, h, w), encoder_hidden_states=rand(1, 256, 4096),
@@ -286,5 +442,5 @@ def _random_transformer(args, device):
                       guidance=torch.tensor([6000.0], device=device))
         return kw
 
-    times = FORWARD_TIMESTEPS[:args.forwards]
+    times = FORWARD_TIMESTEPS[:forwards]
     return model, [inputs(i, t) for i, t in enumerate(times)], [inputs(99, FORWARD_TIMESTEPS[-1])], name
