@@ -135,7 +135,7 @@ def test_report_holdout_propagation_and_files(wan, tmp_path):
     assert json.loads(paths["json"].read_text())["chosen"] == r["chosen"]
     assert paths["heatmap"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = paths["markdown"].read_text()
-    assert "Hold-out prompts" in md and "Spearman" in md and "× stock" in md
+    assert "Hold-out prompts" in md and "Spearman" in md and "step speed-up vs stock (predicted)" in md
 
 
 @pytest.mark.parametrize("family", ["hunyuan", "ltx"])
@@ -458,7 +458,7 @@ def test_the_observer_records_what_an_exact_backend_refuses_without_running_it()
         def run(self, call):
             ran.append(call)
 
-    ctx = SimpleNamespace(external={"_native_cudnn": Exact()}, expert=None, step=None, backend="reference")
+    ctx = SimpleNamespace(external={"_native_cudnn": Exact()}, expert=None, step=None, num_steps=None, backend="reference")
     m = Measurer(ctx, ["fp16", "backend:_native_cudnn"], propagation=0, propagation_target=None, seed=0)
     q = torch.randn(1, 8, 2, 16)
     for block, mask in ((0, None), (1, torch.ones(1, 8, dtype=torch.bool))):
@@ -490,7 +490,7 @@ def test_the_observer_lets_the_forwards_queued_work_finish_before_its_clock(monk
     monkeypatch.setattr(measure, "_sync", lambda device: events.append("sync"))
     real = measure.time.perf_counter
     monkeypatch.setattr(measure.time, "perf_counter", lambda: events.append("clock") or real())
-    ctx = SimpleNamespace(external={}, expert=None, step=None, backend="reference")
+    ctx = SimpleNamespace(external={}, expert=None, step=None, num_steps=None, backend="reference")
     m = measure.Measurer(ctx, ["fp16", "fp8"], propagation=0, propagation_target=None, seed=0)
     q = torch.randn(1, 8, 2, 16)
     m(site=SimpleNamespace(block=0), kind="self", call=AttentionCall(q, q, q), out=q, ran="fp16")
@@ -606,7 +606,7 @@ def test_cli_chooses_again_from_an_earlier_calibration(wan, tmp_path, capsys):
     for args, message in ((["--costs", "measure"], "--costs measures; --from only chooses again"),
                           (["--model", "tiny"], "--model measures"),
                           (["--candidates", "sage3"], "sage3 not measured"),
-                          (["--from", str(tmp_path / "bad.json")], "not a calibration report (no 'budget' in it)")):
+                          (["--from", str(tmp_path / "bad.json")], "not a calibration report (no 'model', 'prompts'")):
         assert main(["calibrate", "--from", str(tmp_path / "c"), "--out", str(tmp_path / "e"), *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
