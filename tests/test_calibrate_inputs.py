@@ -111,6 +111,12 @@ def test_impossible_numbers_in_a_report_are_refused_naming_the_field(calib, tmp_
     assert expected in str(e.value)
 
 
+@pytest.mark.parametrize("budget", [float("nan"), float("inf"), -0.1, 0])
+def test_impossible_budgets_given_to_the_api_are_one_line_errors(calib, budget):
+    with pytest.raises(ValueError, match="^budget must be a relative L2 error greater than 0 and finite, got [^\n]*$"):
+        replan(calib, budget=budget)
+
+
 def test_a_sound_report_validates_and_chooses_again_as_before(calib):
     """The checks refuse nothing a calibration writes: its report (and a re-chosen one's, chained)
     validates, with non-finite numbers spelled as strings read back as floats."""

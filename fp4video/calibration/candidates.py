@@ -54,6 +54,8 @@ def as_budget(budget) -> Budget:
         return budget
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise TypeError(f"budget must be a number (relative L2 per site) or a Budget, got {type(budget).__name__}")
+    if not (math.isfinite(budget) and budget > 0):
+        raise ValueError(f"budget must be a relative L2 error greater than 0 and finite, got {budget}")
     return Budget(rel_l2=float(budget))
 
 
