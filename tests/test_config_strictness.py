@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from fp4video.cli.common import one_line
+from fp4video.integration.linear import LinearPolicy, LinearRule
 from fp4video.integration.config import ConfigError, ParallelSettings, RunConfig, load_config
 from fp4video.integration.policy import (DynamicSelection, Fallback, Policy, Rule, Sparsity, StaticSelection,
                                          StepRange)
@@ -40,6 +41,10 @@ PLACES = {
     DynamicSelection: ("policy.sparsity.dynamic.", lambda d: {"policy": {"sparsity": {"dynamic": d}}}, [{"tau": 0.5}]),
     StaticSelection: ("policy.sparsity.static.", lambda d: {"policy": {"sparsity": {"static": d}}},
                       [{"window": [1, 1, 1]}]),
+    LinearPolicy: ("linear.", lambda d: {"linear": d}, [{}, {"method": "mxfp8", "rules": [{"method": "bf16"}],
+                                                              "compile": True, "emulate": True, "originals": "device"}]),
+    LinearRule: ("linear.rules[0].", lambda d: {"linear": {"rules": [d]}},
+                 [{"method": "fp8-rowwise", "blocks": [0], "kinds": ["ffn"], "experts": ["low_noise"]}]),
 }
 FIELDS = [(model, name) for model in PLACES for name in model.model_fields]
 

@@ -575,7 +575,6 @@ def test_unfit_shapes_and_weights_are_named():
 def test_the_profile_script_runs_its_code_paths_on_the_cpu(tmp_path):
     """scripts/profile_linear.py --smoke: the tiny model, mxfp8 emulated, every stage run and recorded
     as it goes, the table written (its GPU numbers come from the H200)."""
-    import json
     import subprocess
     import sys
     from pathlib import Path
@@ -592,3 +591,28 @@ def test_the_profile_script_runs_its_code_paths_on_the_cpu(tmp_path):
     compare = next(r for r in rows if r.get("config") == "compare")
     assert compare["quant_op_calls_added"] > 0  # the quantized forward's own ops, found by the profile
     assert "| mxfp8 regional compile |" in (tmp_path / "table.md").read_text()
+
+
+def test_a_run_config_names_the_linear_layers_method_and_generate_honours_it(tmp_path):
+    """``linear:`` in a run config: a method this machine cannot run is one line before anything
+    loads; a policy that fits none of the model's layers (fp32 weights for torchao's mxfp8) is one
+    line naming a layer and why, and no video is written."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchao")
+    bad = tmp_path / "fp8.yaml"
+    bad.write_text("model: tiny\nlinear: {method: fp8-rowwise}\n")
+    run = subprocess.run([sys.executable, "-m", "fp4video.cli.main", "generate", "--config", str(bad), "--output",
+                          str(tmp_path / "a.mp4"), "--device", "cpu"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2 and "linear: linear method fp8-rowwise needs an NVIDIA GPU" in run.stderr
+    assert not (tmp_path / "a.mp4").exists()
+    fp32 = tmp_path / "mx.yaml"  # the tiny model is fp32 on the CPU: torchao's mxfp8 takes bf16 weights only
+    fp32.write_text("model: tiny\nprompts: ['a cat']\nlinear: {method: mxfp8, emulate: true}\n")
+    run = subprocess.run([sys.executable, "-m", "fp4video.cli.main", "generate", "--config", str(fp32), "--output",
+                          str(tmp_path / "b.mp4"), "--device", "cpu", "--steps", "2"], capture_output=True, text=True,
+                         timeout=900)
+    errors = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert run.returncode == 2 and len(errors) == 1 and "would quantize none of the layers" in errors[0], run.stderr
+    assert "its weight is float32" in errors[0] and not (tmp_path / "b.mp4").exists()

@@ -111,6 +111,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     help="also each installed peer (FlashAttention-3 bf16, FlashAttention-3 FP8 with its cast, "
                          "SageAttention2) in place of diffusers' SDPA; calls it cannot take (masks) stay on SDPA, "
                          "counted under the table")
+    pl.add_argument("--linear", default="bf16", choices=["bf16", "fp8-rowwise", "fp8-tensor", "mxfp8", "nvfp4"],
+                    help="the linear layers' method through torchao for every row, block 0 kept in bf16 "
+                         "(fp4video.integration.linear; installed once, before the rows)")
+    pl.add_argument("--linear-compile", action="store_true",
+                    help="compile each transformer block (regional torch.compile): fuses the activations' "
+                         "quantization with the GEMMs' neighbours")
     pl.add_argument("--tiny", action="store_true", help="the tiny test transformers (CPU smoke run)")
     pl.add_argument("--out", default=None, help="append the markdown table to this file")
     pp = which.add_parser("parallel", help="under torchrun: one forward on 1 GPU vs split over N (context parallel)",
@@ -510,8 +516,16 @@ def bench_pipeline(args) -> str:
 
     tiny = getattr(args, "tiny", False)
     device = torch.device("cpu" if tiny else "cuda")
+    from ..integration.linear import LinearPolicy, check_linear_support, install_linear, uninstall_linear
+
+    linear_method, linear_compile = getattr(args, "linear", "bf16"), getattr(args, "linear_compile", False)
+    linear = LinearPolicy(method=linear_method, compile=linear_compile,
+                          rules=[{"method": "bf16", "blocks": [0]}] if linear_method != "bf16" else [])
+    check_linear_support(linear_method, device)  # before the model is built: one line where it cannot run
     model, inputs, desc = _build(args, device)
     seconds = _timer(device)
+    linear_label = linear_method + (", blocks compiled" if linear_compile else "")
+    linear_report = install_linear(model, linear) if linear.methods() != ["bf16"] or linear_compile else None
 
     forwards = 1 + args.reps  # what forward_seconds runs: a warm-up and the timed ones
 
@@ -592,11 +606,16 @@ def bench_pipeline(args) -> str:
         del kw
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if linear_report is not None:
+        runs = '; '.join(linear_report.runs.values())
+        notes.append(f"linear layers: {linear_report.summary()}" + (f" ({runs})" if runs else ""))
+        uninstall_linear(model)
     lines = [run_header(f"bench pipeline, {desc}, one forward, batch 1, {'fp32' if tiny else 'bf16'}"), "",
-             "| resolution | video tokens | attention | s / forward | × stock |", "| --- | --- | --- | --- | --- |"]
+             "| resolution | video tokens | attention | linear layers | s / forward | × stock attention |",
+             "| --- | --- | --- | --- | --- | --- |"]
     base = {r[0]: r[3] for r in rows if r[2].startswith("stock")}
     for res, tokens, what, secs in rows:
-        lines.append(f"| {res} | {tokens} | {what} | {secs:.2f} | {base[res] / secs:.2f} |")
+        lines.append(f"| {res} | {tokens} | {what} | {linear_label} | {secs:.2f} | {base[res] / secs:.2f} |")
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"

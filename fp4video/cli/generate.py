@@ -177,6 +177,13 @@ def run(args) -> int:
         raise UsageError(problem)
     device = distributed.setup_process_group(args.device) if size > 1 else \
         torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from ..integration.linear import LinearUnsupported, check_linear_support
+
+    for method in cfg.linear.methods():  # before anything loads: the linear layers' methods run here
+        try:
+            check_linear_support(method, device, emulate=cfg.linear.emulate)
+        except LinearUnsupported as e:
+            raise UsageError(f"linear: {e}") from None
     t0 = time.perf_counter()
     calls = [pipeline_kwargs(cfg, prompt, device) for prompt in cfg.prompts]  # inputs checked before loading
     try:
@@ -190,12 +197,19 @@ def run(args) -> int:
     if rank != 0:
         pipe.set_progress_bar_config(disable=True)
     ctx = install(pipe, cfg.policy, backend=args.backend)
+    linear = None
+    if cfg.linear.methods() != ["bf16"] or cfg.linear.compile:
+        from ..integration.linear import install_linear
+
+        linear = install_linear(pipe, cfg.linear)
+        print(f"fp4video generate: linear layers: {linear.summary()}", file=sys.stderr)
     if rank == 0 and len(outputs) > 1:
         print(f"fp4video generate: {several_outputs(outputs)}", file=sys.stderr)
 
     for prompt, call, out in zip(cfg.prompts, calls, outputs):
         sidecar = generate_video(pipe, ctx, cfg, prompt, call, out, device=device, backend=args.backend,
-                                 load_seconds=t_load, write=rank == 0, world_size=size)
+                                 load_seconds=t_load, write=rank == 0, world_size=size,
+                                 linear=None if linear is None else {"summary": linear.summary(), "runs": linear.runs})
         if rank == 0:
             _summary(out, sidecar, cfg.fps)
     if rank == 0 and len(outputs) > 1:

@@ -13,6 +13,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
 
+from .linear import LinearPolicy
 from .policy import Number, Policy, format_validation_error
 
 __all__ = ["RunConfig", "ParallelSettings", "load_config", "read_yaml_mapping", "ConfigError", "DEFAULT_CONFIG"]
@@ -60,6 +61,8 @@ class RunConfig(BaseModel):
     mask_video: StrictStr | None = Field(
         None, description="Wan Animate, replace mode: the mask of that person (a file path)")
     policy: Policy = Policy()
+    linear: LinearPolicy = Field(default_factory=LinearPolicy,
+                                 description="low-precision linear layers through torchao (default bf16: unchanged)")
     parallel: ParallelSettings | None = Field(None, description="context parallelism under torchrun")
 
     @model_validator(mode="after")

@@ -15,9 +15,11 @@ __all__ = ["generate_video"]
 
 
 def generate_video(pipe, ctx: AttentionContext, cfg: RunConfig, prompt: str, call: dict, out: Path, *,
-                   device, backend: str, load_seconds: float = 0.0, write: bool = True, world_size: int = 1) -> dict:
+                   device, backend: str, load_seconds: float = 0.0, write: bool = True, world_size: int = 1,
+                   linear: dict | None = None) -> dict:
     """Run the pipeline once with ``call`` (from :func:`pipelines.pipeline_kwargs`), write ``out``
-    (mp4) and ``out.json`` (the sidecar, also returned). Under torchrun every rank runs the
+    (mp4) and ``out.json`` (the sidecar, also returned; ``linear``: what the linear-layer installation
+    reported, or None). Under torchrun every rank runs the
     pipeline and only the one with ``write`` writes. The pair is written through temporary names
     and renamed into place (:func:`media.write_video_and_sidecar`): an interrupted run leaves the
     previous pair, or a video without a sidecar, never a short video or a mismatched sidecar."""
@@ -53,6 +55,7 @@ def generate_video(pipe, ctx: AttentionContext, cfg: RunConfig, prompt: str, cal
         "methods_used": dict(Counter(c["method"] for c in calls)),
         "fallbacks": dict(ctx.fallbacks),
         "block_sparse": sparse_summary(calls),
+        "linear_layers": linear,
         "attention_calls": calls,
     }
     if write:
