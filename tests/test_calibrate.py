@@ -340,12 +340,13 @@ def sparse_calibration():
                     encoder_hidden_states=torch.randn(1, 16, 32, generator=g), timestep=torch.tensor([t]),
                     return_dict=False)
 
-    result = calibrate(model, [inputs(900.0)], budget=0.1, candidates=["fp16", "mxattn-pv8"], sparse=SPARSE,
-                       propagation=0, progress=False)
+    result = calibrate(model, [inputs(900.0)], budget=Budget(rel_l2=0.1, min_kept=0.5), candidates=["fp16", "mxattn-pv8"],
+                       sparse=SPARSE, propagation=0, progress=False)
     return model, inputs, result
 
 
 def test_sparse_candidates_are_measured_and_chosen_only_within_the_budget(sparse_calibration):
+    """Within the error budget and the kept-mass floor (``Budget.min_kept``) only."""
     from fp4video.calibration.plan import site_cost, sparse_time, split_target
 
     _, _, result = sparse_calibration
@@ -366,7 +367,12 @@ def test_sparse_candidates_are_measured_and_chosen_only_within_the_budget(sparse
             assert site_cost(cost, chosen, s) < DEFAULT_RELATIVE_COST["mxattn-pv8"]
         cheaper = [t for t in result.candidates if t != "fp16" and t not in s.refused
                    and site_cost(cost, t, s) < site_cost(cost, chosen, s)]
-        assert all(s.rel_l2[t] > 0.1 for t in cheaper), (key, chosen, cheaper)
+        # each cheaper candidate is over the error budget, or its check kept under min_kept somewhere
+        assert all(s.rel_l2[t] > 0.1 or not s.kept.get(t, math.nan) >= 0.5 for t in cheaper), (key, chosen, cheaper)
+        for t in s.kept:  # every measured selection reports its worst query tile's kept mass
+            assert split_target(t)[1] is not None and 0 <= s.kept[t] <= 1
+        if split_target(chosen)[1] is not None:
+            assert s.kept[chosen] >= 0.5
     local, uniform = result.stats[(None, 1, "self", None)], result.stats[(None, 0, "self", None)]
     # the local site takes a sparse candidate; the narrowest window, cheaper, loses too much there
     assert split_target(result.plan[(None, 1, "self", None)])[1] is not None
@@ -415,7 +421,18 @@ def test_sparse_candidate_names_parse_and_bad_ones_are_one_line_errors():
     assert sparse_time(0.25) == pytest.approx(0.28) and sparse_time(0.5) == pytest.approx(0.52)
     assert sparse_time(1.0) == 1.0
     assert sparse_targets(True, ["fp16", "fp8", "mxattn-pv8", "mxattn"]) == [
-        "mxattn-pv8+dynamic:0.9", "mxattn-pv8+dynamic:0.95", "mxattn-pv8+static:4,45,80,radial"]
+        "mxattn-pv8+dynamic:0.9", "mxattn-pv8+dynamic:0.95", "mxattn-pv8+dynamic:0.9,sampled,sinks,floor=0.9",
+        "mxattn-pv8+static:4,45,80,radial", "mxattn-pv8+static:4,45,80,radial,sinks"]
+    # options round-trip: the estimate, top-k, sinks and the floor
+    for spec in ("dynamic:0.8,sampled,topk=0.1,sinks,floor=0.95", "static:1,2,3,radial,sinks,floor=0.9",
+                 "static:1,2,3,floor=0.5"):
+        assert sparse_target("mxattn", spec) == "mxattn+" + spec
+    sp = parse_sparsity("dynamic:0.8,sampled,topk=0.1,sinks,floor=0.95")
+    assert (sp.dynamic.estimate, sp.dynamic.topk, sp.sinks, sp.floor) == ("sampled", 0.1, True, 0.95)
+    for bad in ("dynamic:0.9,floor=2", "dynamic:0.9,exact", "static:1,2,3,floor=x", "dynamic:0.9,topk=0"):
+        with pytest.raises(ValueError, match=r"sparse candidate .*: ") as e:
+            parse_sparsity(bad)
+        assert "\n" not in str(e.value) and "further information" not in str(e.value)
     assert sparse_targets(["mxattn+dynamic:0.5"], ["fp16"]) == ["mxattn+dynamic:0.5"]
     for bad, message in (("dynamic:2", "sparse candidate 'dynamic:2'"), ("window:3", "give dynamic:TAU"),
                          ("static:1,2", "sparse candidate 'static:1,2'")):
@@ -600,7 +617,7 @@ def test_cli_chooses_again_from_an_earlier_calibration(wan, tmp_path, capsys):
     # a flag given replaces that part of the report's budget only
     assert main(["calibrate", "--from", str(tmp_path / "c"), "--min-cosine", "0.5", "--out", str(tmp_path / "f")]) == 0
     assert json.loads((tmp_path / "f" / "report.json").read_text())["budget"] == {
-        "rel_l2": 0.2, "min_cosine": 0.5, "match": None}
+        "rel_l2": 0.2, "min_cosine": 0.5, "match": None, "min_kept": 0.9}
     capsys.readouterr()
     (tmp_path / "bad.json").write_text("{}")
     for args, message in ((["--costs", "measure"], "--costs measures; --from only chooses again"),
@@ -627,5 +644,20 @@ def test_choosing_again_keeps_block_sparse_candidates_and_their_densities(sparse
             assert same.stats[key].mean_density(t) == pytest.approx(s.mean_density(t))
     # a sparse candidate without its dense method: costed from its own row (the method's dense cost)
     wider = "mxattn-pv8+static:1,4,4"
-    alone = replan(tmp_path / "s", candidates=[wider], budget=10.0)
+    alone = replan(tmp_path / "s", candidates=[wider], budget=Budget(rel_l2=10.0, min_kept=0.0))
     assert {t for t in alone.plan.values() if split_target(t)[1] is not None} == {wider}
+
+
+def test_a_selection_under_the_kept_mass_floor_is_never_admitted(sparse_calibration):
+    """Choosing again with a floor of kept mass above what a selection's checks measured refuses it at
+    every site, whatever its error: no sparse site is kept."""
+    from fp4video.calibration.plan import split_target
+    from fp4video.calibration import replan
+
+    _, _, result = sparse_calibration
+    worst = min(v for s in result.stats.values() for v in s.kept.values())
+    strict = replan(result.report, budget=Budget(rel_l2=1e9, min_kept=1.0))
+    loose = replan(result.report, budget=Budget(rel_l2=1e9, min_kept=0.0))
+    assert worst < 1.0
+    assert not any(split_target(t)[1] is not None for t in strict.plan.values())
+    assert any(split_target(t)[1] is not None for t in loose.plan.values())

@@ -15,10 +15,12 @@ __all__ = ["DEFAULT_CANDIDATES", "DEFAULT_SPARSE", "OPTIONAL_BACKENDS", "as_targ
 DEFAULT_CANDIDATES = ("fp16", "fp8", "mxattn-pv8", "mxattn")
 
 #: The block-sparse selections ``sparse=True`` tries on the fastest method candidate: the dynamic
-#: selection at τ 0.9 and 0.95, and the static window of ``configs/wan22_mxattn_pv8_sparse.yaml``
-#: (radial; it applies where the latent grid is known: self and joint attention of a video
-#: transformer's input).
-DEFAULT_SPARSE = ("dynamic:0.9", "dynamic:0.95", "static:4,45,80,radial")
+#: selection at τ 0.9 and 0.95, the sampled estimate at τ 0.9 with sinks and a floor of 0.9, and
+#: the static window of ``configs/wan22_mxattn_pv8_sparse.yaml`` without and with sinks (radial; it
+#: applies where the latent grid is known: self and joint attention of a video transformer's input).
+#: A selection is admitted at a site only where its check kept the budget's ``min_kept``.
+DEFAULT_SPARSE = ("dynamic:0.9", "dynamic:0.95", "dynamic:0.9,sampled,sinks,floor=0.9", "static:4,45,80,radial",
+                  "static:4,45,80,radial,sinks")
 
 #: Quantized external backends tried by default where they run (each refused one is reported).
 OPTIONAL_BACKENDS = ("fa3_fp8", "sage", "_sage_qk_int8_pv_fp8_cuda_sm90", "sage3_blackwell", "flashinfer_nvfp4_sm120")

@@ -53,7 +53,7 @@ def head_errors(out: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
 def run_target(target: str, call: AttentionCall, ctx, kind: str | None = None, density: list | None = None):
     """``target``'s output for ``call`` (B, S, H, D), or a string saying why it cannot take it. A
     block-sparse target runs within a routed call (``kind`` its kind) on the selection the routing
-    computes for it; its density is appended to ``density``."""
+    computes for it; (its density, the least kept mass of a query tile) is appended to ``density``."""
     base, sparsity = split_target(target)
     if sparsity is not None:
         return _run_sparse(base, sparsity, call, ctx, kind, density)
@@ -95,8 +95,9 @@ def _run_sparse(method: str, sparsity, call: AttentionCall, ctx, kind, density):
                             scale=call.scale, backend=ctx.backend, sparsity=selection)
     except (ValueError, TypeError, NotImplementedError) as e:
         return str(e).splitlines()[0]
-    if density is not None:
-        density.append(float(selection.density()))
+    if density is not None:  # (its density, the least kept mass of a query tile by its check)
+        kept = math.nan if selection.check is None else float(selection.check.summary()["kept_min"])
+        density.append((float(selection.density()), kept))
     return out
 
 
@@ -169,8 +170,9 @@ class Measurer:
                 rel, cos = head_errors(y, exact)
                 del y
                 stats.update(target, rel, cos)
-                for d in density:
+                for d, kept in density:
                     stats.add_density(target, d)
+                    stats.add_kept(target, kept)
                 errors[target] = rel
         self.last[(ctx.expert, site.block, kind)] = errors
         _sync(q.device)

@@ -85,29 +85,40 @@ SPARSE_SEPARATOR = "+"
 def parse_sparsity(spec: str):
     """A :class:`~fp4video.integration.policy.Sparsity` from ``dynamic:TAU`` (a share of the
     estimated attention mass, greater than 0 and at most 1) or ``static:F,Y,X`` (the window's radii
-    in frames, rows, columns: whole numbers from 0) with ``,radial`` optional; a one-line
-    ValueError naming the spec and the reason otherwise."""
+    in frames, rows, columns: whole numbers from 0) with ``,radial`` optional, each followed by
+    options: ``,sampled`` (the dynamic estimate from sampled rows), ``,topk=S``, ``,sinks``,
+    ``,floor=F``; a one-line ValueError naming the spec and the reason otherwise."""
     from pydantic import ValidationError
 
     from ..integration.policy import Sparsity, format_validation_error
 
     kind, _, args = spec.partition(":") if isinstance(spec, str) else ("", "", "")
     if kind not in ("dynamic", "static"):
-        raise ValueError(f"sparse candidate {spec!r}: give dynamic:TAU (e.g. dynamic:0.9) or static:F,Y,X[,radial] "
-                         "(e.g. static:4,45,80,radial)")
+        raise ValueError(f"sparse candidate {spec!r}: give dynamic:TAU[,sampled][,topk=S] (e.g. dynamic:0.9) or "
+                         "static:F,Y,X[,radial] (e.g. static:4,45,80,radial), then [,sinks][,floor=F]")
     try:
-        if kind == "dynamic":
-            try:
-                tau = float(args)
-            except ValueError:
-                raise ValueError(f"τ {args!r} is not a number") from None
-            if not 0 < tau <= 1:  # (nan fails too)
-                raise ValueError(f"τ is a share of the estimated attention mass, greater than 0 and at most 1, "
-                                 f"got {args}")
-            return Sparsity(dynamic={"tau": tau})
         parts = args.split(",")
-        radial = parts[-1] == "radial"
-        radii = parts[:-1] if radial else parts
+        check, rest = {}, []
+        for part in parts:
+            if part == "sinks":
+                check["sinks"] = True
+            elif part.startswith("floor="):
+                check["floor"] = _share(part[6:], "floor")
+            else:
+                rest.append(part)
+        if kind == "dynamic":
+            dynamic = {}
+            for part in rest[1:]:
+                if part == "sampled":
+                    dynamic["estimate"] = "sampled"
+                elif part.startswith("topk="):
+                    dynamic["topk"] = _share(part[5:], "topk")
+                else:
+                    raise ValueError(f"unknown option {part!r} (sampled, topk=S, sinks, floor=F)")
+            tau = _share(rest[0] if rest else "", "τ")
+            return Sparsity(dynamic={"tau": tau, **dynamic}, **check)
+        radial = bool(rest) and rest[-1] == "radial"
+        radii = rest[:-1] if radial else rest
         if len(radii) != 3:
             raise ValueError(f"the window takes 3 radii (frames, rows, columns), got {len(radii)}")
         window = []
@@ -115,18 +126,32 @@ def parse_sparsity(spec: str):
             if not r.strip().isdecimal():
                 raise ValueError(f"a window radius is a whole number from 0, got {r!r}")
             window.append(int(r))
-        return Sparsity(static={"window": window, "radial": radial})
+        return Sparsity(static={"window": window, "radial": radial}, **check)
     except ValidationError as e:
         raise ValueError(f"sparse candidate {spec!r}: {'; '.join(format_validation_error(e).splitlines())}") from None
     except ValueError as e:
         raise ValueError(f"sparse candidate {spec!r}: {e}") from None
 
 
+def _share(text: str, name: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name} {text!r} is not a number") from None
+    if not 0 < value <= 1:  # (nan fails too)
+        raise ValueError(f"{name} is a share, greater than 0 and at most 1, got {text}")
+    return value
+
+
 def _spec(sparsity) -> str:
     if sparsity.dynamic is not None:
-        return f"dynamic:{sparsity.dynamic.tau:g}"
-    st = sparsity.static
-    return "static:" + ",".join(map(str, st.window)) + (",radial" if st.radial else "")
+        d = sparsity.dynamic
+        text = f"dynamic:{d.tau:g}" + (",sampled" if d.estimate == "sampled" else "") + (
+            f",topk={d.topk:g}" if d.topk else "")
+    else:
+        st = sparsity.static
+        text = "static:" + ",".join(map(str, st.window)) + (",radial" if st.radial else "")
+    return text + (",sinks" if sparsity.sinks else "") + ("" if sparsity.floor is None else f",floor={sparsity.floor:g}")
 
 
 def sparse_target(method: str, sparsity) -> str:
@@ -178,6 +203,10 @@ class Budget(BaseModel):
     match: str | None = Field(None, description="a candidate whose own error at each site is the bound there (e.g. "
                                                  "backend:fa3_fp8: no site worse than FlashAttention-3 FP8 would be); "
                                                  "rel_l2 bounds the sites it cannot take")
+    min_kept: float = Field(0.9, ge=0, le=1, allow_inf_nan=False,
+                            description="a block-sparse candidate is admitted at a site only where every query tile "
+                                        "of every call kept at least this share of its sampled rows' exact "
+                                        "attention mass")
 
     def met(self, rel_l2: float, cosine: float) -> bool:
         return rel_l2 <= self.rel_l2 and (self.min_cosine is None or cosine >= self.min_cosine)
@@ -188,7 +217,8 @@ class Budget(BaseModel):
                  "cannot run)")
         else:
             s = f"relative L2 ≤ {self.rel_l2:g} per site (worst head, worst call)"
-        return s + (f", cosine ≥ {self.min_cosine:g}" if self.min_cosine is not None else "")
+        return s + (f", cosine ≥ {self.min_cosine:g}" if self.min_cosine is not None else "") + (
+            f"; block-sparse: exact mass kept ≥ {self.min_kept:g} per query tile")
 
 
 #: (expert or None, block, kind, step or None)
@@ -205,6 +235,12 @@ class SiteStats:
     cosine: dict = field(default_factory=dict)  # target -> worst head's cosine, worst call
     refused: dict = field(default_factory=dict)  # target -> why it could not take a call
     density: dict = field(default_factory=dict)  # block-sparse target -> [sum of its calls' densities, calls]
+    kept: dict = field(default_factory=dict)  # block-sparse target -> least kept mass of a query tile, any call
+
+    def add_kept(self, target: str, kept: float) -> None:
+        """A call's worst query tile's kept mass (NaN: not finite, kept as NaN: never admitted)."""
+        old = self.kept.get(target)
+        self.kept[target] = kept if old is None or not kept >= old else old
 
     def add_density(self, target: str, density: float) -> None:
         total = self.density.setdefault(target, [0.0, 0])
@@ -230,6 +266,8 @@ class SiteStats:
             return True
         if target not in self.rel_l2:
             return False
+        if split_target(target)[1] is not None and not self.kept.get(target, math.nan) >= budget.min_kept:
+            return False  # a selection whose check found a query tile under the floor (or none measured)
         ref = budget.match
         if ref is not None and ref not in self.refused and ref in self.rel_l2:
             return self.rel_l2[target] <= self.rel_l2[ref] and (
@@ -267,7 +305,7 @@ def _target_fields(target: str) -> dict:
     method, sparsity = split_target(target)
     if sparsity is None:
         return {"method": method}
-    return {"method": method, "sparsity": sparsity.model_dump(exclude_none=True)}
+    return {"method": method, "sparsity": sparsity.model_dump(exclude_defaults=True)}
 
 
 def _route_target(route) -> str:

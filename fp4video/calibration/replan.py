@@ -42,6 +42,7 @@ def _stats_of(s, shape: tuple) -> SiteStats:
     out = SiteStats(calls=s.calls, shape=shape, refused=dict(s.refused))
     out.rel_l2, out.cosine = dict(s.rel_l2), dict(s.cosine)
     out.density = {t: [v, 1] for t, v in s.density.items() if v is not None}
+    out.kept = dict(s.kept)
     return out
 
 

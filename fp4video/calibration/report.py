@@ -9,7 +9,7 @@ import textwrap
 
 import torch
 
-from .plan import Budget, is_exact_target, site_cost
+from .plan import Budget, is_exact_target, site_cost, split_target
 
 __all__ = ["build_report", "policy_yaml", "render_files", "markdown", "heatmap", "heatmap_figure", "costs_phrase",
            "short_reason", "FILE_NAMES", "predicted_times", "spearman", "site_order", "shape_key", "model_summary",
@@ -169,7 +169,7 @@ def build_report(result, *, model: dict, prompts: list, holdout: list, budget: B
         "measurements": measurements,
         "sites": [{**_site_dict(k), "calls": s.calls, "shape": list(s.shape), "chosen": plan[k],
                    "rel_l2": s.rel_l2, "cosine": s.cosine, "refused": s.refused,
-                   "density": {t: s.mean_density(t) for t in s.density},
+                   "density": {t: s.mean_density(t) for t in s.density}, "kept": dict(s.kept),
                    "holdout": (_stats_dict(result.holdout_stats[k]) if k in result.holdout_stats else None)}
                   for k, s in sorted(stats.items(), key=lambda kv: site_order(kv[0]))],
     }
@@ -177,7 +177,7 @@ def build_report(result, *, model: dict, prompts: list, holdout: list, budget: B
 
 def _stats_dict(s) -> dict:
     return {"calls": s.calls, "rel_l2": s.rel_l2, "cosine": s.cosine, "refused": s.refused,
-            "density": {t: s.mean_density(t) for t in s.density}}
+            "density": {t: s.mean_density(t) for t in s.density}, "kept": dict(s.kept)}
 
 
 def policy_yaml(result) -> str:
@@ -282,6 +282,18 @@ def markdown(result) -> str:
         cells = ["refused" if t in s["refused"] else "exact" if is_exact_target(t) else _fmt(s["rel_l2"].get(t))
                  for t in result.candidates if t != "fp16"]
         lines.append(f"| {s['expert']} | {s['block']} | {s['kind']} | {s['step']} | {s['chosen']} | " + " | ".join(cells) + " |")
+    sparse = [t for t in result.candidates if split_target(t)[1] is not None]
+    if sparse:
+        lines += ["", "## Block-sparse candidates: density and exact mass kept", "",
+                  "Per site, each selection's mean density and the least exact attention mass any query tile kept "
+                  "by its check (sampled rows, worst call); a selection is admitted only where that is at least "
+                  f"{r['budget'].get('min_kept', 0.9):g} (the budget's `min_kept`).", "",
+                  "| expert | block | kind | step | " + " | ".join(f"{t} density / kept" for t in sparse) + " |",
+                  "|" + " --- |" * (4 + len(sparse))]
+        for s in r["sites"]:
+            cells = ["refused" if t in s["refused"] else
+                     f"{_fmt(s['density'].get(t), '.3f')} / {_fmt(s.get('kept', {}).get(t), '.3f')}" for t in sparse]
+            lines.append(f"| {s['expert']} | {s['block']} | {s['kind']} | {s['step']} | " + " | ".join(cells) + " |")
     if r["unavailable"]:
         lines += ["", "## Not measured", ""]
         lines += [f"- {t} ({short_reason(why)})" for t, why in r["unavailable"].items()]

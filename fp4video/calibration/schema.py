@@ -186,15 +186,19 @@ class Statistics(_Model):
     cosine: dict[str, Cosine]
     refused: dict[str, str]
     density: dict[str, Density | None]
+    #: a block-sparse candidate's worst kept mass: the least exact attention mass a query tile's
+    #: sampled rows kept in any of the site's calls (its check), 0 to 1
+    kept: dict[str, Density] = {}
 
     @model_validator(mode="after")
     def _paired(self):
         if set(self.rel_l2) != set(self.cosine):
             odd = sorted(set(self.rel_l2) ^ set(self.cosine))
             raise ValueError(f"rel_l2 and cosine name different candidates ({', '.join(odd)} in one only)")
-        dense = [t for t in self.density if split_target(t)[1] is None]
-        if dense:
-            raise ValueError(f"density: {', '.join(dense)} is not a block-sparse candidate")
+        for name in ("density", "kept"):
+            dense = [t for t in getattr(self, name) if split_target(t)[1] is None]
+            if dense:
+                raise ValueError(f"{name}: {', '.join(dense)} is not a block-sparse candidate")
         return self
 
 
@@ -308,7 +312,7 @@ class CalibrationReport(_Model):
             for part, stats in (("", s), (".holdout", s.holdout)):
                 if stats is None:
                     continue
-                for field in ("rel_l2", "refused", "density"):
+                for field in ("rel_l2", "refused", "density", "kept"):
                     odd = sorted(set(getattr(stats, field)) - measured)
                     if odd:
                         raise ValueError(f"{where}{part}.{field}.{odd[0]}: neither a candidate nor an unavailable one")

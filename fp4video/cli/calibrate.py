@@ -48,7 +48,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     src = p.add_argument_group("what to calibrate (a pipeline, --transformer, or --from)")
     src.add_argument("--from", dest="source", type=Path, metavar="DIR",
                      help="choose again from this earlier calibration's report (its --out folder or report.json): "
-                          "takes --budget, --min-cosine, --match, --candidates")
+                          "takes --budget, --min-cosine, --min-kept, --match, --candidates")
     src.add_argument("--config", type=Path, help="run config YAML: model, family, sizes, steps, prompts")
     src.add_argument("--model", help='"tiny", a local pipeline folder or a hub id (overrides the config)')
     src.add_argument("--family", help="the pipeline's family (wan, hunyuan, ltx, ...; overrides the config)")
@@ -72,6 +72,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                      help="largest relative L2 error of a site's attention output (worst head, worst call; "
                           "default 0.1, or with --from the report's)")
     how.add_argument("--min-cosine", type=float, default=None, help="also: smallest cosine of a site's output")
+    how.add_argument("--min-kept", type=float, default=None,
+                     help="a block-sparse candidate is admitted at a site only where every query tile of every call "
+                          "kept at least this share of its sampled rows' exact attention mass (default 0.9, or with "
+                          "--from the report's)")
     how.add_argument("--match", default=None, metavar="TARGET",
                      help="per site, no worse than this candidate's own error there (e.g. backend:fa3_fp8); "
                           "--budget bounds the sites it cannot take")
@@ -125,6 +129,8 @@ def check_flags(args) -> None:
         raise UsageError(f"--budget {args.budget}: a relative L2 error, greater than 0 and finite")
     if args.min_cosine is not None and not -1 < args.min_cosine <= 1:  # (nan fails too)
         raise UsageError(f"--min-cosine {args.min_cosine}: a cosine, greater than -1 and at most 1")
+    if args.min_kept is not None and not 0 <= args.min_kept <= 1:  # (nan fails too)
+        raise UsageError(f"--min-kept {args.min_kept}: a share of the attention mass, from 0 to 1")
     for flag, values in (("--match", [args.match] if args.match is not None else []),
                          ("--candidates", args.candidates or [])):
         for v in values:
@@ -214,7 +220,8 @@ def run(args) -> int:
     if args.source is not None:
         return _replan(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    budget = Budget(rel_l2=0.1 if args.budget is None else args.budget, min_cosine=args.min_cosine, match=args.match)
+    budget = Budget(rel_l2=0.1 if args.budget is None else args.budget, min_cosine=args.min_cosine, match=args.match,
+                    **({} if args.min_kept is None else {"min_kept": args.min_kept}))
     if args.transformer:
         for flag in PIPELINE_FLAGS:
             if getattr(args, flag) not in (None, [], False):
@@ -263,7 +270,7 @@ def _replan(args) -> int:
     given = [k for k, default in MEASURING.items() if getattr(args, k) != default]
     if given:
         raise UsageError(f"--{given[0].replace('_', '-')} measures; --from only chooses again (it takes --budget, "
-                         "--min-cosine, --match, --candidates)")
+                         "--min-cosine, --min-kept, --match, --candidates)")
     source = args.source / "report.json" if args.source.is_dir() else args.source
     if not source.is_file():
         raise UsageError(f"--from {args.source}: no report.json there (a `fp4video calibrate --out` folder)")
@@ -272,8 +279,8 @@ def _replan(args) -> int:
     except ValueError as e:  # the report's file, field and reason
         raise UsageError(f"--from {e}") from None
     measured = report.budget.model_dump()  # the report's budget, with the flags given in its place
-    given = {k: v for k, v in (("rel_l2", args.budget), ("min_cosine", args.min_cosine), ("match", args.match))
-             if v is not None}
+    given = {k: v for k, v in (("rel_l2", args.budget), ("min_cosine", args.min_cosine), ("match", args.match),
+                               ("min_kept", args.min_kept)) if v is not None}
     for flag, names in (("--candidates", args.candidates or []), ("--match", [args.match] if args.match else [])):
         unknown = [c for c in names if as_target(c) not in report.candidates]
         if unknown:
