@@ -34,7 +34,11 @@ def test_check_command_end_to_end_on_the_interpreter(tmp_path):
     mx, nv = report["methods"]
     assert mx["sparse"]["ok"] and 0.2 <= mx["sparse"]["density"] <= 0.4 and mx["sparse_reason"] is None
     assert nv["sparse"] is None and "loop_nvfp4 loop takes no key-tile selection" in nv["sparse_reason"]
-    assert f"| {mx['sparse']['rows_off']:.1%} / {mx['sparse']['worst_row']:.3f} at 0.29 |" in proc.stdout
+    assert (f"| {mx['sparse']['rows_off']:.1%} / {mx['sparse']['worst_row']:.3f} at 0.29, kept ≥ "
+            f"{mx['sparse']['kept']['kept_min']:.2f} |") in proc.stdout
+    # the check's row-mass kernel against the reference, and what the check measured of the selection
+    assert mx["sparse"]["row_mass_kernel_max_abs_diff"] < 1e-4
+    assert 0 <= mx["sparse"]["kept"]["kept_min"] <= mx["sparse"]["kept"]["kept_mean"] <= 1
     assert "| no selection |" in proc.stdout and "block-sparse: the loop_nvfp4 loop takes no" in proc.stdout
 
 

@@ -231,9 +231,21 @@ def _sparse_check(c: MethodCheck, dev, heads, sq, sk, head_dim) -> None:
     sel = random_selection(q.shape[0], heads, sq, sk, key_alive=mask.reshape(-1), device=dev)
     finite, off, worst, lse = _accuracy(c.method, q, k, v, mask, sparsity=sel)
     share, bound = row_bounds(c.method, SPARSE_DISTRIBUTION)
+    # the check every rule's call runs: its kernel against the reference on these inputs, and what it
+    # measured of this (random) selection
+    from ..kernels.row_mass import row_block_mass as kernel_row_mass
+    from ..sparse import check_selection, row_block_mass
+
+    measured = check_selection(sel, q, k, attn_mask=mask, row_mass=kernel_row_mass)
+    rows_ = torch.arange(0, sq, 64, device=dev)
+    kernel_off = float((kernel_row_mass(q, k, rows_, attn_mask=mask) - row_block_mass(q, k, rows_, attn_mask=mask))
+                       .abs().max())
+    kept = {key: round(float(v), 4) for key, v in measured.check.summary().items() if key.startswith("kept")}
     c.sparse = {"density": float(sel.density()), "finite": finite, "rows_off": off, "worst_row": worst,
-                "lse_worst": lse, "ok": finite and off <= share and worst < bound and lse < 2e-2,
-                "bounds": {"rows_off": share, "worst_row": bound, "lse_worst": 2e-2}}
+                "lse_worst": lse, "kept": kept, "row_mass_kernel_max_abs_diff": kernel_off,
+                "ok": finite and off <= share and worst < bound and lse < 2e-2 and kernel_off < 1e-4,
+                "bounds": {"rows_off": share, "worst_row": bound, "lse_worst": 2e-2,
+                           "row_mass_kernel_max_abs_diff": 1e-4}}
 
 
 def _device_info(dev) -> dict:
@@ -278,7 +290,8 @@ def format_check(report: dict) -> str:
             a = m["accuracy"].get(dist)
             cells.append("–" if a is None else f"{a['rows_off']:.1%} / {a['worst_row']:.3f}" + ("" if a["ok"] else " ✗"))
         sp = m.get("sparse")
-        cells.append(f"{sp['rows_off']:.1%} / {sp['worst_row']:.3f} at {sp['density']:.2f}" + ("" if sp["ok"] else " ✗")
+        cells.append(f"{sp['rows_off']:.1%} / {sp['worst_row']:.3f} at {sp['density']:.2f}"
+                     + (f", kept ≥ {sp['kept']['kept_min']:.2f}" if sp.get("kept") else "") + ("" if sp["ok"] else " ✗")
                      if sp else "no selection" if m.get("sparse_reason") else "–")
         ms = "" if m["ms"] is None else f"{m['ms']:.2f}"
         x = "" if m["x_best_bf16"] is None else f"{m['x_best_bf16']:.2f}"
