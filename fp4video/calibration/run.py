@@ -213,9 +213,9 @@ def _pipeline_progress(pipe, show: bool):
     if show or setter is None:
         yield
         return
-    # diffusers keeps the configuration set_progress_bar_config was given under this attribute
-    # (absent: never set, the same as {}); it is put back through the public setter
-    before = dict(getattr(pipe, "_progress_bar_config", None) or {})
+    from ..integration.diffusers_api import progress_bar_config
+
+    before = progress_bar_config(pipe)  # put back through the public setter
     setter(**{**before, "disable": True})
     try:
         yield

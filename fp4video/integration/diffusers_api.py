@@ -255,3 +255,12 @@ def context_parallel_input(**kwargs):
 def context_parallel_output(**kwargs):
     """diffusers' ``ContextParallelOutput(gather_dim=, expected_dims=)`` of a plan."""
     return require("ContextParallelOutput")(**kwargs)
+
+
+# --- pipelines' own state ------------------------------------------------------------------------
+
+def progress_bar_config(pipe) -> dict:
+    """The configuration a pipeline's ``set_progress_bar_config`` was last given (diffusers keeps
+    it as ``pipe._progress_bar_config``; absent: never set, the same as ``{}``), to put back through
+    the public setter."""
+    return dict(getattr(pipe, "_progress_bar_config", None) or {})
