@@ -311,6 +311,36 @@ def block_sum_asm(words: int) -> str:
 #: :func:`e2m1_block_sums_hw`'s PTX for blocks of 16 and 32 codes
 BLOCK_SUM_ASM_16 = tl.constexpr(block_sum_asm(2))
 BLOCK_SUM_ASM_32 = tl.constexpr(block_sum_asm(4))
+#: E2M1's magnitudes doubled (0, 1, 2, 3, 4, 6, 8, 12: integers), a byte each, as ``prmt`` looks them
+#: up: magnitude code c (0-7) selects byte c of the pair {E2M1_DOUBLED_HI, E2M1_DOUBLED_LO}
+E2M1_DOUBLED_LO, E2M1_DOUBLED_HI = 0x03020100, 0x0C080604
+
+
+def block_sum_lut_asm(words: int) -> str:
+    """The PTX of :func:`e2m1_block_sums_lut` for a block held in ``words`` 32-bit registers (8 codes
+    a register, of values >= 0: no sign bit; one output a byte, the inputs after them). Each four
+    codes' doubled magnitudes come from one ``prmt``, whose selector nibbles are the codes (a
+    register's low 16 bits, then its high 16 bits shifted down) and whose source bytes are
+    :data:`E2M1_DOUBLED_LO` / :data:`E2M1_DOUBLED_HI`; the looked-up words are added as integers
+    (at most 8 of them: 96 a byte, no carry between bytes), ``dp4a`` adds the four bytes (at most
+    384 for 32 codes), and that integer, converted to fp32 and halved (both exact), is the first
+    output ($0); the others copy it (unused: the caller keeps the first element)."""
+    n = 4 * words
+    looked = [f"v{i}" for i in range(2 * words)]
+    lines = [f"{{ .reg .b32 lo, hi, t, s, {', '.join(looked)}, {', '.join(f'h{w}' for w in range(words))};",
+             f"mov.b32 lo, {E2M1_DOUBLED_LO:#010x}; mov.b32 hi, {E2M1_DOUBLED_HI:#010x};"]
+    for w in range(words):
+        lines += [f"prmt.b32 v{2 * w}, lo, hi, ${n + w};", f"shr.b32 h{w}, ${n + w}, 16;",
+                  f"prmt.b32 v{2 * w + 1}, lo, hi, h{w};"]
+    lines += [f"add.u32 t, {looked[0]}, {looked[1]};"] + [f"add.u32 t, t, {v};" for v in looked[2:]]
+    lines += ["dp4a.u32.u32 s, t, 0x01010101, 0;", "cvt.rn.f32.u32 $0, s;", "mul.f32 $0, $0, 0f3F000000;"]
+    lines += [f"mov.b32 ${i}, $0;" for i in range(1, n)]
+    return " ".join(lines) + " }"
+
+
+#: :func:`e2m1_block_sums_lut`'s PTX for blocks of 16 and 32 codes
+BLOCK_SUM_LUT_ASM_16 = tl.constexpr(block_sum_lut_asm(2))
+BLOCK_SUM_LUT_ASM_32 = tl.constexpr(block_sum_lut_asm(4))
 #: ``fma.rn.f32x2`` / ``mul.rn.f32x2`` on two elements: the operands' pairs as 64-bit registers, the
 #: first element in the low half (as PTX's vector moves place them)
 FMA_F32X2_ASM = tl.constexpr("{ .reg .b64 a, b, c, d; mov.b64 a, {$2, $3}; mov.b64 b, {$4, $5}; "
@@ -334,18 +364,45 @@ def e2m1_block_sums_hw(packed, QB: tl.constexpr):
     (``cvt.rn.f16x2.e2m1x2``, sm_100+) and f16x2 additions: ``QB // 2`` conversions and as many
     additions a block. Each block's QB // 2 bytes must lie in one thread, in order (as the loops'
     S tiles hold them: a thread owns whole blocks of a row)."""
-    ROWS: tl.constexpr = packed.shape[0]
-    NB: tl.constexpr = 2 * packed.shape[1] // QB
     tl.static_assert(QB == 16 or QB == 32, "blocks of 16 or 32 codes")
     if QB == 16:
         sums = tl.inline_asm_elementwise(BLOCK_SUM_ASM_16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [packed],
                                          dtype=tl.float32, is_pure=True, pack=8)
-        x = tl.reshape(sums, (ROWS, NB, 4, 2))
     else:
         sums = tl.inline_asm_elementwise(BLOCK_SUM_ASM_32, "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
                                          [packed], dtype=tl.float32, is_pure=True, pack=16)
+    return _block_firsts(sums, QB)
+
+
+@triton.jit
+def e2m1_block_sums_lut(packed, QB: tl.constexpr):
+    """:func:`e2m1_block_sums_hw`'s sums (each block of QB = 16 or 32 codes, fp32 (ROWS, COLS // QB),
+    exact) for codes of values >= 0 (no sign bit: P's), by table look-ups and integer additions
+    (:func:`block_sum_lut_asm`): QB // 4 ``prmt`` and QB // 8 shifts, QB // 4 - 1 additions, one
+    ``dp4a`` and one conversion a block, where the conversions back to f16 take QB // 2
+    conversions and as many additions. Instructions of every GPU since sm_61 (Blackwell's loops
+    use it; a GPU test runs it). Each block's QB // 2 bytes must lie in one thread, in order."""
+    tl.static_assert(QB == 16 or QB == 32, "blocks of 16 or 32 codes")
+    if QB == 16:
+        sums = tl.inline_asm_elementwise(BLOCK_SUM_LUT_ASM_16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [packed],
+                                         dtype=tl.float32, is_pure=True, pack=8)
+    else:
+        sums = tl.inline_asm_elementwise(BLOCK_SUM_LUT_ASM_32,
+                                         "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [packed],
+                                         dtype=tl.float32, is_pure=True, pack=16)
+    return _block_firsts(sums, QB)
+
+
+@triton.jit
+def _block_firsts(sums, QB: tl.constexpr):
+    """The first of each block's QB // 2 values (ROWS, COLS // 2) — a block-sum asm's $0 — as (ROWS,
+    COLS // QB): halves taken off the block's axis, no arithmetic."""
+    ROWS: tl.constexpr = sums.shape[0]
+    NB: tl.constexpr = 2 * sums.shape[1] // QB
+    if QB == 16:
+        x = tl.reshape(sums, (ROWS, NB, 4, 2))
+    else:
         x = tl.reshape(_first_of_pairs(tl.reshape(sums, (ROWS, NB, 8, 2))), (ROWS, NB, 4, 2))
-    # the first of each block's values (the asm's $0): halves taken off the block's axis, no arithmetic
     x = tl.reshape(_first_of_pairs(x), (ROWS, NB, 2, 2))
     return _first_of_pairs(_first_of_pairs(x))
 

@@ -172,8 +172,10 @@ def kernel(plan: Plan, recipe: AttentionRecipe, capability: tuple[int, int], *, 
     block-sparse form, key tiles from a :class:`.operands.KeyTileLists` of query tiles of
     ``query_tile`` rows; ``exact``: the exponents' exact form (:class:`.scaled_math.Config`'s
     EXACT), False for the form a call within :data:`.loop_e4m3.FAST_LOGIT_BOUND` runs (the
-    default: what :mod:`.report` compiles). What :func:`attention_packed` launches (with the call's
-    ``exact``) and :mod:`.report` compiles."""
+    default: what :mod:`.report` compiles). The block-sparse warp-specialized loop takes the exact
+    form either way: with the fused one the partition computing the two-level factors (which takes
+    the accumulator's tile) needs the scale as well, and spills. What :func:`attention_packed`
+    launches (with the call's ``exact``) and :mod:`.report` compiles."""
     qk = FMT_NVFP4 if recipe.qk_format is Format.NVFP4 else FMT_MXFP4
     consts = {"HAS_MASK": has_mask, "QK": qk.value, "PV": (FMT_E4M3 if recipe.pv_format is Format.E4M3 else qk).value,
               "OCP": recipe.scale_rule is ScaleRule.OCP, "QMAX": recipe.scale_rule.qmax,
@@ -181,7 +183,7 @@ def kernel(plan: Plan, recipe: AttentionRecipe, capability: tuple[int, int], *, 
               "P_RANGE": TWO_LEVEL_P_RANGE, "FAST_RCP": capability >= (8, 0), "HW_E4M3": capability >= (8, 9),
               "HW_E2M1": capability >= (10, 0),  # Blackwell's E2M1 conversions
               "D": d, "QB": recipe.qk_format.block, "BLOCK_M": block_m, "BLOCK_N": KEY_TILE, "BLOCK_DV": dv_pad,
-              "SPARSE": sparse, "QT": query_tile, "EXACT": bool(exact)}
+              "SPARSE": sparse, "QT": query_tile, "EXACT": bool(exact) or (sparse and plan.warp_specialized)}
     module = variant(plan)
     if module is not loop_scaled_sm120:
         consts["F32X2"] = capability[0] in WS_MAJORS  # datacenter Blackwell's two-lane fp32 arithmetic

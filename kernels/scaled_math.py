@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
-from .fp4_math import (FMT_E4M3, FMT_MXFP4, FMT_NVFP4, e2m1_block_sums_hw, e2m1_magnitude_codes, e2m1_pack_hw,
+from .fp4_math import (FMT_E4M3, FMT_MXFP4, FMT_NVFP4, e2m1_block_sums_lut, e2m1_magnitude_codes, e2m1_pack_hw,
                        e2m1_pair_sums_hw, e4m3_bits, e4m3_p_shift, fma_lanes, mul_f32x2, mx_block_exponent,
                        pack_nibbles, pow2, round_e2m1_at_scale, round_e4m3_signed, sub_lanes)
 from .loop_e4m3 import TILE_EXP_FLOOR
@@ -48,8 +48,9 @@ class Config(NamedTuple):
     two-level P. ``FAST_RCP`` (sm_80+), ``HW_E4M3`` (sm_89+), ``HW_E2M1`` (sm_100+), ``F32X2``
     (sm_10x / sm_11x: two-lane fp32 arithmetic): the target's instructions. ``D``: the head dim,
     ``QB``: the Q̂·K̂ᵀ block, ``BLOCK_DV``: the padded value head dim. ``EXACT``: the exponents'
-    exact form; False runs NVFP4 P's fused form (:func:`nv_p`, :func:`masked_logits`), which the
-    dispatch picks only where every logit lies within :data:`.loop_e4m3.FAST_LOGIT_BOUND` nats."""
+    exact form; False runs two-level NVFP4 P's fused form (:func:`nv_p`, :func:`masked_logits`),
+    which the dispatch picks only where every logit lies within :data:`.loop_e4m3.FAST_LOGIT_BOUND`
+    nats."""
 
     HAS_MASK: tl.constexpr
     QK: tl.constexpr
@@ -96,12 +97,13 @@ def packed_p(x, HW_E2M1: tl.constexpr):
 def code_block_sums(packed, pairs, NB: tl.constexpr, QB: tl.constexpr, WS: tl.constexpr, F32X2: tl.constexpr):
     """Per-block sums (BLOCK_M, NB) fp32 of P's rounded values in units of their block scales, from
     :func:`packed_p`'s outputs. In datacenter Blackwell's warp-specialized loop (F32X2 and WS) from
-    the codes by :func:`.fp4_math.e2m1_block_sums_hw` (each byte converted back to an f16 pair, the
-    pairs added two lanes an instruction), whose blocks must be whole in a thread — what that loop's S tile
-    layout gives (tests/test_offline_compile.py reads it off the compiled loop); else
-    :func:`block_sums` of the pair sums (WS: in fp16). The same values: every sum is exact."""
+    the codes by :func:`.fp4_math.e2m1_block_sums_lut` (P's codes have no sign bit: each four codes'
+    doubled magnitudes by one table look-up, added as integers), whose blocks must be whole in a
+    thread — what that loop's S tile layout gives (tests/test_offline_compile.py reads it off the
+    compiled loop); else :func:`block_sums` of the pair sums (WS: in fp16). The same values: every
+    sum is exact."""
     if F32X2 and WS:
-        return e2m1_block_sums_hw(packed, QB)
+        return e2m1_block_sums_lut(packed, QB)
     return block_sums(pairs, NB, WS)
 
 
@@ -145,12 +147,12 @@ def masked_logits(qk, scale_log2, M_base, keys, SK, sms, C, TAIL: tl.constexpr):
     them, dead keys (``keys``, the key of each column, not alive in the key-padding mask, or at or
     past SK: :func:`.tiles.scaled_masked`) selected to -inf: in log2 units (times ``scale_log2``,
     rounded once, then masked), or, where the exponents are fused, the raw products masked
-    (:func:`nv_p` scales them in its exponents). The fused form is NVFP4 P's (the NVFP4 FP4-P·V
-    methods) where the launch is not EXACT; MXFP4 P keeps the exact form (under the OCP rule a
-    residual that leaves the row's largest P̃ at 1 - 2^-24 moves its block one scale down), and so
-    does FP8 P. On datacenter Blackwell the product runs two lanes an instruction, except in the
-    FP8-P·V form, where it spills."""
-    if C.QK == FMT_NVFP4 and C.PV != FMT_E4M3 and not C.EXACT:
+    (:func:`nv_p` scales them in its exponents). The fused form is two-level NVFP4 P's (``sage3``,
+    ``sage3-hpnq``) where the launch is not EXACT; MXFP4 P keeps the exact form (under the OCP rule
+    a residual that leaves the row's largest P̃ at 1 - 2^-24 moves its block one scale down), and
+    so do single-level NVFP4 P (:func:`nv_p` says why) and FP8 P. On datacenter Blackwell the
+    product runs two lanes an instruction, except in the FP8-P·V form, where it spills."""
+    if C.QK == FMT_NVFP4 and C.PV != FMT_E4M3 and C.TWO_LEVEL and not C.EXACT:
         return scaled_masked(qk, 1.0, M_base, keys, SK, sms, C.HAS_MASK, TAIL)
     return scaled_masked(qk, scale_log2, M_base, keys, SK, sms, C.HAS_MASK, TAIL, C.F32X2 and C.PV != FMT_E4M3)
 
@@ -212,25 +214,27 @@ def nv_p(qk, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ:
 
     - EXACT: ``qk`` holds the logits in log2 units, and every exponent is the exact difference
       ``qk - m`` (exact near the row maximum: the row's largest P̃ is exactly 1 at any magnitude).
-    - fused (where :func:`masked_logits` says): ``qk`` holds the raw products, every exponent is
-      one ``fma(qk, scale_log2, -m)`` (two lanes an instruction where F32X2), and m is the rounded
-      product of the largest one. Each exponent then carries m's rounding residual (at most half an
-      ulp of m: under 2^-7 within :data:`.loop_e4m3.FAST_LOGIT_BOUND`, where |m| < 2^18) in place
-      of its own product's rounding, and the row's largest P̃ is exp2 of that residual, not exactly
-      1 (the residual grows with |m|, to half a binade at 1e7 nats: the dispatch runs the exact
-      form past the bound). NVFP4's block scale rounds amax / 6, far from an E4M3 rounding boundary
-      at the row's largest block (amax near 1, or near 448·6 with two-level P), so the residual
-      leaves that block's scale as it is.
+    - fused (TWO_LEVEL only; where :func:`masked_logits` says): ``qk`` holds the raw products,
+      every exponent is one ``fma(qk, scale_log2, -m)`` (two lanes an instruction where F32X2), and
+      m is the rounded product of the largest one. Each P̃ then carries exp2 of m's rounding
+      residual, one factor for the whole row (at most half an ulp of m: under 2^-7 of a binade
+      within :data:`.loop_e4m3.FAST_LOGIT_BOUND`, where |m| < 2^18; it grows with |m|, to half a
+      binade at 1e7 nats, so the dispatch runs the exact form past the bound), and no element's
+      own product is rounded. The two-level row factor is the tile's largest P̃ by the same FMA,
+      so P̂ (quantized relative to it) and the row sum carry that factor alike and it cancels in
+      out = acc / l; the LSE moves by at most the residual. Without two-level P (``nvfp4``) the
+      block scales' rounding absorbs the factor where the unquantized row sum keeps it, so that
+      method keeps the exact form.
 
     QUAD (QB = 16; the S tile of :mod:`.loop_scaled_sm120`): the columns in
     :func:`.key_order.quad_key_order` (column 8j + 2t + e of each 32 holds key 8t + 2j + e, so a
     block of 16 keys is the columns of one t // 2, and a lane holds half a block); the codes come
-    out in that order too. F32X2 (datacenter
-    Blackwell): the exp2 arguments and P̃'s scaling by the block reciprocals two lanes an
-    instruction, PNQ's block sums as :func:`mx_p`'s (the same values). WS (the warp-specialized
-    loop's arithmetic): PNQ's block sums added in fp16 (exact: at most 96, in halves), converted
-    once a block. The block maxima's exp2 is :func:`block_exp2`'s (Triton's partitioner keeps it
-    with the softmax; taking each block's maximum over its P̃ elements instead costs more). PNQ
+    out in that order too. F32X2 (datacenter Blackwell): the exp2 arguments and P̃'s scaling by
+    the block reciprocals two lanes an instruction, PNQ's block sums as :func:`mx_p`'s (the same
+    values). WS (the warp-specialized loop's arithmetic): PNQ's block sums added in fp16 (exact: at
+    most 96, in halves), converted once a block. The block maxima's exp2 is :func:`block_exp2`'s
+    (Triton's partitioner keeps it with the softmax; taking each block's maximum over its P̃
+    elements instead costs more). PNQ
     with TWO_LEVEL (``sage3-hpnq``): ``l`` is kept in units of r, as the accumulator, and rescaled
     by the same acc_scale (the caller's LSE adds log2 r; out = acc / l, the factor's rounding
     cancels): a row sum multiplied by r_new would tie the tile's E2M1 packing to the two-level
@@ -249,7 +253,7 @@ def nv_p(qk, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ:
     tile_max = tl.max(bmax, axis=1)
     if EXACT:
         m_new = tl.maximum(m_i, tile_max)
-    else:  # the tile's largest logit, rounded once (the rounding is monotonic: the largest product's)
+    else:  # the tile's largest logit, its product rounded once (monotonic: the largest product's)
         m_new = tl.maximum(m_i, tile_max * scale_log2)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     if EXACT:
@@ -261,7 +265,7 @@ def nv_p(qk, m_i, r_i, l_i, TWO_LEVEL: tl.constexpr, P_RANGE: tl.constexpr, PNQ:
         # reduction of P̃ (the reference takes the largest of the block's P̃: the same value, exp2 and
         # the subtraction being monotonic)
         amax = block_exp2(bmax - m_safe[:, None])
-        top = tl.exp2(tile_max - m_safe)
+        top = tl.exp2(tile_max - m_safe)  # the tile's largest P̃ (the same value again)
     else:  # the same, each exponent one FMA (monotonic as well: amax is the block's largest P̃)
         if QUAD:
             p = tl.exp2(tl.fma(s3, scale_log2, -m_safe[:, None, None, None, None, None]))
@@ -340,7 +344,7 @@ def fp4_p(qk, m_i, r_i, l_i, scale_log2, C, WS: tl.constexpr, QUAD: tl.constexpr
     if C.QK == FMT_NVFP4:
         p4, p_sc, m_new, r_i, l_i, acc_scale = nv_p(qk, m_i, r_i, l_i, C.TWO_LEVEL, C.P_RANGE, C.PNQ, C.FAST_RCP,
                                                     C.HW_E4M3, C.QB, C.HW_E2M1, QUAD, WS, C.F32X2,
-                                                    exponent_scale(scale_log2), C.EXACT)
+                                                    exponent_scale(scale_log2), C.EXACT or not C.TWO_LEVEL)
         p_sc = p_sc.to(tl.float8e4nv, bitcast=True)
     else:
         p4, p_sc, m_new, l_i, acc_scale = mx_p(qk, m_i, l_i, C.OCP, C.QMAX, C.PNQ, C.QB, C.HW_E2M1, WS, C.F32X2)

@@ -417,3 +417,145 @@ def test_fp8_shift_from_raw_max_equals_shift_of_quantized_max(rule):
     _shift_kernel[(1,)](a, raw, quantized, N=n, OCP=r is ScaleRule.OCP, QMAX=r.qmax)
     bad = (raw != quantized).nonzero()[:5, 0]
     assert len(bad) == 0, [(a[i].item(), raw[i].item(), quantized[i].item()) for i in bad]
+
+
+# --- P's block sums by table look-ups (sm_100's warp-specialized loop) ----------------------------
+
+
+def _lut_ptx(asm: str, operands: dict[int, int]) -> dict[int, int]:
+    """Evaluate :func:`fp4video.kernels.fp4_math.block_sum_lut_asm`'s PTX with ``$k`` bound to the
+    32-bit ``operands[k]``, each instruction as the PTX ISA defines it: ``prmt.b32`` (generic mode:
+    selector nibble i, c's bits 4i..4i+3, picks byte i of d from the bytes of {b, a}, b's bytes
+    numbered 4-7; its top bit replicates the picked byte's sign), ``shr.b32``, ``add.u32``
+    (modulo 2^32), ``dp4a.u32.u32`` (c plus the products of a's and b's bytes), ``cvt.rn.f32.u32``,
+    ``mul.f32``, ``mov.b32``. Any other instruction is refused, so a changed asm cannot pass by
+    being skipped. Returns every ``$k`` after it (fp32 results as their bits)."""
+    import re
+    import struct
+
+    regs = {f"${k}": v for k, v in operands.items()}
+
+    def value(arg: str) -> int:
+        if arg.startswith("0f"):  # an fp32 immediate, by its bits
+            return int(arg[2:], 16)
+        return int(arg, 0) if arg[0].isdigit() else regs[arg]
+
+    def f32(bits: int) -> float:
+        return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
+
+    def bits(x: float) -> int:
+        return struct.unpack("<I", struct.pack("<f", x))[0]
+
+    body = asm.strip()
+    assert body.startswith("{") and body.endswith("}"), asm
+    for stmt in filter(None, (s.strip() for s in body[1:-1].split(";"))):
+        op, _, args = stmt.partition(" ")
+        if op == ".reg":
+            continue
+        dst, *src = [a.strip() for a in args.split(",")]
+        x = [value(s) for s in src]
+        if op == "mov.b32":
+            out = x[0]
+        elif op == "prmt.b32":
+            pool = (x[1] << 32 | x[0]).to_bytes(8, "little")
+            out = 0
+            for i in range(4):
+                nibble = (x[2] >> (4 * i)) & 0xF
+                byte = pool[nibble & 7]
+                out |= ((0xFF if byte & 0x80 else 0) if nibble & 8 else byte) << (8 * i)
+        elif op == "shr.b32":
+            out = x[0] >> x[1]
+        elif op == "add.u32":
+            out = (x[0] + x[1]) & 0xFFFFFFFF
+        elif op == "dp4a.u32.u32":
+            out = (x[2] + sum(a * b for a, b in zip(x[0].to_bytes(4, "little"), x[1].to_bytes(4, "little")))) \
+                & 0xFFFFFFFF
+        elif op == "cvt.rn.f32.u32":
+            out = bits(float(x[0]))  # (exact: the sums are far below 2^24)
+        elif op == "mul.f32":
+            out = bits(f32(x[0]) * f32(x[1]))  # (exact: a halving)
+        else:
+            raise NotImplementedError(f"PTX evaluator: {op}")
+        regs[dst] = out
+    assert not set(re.findall(r"\$\d+", asm)) - set(regs), asm
+    return {int(k[1:]): v for k, v in regs.items() if k.startswith("$")}
+
+
+def test_lut_block_sum_table_holds_the_doubled_e2m1_magnitudes():
+    """The bytes ``prmt`` looks up (code c picks byte c of {HI, LO}) are E2M1's magnitudes doubled,
+    in code order: 2 · (0, 0.5, 1, 1.5, 2, 3, 4, 6), as :mod:`fp4video.formats` lists them."""
+    from fp4video.formats import E2M1_VALUES
+    from fp4video.kernels.fp4_math import E2M1_DOUBLED_HI, E2M1_DOUBLED_LO
+
+    table = (E2M1_DOUBLED_HI << 32 | E2M1_DOUBLED_LO).to_bytes(8, "little")
+    assert [float(b) for b in table] == [2 * v for v in E2M1_VALUES]
+
+
+@pytest.mark.parametrize("qb", [16, 32])
+def test_lut_block_sum_asm_adds_every_code_of_its_block_once(qb):
+    """:func:`fp4video.kernels.fp4_math.e2m1_block_sums_lut`'s PTX for blocks of 16 / 32 codes of
+    values >= 0 (P's: no sign bit), evaluated instruction by instruction: its first output is the
+    exact sum of the E2M1 values of all QB codes in its QB/8 input registers — every byte of two
+    such codes in every position alone (each code counted once, at its own value), all codes 7
+    (the largest sum: no carry between the looked-up bytes), and random blocks — and it reads
+    exactly the inputs after its QB/2 outputs."""
+    import re
+    import struct
+
+    from fp4video.formats import E2M1_VALUES
+    from fp4video.kernels import fp4_math
+
+    asm = {16: fp4_math.BLOCK_SUM_LUT_ASM_16, 32: fp4_math.BLOCK_SUM_LUT_ASM_32}[qb].value
+    n_out, n_in = qb // 2, qb // 8
+    assert sorted({int(k) for k in re.findall(r"\$(\d+)", asm)}) == list(range(n_out + n_in))
+    codes = torch.randint(0, 8, (3000, qb), generator=torch.Generator().manual_seed(9)).tolist()
+    blocks = [bytes(c[2 * i] | c[2 * i + 1] << 4 for i in range(qb // 2)) for c in codes]
+    blocks.append(bytes([0x77] * (qb // 2)))
+    for pos in range(qb // 2):
+        for value in range(256):
+            if value & 0x88 == 0:  # (the codes of values >= 0)
+                blocks.append(bytes(value if i == pos else 0 for i in range(qb // 2)))
+    for block in blocks:
+        words = {n_out + w: int.from_bytes(block[4 * w:4 * w + 4], "little") for w in range(n_in)}
+        out = _lut_ptx(asm, words)
+        want = sum(E2M1_VALUES[b & 7] + E2M1_VALUES[b >> 4] for b in block)
+        got = struct.unpack("<f", struct.pack("<I", out[0]))[0]
+        assert got == want, (block.hex(), got, want)
+
+
+def test_lut_ptx_evaluator_knows_its_instructions():
+    """The evaluator refuses what it does not model, and reads ``prmt``'s sign-replicating selector
+    as the ISA says (the codes the loops look up never set it)."""
+    with pytest.raises(NotImplementedError):
+        _lut_ptx("{ .reg .b32 x; max.u32 x, $1, $2; }", {1: 0, 2: 0})
+    out = _lut_ptx("{ prmt.b32 $0, $1, $2, $3; }", {1: 0x80402010, 2: 0x08070605, 3: 0xB7A4})
+    # bytes: b's first (0x05), a's third's sign (0x40: 0x00), b's last (0x08), a's last's sign (0x80: 0xFF)
+    assert out[0] == 0xFF08_0005
+
+
+from fp4video.kernels.fp4_math import e2m1_block_sums_lut  # noqa: E402
+
+
+@triton.jit
+def _lut_block_sums_kernel(Codes, Out, ROWS: tl.constexpr, COLS: tl.constexpr, QB: tl.constexpr):
+    r, c = tl.arange(0, ROWS), tl.arange(0, COLS // 2)
+    sums = e2m1_block_sums_lut(tl.load(Codes + r[:, None] * (COLS // 2) + c[None, :]), QB)
+    b = tl.arange(0, COLS // QB)
+    tl.store(Out + r[:, None] * (COLS // QB) + b[None, :], sums)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qb", [16, 32])
+def test_lut_block_sums_on_the_gpu(qb):
+    """The look-up block sums compiled and run on this GPU (``prmt`` and ``dp4a``: every GPU since
+    sm_61, no Blackwell needed): a (128, 64) tile of packed codes of values >= 0, 16 bytes a thread
+    as Triton lays out a coalesced uint8 load (whole blocks, in order), every block's sum exact."""
+    from fp4video.formats import E2M1_VALUES
+
+    codes = torch.randint(0, 8, (128, 128), generator=torch.Generator().manual_seed(11))
+    codes[0] = 7
+    packed = (codes[:, 0::2] | codes[:, 1::2] << 4).to(torch.uint8).cuda()
+    out = torch.empty(128, 128 // qb, device="cuda")
+    _lut_block_sums_kernel[(1,)](packed, out, ROWS=128, COLS=128, QB=qb, num_warps=4)
+    want = torch.tensor(E2M1_VALUES)[codes].reshape(128, 128 // qb, qb).sum(-1)
+    assert torch.equal(out.cpu(), want)

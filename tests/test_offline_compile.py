@@ -113,9 +113,11 @@ def test_scaled_kernel_compiles_to_native_fp4_mma(arch, instruction, nv):
         assert all("kind::mxf4" in m for m in mmas) and not any(block16), sorted(set(mmas))
     assert not re.search(r"(wgmma|mma)[.\w]*\.bf16", ptx), "an MMA fell back to bf16 (emulation)"
     # P's E2M1 rounding and packing by the hardware conversion, and (PNQ: the MXFP4 form here)
-    # its values back for the row sum
+    # its values back for the row sum: each pair's by the reverse conversion, and in sm_100's
+    # warp-specialized loop each block's codes by table look-ups (prmt, dp4a)
     assert "cvt.rn.satfinite.e2m1x2.f32" in ptx
     assert ("cvt.rn.f16x2.e2m1x2" in ptx) is (not nv)
+    assert ("dp4a.u32.u32" in ptx) is (not nv and arch == 100)
     # sm_100: K̂'s and V̂ᵀ's block scales copied from their TMA boxes into tensor memory; the exp2
     # arguments two lanes an instruction
     assert ("tcgen05.cp" in ptx) is (arch == 100)
@@ -323,8 +325,8 @@ def test_partition_loops_pair_by_role():
     assert partition_issue([softmax, softmax, mma, tma], parts + [("vector", 4)]) is None  # 8 and 4 warps: open
 
 
-@pytest.mark.parametrize("method, most", [("mxattn", 8.7), ("mxfp4-ocp", 7.8), ("nvfp4", 8.0), ("sage3", 8.8),
-                                          ("sage3-hpnq", 10.0), ("mxattn-pv8", 9.4)])
+@pytest.mark.parametrize("method, most", [("mxattn", 8.1), ("mxfp4-ocp", 7.8), ("nvfp4", 8.45), ("sage3", 8.8),
+                                          ("sage3-hpnq", 9.6), ("mxattn-pv8", 9.4)])
 def test_sm100_partitions_keep_the_logits_with_the_softmax(method, most):
     """sm_100's warp-specialized loop, compiled offline: no partition's loop spills (the S tile or
     the accumulator), none hands S to another through shared memory (as Triton's partitioner did while the block maxima's exp2
@@ -334,9 +336,10 @@ def test_sm100_partitions_keep_the_logits_with_the_softmax(method, most):
     partition is one warp (the block scales reach tensor memory by ``tcgen05.cp`` from their TMA
     boxes, not through four warps' registers); and the instructions over all partitions stay within
     what is reached with the exp2 arguments, NVFP4's block reciprocals and PNQ's block sums two lanes
-    an instruction, and the exponents as the loop runs them within the fast logit bound (MXFP4 and
-    FP8 P: a logit's difference from the row maximum, then the tile's shift, a multiply and two adds
-    per element; NVFP4 P: one FMA, two lanes an instruction)."""
+    an instruction, PNQ's block sums by table look-ups, and the exponents as the loop runs them
+    within the fast logit bound (MXFP4, single-level NVFP4 and FP8 P: a logit's difference from the
+    row maximum, then the tile's shift, a multiply and two adds per element; two-level NVFP4 P: one
+    FMA, two lanes an instruction)."""
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -365,8 +368,9 @@ def test_nvfp4_two_level_loops_stay_within_the_blackwell_budgets(target):
     instructions per element of S and no spill access in the key loops (no partition's, on sm_100).
     With the exact exponents (a product, then the difference from the row maximum) on every call,
     ``sage3-hpnq`` issued 10.47 on sm_100 and 16.47 on sm_120, and ``sage3`` spilled 5 accesses a key
-    tile on sm_120; the fused exponents (one FMA, :func:`fp4video.kernels.scaled_math.nv_p`) bring
-    them back."""
+    tile on sm_120; the fused exponents (one FMA, :func:`fp4video.kernels.scaled_math.nv_p`) and, on
+    sm_100, PNQ's block sums by table look-ups (:func:`fp4video.kernels.fp4_math.e2m1_block_sums_lut`)
+    bring them back."""
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -385,14 +389,14 @@ def test_nvfp4_two_level_loops_stay_within_the_blackwell_budgets(target):
 
 
 #: compiles a method's loop for sm_100 as the dispatch runs it and prints, for each inline asm of
-#: PNQ's block sums (e2m1_block_sums_hw: more than four bytes a call), its packing and the layout
-#: definition of its operand, and whether the two-lane fp32 asm is there
+#: PNQ's block sums (e2m1_block_sums_lut: its table look-ups, more than four bytes a call), its
+#: packing and the layout definition of its operand, and whether the two-lane fp32 asm is there
 BLOCK_SUM_LAYOUT = """
 import re
 from fp4video.kernels.report import compile_loop
 ttgir = compile_loop({method!r}, 100)[1].asm["ttgir"]
 for m in re.finditer(r'tt\\.elementwise_inline_asm "([^"]*)" \\{{[^}}]*packed_element = (\\d+)[^}}]*\\}} %\\w+ : tensor<[^,]*, (#\\w+)>', ttgir):
-    if "cvt.rn.f16x2.e2m1x2" in m.group(1) and int(m.group(2)) > 4:
+    if "prmt.b32" in m.group(1) and "dp4a" in m.group(1) and int(m.group(2)) > 4:
         print("BLOCK", m.group(2), re.search(rf"^{{m.group(3)}} = (.*)$", ttgir, re.M).group(1))
 print("F32X2", "fma.rn.f32x2" in ttgir)
 """
@@ -414,7 +418,7 @@ def _column_bases(layout: str) -> tuple[list[int], list[int]]:
 
 @pytest.mark.parametrize("method, pack", [("mxattn", 16), ("sage3-hpnq", 8)])
 def test_sm100_block_sums_get_whole_blocks_in_order(method, pack):
-    """PNQ's block sums on sm_100 (:func:`.fp4_math.e2m1_block_sums_hw`) add the codes of ``pack``
+    """PNQ's block sums on sm_100 (:func:`.fp4_math.e2m1_block_sums_lut`) add the codes of ``pack``
     consecutive bytes a call: that is a block only where the operand's layout gives each thread a
     block's bytes as its first registers, in key order (register bases 1, 2, 4, ... columns) and
     every other basis moves by whole blocks. Read off the compiled loop's TTGIR; the loop also
