@@ -287,30 +287,6 @@ def e2m1_pair_sums_hw(packed):
     return tl.inline_asm_elementwise(E2M1_PAIR_SUMS_ASM, "=r,=r,r", [packed], dtype=tl.float16, is_pure=True, pack=4)
 
 
-def block_sum_asm(words: int) -> str:
-    """The PTX of :func:`e2m1_block_sums_hw` for a block held in ``words`` 32-bit registers (4 bytes
-    of two codes each; one output a byte, the inputs after them): each byte to an f16 pair by
-    ``cvt.rn.f16x2.e2m1x2``, the pairs added as f16x2 in a tree, then the two halves; the sum,
-    converted to fp32, is the first output ($0), the others copy it (unused: the caller keeps the
-    first element)."""
-    n = 4 * words
-    regs = ", ".join(f"c{i}" for i in range(n))
-    halves = ", ".join(f"h{i}" for i in range(n))
-    lines = [f"{{ .reg .b8 {regs}; .reg .b32 {halves}; .reg .f16 lo, hi, s;"]
-    lines += [f"mov.b32 {{c{4 * w}, c{4 * w + 1}, c{4 * w + 2}, c{4 * w + 3}}}, ${n + w};" for w in range(words)]
-    lines += [f"cvt.rn.f16x2.e2m1x2 h{i}, c{i};" for i in range(n)]
-    step = 1
-    while step < n:  # h0 += h1, h2 += h3, ...; then h0 += h2, ...: exact (halves up to 192)
-        lines += [f"add.rn.f16x2 h{i}, h{i}, h{i + step};" for i in range(0, n, 2 * step)]
-        step *= 2
-    lines += ["mov.b32 {lo, hi}, h0; add.rn.f16 s, lo, hi; cvt.f32.f16 $0, s;"]
-    lines += [f"mov.b32 ${i}, $0;" for i in range(1, n)]
-    return " ".join(lines) + " }"
-
-
-#: :func:`e2m1_block_sums_hw`'s PTX for blocks of 16 and 32 codes
-BLOCK_SUM_ASM_16 = tl.constexpr(block_sum_asm(2))
-BLOCK_SUM_ASM_32 = tl.constexpr(block_sum_asm(4))
 #: E2M1's magnitudes doubled (0, 1, 2, 3, 4, 6, 8, 12: integers), a byte each, as ``prmt`` looks them
 #: up: magnitude code c (0-7) selects byte c of the pair {E2M1_DOUBLED_HI, E2M1_DOUBLED_LO}
 E2M1_DOUBLED_LO, E2M1_DOUBLED_HI = 0x03020100, 0x0C080604
@@ -357,31 +333,15 @@ def _first_of_pairs(x):
 
 
 @triton.jit
-def e2m1_block_sums_hw(packed, QB: tl.constexpr):
-    """The sum of each block of QB (16 or 32) E2M1 values in packed codes (ROWS, COLS // 2)
-    (:func:`e2m1_pack_hw`'s output, two codes a byte in key order), as fp32 (ROWS, COLS // QB), exact
-    (at most 6 a value, in halves: 192 for 32), by Blackwell's conversion back
-    (``cvt.rn.f16x2.e2m1x2``, sm_100+) and f16x2 additions: ``QB // 2`` conversions and as many
-    additions a block. Each block's QB // 2 bytes must lie in one thread, in order (as the loops'
-    S tiles hold them: a thread owns whole blocks of a row)."""
-    tl.static_assert(QB == 16 or QB == 32, "blocks of 16 or 32 codes")
-    if QB == 16:
-        sums = tl.inline_asm_elementwise(BLOCK_SUM_ASM_16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [packed],
-                                         dtype=tl.float32, is_pure=True, pack=8)
-    else:
-        sums = tl.inline_asm_elementwise(BLOCK_SUM_ASM_32, "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
-                                         [packed], dtype=tl.float32, is_pure=True, pack=16)
-    return _block_firsts(sums, QB)
-
-
-@triton.jit
 def e2m1_block_sums_lut(packed, QB: tl.constexpr):
-    """:func:`e2m1_block_sums_hw`'s sums (each block of QB = 16 or 32 codes, fp32 (ROWS, COLS // QB),
-    exact) for codes of values >= 0 (no sign bit: P's), by table look-ups and integer additions
+    """The sum of each block of QB (16 or 32) E2M1 values in packed codes (ROWS, COLS // 2)
+    (:func:`e2m1_pack_hw`'s output, two codes a byte in key order) as fp32 (ROWS, COLS // QB), exact,
+    for codes of values >= 0 (no sign bit: P's), by table look-ups and integer additions
     (:func:`block_sum_lut_asm`): QB // 4 ``prmt`` and QB // 8 shifts, QB // 4 - 1 additions, one
-    ``dp4a`` and one conversion a block, where the conversions back to f16 take QB // 2
-    conversions and as many additions. Instructions of every GPU since sm_61 (Blackwell's loops
-    use it; a GPU test runs it). Each block's QB // 2 bytes must lie in one thread, in order."""
+    ``dp4a`` and one conversion a block (Blackwell's conversions back to f16 would take QB // 2
+    conversions and as many additions). Instructions of every GPU since sm_61 (Blackwell's loops
+    use it; a GPU test runs it). Each block's QB // 2 bytes must lie in one thread, in order (as the
+    loops' S tiles hold them: a thread owns whole blocks of a row)."""
     tl.static_assert(QB == 16 or QB == 32, "blocks of 16 or 32 codes")
     if QB == 16:
         sums = tl.inline_asm_elementwise(BLOCK_SUM_LUT_ASM_16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [packed],
