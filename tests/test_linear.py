@@ -575,6 +575,7 @@ def test_unfit_shapes_and_weights_are_named():
 def test_the_profile_script_runs_its_code_paths_on_the_cpu(tmp_path):
     """scripts/profile_linear.py --smoke: the tiny model, mxfp8 emulated, every stage run and recorded
     as it goes, the table written (its GPU numbers come from the H200)."""
+    import json
     import subprocess
     import sys
     from pathlib import Path
@@ -597,7 +598,6 @@ def test_a_run_config_names_the_linear_layers_method_and_generate_honours_it(tmp
     """``linear:`` in a run config: a method this machine cannot run is one line before anything
     loads; a policy that fits none of the model's layers (fp32 weights for torchao's mxfp8) is one
     line naming a layer and why, and no video is written."""
-    import json
     import subprocess
     import sys
 
