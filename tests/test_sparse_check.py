@@ -273,16 +273,7 @@ def test_checked_repaired_call_captures_in_a_cuda_graph_gpu():
     """The check, sinks and the repair are tensor operations: a graph captures the call with them."""
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (torch.randn(1, 4, 4096, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    from test_sparse_loops import assert_graph_replays_eager
+
     rule = DynamicSparsity(tau=0.5, topk=0.1, estimate="sampled", sinks=True, floor=0.9)
-    eager = fp4_attention(q, k, v, method="mxattn-pv8", sparsity=rule, backend="triton")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fp4_attention(q, k, v, method="mxattn-pv8", sparsity=rule, backend="triton")
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fp4_attention(q, k, v, method="mxattn-pv8", sparsity=rule, backend="triton")
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    assert_graph_replays_eager(lambda: fp4_attention(q, k, v, method="mxattn-pv8", sparsity=rule, backend="triton"))

@@ -319,15 +319,21 @@ def test_sparse_call_captures_in_a_cuda_graph_gpu():
     the whole call and replays it to the eager result."""
     q, k, v = (rand(1, 4, 2048, 128, seed=s, device="cuda", dtype=torch.bfloat16) for s in (30, 31, 32))
     rule = DynamicSparsity(tau=0.8)
-    eager = fp4_attention(q, k, v, method="mxattn-pv8", sparsity=rule, backend="triton")
+    assert_graph_replays_eager(lambda: fp4_attention(q, k, v, method="mxattn-pv8", sparsity=rule, backend="triton"))
+
+
+def assert_graph_replays_eager(call):
+    """``call()`` captured in a CUDA graph (after a warm-up on a side stream, as CUDA graphs ask)
+    replays to its eager result bit for bit: nothing in it reads back to the host."""
+    eager = call()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        for _ in range(2):  # warm-up on a side stream, as CUDA graphs ask
-            fp4_attention(q, k, v, method="mxattn-pv8", sparsity=rule, backend="triton")
+        for _ in range(2):
+            call()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fp4_attention(q, k, v, method="mxattn-pv8", sparsity=rule, backend="triton")
+        out = call()
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)

@@ -63,6 +63,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from .sites import Site, is_attention
+from .policy import non_negative_blocks, not_empty
 
 __all__ = ["METHODS", "KINDS", "BLOCK_KINDS", "OUTSIDE_KINDS", "EXPERTS", "TORCHAO_REQUIREMENT", "LinearRule",
            "LinearPolicy", "LinearSite", "LinearPlan", "LinearInstall", "LinearMeasure", "LinearUnsupported",
@@ -121,20 +122,8 @@ class LinearRule(_Strict):
 
     _no_steps = model_validator(mode="before")(classmethod(lambda cls, data: _refuse_steps(data)))
 
-    @field_validator("blocks")
-    @classmethod
-    def _non_negative_blocks(cls, v):
-        if v is not None and any(b < 0 for b in v):
-            raise ValueError(f"block indices count from 0 (no negative indices), got {v}")
-        return v
-
-    @field_validator("blocks", "kinds", "experts")
-    @classmethod
-    def _not_empty(cls, v, info):
-        if v is not None and not v:
-            raise ValueError(f"{info.field_name}: [] lists none, so the rule could never match (leave "
-                             f"{info.field_name} out to match every one)")
-        return v
+    _non_negative_blocks = field_validator("blocks")(classmethod(lambda cls, v: non_negative_blocks(v)))
+    _not_empty = field_validator("blocks", "kinds", "experts")(classmethod(lambda cls, v, info: not_empty(v, info)))
 
     @model_validator(mode="after")
     def _kinds_in_blocks(self):

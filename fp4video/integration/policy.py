@@ -108,6 +108,21 @@ def check_schedule(step, num_steps) -> None:
         raise ValueError(f"step must be an int >= 0 (a denoising step's index) or None (no step known), got {step!r}")
 
 
+def non_negative_blocks(v):
+    """A rule's ``blocks``: indices from 0 (a field validator's check, shared by every kind of rule)."""
+    if v is not None and any(b < 0 for b in v):
+        raise ValueError(f"block indices count from 0 (no negative indices), got {v}")
+    return v
+
+
+def not_empty(v, info):
+    """A rule's list condition: None (every one) or not empty (an empty one could never match)."""
+    if v is not None and not v:
+        raise ValueError(f"{info.field_name}: [] lists none, so the rule could never match (leave "
+                         f"{info.field_name} out to match every one)")
+    return v
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -318,20 +333,8 @@ class Rule(_Strict):
         """What the rule routes its calls to: the method name, or ``"backend:<name>"``."""
         return target_of(self.method, self.backend)
 
-    @field_validator("blocks")
-    @classmethod
-    def _non_negative_blocks(cls, v):
-        if v is not None and any(b < 0 for b in v):
-            raise ValueError(f"block indices count from 0 (no negative indices), got {v}")
-        return v
-
-    @field_validator("blocks", "kinds", "experts")
-    @classmethod
-    def _not_empty(cls, v, info):
-        if v is not None and not v:
-            raise ValueError(f"{info.field_name}: [] lists none, so the rule could never match (leave "
-                             f"{info.field_name} out to match every one)")
-        return v
+    _non_negative_blocks = field_validator("blocks")(classmethod(lambda cls, v: non_negative_blocks(v)))
+    _not_empty = field_validator("blocks", "kinds", "experts")(classmethod(lambda cls, v, info: not_empty(v, info)))
 
     def describe(self) -> str:
         """The rule as one YAML-like line, for messages."""
