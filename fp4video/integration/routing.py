@@ -234,7 +234,7 @@ def _run(call: _Call, kind: str, target: str, a: AttentionCall, sparsity=None):
         if sparsity is not None:
             selection = _selection(route, call, kind, sparsity, a, mask, target)
             extra = {"sparsity": sparsity.describe(), "density": selection.density()}
-            if selection.check is not None:  # what the call's check measured (tensors until read back)
+            if selection.check is not None and ctx.record:  # what its check measured (tensors until read back)
                 extra.update(selection.check.summary())
         else:
             selection = None
