@@ -193,6 +193,15 @@ def _lr_factor(step: int, warmup: int, frac: float) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * min(max(frac, 0.0), 1.0)))
 
 
+def _set_lr(opt, base_lr: float, step: int, warmup: int, frac: float, max_steps: int | None) -> None:
+    """The phase's learning rate at ``step`` (:func:`_lr_factor`); ``frac``, the share of the phase's
+    time spent, is raised to the share of ``max_steps`` done where a step count bounds the phase."""
+    if max_steps:
+        frac = max(frac, step / max_steps)
+    for group in opt.param_groups:
+        group["lr"] = base_lr * _lr_factor(step, warmup, frac)
+
+
 def _save(run: _Run, pipe, packed: bool, final: bool = False) -> None:
     t = time.perf_counter()
     if packed:
@@ -221,11 +230,7 @@ def _vae_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, device, de
     while run.elapsed() < deadline and (s.max_vae_steps is None or step < s.max_vae_steps):
         scenes = sample_scenes(s.vae_batch, seed=_stream(s.seed, "vae", step))
         video, mask = render(scenes, frames=s.vae_frames, height=config.height, width=config.width, device=device)
-        frac = (run.elapsed() - start) / budget
-        if s.max_vae_steps:
-            frac = max(frac, step / s.max_vae_steps)
-        for group in opt.param_groups:
-            group["lr"] = s.vae_lr * _lr_factor(step, s.warmup_steps, frac)
+        _set_lr(opt, s.vae_lr, step, s.warmup_steps, (run.elapsed() - start) / budget, s.max_vae_steps)
         with _autocast(device):
             posterior = vae.encode(video).latent_dist
             z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=gen, device=device,
@@ -345,11 +350,7 @@ def _transformer_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, de
         noise = torch.randn(x0.shape, generator=gen, device=device)
         xt, timestep, target = flow_sample(x0, noise, u, shift)
         pad_to = 512 if s.long_text_every and step % s.long_text_every == s.long_text_every - 1 else None
-        frac = (run.elapsed() - start) / budget
-        if s.max_steps:
-            frac = max(frac, step / s.max_steps)
-        for group in opt.param_groups:
-            group["lr"] = s.lr * _lr_factor(step, s.warmup_steps, frac)
+        _set_lr(opt, s.lr, step, s.warmup_steps, (run.elapsed() - start) / budget, s.max_steps)
         with _autocast(device):
             text = text_embeddings(text_encoder, ids_b, mask_b, pad_to)
             pred = model(hidden_states=xt, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
