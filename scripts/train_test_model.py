@@ -60,9 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve-seconds", type=float, help="kept for the last save and the evaluation (default 60)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, help="transformer batch (default 128)")
-    p.add_argument("--vae-batch", type=int, help="VAE batch (default 16)")
+    p.add_argument("--vae-batch", type=int, help="VAE batch (default 12)")
+    p.add_argument("--vae-frames", type=int, help="frames of the VAE's training clips, 4n + 1 (default 29, the clip's)")
     p.add_argument("--lr", type=float, help="transformer and text encoder learning rate (default 4e-4)")
-    p.add_argument("--vae-lr", type=float, help="VAE learning rate (default 4e-4)")
+    p.add_argument("--vae-lr", type=float, help="VAE learning rate (default 6e-4)")
     p.add_argument("--pool-size", type=int, help="clips in the transformer's latent pool, at most (default 12288)")
     p.add_argument("--max-steps", type=int, help="stop the transformer after this many steps")
     p.add_argument("--max-vae-steps", type=int, help="stop the VAE after this many steps")
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
         v = getattr(args, name)
         if v is not None and (v != v or v < 0 or (v == 0 and name not in ("vae_minutes", "reserve_seconds"))):
             parser.error(f"--{name.replace('_', '-')} must be a positive number, got {v}")
-    for name in ("batch", "vae_batch", "pool_size"):
+    for name in ("batch", "vae_batch", "vae_frames", "pool_size"):
         v = getattr(args, name)
         if v is not None and v < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {v}")
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
 
     given = {k: v for k, v in dict(
         seed=args.seed, minutes=args.minutes, vae_minutes=args.vae_minutes, reserve_seconds=args.reserve_seconds,
-        batch=args.batch, vae_batch=args.vae_batch, lr=args.lr, vae_lr=args.vae_lr, pool_size=args.pool_size,
+        batch=args.batch, vae_batch=args.vae_batch, vae_frames=args.vae_frames, lr=args.lr, vae_lr=args.vae_lr, pool_size=args.pool_size,
         max_steps=args.max_steps, max_vae_steps=args.max_vae_steps, eval_clips=args.eval_clips,
         checkpoint_seconds=args.checkpoint_seconds, compile=args.compile).items() if v is not None}
     if args.resume is not None and args.vae_minutes is None:

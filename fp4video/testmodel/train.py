@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .checker import check_rate
 from .model import (FULL, SMOKE, TestModelConfig, build_pipeline, is_pack, pack, parameter_counts, save_pipeline,
@@ -52,9 +52,10 @@ class Settings(BaseModel):
     minutes: float = Field(8.0, gt=0, description="wall-clock budget of the whole run, from its start")
     vae_minutes: float = Field(2.0, ge=0, description="of which the VAE trains (from the start)")
     reserve_seconds: float = Field(60.0, ge=0, description="kept at the end for the evaluation and the last save")
-    vae_batch: int = Field(16, gt=0)
-    vae_frames: int = Field(9, gt=0, description="frames of the VAE's training clips (4n + 1)")
-    vae_lr: float = Field(4e-4, gt=0)
+    vae_batch: int = Field(12, gt=0)
+    vae_frames: int = Field(29, gt=0, description="frames of the VAE's training clips (4n + 1); the clip's own "
+                            "length, since the causal cache drifts on chunks later than training showed")
+    vae_lr: float = Field(6e-4, gt=0)
     kl_weight: float = Field(1e-5, ge=0)
     shape_weight: float = Field(4.0, ge=0, description="extra reconstruction weight on the shape's pixels")
     batch: int = Field(128, gt=0)
@@ -76,6 +77,13 @@ class Settings(BaseModel):
     eval_seed: int = 1234
     compile: bool = False
     smoke: bool = False
+
+    @field_validator("vae_frames")
+    @classmethod
+    def _four_n_plus_one(cls, v: int) -> int:
+        if v % 4 != 1:
+            raise ValueError(f"must be 4n + 1 (the VAE's causal 4x in time), got {v}")
+        return v
 
 
 #: A run on the CPU in seconds: the smoke model, a few steps of each phase, two clips checked.
