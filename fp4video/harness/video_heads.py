@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 __all__ = ["HEAD_KINDS", "VideoGrid", "video_heads", "exact_attention", "exact_block_mass", "oracle_selection",
-           "selection_quality"]
+           "selection_quality", "KeyTilePartials", "key_tile_partials", "partial_row_cosines", "CapturedCall",
+           "capture_self_attention", "HEAD_CLASSES", "attention_structure"]
 
 #: The head kinds :func:`video_heads` builds.
 HEAD_KINDS = ("spatial", "temporal", "content", "sinks", "diffuse", "text", "random")
@@ -236,3 +238,198 @@ def _row_cosines(q, k, v, row_tiles, key_tile: int = 128, rows_at_once: int = 10
         cos.append(torch.nn.functional.cosine_similarity(sparse, dense, dim=-1))
         dot, na, nb = dot + (sparse * dense).sum(), na + sparse.square().sum(), nb + dense.square().sum()
     return torch.cat(cos, dim=2), dot / (na.sqrt() * nb.sqrt())
+
+
+# --- learned attention: the self-attention inputs of the project's trained test model ---------------------
+
+
+@dataclass(frozen=True)
+class CapturedCall:
+    """One self-attention call of a video transformer: ``q``, ``k``, ``v`` (1, H, S, D) fp32 as the call
+    received them (heads first), its softmax ``scale`` (None: 1/sqrt(D)), the latent ``grid`` (frames,
+    height, width) its video tokens lie on frame-major, and where it ran: ``caption`` (index), ``step``
+    (denoising step), ``branch`` (``cond`` or ``uncond``: classifier-free guidance's two passes,
+    in the pipeline's order), ``block``."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    scale: float | None
+    grid: tuple
+    caption: int
+    step: int
+    branch: str
+    block: int
+
+    @property
+    def label(self) -> str:
+        return f"caption {self.caption} step {self.step} {self.branch} block {self.block}"
+
+
+def capture_self_attention(pipe, captions, *, steps, call: dict, seed: int = 1000, branches=("cond", "uncond"),
+                           blocks=None) -> list[CapturedCall]:
+    """The q, k, v of every self-attention call of ``pipe``'s transformer blocks (``blocks``: those
+    indices, None: all) at the denoising ``steps`` (indices into the schedule of ``call``, the
+    pipeline's keyword arguments) for each of ``captions`` (generator seeded ``seed + i``), in the
+    ``branches`` asked for. The attention runs as the pipeline's own (fp4video installed with the
+    ``fp16`` policy: stock attention, an observer reading each call's inputs); the pipeline stops
+    after the last asked step and decodes nothing. The grid is the transformer's latent grid
+    (:func:`fp4video.integration.routing.latent_grid`)."""
+    from fp4video.integration import Policy, install, uninstall
+    from fp4video.integration.routing import latent_grid
+
+    steps = sorted(set(int(s) for s in steps))
+    last = steps[-1]
+    captured: list[CapturedCall] = []
+    seen: dict = {}  # (step, block) -> calls so far: 0 is the conditional pass, 1 the unconditional
+    state = {"caption": 0, "grid": None}
+    model = pipe.transformer
+
+    def grid_hook(module, args, kwargs):
+        state["grid"] = latent_grid(module, kwargs.get("hidden_states", args[0] if args else None))
+
+    def observer(*, site, kind, call, out, ran):
+        ctx_step = ctx.step
+        if kind != "self" or site.block < 0 or ctx_step not in steps or (blocks is not None and site.block not in blocks):
+            return
+        key = (ctx_step, site.block)
+        n = seen.get(key, 0)
+        seen[key] = n + 1
+        branch = ("cond", "uncond")[n] if n < 2 else f"pass {n}"
+        if branch not in branches:
+            return
+        q, k, v = (t.detach().float().transpose(1, 2).contiguous().clone() for t in (call.query, call.key, call.value))
+        captured.append(CapturedCall(q, k, v, call.scale, state["grid"], state["caption"], ctx_step, branch,
+                                     site.block))
+
+    def stop_after_last(p, i, t, kwargs):
+        if i >= last:
+            p._interrupt = True
+        return {}
+
+    ctx = install(pipe, Policy(method="fp16"), record=False)
+    handle = model.register_forward_pre_hook(grid_hook, with_kwargs=True)
+    ctx.observer = observer
+    try:
+        for i, text in enumerate(captions):
+            state["caption"] = i
+            seen.clear()
+            with torch.no_grad():
+                pipe(prompt=text, generator=torch.Generator().manual_seed(seed + i), output_type="latent",
+                     callback_on_step_end=stop_after_last, **call)
+    finally:
+        ctx.observer = None
+        handle.remove()
+        uninstall(pipe)
+    return captured
+
+
+# --- exact attention by key tile: every selection's output from one pass --------------------------------
+
+
+class KeyTilePartials(NamedTuple):
+    """The exact fp64 attention of a call split by key tile: ``mass`` (B, H, Sq, nk), every row's
+    softmax weight on each key tile (:func:`exact_block_mass`), and ``out`` (B, H, Sq, nk, Dv), each
+    key tile's share of the row's output, ``Σ_{j in tile} p_j·v_j`` (their sum over tiles is the
+    dense output). Attention restricted to a set of key tiles is ``Σ out / Σ mass`` over the set:
+    the softmax over those keys alone, exactly."""
+
+    mass: torch.Tensor
+    out: torch.Tensor
+
+
+def key_tile_partials(q, k, v, *, key_tile: int = 128, scale: float | None = None,
+                      rows_at_once: int = 512) -> KeyTilePartials:
+    """:class:`KeyTilePartials` of ``q`` (B, H, Sq, D), ``k`` (B, H, Sk, D), ``v`` (B, H, Sk, Dv) in
+    fp64: one dense pass, after which any selection's output costs ``nk`` additions per row (the
+    selection suites evaluate dozens of selections per call)."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    sk = k.shape[2]
+    nk = -(-sk // key_tile)
+    pad = nk * key_tile - sk
+    kd = k.double()
+    vd = torch.nn.functional.pad(v.double(), (0, 0, 0, pad)).reshape(*v.shape[:2], nk, key_tile, v.shape[-1])
+    masses, outs = [], []
+    for r0 in range(0, q.shape[2], rows_at_once):
+        p = torch.softmax((q[:, :, r0:r0 + rows_at_once].double() @ kd.transpose(-1, -2)) * scale, dim=-1)
+        p = torch.nn.functional.pad(p, (0, pad)).reshape(*p.shape[:-1], nk, key_tile)  # (B, H, r, nk, kt)
+        masses.append(p.sum(-1))
+        outs.append(torch.einsum("bhrnt,bhntd->bhrnd", p, vd))
+    return KeyTilePartials(torch.cat(masses, dim=2), torch.cat(outs, dim=2))
+
+
+def partial_row_cosines(partials: KeyTilePartials, tiles: torch.Tensor, query_tile: int = 128):
+    """(per-row cosine (B, H, Sq), whole-output cosine) of fp64 attention over the key tiles a
+    selection ``tiles`` (bool (B|1, H|1, nq, nk) over ``query_tile`` rows) keeps, against dense fp64
+    attention: :func:`selection_quality`'s cosines, from :func:`key_tile_partials` (a row that keeps
+    no key gives zeros, as there)."""
+    mass, out = partials
+    b, h, sq, nk = mass.shape
+    keep = tiles.expand(b, h, *tiles.shape[2:]).repeat_interleave(query_tile, dim=2)[:, :, :sq].double()
+    kept = (mass * keep).sum(-1, keepdim=True)
+    sparse = torch.einsum("bhrn,bhrnd->bhrd", keep, out) / torch.where(kept > 0, kept, 1.0)
+    dense = out.sum(-2)
+    cos = torch.nn.functional.cosine_similarity(sparse, dense, dim=-1)
+    whole = (sparse * dense).sum() / (sparse.square().sum().sqrt() * dense.square().sum().sqrt())
+    return cos, whole
+
+
+# --- what a learned head attends to ------------------------------------------------------------------------
+
+#: The classes :func:`attention_structure` gives a head: ``temporal`` (≥ 0.3 of its mass on the same
+#: place, ±1 row and column, in other frames; uniform attention puts about 0.03 there), ``spatial`` (≥
+#: 0.3 in its own frame, 2.4× uniform attention's 1/8 on 8 frames), ``spatio-temporal`` (both),
+#: ``diffuse`` (neither, and a mean row entropy ≥ 0.9 of the uniform row's), ``mixed`` (the rest:
+#: content-like or broad within a few frames).
+HEAD_CLASSES = ("spatial", "temporal", "spatio-temporal", "diffuse", "mixed")
+LOCAL_SHARE = 0.3
+DIFFUSE_ENTROPY = 0.9
+
+
+def attention_structure(q, k, grid, *, windows=(), scale: float | None = None, rows_at_once: int = 512) -> list[dict]:
+    """Per head of ``q``, ``k`` (1, H, S, D) self-attention over a latent ``grid`` (frames, height,
+    width; S = frames·height·width, frame-major), from exact fp64 attention, the mean over rows of:
+    ``entropy`` (the row's entropy / log S: 1 = uniform), ``same_frame`` (mass in the query's frame),
+    ``local`` (in its frame within ±2 rows and columns), ``temporal`` (at its place ±1 row and column
+    in other frames), ``top8_keys`` (on the 8 keys with the most mass over all rows: sinks), and per
+    radial window of ``windows`` (frames, rows, columns either side: :func:`fp4video.sparse.
+    static_token_window`) the mass inside it (``window [f, r, c]``); ``class``: one of
+    :data:`HEAD_CLASSES`."""
+    from fp4video.sparse import static_token_window
+
+    frames, height, width = grid
+    n = frames * height * width
+    if q.shape[0] != 1 or q.shape[2] != n or k.shape[2] != n:
+        raise ValueError(f"attention_structure takes (1, H, {n}, D) self-attention over the {frames}×{height}×{width} "
+                         f"grid, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    idx = torch.arange(n)
+    f, y, x = idx // (height * width), idx // width % height, idx % width
+    masks = {}
+    masks["same_frame"] = f[:, None] == f[None, :]
+    near = lambda r: ((y[:, None] - y[None, :]).abs() <= r) & ((x[:, None] - x[None, :]).abs() <= r)  # noqa: E731
+    masks["local"] = masks["same_frame"] & near(2)
+    masks["temporal"] = ~masks["same_frame"] & near(1)
+    for w in windows:
+        masks[f"window {list(w)}"] = static_token_window(frames, height, width, window=tuple(w), radial=True)
+    heads = q.shape[1]
+    sums = {name: torch.zeros(heads, dtype=torch.float64) for name in ("entropy", *masks)}
+    columns = torch.zeros(heads, n, dtype=torch.float64)
+    kd = k[0].double()
+    for r0 in range(0, n, rows_at_once):
+        p = torch.softmax((q[0, :, r0:r0 + rows_at_once].double() @ kd.transpose(-1, -2)) * scale, dim=-1)
+        sums["entropy"] -= (p * p.clamp(min=1e-300).log()).sum((-2, -1))
+        for name, m in masks.items():
+            sums[name] += (p * m[r0:r0 + rows_at_once]).sum((-2, -1))
+        columns += p.sum(-2)
+    top8 = columns.topk(8, dim=-1).values.sum(-1) / n  # the mean row's mass on those 8 keys
+    out = []
+    for hd in range(heads):
+        row = {name: float(val[hd] / n) for name, val in sums.items()}
+        row["entropy"] /= math.log(n)
+        row["top8_keys"] = float(top8[hd])
+        temporal, spatial = row["temporal"] >= LOCAL_SHARE, row["same_frame"] >= LOCAL_SHARE
+        row["class"] = ("spatio-temporal" if temporal and spatial else "temporal" if temporal else "spatial" if spatial
+                        else "diffuse" if row["entropy"] >= DIFFUSE_ENTROPY else "mixed")
+        out.append(row)
+    return out
