@@ -54,6 +54,8 @@ __all__ = [
     "quantize",
     "quantize_dequantize",
     "int8_quantize_dequantize",
+    "float8_quantize_dequantize",
+    "float8_linear",
 ]
 
 # --- constants -----------------------------------------------------------------------------
@@ -474,3 +476,42 @@ def int8_quantize_dequantize(x: torch.Tensor, *, dim: int = -1) -> torch.Tensor:
     amax = xf.abs().amax(dim=dim, keepdim=True)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     return torch.clamp(torch.round(xf / scale), -127, 127) * scale
+
+
+# --- float8 linear layers (torchao's dynamic float8 numerics, for measuring) -----------------------
+
+
+def float8_quantize_dequantize(x: torch.Tensor, *, rowwise: bool, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` through torchao's dynamic float8 quantization (``Float8Tensor.from_hp`` on its torch
+    path), dequantized, in fp32: one scale per row (``rowwise``: the last dim's amax; a weight's
+    output channel, an activation's token) or per tensor, ``scale = amax / 448`` computed in
+    ``x``'s own dtype (bf16 for a bf16 tensor, as torchao divides) then fp32; ``x / scale`` in fp32,
+    clamped to ±448, cast to ``float8_e4m3fn`` (round to nearest even), times the scale.
+
+    ``amax`` replaces the per-tensor amax (the whole activation's, when ``x`` holds a sample of its
+    rows). A row (or tensor) of zeros dequantizes to zeros: its scale is taken as 1 (torchao's
+    torch path divides 0 by 0 there). NaN propagates."""
+    if not torch.is_floating_point(x):
+        raise TypeError(f"expected a floating-point tensor, got {x.dtype}")
+    if amax is None:
+        amax = x.abs().amax(dim=-1, keepdim=True) if rowwise else x.abs().amax()
+    elif rowwise:
+        raise ValueError("amax replaces the per-tensor amax only (rowwise scales come from each row)")
+    scale = (amax.to(x.dtype) / E4M3_MAX).float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    return q * scale
+
+
+def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, rowwise: bool,
+                  x_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """The product of torchao's ``Float8DynamicActivationFloat8WeightConfig`` (``PerRow()`` with
+    ``rowwise``, else ``PerTensor()``), emulated in fp32: ``x`` (..., K) and ``weight`` (N, K) each
+    through :func:`float8_quantize_dequantize` (per token and per output channel, or per tensor;
+    ``x_amax``: the whole activation's amax when ``x`` is a sample of its rows, per tensor only),
+    an fp32 matmul, then the bias. ``torch._scaled_mm`` accumulates the same e4m3 products in fp32
+    and applies both scales after; only the order of the fp32 roundings differs."""
+    xq = float8_quantize_dequantize(x, rowwise=rowwise, amax=None if rowwise else x_amax)
+    wq = float8_quantize_dequantize(weight, rowwise=rowwise)
+    y = xq @ wq.T
+    return y if bias is None else y + bias.float()

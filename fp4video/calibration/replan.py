@@ -46,6 +46,30 @@ def _stats_of(s, shape: tuple) -> SiteStats:
     return out
 
 
+def _linear_again(r: CalibrationReport, budget):
+    """The linear layers chosen again at ``budget`` from the report's ``linear_sites`` (None: the
+    report has none)."""
+    if r.linear is None:
+        return None
+    from .linear import LinearSiteStats, choose_linear, linear_policy_for
+    from .result import LinearCalibration
+
+    stats = {}
+    for s in r.linear_sites:
+        st = LinearSiteStats(calls=s.calls, refused=dict(s.refused), worst_layer=dict(s.worst_layer))
+        st.layers = {name: None for name in s.layers}
+        st.rel_l2 = {m: v for m, v in s.rel_l2.items() if m != "bf16"}
+        st.time_saved_ms, st.time_source = dict(s.time_saved_ms), dict(s.time_source)
+        stats[(s.expert, s.block, s.kind)] = st
+    lin = r.linear
+    plan = choose_linear(stats, list(lin.methods), budget.rel_l2)
+    unmeasured = [(u.expert, u.block, u.kind) for u in lin.unmeasured]
+    policy = linear_policy_for(plan, unmeasured, compile=lin.compile)
+    return LinearCalibration(policy=policy, plan=plan, stats=stats, methods=list(lin.methods),
+                             forms=dict(lin.measured_by), rows=lin.rows_per_call, compile=lin.compile,
+                             unmeasured=unmeasured)
+
+
 def replan(report, *, budget=None, candidates=None) -> Calibration:
     """Choose again from a calibration's report (the path of its ``report.json`` or its folder,
     the dict, or a :class:`~fp4video.calibration.schema.CalibrationReport`) at another ``budget``
@@ -78,7 +102,7 @@ def replan(report, *, budget=None, candidates=None) -> Calibration:
     plan = choose(stats, targets, cost_of, budget)
     policy = policy_for(plan, num_steps=r.num_steps, fp16_backend=r.fp16_backend, fallback=FALLBACK)
     result = Calibration(policy=policy, plan=plan, stats=stats, holdout_stats=holdout_stats, report={},
-                         num_steps=r.num_steps, candidates=targets)
+                         num_steps=r.num_steps, candidates=targets, linear=_linear_again(r, budget))
     pairs = [((q.expert, q.block, q.kind, q.step), r.propagation.target, q.attention_rel_l2, q.output_rel_l2)
              for q in r.propagation.pairs]
     calibration = r.calibration.model_dump(exclude={"sites", "statistics_kept"}, exclude_none=True)

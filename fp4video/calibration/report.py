@@ -13,7 +13,7 @@ from .plan import Budget, is_exact_target, site_cost, split_target
 
 __all__ = ["build_report", "policy_yaml", "render_files", "markdown", "heatmap", "heatmap_figure", "costs_phrase",
            "short_reason", "FILE_NAMES", "predicted_times", "spearman", "site_order", "shape_key", "model_summary",
-           "input_labels"]
+           "input_labels", "linear_report"]
 
 
 def _site_dict(key) -> dict:
@@ -143,6 +143,10 @@ def build_report(result, *, model: dict, prompts: list, holdout: list, budget: B
         gains = [oo / aa for aa, oo in zip(a, o) if aa > 0]
         prop["median_gain_output_per_attention"] = statistics.median(gains) if gains else None
         prop["gain_spread_max_over_min"] = (max(gains) / min(gains)) if gains and min(gains) > 0 else None
+    linear = {}
+    if getattr(result, "linear", None) is not None:
+        summary, sites = linear_report(result.linear)
+        linear = {"linear": summary, "linear_sites": sites}
     return {
         "model": model,
         "prompts": prompts,
@@ -172,7 +176,53 @@ def build_report(result, *, model: dict, prompts: list, holdout: list, budget: B
                    "density": {t: s.mean_density(t) for t in s.density}, "kept": dict(s.kept),
                    "holdout": (_stats_dict(result.holdout_stats[k]) if k in result.holdout_stats else None)}
                   for k, s in sorted(stats.items(), key=lambda kv: site_order(kv[0]))],
+        **linear,
     }
+
+
+def linear_report(lin) -> tuple[dict, list]:
+    """(the report's ``linear`` summary, its ``linear_sites``) of a
+    :class:`~fp4video.calibration.result.LinearCalibration`."""
+    from .linear import LINEAR_TABLE_SOURCE, REFERENCE
+
+    chosen: dict = {}
+    for m in lin.plan.values():
+        chosen[m] = chosen.get(m, 0) + 1
+    saved = sum(lin.stats[k].time_saved_ms.get(m) or 0.0 for k, m in lin.plan.items() if m != "bf16")
+    summary = {
+        "methods": list(lin.methods), "measured_by": dict(lin.forms), "reference": REFERENCE,
+        "rows_per_call": lin.rows, "compile": lin.compile,
+        "time_model": _linear_time_model(lin, LINEAR_TABLE_SOURCE),
+        "unmeasured": [{"expert": e, "block": b, "kind": k} for e, b, k in lin.unmeasured],
+        "policy": lin.policy.model_dump(mode="json", exclude_defaults=True),
+        "chosen": chosen, "saved_ms_per_forward": saved,
+    }
+    sites = []
+    for key in sorted(lin.stats, key=lambda k: (str(k[0]), k[1], k[2])):
+        st = lin.stats[key]
+        expert, block, kind = key
+        sites.append({"expert": expert, "block": block, "kind": kind, "layers": list(st.layers), "calls": st.calls,
+                      "rel_l2": {"bf16": 0.0, **st.rel_l2}, "worst_layer": dict(st.worst_layer),
+                      "refused": dict(st.refused),
+                      "time_saved_ms": {m: st.time_saved_ms.get(m) for m in lin.methods if m != "bf16"},
+                      "time_source": {m: st.time_source.get(m, "none") for m in lin.methods if m != "bf16"},
+                      "chosen": lin.plan[key]})
+    return summary, sites
+
+
+def _linear_time_model(lin, table_source: str) -> str:
+    """Where the linear sites' times come from, in words (the sources their methods used)."""
+    sources = {src for st in lin.stats.values() for src in st.time_source.values()}
+    parts = []
+    if "measured" in sources:
+        parts.append("measured: torchao's layer timed on this CUDA device at each call's shape, bf16 and the method"
+                     + (", both compiled" if lin.compile else ", eager"))
+    if "table" in sources:
+        parts.append("table: " + table_source + (" (compiled times)" if lin.compile else " (eager times)"))
+    if "none" in sources:
+        parts.append("none: no time for the method here (an emulated method the table has no time for, or a layer "
+                     "it refuses): never chosen")
+    return "; ".join(parts) or "no method measured"
 
 
 def _stats_dict(s) -> dict:
@@ -294,11 +344,50 @@ def markdown(result) -> str:
             cells = ["refused" if t in s["refused"] else
                      f"{_fmt(s['density'].get(t), '.3f')} / {_fmt(s.get('kept', {}).get(t), '.3f')}" for t in sparse]
             lines.append(f"| {s['expert']} | {s['block']} | {s['kind']} | {s['step']} | " + " | ".join(cells) + " |")
+    lines += _linear_markdown(r)
     if r["unavailable"]:
         lines += ["", "## Not measured", ""]
         lines += [f"- {t} ({short_reason(why)})" for t, why in r["unavailable"].items()]
         lines += ["", "(each one's full reason: report.json, `unavailable`)"]
     return "\n".join(lines) + "\n"
+
+
+def _linear_markdown(r: dict) -> list:
+    """The report's linear-layer section (none without ``linear``)."""
+    lin = r.get("linear")
+    if not lin:
+        return []
+    import yaml
+
+    methods = [m for m in lin["methods"] if m != "bf16"]
+    measured = "; ".join(f"{m}: {lin['measured_by'][m]}" for m in methods)
+    out = ["", "## Linear layers", "",
+           f"Per linear site (expert, block, kind of linear layer), the worst relative L2 error of a layer's output "
+           f"over its calls, on up to {lin['rows_per_call']} sampled input rows per call, against {lin['reference']}; "
+           f"measured as: {measured}. Layers outside the blocks are not measured and stay bf16.", "",
+           f"Time saved: milliseconds per forward, summed over the site's layers ({lin['time_model']}). The budget "
+           f"({r['budget']['rel_l2']:g}) is the attention sites'; per site the method within it that saves the most "
+           "time is chosen, bf16 where none saves any.", "",
+           "Chosen: " + ", ".join(f"{m} {n}" for m, n in lin["chosen"].items()) + f" sites; predicted saving "
+           f"{lin['saved_ms_per_forward']:.3f} ms per forward.", "",
+           "| expert | block | kind | layers | chosen | " + " | ".join(f"{m} rel. L2 | {m} saved ms" for m in methods)
+           + " |", "|" + " --- |" * (5 + 2 * len(methods))]
+    for s in r.get("linear_sites", []):
+        cells = []
+        for m in methods:
+            err = "refused" if m in s["refused"] else _fmt(s["rel_l2"].get(m))
+            saved = s["time_saved_ms"].get(m)
+            cells += [err, "—" if saved is None else f"{saved:.3f} ({s['time_source'][m]})"]
+        out.append(f"| {s['expert']} | {s['block']} | {s['kind']} | {len(s['layers'])} | {s['chosen']} | "
+                   + " | ".join(cells) + " |")
+    refused = {m: why for s in r.get("linear_sites", []) for m, why in s["refused"].items()}
+    if refused:
+        out += ["", "Refused (a layer of the site the method cannot take), e.g.: "
+                + "; ".join(f"{m}: {why}" for m, why in refused.items())]
+    policy = yaml.safe_dump(lin["policy"], sort_keys=False, width=120, default_flow_style=None).strip()
+    out += ["", "The run config's `linear:` section:", "", "```yaml", policy if policy != "{}" else "{}  # bf16 everywhere",
+            "```"]
+    return out
 
 
 def _columns(plan: dict) -> list:
@@ -367,7 +456,8 @@ def heatmap_figure(result):
                 err[i, j] = math.log10(e)
         tiers[kind], errors[kind] = tier, err
     budget = math.log10(report["budget"]["rel_l2"])
-    finite = torch.cat([e.flatten() for e in errors.values()])
+    lin = _linear_panels(result)
+    finite = torch.cat([e.flatten() for e in errors.values()] + [e.flatten() for e in lin["errors"].values()])
     finite = finite[~finite.isnan()]
     low = min(float(finite.min()) if len(finite) else budget, budget) - 0.1
     high = max(float(finite.max()) if len(finite) else budget, budget) + 0.1
@@ -377,9 +467,10 @@ def heatmap_figure(result):
     palette = plt.get_cmap("tab20" if len(result.candidates) > 10 else "tab10").colors
     tier_cmap = ListedColormap([palette[result.candidates.index(t) % len(palette)] for t in targets]).with_extremes(
         bad="0.85")
-    fig, axes = plt.subplots(len(kinds), 2, squeeze=False, layout="constrained",
+    rows = len(kinds) + len(lin["kinds"])
+    fig, axes = plt.subplots(rows, 2, squeeze=False, layout="constrained",
                              figsize=(max(10.0, 3 + 0.35 * len(columns) * 2),
-                                      max(3.2, 1.7 + 0.13 * len(blocks)) * len(kinds) + 0.6))
+                                      max(3.2, 1.7 + 0.13 * len(blocks)) * rows + 0.6))
     step_labels = [str(s) if s is not None else "-" for s, _ in columns]
     for row, kind in enumerate(kinds):
         tier_im = axes[row][0].imshow(tiers[kind].numpy(), cmap=tier_cmap, vmin=-0.5, vmax=len(targets) - 0.5,
@@ -400,7 +491,24 @@ def heatmap_figure(result):
                 top = ax.secondary_xaxis("top")
                 top.set_xticks([(a + b) / 2 for a, b, _ in spans], [str(e) for _, _, e in spans], fontsize=8)
                 top.tick_params(length=0)
-    cb = fig.colorbar(tier_im, ax=list(axes[:, 0]), ticks=range(len(targets)), shrink=0.9)
+    for row, kind in enumerate(lin["kinds"], start=len(kinds)):  # the linear sites: blocks × experts
+        ax_c, ax_e = axes[row]
+        ax_c.imshow(lin["chosen"][kind].numpy(), cmap=lin["cmap"], vmin=-0.5, vmax=len(lin["methods"]) - 0.5,
+                    aspect="auto", origin="lower", interpolation="nearest")
+        ax_c.set_title(f"{kind} linear layers: chosen per site", fontsize=9)
+        for i, m in enumerate(lin["methods"]):  # their own legend: the methods are not attention targets
+            ax_c.plot([], [], "s", color=lin["cmap"](i), label=m)
+        ax_c.legend(fontsize=6, loc="upper right", framealpha=0.8)
+        err_im = ax_e.imshow(lin["errors"][kind].numpy(), cmap=err_cmap, norm=norm, aspect="auto", origin="lower",
+                             interpolation="nearest")
+        ax_e.set_title(f"{kind} linear layers: error of {lin['shown']} (rel. L2, worst layer)", fontsize=9)
+        for ax in (ax_c, ax_e):
+            ax.set_xlabel("expert", fontsize=8)
+            ax.set_ylabel("block", fontsize=8)
+            ax.set_xticks(range(len(lin["experts"])), [str(e) if e is not None else "-" for e in lin["experts"]],
+                          fontsize=7)
+            ax.set_yticks(range(len(lin["blocks"])), [str(b) for b in lin["blocks"]], fontsize=7)
+    cb = fig.colorbar(tier_im, ax=list(axes[:len(kinds), 0]), ticks=range(len(targets)), shrink=0.9)
     cb.ax.set_yticklabels(targets, fontsize=7)
     cb.set_label("chosen target", fontsize=8)
     # the colour bar reads in relative L2 (ticks at 1, 2, 5 × powers of ten), the budget marked on it
@@ -410,10 +518,50 @@ def heatmap_figure(result):
     cb.ax.set_yticklabels([f"budget {10 ** t:g}" if t == budget else f"{10 ** t:g}" for t in sorted([*ticks, budget])],
                           fontsize=7)
     cb.ax.axhline(budget, color="black", linewidth=2)
-    cb.set_label(f"relative L2 of {cheapest}, log scale (one scale for every panel; red: over the budget)", fontsize=8)
+    cb.set_label(f"relative L2 of {cheapest}" + (f" (linear: {lin['shown']})" if lin["kinds"] else "")
+                 + ", log scale (one scale for every panel; red: over the budget)", fontsize=8)
     title = (f"fp4video calibrate: {report['model']['name']}; budget: {report['budget_text']}; grey: no such site")
     fig.suptitle(textwrap.fill(title, 120), fontsize=8)
     return fig
+
+
+def _linear_panels(result) -> dict:
+    """The heatmap's linear rows: per kind of linear layer, the chosen method's index and the log10
+    error of the method shown (the one saving the most time over every site; else the first) over
+    blocks × experts. Empty without linear sites."""
+    from matplotlib.colors import ListedColormap
+
+    lin = getattr(result, "linear", None)
+    if lin is None or not lin.stats:
+        return {"kinds": [], "errors": {}}
+    import matplotlib.pyplot as plt
+
+    methods = list(lin.methods)
+    quantized = [m for m in methods if m != "bf16"]
+    totals = {m: sum(s.time_saved_ms.get(m) or 0.0 for s in lin.stats.values()) for m in quantized}
+    saving = [m for m in quantized if totals[m] > 0]
+    shown = max(saving, key=lambda m: (totals[m], -quantized.index(m))) if saving else quantized[0] if quantized \
+        else "bf16"
+    kinds = sorted({k[2] for k in lin.stats})
+    blocks = sorted({k[1] for k in lin.stats})
+    experts = sorted({k[0] for k in lin.stats}, key=str)
+    chosen, errors = {}, {}
+    for kind in kinds:
+        c = torch.full((len(blocks), len(experts)), float("nan"))
+        e = torch.full((len(blocks), len(experts)), float("nan"))
+        for (expert, block, k), st in lin.stats.items():
+            if k != kind:
+                continue
+            i, j = blocks.index(block), experts.index(expert)
+            c[i, j] = methods.index(lin.plan[(expert, block, k)])
+            v = st.rel_l2.get(shown)
+            if v is not None and v > 0 and math.isfinite(v):
+                e[i, j] = math.log10(v)
+        chosen[kind], errors[kind] = c, e
+    palette = plt.get_cmap("Set2").colors
+    cmap = ListedColormap([palette[i % len(palette)] for i in range(len(methods))]).with_extremes(bad="0.85")
+    return {"kinds": kinds, "blocks": blocks, "experts": experts, "chosen": chosen, "errors": errors,
+            "methods": methods, "shown": shown, "cmap": cmap}
 
 
 #: The files of a calibration: {what: file name}.

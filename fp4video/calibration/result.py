@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..integration.policy import Policy
 
-__all__ = ["Calibration", "FALLBACK"]
+__all__ = ["Calibration", "LinearCalibration", "FALLBACK"]
 
 #: What a calibrated policy does with a call its chosen backend cannot take (a mask or an LSE request
 #: the calibration run never made): stock attention, recorded with the target it planned.
@@ -16,11 +16,31 @@ FALLBACK = "stock"
 
 
 @dataclass
+class LinearCalibration:
+    """What calibration found for the linear layers (:mod:`~fp4video.calibration.linear`):
+    ``policy`` (a :class:`~fp4video.integration.linear.LinearPolicy`: a run config's ``linear:``),
+    ``plan`` ({(expert, block, kind): method}), ``stats`` ({site:
+    :class:`~fp4video.calibration.linear.LinearSiteStats`}), the ``methods`` measured (bf16 first)
+    and ``forms`` (how each was measured), the input ``rows`` sampled per call, whether times are
+    ``compile``d, and the ``unmeasured`` (expert, block, kind) triples (outside the blocks: bf16)."""
+
+    policy: object
+    plan: dict
+    stats: dict
+    methods: list
+    forms: dict
+    rows: int
+    compile: bool = False
+    unmeasured: list = field(default_factory=list)
+
+
+@dataclass
 class Calibration:
     """What :func:`~fp4video.calibration.calibrate` found: ``policy`` (install it), ``plan``
     ({site: target}), ``stats`` ({site: :class:`~fp4video.calibration.plan.SiteStats`}, calibration
-    prompts), ``holdout_stats`` (hold-out prompts), ``report`` (a JSON-ready dict). Sites are
-    (expert, block, kind, step) tuples."""
+    prompts), ``holdout_stats`` (hold-out prompts), ``report`` (a JSON-ready dict), ``linear``
+    (the linear layers', with ``calibrate(linear=...)``). Sites are (expert, block, kind, step)
+    tuples."""
 
     policy: Policy
     plan: dict
@@ -29,6 +49,13 @@ class Calibration:
     report: dict
     num_steps: int | None = None
     candidates: list = field(default_factory=list)
+    linear: LinearCalibration | None = None  # with calibrate(linear=...): the linear layers' policy
+
+    @property
+    def linear_policy(self):
+        """The calibrated :class:`~fp4video.integration.linear.LinearPolicy` (None: the linear
+        layers were not calibrated)."""
+        return None if self.linear is None else self.linear.policy
 
     def policy_yaml(self) -> str:
         from .report import policy_yaml

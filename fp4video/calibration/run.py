@@ -44,10 +44,13 @@ class Settings:
     seed: int
     progress: bool
     model_name: str | None
+    linear: tuple = ()  # linear methods to measure ((): the linear layers are not calibrated)
+    linear_rows: int = 256
+    linear_compile: bool = False
 
     @classmethod
     def of(cls, pipe, prompts, *, holdout, budget, candidates, costs, call, fp16_backend, backend, propagation, seed,
-           progress, model_name, sparse) -> "Settings":
+           progress, model_name, sparse, linear=None, linear_rows=256, linear_compile=False) -> "Settings":
         """The settings of :func:`calibrate`'s arguments; a one-line ValueError or TypeError naming
         the argument that cannot be used, before anything runs."""
         from ..integration.backends import EXACT_PREFERENCE
@@ -83,9 +86,31 @@ class Settings:
         targets = list(dict.fromkeys(targets))
         optional = frozenset(targets) - set(named)  # tried where they run, listed as unavailable elsewhere
         targets = list(dict.fromkeys(targets + sparse_targets(sparse, targets)))
+        linear = _linear_methods(linear)
+        if isinstance(linear_rows, bool) or not isinstance(linear_rows, int) or linear_rows < 1:
+            raise ValueError(f"linear_rows must be a whole number >= 1 (input rows sampled per linear call), got "
+                             f"{linear_rows!r}")
+        if not isinstance(linear_compile, bool):
+            raise TypeError(f"linear_compile must be True or False, got {linear_compile!r}")
         return cls(prompts=tuple(prompts), holdout=tuple(holdout), bare=bare, budget=budget, targets=tuple(targets),
                    optional=optional, costs=costs, call=call, fp16_backend=fp16_backend, backend=backend,
-                   propagation=propagation, seed=seed, progress=progress, model_name=model_name)
+                   propagation=propagation, seed=seed, progress=progress, model_name=model_name, linear=linear,
+                   linear_rows=linear_rows, linear_compile=linear_compile)
+
+
+def _linear_methods(linear) -> tuple:
+    """``calibrate``'s ``linear=``: None (not calibrated), a method name or a list of them."""
+    from ..integration.linear import METHODS
+
+    if linear is None:
+        return ()
+    methods = [linear] if isinstance(linear, str) else list(linear)
+    for m in methods:
+        if not isinstance(m, str) or m not in METHODS:
+            raise ValueError(f"unknown linear method {m!r}; allowed: {', '.join(METHODS)}")
+    if not methods:
+        raise ValueError(f"linear names no method; give one or more of {', '.join(METHODS)}, or leave it out")
+    return tuple(dict.fromkeys(["bf16", *methods]))
 
 
 @dataclass
@@ -103,11 +128,13 @@ class Measured:
     pairs: list
     num_steps: int | None
     unavailable: dict = field(default_factory=dict)
+    linear: object = None  # the LinearObserver (its per-site statistics), when linear layers are calibrated
 
 
 def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="table", call=None,
               fp16_backend: str = "stock", backend: str = "auto", propagation: int = 8, seed: int = 0,
-              progress: bool = True, model_name: str | None = None, sparse=None) -> Calibration:
+              progress: bool = True, model_name: str | None = None, sparse=None, linear=None, linear_rows: int = 256,
+              linear_compile: bool = False) -> Calibration:
     """Calibrate ``pipe`` (a diffusers video pipeline, or a bare transformer) on ``prompts``.
 
     Args:
@@ -140,6 +167,13 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
             the transformer output's error (0: none).
         progress: show progress bars (the pipeline's own too: without, it is off during the run and
             restored after).
+        linear: linear methods to calibrate too (``"fp8-rowwise"``, a list of
+            :data:`~fp4video.integration.linear.METHODS`): every linear layer inside the blocks is
+            measured in the same forwards (:mod:`.linear`), and per linear site (expert, block,
+            kind) the method within the same budget that saves the most time is chosen
+            (``result.linear_policy``, a :class:`~fp4video.integration.linear.LinearPolicy`).
+        linear_rows: input rows (tokens) sampled per linear call.
+        linear_compile: time the linear methods under ``torch.compile`` (the policy's ``compile``).
     """
     from ..integration import install, uninstall
     from ..integration.backends import resolve
@@ -147,15 +181,21 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
 
     settings = Settings.of(pipe, prompts, holdout=holdout, budget=budget, candidates=candidates, costs=costs,
                            call=call, fp16_backend=fp16_backend, backend=backend, propagation=propagation, seed=seed,
-                           progress=progress, model_name=model_name, sparse=sparse)
+                           progress=progress, model_name=model_name, sparse=sparse, linear=linear,
+                           linear_rows=linear_rows, linear_compile=linear_compile)
     device, dtype = _device_of(pipe)
+    forms = {}
+    if settings.linear:
+        from .linear import check_linear_methods
+
+        _, forms = check_linear_methods(settings.linear, device)
     start_bytes = _start_memory(device)
     t_start = time.perf_counter()
     # the measuring installation: stock attention (fp16 on the stock backend) with the observer
     ctx = install(pipe, Policy(method="fp16"), backend=settings.backend, record=False)
     try:
         targets, unavailable = _resolve_external(ctx, settings, device, dtype)
-        measured = _measure(pipe, ctx, settings, targets)
+        measured = _measure(pipe, ctx, settings, targets, forms)
         fp16_exact = None  # "fp16" is stock attention, or this exact backend
         if settings.fp16_backend not in ("stock", "fastest"):
             fp16_exact = resolve(settings.fp16_backend, device=device, dtype=dtype)
@@ -167,6 +207,7 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
         uninstall(pipe)
     if not measured.stats:
         raise ValueError("no attention call went through fp4video's routing during the calibration run")
+    linear = _linear(pipe, settings, measured.linear, forms) if settings.linear else None
     plan = choose(measured.stats, targets, cost_of, settings.budget)
     # under "fastest" the plan names each site's exact backend; elsewhere "fp16" is stock
     policy = policy_for(plan, num_steps=measured.num_steps,
@@ -174,11 +215,27 @@ def calibrate(pipe, prompts, *, holdout=(), budget=0.1, candidates=None, costs="
                         fallback=FALLBACK)
     seconds = time.perf_counter() - t_start
     result = Calibration(policy=policy, plan=plan, stats=measured.stats, holdout_stats=measured.holdout_stats,
-                         report={}, num_steps=measured.num_steps, candidates=targets)
+                         report={}, num_steps=measured.num_steps, candidates=targets, linear=linear)
     result.report = _report(result, pipe, settings, measured, times, cost_of, unavailable, fp16_exact,
                             calibration={"seconds": seconds, **_peak_memory(device, start_bytes)},
                             device_name=_device_name(device))
     return result
+
+
+def _linear(pipe, settings: Settings, observer, forms: dict):
+    """The linear layers' times, plan and policy from what ``observer`` measured
+    (:class:`~fp4video.calibration.result.LinearCalibration`); the policy checked against the
+    pipeline's own layers (``plan_linear`` gives each its site's method)."""
+    from .linear import choose_linear, linear_policy_for, linear_times, verify_linear_policy
+    from .result import LinearCalibration
+
+    linear_times(observer, compile=settings.linear_compile)
+    plan = choose_linear(observer.stats, list(settings.linear), settings.budget.rel_l2)
+    policy = linear_policy_for(plan, observer.unmeasured, compile=settings.linear_compile)
+    verify_linear_policy(pipe, policy, plan)
+    return LinearCalibration(policy=policy, plan=plan, stats=observer.stats, methods=list(settings.linear),
+                             forms=forms, rows=settings.linear_rows, compile=settings.linear_compile,
+                             unmeasured=list(observer.unmeasured))
 
 
 def _resolve_external(ctx, settings: Settings, device, dtype) -> tuple[list, dict]:
@@ -223,8 +280,10 @@ def _pipeline_progress(pipe, show: bool):
         setter(**before)
 
 
-def _measure(pipe, ctx, settings: Settings, targets: list) -> Measured:
-    """Run the prompts (then the hold-out prompts) with the observer measuring every candidate."""
+def _measure(pipe, ctx, settings: Settings, targets: list, forms: dict | None = None) -> Measured:
+    """Run the prompts (then the hold-out prompts) with the observer measuring every candidate (and,
+    with ``settings.linear``, every linear layer inside the blocks under each method, measured as
+    ``forms`` says)."""
     from tqdm import tqdm
 
     from ..integration.install import transformers_of
@@ -239,6 +298,17 @@ def _measure(pipe, ctx, settings: Settings, targets: list) -> Measured:
                         seed=settings.seed)
     ctx.observer = measurer
     measurer.attach(transformers_of(pipe))
+    linear, holding_out = None, []
+    if settings.linear:  # the linear layers, in the same forwards (not the replays, not the hold-out prompts)
+        from .linear import LinearObserver
+
+        def excluded(seconds):
+            measurer.observer_seconds += seconds
+
+        linear = LinearObserver(pipe, list(settings.linear), forms, rows=settings.linear_rows, seed=settings.seed,
+                                active=lambda: measurer.enabled and not measurer.replaying and not holding_out,
+                                excluded=excluded)
+        linear.attach()
     try:
         with _pipeline_progress(pipe, settings.progress):
             for i, p in enumerate(tqdm(settings.prompts, desc="calibrate", unit="prompt",
@@ -248,7 +318,8 @@ def _measure(pipe, ctx, settings: Settings, targets: list) -> Measured:
             stats = measurer.stats
             out = Measured(stats=stats, holdout_stats={}, samples=measurer.samples,
                            calls_by_shape=dict(measurer.calls_by_shape), forward_seconds=measurer.forward_seconds,
-                           forwards=measurer.forwards, pairs=measurer.pairs, num_steps=None)
+                           forwards=measurer.forwards, pairs=measurer.pairs, num_steps=None, linear=linear)
+            holding_out.append(True)
             if settings.holdout:
                 measurer.stats, measurer.propagation = {}, 0
                 for i, p in enumerate(tqdm(settings.holdout, desc="hold-out", unit="prompt",
@@ -258,6 +329,8 @@ def _measure(pipe, ctx, settings: Settings, targets: list) -> Measured:
                 out.holdout_stats = measurer.stats
     finally:
         measurer.detach()
+        if linear is not None:
+            linear.detach()
         ctx.observer = None
     out.num_steps = None if settings.bare else _one_schedule(measurer.num_steps_seen)
     return out

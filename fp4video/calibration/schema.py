@@ -9,6 +9,11 @@ candidate that could not run at a shape); nothing else may. Beyond each field, t
 together: every site's shape among the measured shapes, a cost for every candidate at each of
 them, every site's step inside the schedule, no site twice. A problem is a :class:`ReportError`,
 one line naming the field by its path (``sites[3].rel_l2.fp8: must be >= 0, got -1``).
+
+A calibration of the linear layers too adds ``linear`` (how they were measured and the policy
+chosen) and ``linear_sites`` (per expert, block and kind: each method's error, its time saved and
+that time's source, the choice); a report without them (linear layers not calibrated, or written
+before they could be) loads as it is.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from ..integration.linear import BLOCK_KINDS as LINEAR_BLOCK_KINDS, KINDS as LINEAR_KINDS, METHODS as LINEAR_METHODS
+from ..integration.linear import LinearPolicy
 from ..integration.policy import EXPERTS, KINDS
 from .plan import Budget, is_exact_target, split_target
 
@@ -208,6 +215,61 @@ class Site(SiteName, Statistics):
     holdout: Statistics | None
 
 
+#: a time a linear method saves per forward (ms): negative where it costs time
+SavedMs = _number()
+
+
+class LinearLayers(_Model):
+    expert: Literal[EXPERTS] | None
+    block: _whole(-1)
+    kind: Literal[LINEAR_KINDS]
+
+
+class LinearSummary(_Model):
+    methods: Annotated[list[Literal[LINEAR_METHODS]], Field(min_length=1)]
+    measured_by: dict[Literal[LINEAR_METHODS], str]
+    reference: str
+    rows_per_call: Positive
+    compile: bool
+    time_model: str
+    unmeasured: list[LinearLayers]
+    policy: LinearPolicy
+    chosen: dict[Literal[LINEAR_METHODS], Count]
+    saved_ms_per_forward: SavedMs
+
+    @model_validator(mode="after")
+    def _methods(self):
+        if self.methods[0] != "bf16":
+            raise ValueError(f"methods: bf16 (the reference every site can keep) comes first, got {self.methods[0]}")
+        missing = sorted(set(self.methods) - set(self.measured_by))
+        if missing:
+            raise ValueError(f"measured_by: no entry for {missing[0]}")
+        return self
+
+
+class LinearSite(_Model):
+    expert: Literal[EXPERTS] | None
+    block: Count
+    kind: Literal[LINEAR_BLOCK_KINDS]
+    layers: Annotated[list[str], Field(min_length=1)]
+    calls: Count
+    rel_l2: dict[Literal[LINEAR_METHODS], Error]
+    worst_layer: dict[Literal[LINEAR_METHODS], str]
+    refused: dict[Literal[LINEAR_METHODS], str]
+    time_saved_ms: dict[Literal[LINEAR_METHODS], SavedMs | None]
+    time_source: dict[Literal[LINEAR_METHODS], Literal["measured", "table", "none"]]
+    chosen: Literal[LINEAR_METHODS]
+
+    @model_validator(mode="after")
+    def _bf16_is_the_reference(self):
+        if self.rel_l2.get("bf16", 0.0) != 0.0:
+            raise ValueError(f"rel_l2.bf16: the reference's own error is 0, got {_num(self.rel_l2['bf16'])}")
+        if set(self.time_saved_ms) != set(self.time_source):
+            odd = sorted(set(self.time_saved_ms) ^ set(self.time_source))
+            raise ValueError(f"time_saved_ms and time_source name different methods ({', '.join(odd)} in one only)")
+        return self
+
+
 class Replanned(_Model):
     from_: str = Field(alias="from")
     on: str
@@ -260,6 +322,8 @@ class CalibrationReport(_Model):
     measurements: Measurements
     sites: Annotated[list[Site], Field(min_length=1)]
     replanned: Replanned | None = None
+    linear: LinearSummary | None = None
+    linear_sites: list[LinearSite] = []
 
     @model_validator(mode="after")
     def _holds_together(self):
@@ -321,7 +385,32 @@ class CalibrationReport(_Model):
                     raise ValueError(f"{where}{part}.rel_l2.{exact[0]}: an exact target has no error to measure")
             if s.chosen not in measured:
                 raise ValueError(f"{where}.chosen: {s.chosen!r} is neither a candidate nor an unavailable one")
+        self._linear_holds_together()
         return self
+
+    def _linear_holds_together(self):
+        if self.linear is None:
+            if self.linear_sites:
+                raise ValueError("linear_sites: given without the linear section that says how they were measured")
+            return
+        methods = set(self.linear.methods)
+        seen = {}
+        for i, s in enumerate(self.linear_sites):
+            where = f"linear_sites[{i}]"
+            key = (s.expert, s.block, s.kind)
+            if key in seen:
+                raise ValueError(f"{where}: the same linear site as linear_sites[{seen[key]}] (expert {s.expert}, "
+                                 f"block {s.block}, kind {s.kind})")
+            seen[key] = i
+            for name in ("rel_l2", "worst_layer", "refused", "time_saved_ms"):
+                odd = sorted(set(getattr(s, name)) - methods)
+                if odd:
+                    raise ValueError(f"{where}.{name}.{odd[0]}: not among linear.methods")
+            if s.chosen not in methods:
+                raise ValueError(f"{where}.chosen: {s.chosen} is not among linear.methods")
+            given = self.linear.policy.method_for(expert=s.expert, block=s.block, kind=s.kind)
+            if given != s.chosen:
+                raise ValueError(f"{where}.chosen: {s.chosen}, but linear.policy gives the site {given}")
 
 
 def _got(value) -> str:

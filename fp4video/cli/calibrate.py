@@ -15,6 +15,11 @@ different timestep; no denoising step is known, so the policy is per block and k
 
 ``--from`` chooses again from an earlier calibration's report at another budget or among fewer
 candidates, in a moment: nothing is measured again.
+
+``--linear METHOD ...`` calibrates the transformer's linear layers too, in the same forwards: per
+linear site (expert, block, kind of linear layer) each method's relative L2 error and the time it
+saves, and within the same budget the method that saves the most (bf16 where none does), written as
+``run.yaml``'s ``linear:`` section.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ EXAMPLES = """examples:
   fp4video calibrate --transformer wan22 --resolution 720p --budget 0.1 --costs measure --out calib-wan22-720p
   fp4video calibrate --transformer wan22 --resolution 720p --sparse --out calib-wan22-sparse   # block-sparse too
   fp4video calibrate --from calib-wan22 --budget 0.2 --out calib-wan22-0.2    # choose again, no measuring
+  fp4video calibrate --transformer wan22 --resolution 720p --linear fp8-rowwise --out calib-wan22-linear
 """
 
 #: Timesteps of the random-weight transformer's forwards (spread over the schedule), then hold-out.
@@ -86,6 +92,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
                      help="block-sparse candidates too: dynamic:TAU and static:F,Y,X[,radial] selections for the "
                           "fastest method candidate, or METHOD+SELECTION (alone: dynamic:0.9 dynamic:0.95 "
                           "static:4,45,80,radial); each costs its method's time × its measured density's share")
+    how.add_argument("--linear", nargs="+", default=None, metavar="METHOD",
+                     help="calibrate the linear layers too: fp8-rowwise, fp8-tensor, mxfp8, nvfp4 (measured by torchao "
+                          "where this GPU runs them, else fp8 by an exact e4m3 emulation, mxfp8 by torchao's); per "
+                          "linear site the method within --budget that saves the most time (run.yaml's linear:)")
+    how.add_argument("--linear-compile", action="store_true",
+                     help="with --linear: time the methods under torch.compile (the policy's compile: true)")
+    how.add_argument("--linear-rows", type=int, default=None, metavar="N",
+                     help="with --linear: input rows (tokens) sampled per linear call (default 256)")
     how.add_argument("--costs", default="table",
                      help="table (H200 relative times), measure (timed here at the sites' shapes) or a "
                           "`bench kernel --out` markdown file")
@@ -149,6 +163,7 @@ def check_flags(args) -> None:
         except (ValueError, TypeError) as e:
             raise UsageError(f"--sparse: {e}") from None
     _check_costs(args.costs)
+    _check_linear(args)
     if args.fp16_backend not in ("stock", "fastest"):
         from ..integration.backends import check_backend_name, is_exact
 
@@ -174,6 +189,35 @@ def check_flags(args) -> None:
     if args.model is not None and not args.model.strip():
         raise UsageError(f"--model {args.model!r}: empty; give \"tiny\", a local pipeline folder or a hub id")
     _check_device(args.device, args.backend)
+
+
+def _check_linear(args) -> None:
+    """--linear's methods known, torchao installed, each runnable on the device (at least emulated);
+    --linear-compile and --linear-rows only with it."""
+    if args.linear is None:
+        for flag in ("linear_compile", "linear_rows"):
+            if getattr(args, flag) not in (None, False):
+                raise UsageError(f"{_flag(flag)} is for --linear (the linear layers' calibration)")
+        return
+    if args.linear_rows is not None and args.linear_rows < 1:
+        raise UsageError(f"--linear-rows {args.linear_rows}: at least 1")
+    import torch
+
+    from ..calibration.linear import measuring_forms, torchao_installed
+    from ..integration.linear import METHODS, TORCHAO_REQUIREMENT
+
+    for m in args.linear:
+        if m not in METHODS:
+            raise UsageError(f"--linear {m}: unknown linear method; allowed: {', '.join(METHODS)}")
+    if not torchao_installed():
+        raise UsageError(f"--linear: calibrating linear layers needs torchao{TORCHAO_REQUIREMENT} (the policy it "
+                         "writes runs through it): pip install 'fp4video[linear]'")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    for m in args.linear:
+        try:
+            measuring_forms([m], device)
+        except ValueError as e:
+            raise UsageError(f"--linear {m}: {str(e).splitlines()[0]}") from None
 
 
 def _check_costs(costs: str) -> None:
@@ -236,7 +280,9 @@ def run(args) -> int:
     result = calibrate(target, prompts, holdout=holdout, budget=budget, candidates=args.candidates, costs=args.costs,
                        call=call, fp16_backend=args.fp16_backend, backend=args.backend, propagation=args.propagation,
                        seed=args.seed, progress=not args.quiet, model_name=name,
-                       sparse=None if args.sparse is None else (args.sparse or True))
+                       sparse=None if args.sparse is None else (args.sparse or True), linear=args.linear,
+                       linear_compile=args.linear_compile,
+                       **({} if args.linear_rows is None else {"linear_rows": args.linear_rows}))
     r = result.report
     return _write(result, args.out, run, f"calibrated {name} on {r['device']}",
                   f"calibration {r['calibration']['seconds']:.1f} s, {r['calibration']['peak_bytes'] / 2**30:.2f} GiB")
@@ -258,7 +304,8 @@ def _write(result, out: Path, run: dict, what: str, tail: str = "", run_source: 
 MEASURING = {"config": None, "model": None, "family": None, "prompt": None, "holdout": [], "steps": None,
              "height": None, "width": None, "frames": None, "sensitive": False, "transformer": None, "layers": None,
              "resolution": None, "forwards": None, "sparse": None, "costs": "table", "fp16_backend": "stock",
-             "backend": "auto", "propagation": 8, "device": None, "seed": 0}
+             "backend": "auto", "propagation": 8, "device": None, "seed": 0, "linear": None,
+             "linear_compile": False, "linear_rows": None}
 
 
 def _replan(args) -> int:
@@ -295,7 +342,7 @@ def _replan(args) -> int:
     run = {}
     if run_yaml.exists():
         try:
-            run = {k: v for k, v in read_yaml_mapping(run_yaml).items() if k != "policy"}
+            run = {k: v for k, v in read_yaml_mapping(run_yaml).items() if k not in ("policy", "linear")}
         except ConfigError as e:
             raise UsageError(f"--from {args.source}: {e}") from None
     r = result.report
@@ -393,6 +440,8 @@ def _run_config_text(run: dict, result, source: str | None = None) -> str:
     from ..integration.policy import format_validation_error
 
     spec = {**run, "policy": result.policy.model_dump(mode="json", exclude_none=True)}
+    if result.linear_policy is not None:  # the calibrated linear layers (a LinearPolicy: never steps)
+        spec["linear"] = result.linear_policy.model_dump(mode="json", exclude_defaults=True)
     try:
         RunConfig.model_validate(spec)  # what is written loads back
     except ValidationError as e:
