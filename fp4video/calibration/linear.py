@@ -395,8 +395,8 @@ def _rules_for(desired: dict, default: str, experts: set) -> list:
 def linear_policy_for(plan: dict, unmeasured=(), *, compile: bool = False):
     """A :class:`~fp4video.integration.linear.LinearPolicy` giving every linear site of ``plan``
     its method and the ``unmeasured`` (expert, block, kind) triples bf16, in as few rules as the
-    default allows: the default is the method that leaves the fewest rules (bf16 on a tie), rules
-    on blocks, kinds and experts, never steps. Raises RuntimeError if it does not give a site its
+    default allows: the default is the method that leaves the fewest rules, then the fewest blocks
+    named in them (bf16 on a tie), rules on blocks, kinds and experts, never steps. Raises RuntimeError if it does not give a site its
     planned method (a self-check)."""
     from ..integration.linear import BLOCK_KINDS, OUTSIDE_KINDS, LinearPolicy
 
@@ -408,9 +408,10 @@ def linear_policy_for(plan: dict, unmeasured=(), *, compile: bool = False):
     best = None
     for default in dict.fromkeys(["bf16", *desired.values()]):
         rules = _rules_for(inside, default, experts) + _rules_for(outside, default, experts)
-        if best is None or len(rules) < len(best[1]):
-            best = (default, rules)
-    default, rules = best
+        size = (len(rules), sum(len(r.get("blocks", ())) for r in rules))  # fewest rules, then fewest blocks named
+        if best is None or size < best[0]:
+            best = (size, default, rules)
+    _, default, rules = best
     policy = LinearPolicy.model_validate({"method": default, "rules": rules, "compile": compile})
     wrong = {k: (m, policy.method_for(expert=k[0], block=k[1], kind=k[2])) for k, m in desired.items()
              if policy.method_for(expert=k[0], block=k[1], kind=k[2]) != m}
