@@ -21,6 +21,11 @@ Block-sparse candidates (``sparse=``: a method run on a dynamic or static select
 their method's time × :func:`~fp4video.calibration.plan.sparse_time` of their measured density at
 the site; the policy names the chosen ones with ``sparsity:``.
 
+With ``linear=["fp8-rowwise", ...]`` the transformer's linear layers are calibrated in the same
+forwards (:mod:`.linear`): per linear site (expert × block × kind of linear layer) each method's
+relative L2 error against the layer's own fp32 product and the time it saves, and within the same
+budget the method saving the most, as ``result.linear_policy`` (a run config's ``linear:``).
+
 A bare transformer calibrates too: ``calibrate(transformer, [inputs, ...])`` with each input a
 dict of the transformer's keyword arguments (one forward each; no denoising step is known, so the
 policy is per block and kind).
@@ -29,7 +34,8 @@ policy is per block and kind).
 candidates, measuring nothing; the report is validated first (:mod:`.schema`).
 
 Where each step lives: :mod:`.run` (the measuring run, its :class:`~.run.Settings`), :mod:`.measure`
-(the observer), :mod:`.costs` (timings and costs), :mod:`.plan` (budget, choice, policy),
+(the observer), :mod:`.linear` (the linear layers), :mod:`.costs` (timings and costs), :mod:`.plan`
+(budget, choice, policy),
 :mod:`.candidates` (what is tried), :mod:`.report` (the files' contents), :mod:`.files` (written as
 one set), :mod:`.schema` (report.json's fields), :mod:`.replan` (choosing again), :mod:`.result`
 (:class:`Calibration`).

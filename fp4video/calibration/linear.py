@@ -51,8 +51,9 @@ DEFAULT_ROWS = 256
 #: Milliseconds per call on an H200 at Wan2.2-A14B 720p (75,600 tokens), torch 2.11.0+cu130, torchao
 #: 0.18.0 without MSLK: {"eager" or "compile": {shape class: {method: ms}}}. Eager: docs/linear.md's
 #: measured table (scripts/profile_linear.py). Compiled: the expanding FFN layer alone, bf16 and
-#: fp8-rowwise both under torch.compile (the 1.80× of docs/linear.md's first try); the other shapes
-#: were not measured compiled, so they have no compiled time.
+#: fp8-rowwise both under torch.compile (the 1.80× of docs/linear.md's first try; the profile's table
+#: has 8.60 ms for fp8 compiled but no compiled bf16 time to set it against); the other shapes were
+#: not measured compiled, so they have no compiled time.
 LINEAR_TABLE = {
     "eager": {"square": {"bf16": 4.92, "fp8-rowwise": 7.00},      # q/k/v/o 5120 -> 5120
               "expand": {"bf16": 15.05, "fp8-rowwise": 11.79},    # FFN up 5120 -> 13824
@@ -396,8 +397,8 @@ def linear_policy_for(plan: dict, unmeasured=(), *, compile: bool = False):
     """A :class:`~fp4video.integration.linear.LinearPolicy` giving every linear site of ``plan``
     its method and the ``unmeasured`` (expert, block, kind) triples bf16, in as few rules as the
     default allows: the default is the method that leaves the fewest rules, then the fewest blocks
-    named in them (bf16 on a tie), rules on blocks, kinds and experts, never steps. Raises RuntimeError if it does not give a site its
-    planned method (a self-check)."""
+    named in them (bf16 on a tie), rules on blocks, kinds and experts, never steps. Raises
+    RuntimeError if it does not give a site its planned method (a self-check)."""
     from ..integration.linear import BLOCK_KINDS, OUTSIDE_KINDS, LinearPolicy
 
     desired = {**{tuple(t): "bf16" for t in unmeasured}, **plan}

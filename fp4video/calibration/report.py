@@ -385,8 +385,8 @@ def _linear_markdown(r: dict) -> list:
         out += ["", "Refused (a layer of the site the method cannot take), e.g.: "
                 + "; ".join(f"{m}: {why}" for m, why in refused.items())]
     policy = yaml.safe_dump(lin["policy"], sort_keys=False, width=120, default_flow_style=None).strip()
-    out += ["", "The run config's `linear:` section:", "", "```yaml", policy if policy != "{}" else "{}  # bf16 everywhere",
-            "```"]
+    out += ["", "The run config's `linear:` section:", "", "```yaml",
+            policy if policy != "{}" else "{}  # bf16 everywhere", "```"]
     return out
 
 
