@@ -1,0 +1,227 @@
+"""Block-sparse selection on LEARNED attention: the self-attention q, k, v of the project's trained test
+model (fp4video.testmodel), captured once per module, against the exact fp64 attention of every row.
+
+(a) the shipped dynamic rule (sampled τ 0.9, sinks, floor 0.9) saves work (density < 1 on some heads)
+and every row its check reads keeps the floor, measured exactly; with every row checked, every row
+does; with the default 2 checked rows per tile, rows it does not read fall under the floor (a strict
+xfail: the floor is a guarantee on the checked rows only, docs/sparse-learned.md). (b) the oracle
+bounds every selection of the suite, per query tile. (c) each call's check reports the exact kept mass
+of the rows it sampled. The harness's pieces (the per-tile cosines, the structure measures) are
+checked on synthetic heads, where the answer is known."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4video.attention import selection_for
+from fp4video.harness.video_heads import (VideoGrid, attention_structure, capture_self_attention, exact_block_mass,
+                                          key_tile_partials, oracle_selection, partial_row_cosines, selection_quality,
+                                          video_heads)
+from fp4video.sparse import DynamicSparsity, sample_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOOR = 0.9
+#: configs/wan22_mxattn_pv8_dynamic.yaml's selection
+SHIPPED = DynamicSparsity(0.9, estimate="sampled", sinks=True, floor=FLOOR)
+#: a check reads fp32 row masses; the references are fp64 over the same inputs
+FP32_MASS = 1e-5
+
+
+def _suite():
+    """scripts/sparse_selection_suite.py as a module (its rule list and measures)."""
+    spec = importlib.util.spec_from_file_location("sparse_selection_suite", ROOT / "scripts" / "sparse_selection_suite.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def calls():
+    """One held-out caption's conditional self-attention calls, every block, at both steps of a 2-step
+    schedule (early and late; TEST_MODEL_CALL's 16 steps otherwise: the same weights, fewer forwards)."""
+    from fp4video.testmodel import HELD_OUT, TEST_MODEL_CALL, test_model_pipeline
+
+    pipe = test_model_pipeline()
+    call = {**TEST_MODEL_CALL, "num_inference_steps": 2}
+    with torch.no_grad():
+        captured = capture_self_attention(pipe, [HELD_OUT[0].caption], steps=(0, 1), call=call, branches=("cond",))
+    return captured
+
+
+@pytest.fixture(scope="module")
+def masses(calls):
+    """Every row's exact fp64 softmax mass on each key tile of 128, per call."""
+    return [exact_block_mass(c.q, c.k, scale=c.scale) for c in calls]
+
+
+def _row_kept(mass, tiles, query_tile):
+    """(B, H, Sq) fp64: each row's exact mass on the key tiles its query tile visits."""
+    b, h, sq, _ = mass.shape
+    keep = tiles.expand(b, h, *tiles.shape[2:]).repeat_interleave(query_tile, dim=2)[:, :, :sq]
+    return (mass * keep).sum(-1)
+
+
+@pytest.mark.slow
+def test_the_capture_holds_every_blocks_self_attention_on_the_latent_grid(calls):
+    assert sorted((c.step, c.block) for c in calls) == [(s, b) for s in (0, 1) for b in range(4)]
+    for c in calls:
+        assert c.grid == (8, 16, 16) and c.branch == "cond"
+        assert c.q.shape == c.k.shape == c.v.shape == (1, 4, 2048, 64) and c.q.dtype == torch.float32
+        assert torch.isfinite(c.q).all() and torch.isfinite(c.k).all()
+    # distinct inputs per block and step (not one tensor captured over and over)
+    assert len({(float(c.q.double().sum()), float(c.k.double().sum())) for c in calls}) == len(calls)
+
+
+@pytest.mark.slow
+def test_the_shipped_dynamic_rule_saves_work_and_every_checked_row_keeps_the_floor(calls, masses):
+    """(a) τ 0.9 on learned attention visits fewer than all tiles on some heads, and after repair every
+    row the check read keeps at least the floor of its exact (fp64, every key) attention."""
+    densities = []
+    for c, mass in zip(calls, masses):
+        sel = selection_for(SHIPPED, c.q, c.k, scale=c.scale)
+        densities += sel.density_per_head().flatten().tolist()
+        kept = _row_kept(mass, sel.tiles, sel.query_tile)
+        checked = sample_rows(c.q.shape[2], sel.query_tile, SHIPPED.check_rows, seed=SHIPPED.seed).flatten()
+        worst = float(kept[:, :, checked].min())
+        assert worst >= FLOOR - FP32_MASS, f"{c.label}: a checked row keeps {worst:.4f} < floor {FLOOR}"
+    assert min(densities) < 0.9, f"no head under density 0.9: {densities}"
+    assert sum(d < 1 for d in densities) >= len(densities) // 2, densities
+
+
+@pytest.mark.slow
+def test_with_every_row_checked_every_row_keeps_the_floor_and_work_is_still_saved(calls, masses):
+    """(a) on every row: a check that reads all 128 rows of a tile repairs each of them, measured
+    exactly on every row; the selection still skips tiles on some heads."""
+    rule = DynamicSparsity(0.9, estimate="sampled", sinks=True, floor=FLOOR, check_rows=128)
+    densities = []
+    for c, mass in zip(calls, masses):
+        sel = selection_for(rule, c.q, c.k, scale=c.scale)
+        densities += sel.density_per_head().flatten().tolist()
+        worst = float(_row_kept(mass, sel.tiles, sel.query_tile).min())
+        assert worst >= FLOOR - FP32_MASS, f"{c.label}: a row keeps {worst:.4f} < floor {FLOOR}"
+    assert min(densities) < 0.9, f"no head under density 0.9: {densities}"
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="the floor's repair reads 2 rows per 128-row tile: on learned attention "
+                   "other rows of a tile attend elsewhere: the worst keeps 0.11 here (block 2; docs/sparse-learned.md); "
+                   "this test passing means the guarantee now covers every row: update the doc")
+def test_with_the_default_check_every_row_keeps_the_floor(calls, masses):
+    """(a) as first asked: every row, not only the checked ones, keeps the floor under the shipped rule."""
+    for c, mass in zip(calls, masses):
+        sel = selection_for(SHIPPED, c.q, c.k, scale=c.scale)
+        worst = float(_row_kept(mass, sel.tiles, sel.query_tile).min())
+        assert worst >= FLOOR - FP32_MASS, f"{c.label}: a row keeps {worst:.4f} < floor {FLOOR}"
+
+
+@pytest.mark.slow
+def test_the_oracle_bounds_every_selection_of_the_suite(calls, masses):
+    """(b) per query tile, no selection keeps more exact mass than the oracle (the key tiles of
+    largest exact block mass) at its own count of key tiles, on each selection's own query tiles;
+    selection_quality's efficiency is at most 1. The selections are the suite's --test-model list."""
+    rules = _suite().test_model_rules(calls[0].grid)
+    assert len(rules) >= 20
+    worst = 0.0
+    for c, mass in zip(calls, masses):
+        if (c.step, c.block) not in ((0, 2), (1, 1)):  # two calls: every selection on each takes a while
+            continue
+        for family, label, rule in rules:
+            sel = selection_for(rule, c.q, c.k, scale=c.scale)
+            qt = sel.query_tile
+            tiles = sel.tiles.expand(1, c.q.shape[1], *sel.tiles.shape[2:])
+            counts = tiles.sum(-1)
+            oracle = oracle_selection(mass, counts, qt)
+            assert torch.equal(oracle.sum(-1), counts), label  # the oracle visits as many tiles
+            block = torch.stack([mass[:, :, i * qt:(i + 1) * qt].mean(2) for i in range(tiles.shape[2])], dim=2)
+            kept, best = (block * tiles).sum(-1), (block * oracle).sum(-1)
+            excess = float((kept - best).max())
+            worst = max(worst, excess)
+            assert excess <= 1e-12, f"{c.label}, {label}: a query tile keeps {excess:.2e} more than the oracle"
+            quality = selection_quality(mass, tiles, qt, report_tile=qt)
+            assert quality["efficiency"] <= 1 + 1e-12, (label, quality["efficiency"])
+    assert worst <= 1e-12
+
+
+@pytest.mark.slow
+def test_each_check_reports_the_exact_kept_mass_of_the_rows_it_sampled(calls, masses):
+    """(c) the check's kept mass per query tile is the exact mean over its sampled rows of their kept
+    share (within fp32 row masses: 1e-5), and its summary (min, 1% quantile, mean) is that of those
+    exact values (an order statistic moves no more than the values do)."""
+    rules = [SHIPPED, DynamicSparsity(0.8), DynamicSparsity(None, topk=0.2, estimate="sampled", query_tile=64)]
+    for c, mass in zip(calls, masses):
+        for rule in rules:
+            sel = selection_for(rule, c.q, c.k, scale=c.scale)
+            qt, check = sel.query_tile, sel.check
+            rows = sample_rows(c.q.shape[2], qt, check.rows, seed=rule.seed)  # (nq, rows)
+            exact = _row_kept(mass, sel.tiles, qt)[:, :, rows].mean(-1)  # (1, H, nq)
+            err = float((check.kept.double() - exact).abs().max())
+            assert err <= FP32_MASS, f"{c.label}, {rule}: check off by {err:.2e}"
+            summary = {k: float(v) for k, v in check.summary().items()}
+            flat = exact.flatten().sort().values
+            q01 = float(flat[int((flat.numel() - 1) * 0.01)])
+            assert abs(summary["kept_min"] - float(flat[0])) <= FP32_MASS
+            assert abs(summary["kept_q01"] - q01) <= FP32_MASS
+            assert abs(summary["kept_mean"] - float(flat.mean())) <= FP32_MASS
+
+
+@pytest.mark.slow
+def test_the_suites_learned_measures_and_report_on_one_call(calls, tmp_path):
+    """The suite's --test-model path on one captured call and two selections: its rows, aggregates,
+    table and plot (the whole run takes minutes)."""
+    suite = _suite()
+    rules = [r for r in suite.test_model_rules(calls[0].grid) if r[1] in ("sampled τ=0.9 sinks floor=0.9",
+                                                                          "window [2, 5, 5] (64-row tiles)")]
+    assert len(rules) == 2
+    c = calls[-1]
+    rows, raw = suite.measure_call(c, rules)
+    assert len(rows) == 2 * c.q.shape[1]
+    for r in rows:
+        assert 0 < r["density"] <= 1 and 0 <= r["kept_min"] <= r["kept_mean"] <= 1 and r["efficiency"] <= 1 + 1e-12
+        assert r["row_cos_min"] <= r["row_cos_q001"] <= 1 and r["check_error"] <= FP32_MASS
+    assert rows[0]["miss_rate"] is not None and "miss_rate" not in rows[-1]
+    structure = [{"caption": 0, "step": c.step, "branch": c.branch, "block": c.block, "head": h, **s}
+                 for h, s in enumerate(attention_structure(c.q, c.k, c.grid, windows=suite.LEARNED_WINDOWS))]
+    result = {"settings": {"captions": ["x"], "steps": [c.step], "branches": ["cond"], "call": {"num_inference_steps": 2},
+                           "grid": list(c.grid), "heads": 4, "head_dim": 64, "calls": 1, "repeats_left_out": 0},
+              "all": suite.aggregate(rows, raw), "per_block": {c.block: suite.aggregate(rows, raw)},
+              "structure": structure}
+    assert [a["selection"] for a in result["all"]] == [r[1] for r in rules]
+    text = suite.learned_markdown(result)
+    assert "sampled τ=0.9 sinks floor=0.9" in text and "head classes" in text
+    suite.learned_plot(result, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+# --- the harness's pieces on synthetic heads (fast) -----------------------------------------------------
+
+
+def test_per_tile_partials_give_the_cosines_of_attention_over_the_kept_keys():
+    grid = VideoGrid(2, 8, 16, text=0)  # 256 tokens, 2 query tiles
+    q, k, v = video_heads(grid, ("spatial", "content", "random"), dim=32, seed=3)
+    parts = key_tile_partials(q, k, v)
+    assert torch.equal(parts.mass, exact_block_mass(q, k))
+    gen = torch.Generator().manual_seed(0)
+    for query_tile in (128, 64):
+        tiles = torch.rand(1, 3, 256 // query_tile, 2, generator=gen) < 0.6
+        cos, whole = partial_row_cosines(parts, tiles, query_tile)
+        direct = selection_quality(parts.mass, tiles, query_tile, q=q, k=k, v=v, report_tile=query_tile)
+        assert abs(float(whole) - direct["cosine"]) < 1e-12
+        assert abs(float(cos.min()) - direct["row_cos_min"]) < 1e-12
+    everything = partial_row_cosines(parts, torch.ones(1, 1, 2, 2, dtype=torch.bool), 128)
+    assert float(everything[0].min()) > 1 - 1e-12 and abs(float(everything[1]) - 1) < 1e-12
+
+
+def test_attention_structure_names_synthetic_heads_by_their_kind():
+    grid = VideoGrid(8, 8, 8)
+    q, k, _ = video_heads(grid, ("spatial", "temporal", "diffuse"), dim=64, seed=1)
+    s = attention_structure(q, k, (8, 8, 8), windows=[(1, 2, 2), (7, 32, 32)])
+    assert [h["class"] for h in s] == ["spatial", "temporal", "diffuse"]
+    assert all(abs(h["window [7, 32, 32]"] - 1) < 1e-9 for h in s)  # radial, yet over the whole grid: all
+    assert s[0]["local"] > 0.5 and s[1]["temporal"] > 0.5 and s[2]["entropy"] > 0.95
+    assert s[0]["window [1, 2, 2]"] > s[2]["window [1, 2, 2]"]
+    with pytest.raises(ValueError, match="8×8×8"):
+        attention_structure(q[:, :, :100], k, (8, 8, 8))
