@@ -181,20 +181,50 @@ def _cli(*args, cwd=None):
 
 
 def test_generate_embedded_default(tmp_path):
+    """The embedded default: the trained test model under MXAttention's hybrid policy writes a clip
+    whose caption's colour, shape and motion the checker finds (the regression test of the shipped
+    weights and the default prompt), and the sidecar records every call and the check."""
+    from fp4video.integration.config import DEFAULT_CONFIG, TEST_MODEL_SIZES
+    from fp4video.testmodel import check_clip, parse_caption
+
     out = tmp_path / "video.mp4"
     proc = _cli("generate", "--output", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     import imageio.v3 as iio
 
     frames = iio.imread(out)
-    assert frames.shape == (TINY_SIZES["frames"], TINY_SIZES["height"], TINY_SIZES["width"], 3)
+    assert frames.shape == (TEST_MODEL_SIZES["frames"], TEST_MODEL_SIZES["height"], TEST_MODEL_SIZES["width"], 3)
     side = json.loads(out.with_suffix(".json").read_text())
     calls = side["attention_calls"]
-    assert len(calls) == TINY_SIZES["steps"] * 2 * 2 * 2
+    assert len(calls) == TEST_MODEL_SIZES["steps"] * 2 * 4 * 2  # steps × guidance branches × blocks × kinds
     assert {c["method"] for c in calls} == {"fp16", "mxattn"}
-    assert all(c["expert"] in ("high_noise", "low_noise") and c["kind"] in ("self", "cross") for c in calls)
-    assert side["config"]["policy"]["method"] == "mxattn" and side["generation_seconds"] > 0 and side["video_seconds"] == side["frames"] / side["fps"]
-    assert "wrote" in proc.stderr
+    assert {c["block"] for c in calls if c["method"] == "mxattn"} == {1, 2, 3}  # block 0 in FP16
+    assert side["config"]["policy"]["method"] == "mxattn" and side["generation_seconds"] > 0
+    assert side["video_seconds"] == round(side["frames"] / side["fps"], 3)
+    check = side["motion_check"]
+    assert check["checked"] and check["passed"], check
+    # the mp4 itself (8-bit, compressed) passes the checker too, not only the frames the run checked
+    assert check_clip(frames / 255.0, parse_caption(DEFAULT_CONFIG.prompts[0])).passed
+    assert "motion check of the caption: passed" in proc.stderr and "wrote" in proc.stderr
+
+
+def test_generate_says_when_a_prompt_is_not_a_test_model_caption(tmp_path):
+    out = tmp_path / "v.mp4"
+    proc = _cli("generate", "--prompt", "a cat walks on the grass", "--steps", "1", "--frames", "5", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "is not a caption of the test model's scenes" in proc.stderr
+    assert json.loads(out.with_suffix(".json").read_text())["motion_check"]["checked"] is False
+
+
+def test_generate_tiny_model_still_runs_at_its_own_sizes(tmp_path):
+    out = tmp_path / "video.mp4"
+    proc = _cli("generate", "--model", "tiny", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import imageio.v3 as iio
+
+    assert iio.imread(out).shape == (TINY_SIZES["frames"], TINY_SIZES["height"], TINY_SIZES["width"], 3)
+    side = json.loads(out.with_suffix(".json").read_text())
+    assert len(side["attention_calls"]) == TINY_SIZES["steps"] * 2 * 2 * 2 and side["motion_check"] is None
 
 
 def test_generate_frames_script_saves_the_decoded_frames(tmp_path):
@@ -204,7 +234,7 @@ def test_generate_frames_script_saves_the_decoded_frames(tmp_path):
 
     root = Path(__file__).resolve().parents[1] / "scripts"
     out = tmp_path / "f.mp4"
-    proc = subprocess.run([sys.executable, str(root / "generate_frames.py"), "generate", "--steps", "2",
+    proc = subprocess.run([sys.executable, str(root / "generate_frames.py"), "generate", "--model", "tiny", "--steps", "2",
                            "--output", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     frames = np.load(f"{out}.npy")

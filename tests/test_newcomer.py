@@ -62,8 +62,8 @@ def test_a_run_of_several_prompts_says_which_files_it_writes(tmp_path):
     """Regression (several_prompts_unannounced): ``--output x.mp4`` with a two-prompt config wrote
     x_0.mp4 and x_1.mp4 without a word; the command says so before it starts and when it ends."""
     out = tmp_path / "x.mp4"
-    run = subprocess.run([sys.executable, "-m", "fp4video.cli.main", "generate", "--steps", "1", "--frames", "5",
-                          "--prompt", "a cat", "--prompt", "a dog", "--output", str(out)],
+    run = subprocess.run([sys.executable, "-m", "fp4video.cli.main", "generate", "--model", "tiny", "--steps", "1",
+                          "--frames", "5", "--prompt", "a cat", "--prompt", "a dog", "--output", str(out)],
                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line for line in run.stderr.splitlines() if line.startswith("fp4video generate: ")]

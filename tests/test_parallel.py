@@ -185,9 +185,9 @@ def test_generate_under_torchrun_equals_single_process(tmp_path):
     import imageio.v3 as iio
     import numpy as np
 
-    two = _cli_under_torchrun("generate", "--ulysses-degree", "2", "--output", str(tmp_path / "two.mp4"), cwd=tmp_path)
+    two = _cli_under_torchrun("generate", "--model", "tiny", "--ulysses-degree", "2", "--output", str(tmp_path / "two.mp4"), cwd=tmp_path)
     assert two.returncode == 0, two.stderr[-2000:]
-    one = _cli("generate", "--output", str(tmp_path / "one.mp4"), cwd=tmp_path)
+    one = _cli("generate", "--model", "tiny", "--output", str(tmp_path / "one.mp4"), cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-2000:]
     sidecar = json.loads((tmp_path / "two.json").read_text())
     assert sidecar["processes"] == 2 and sidecar["config"]["parallel"] == {"ring_degree": 1, "ulysses_degree": 2}

@@ -349,3 +349,16 @@ def test_smoke_checkpoint_loads_and_generates_through_fp4video(smoke_run, tmp_pa
     assert (0, 1, "mxattn") in methods and (0, 0, "fp16") in methods and (2, 1, "fp16") in methods
     assert not {m for s, b, m in methods if s == 2} - {"fp16"}
     fp4video.uninstall(pipe)
+
+
+def test_parse_caption_is_the_inverse_of_caption_and_refuses_other_text():
+    from fp4video.testmodel import HELD_OUT, parse_caption, sample_scenes
+
+    for captioned in [*HELD_OUT, *[parse_caption(c) for c in sample_scenes(64, seed=5).captions()]]:
+        assert captioned is not None and parse_caption(captioned.caption) == captioned
+    assert parse_caption("  A Red Square moves left over the astronaut photo. ") == HELD_OUT[0].__class__(
+        colour="red", shape="square", motion="moves left", background="astronaut")
+    for text in ("a red panda climbs a tree", "a red square moves left", "a purple square moves left over the grass",
+                 "a red square moves sideways over the grass", "a red square moves left over the grass as the camera flies",
+                 "a red square grows on a black background as the camera pans left", ""):
+        assert parse_caption(text) is None, text

@@ -49,16 +49,14 @@ REFERENCE = ("the layer's own product: its weights and input rows upcast to fp32
 DEFAULT_ROWS = 256
 
 #: Milliseconds per call on an H200 at Wan2.2-A14B 720p (75,600 tokens), torch 2.11.0+cu130, torchao
-#: 0.18.0 without MSLK: {"eager" or "compile": {shape class: {method: ms}}}. Eager: docs/linear.md's
-#: measured table (scripts/profile_linear.py). Compiled: the expanding FFN layer alone, bf16 and
-#: fp8-rowwise both under torch.compile (the 1.80× of docs/linear.md's first try; the profile's table
-#: has 8.60 ms for fp8 compiled but no compiled bf16 time to set it against); the other shapes were
-#: not measured compiled, so they have no compiled time.
+#: 0.18.0 without MSLK: {"eager" or "compile": {shape class: {method: ms}}}, from docs/linear.md's
+#: measured table (scripts/profile_linear.py). Compiled, no shape has both a bf16 and an fp8 time
+#: there yet, so none has a compiled time: ``--linear-compile`` off a GPU chooses bf16.
 LINEAR_TABLE = {
     "eager": {"square": {"bf16": 4.92, "fp8-rowwise": 7.00},      # q/k/v/o 5120 -> 5120
               "expand": {"bf16": 15.05, "fp8-rowwise": 11.79},    # FFN up 5120 -> 13824
               "contract": {"bf16": 14.93, "fp8-rowwise": 19.10}},  # FFN down 13824 -> 5120
-    "compile": {"expand": {"bf16": 14.94, "fp8-rowwise": 8.29}},
+    "compile": {},
 }
 LINEAR_TABLE_SOURCE = ("H200 times per call at Wan2.2 720p (docs/linear.md; torchao 0.18.0 without MSLK), one ratio "
                        "per shape class (in = out, out > in, out < in), applied to this device's bf16 time")

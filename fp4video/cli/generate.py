@@ -12,7 +12,7 @@ from pathlib import Path
 from .common import UsageError, check_output_file, check_seed, seed_arg
 
 EXAMPLES = """examples:
-  fp4video generate                                   # embedded default: tiny random Wan2.2, mxattn policy
+  fp4video generate                                   # embedded default: the trained test model, mxattn hybrid
   fp4video generate --config configs/wan22_mxattn.yaml --model /models/Wan2.2-T2V-A14B-Diffusers \\
       --output wan.mp4 --device cuda
   fp4video generate --config configs/wan22_sage3.yaml --model tiny --steps 6 --seed 3
@@ -37,8 +37,9 @@ MAX_STEPS = 10_000
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate a video with FP4 attention", description=__doc__,
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=Path, help="run config YAML (default: the embedded tiny Wan2.2 + mxattn config)")
-    p.add_argument("--model", help='"tiny", a local pipeline folder or a hub id (overrides the config)')
+    p.add_argument("--config", type=Path, help="run config YAML (default: the trained test model under MXAttention's hybrid policy)")
+    p.add_argument("--model", help='"test" (the trained test model), "tiny" (random weights), a local pipeline folder '
+                                   'or a hub id (overrides the config)')
     p.add_argument("--prompt", action="append", help="prompt (repeat for several; overrides the config)")
     p.add_argument("--output", type=Path, default=Path("fp4video.mp4"),
                    help="output mp4, a .json sidecar beside it; a config or --prompt list with several prompts "
@@ -62,11 +63,11 @@ def resolve_config(args, notes: list[str] | None = None):
     validated again. ``notes`` collects one line for each silent change worth saying (the tiny
     model replacing a config's sizes)."""
     from ..integration.config import DEFAULT_CONFIG, RunConfig, load_config
+    from ..integration.pipelines import embedded_sizes
     from ..integration.policy import Policy
-    from ..integration.tiny import tiny_sizes
 
     if args.model is not None and not args.model.strip():
-        raise UsageError(f"--model {args.model!r}: empty; give \"tiny\", a local pipeline folder or a hub id")
+        raise UsageError(f"--model {args.model!r}: empty; give \"test\", \"tiny\", a local pipeline folder or a hub id")
     try:
         cfg = load_config(args.config) if args.config else DEFAULT_CONFIG
     except RecursionError:  # a pathological nesting that reached Python's limit in a parser
@@ -79,13 +80,13 @@ def resolve_config(args, notes: list[str] | None = None):
     if args.method is not None:
         changes["policy"] = Policy(method=args.method)
     model = args.model if args.model is not None else cfg.model
-    if model == "tiny":  # the YAML's sizes are for the real model
-        tiny = tiny_sizes(cfg.family)
-        changes.update(tiny)
-        replaced = {k: (getattr(cfg, k), v) for k, v in tiny.items()
+    own = embedded_sizes(model, cfg.family)  # an embedded model's sizes: the YAML's are for the real model
+    if own:
+        changes.update(own)
+        replaced = {k: (getattr(cfg, k), v) for k, v in own.items()
                     if getattr(cfg, k) != v and getattr(args, k, None) is None}
         if args.config and replaced and notes is not None:
-            notes.append(_tiny_note(args.config, replaced))
+            notes.append(_embedded_note(args.config, model, replaced))
     for name in ("steps", "seed", "height", "width", "frames"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
@@ -99,7 +100,7 @@ def resolve_config(args, notes: list[str] | None = None):
     return cfg
 
 
-def _tiny_note(config, replaced: dict) -> str:
+def _embedded_note(config, model: str, replaced: dict) -> str:
     def sizes(i):
         v = {k: p[i] for k, p in replaced.items()}
         parts = []
@@ -109,7 +110,8 @@ def _tiny_note(config, replaced: dict) -> str:
         return ", ".join(parts)
 
     options = [f"--{k}" for k in ("height", "width", "frames", "steps") if k in replaced]
-    return (f"note: the tiny model runs at its own sizes, {sizes(1)}, instead of {config}'s {sizes(0)} "
+    which = "the tiny model" if model == "tiny" else "the test model"
+    return (f"note: {which} runs at its own sizes, {sizes(1)}, instead of {config}'s {sizes(0)} "
             "(those are for the real model" + (f"; {'/'.join(options)} choose others)" if options else ")"))
 
 
@@ -117,7 +119,7 @@ def check_run_config(cfg) -> None:
     """What the config's own validation leaves open and no run can use, in one line (a
     :class:`UsageError`): an empty model, a seed outside torch's range, sizes past the bounds."""
     if not cfg.model.strip():
-        raise UsageError("model: empty; give \"tiny\", a local pipeline folder or a hub id")
+        raise UsageError("model: empty; give \"test\", \"tiny\", a local pipeline folder or a hub id")
     check_seed(cfg.seed, "seed")
     for name, bound in (("height", MAX_SIDE), ("width", MAX_SIDE), ("frames", MAX_FRAMES), ("steps", MAX_STEPS)):
         if getattr(cfg, name) > bound:
@@ -158,6 +160,14 @@ def run(args) -> int:
 
     notes: list[str] = []
     cfg = resolve_config(args, notes)
+    if cfg.model == "test":
+        from ..integration.config import DEFAULT_CONFIG
+        from ..testmodel import parse_caption
+
+        for prompt in cfg.prompts:
+            if parse_caption(prompt) is None:
+                notes.append(f"note: {prompt!r} is not a caption of the test model's scenes (such as "
+                             f"\"{DEFAULT_CONFIG.prompts[0]}\"; docs/test-model.md): its clip is generated, not checked")
     for note in notes:
         print(f"fp4video generate: {note}", file=sys.stderr)
     outputs = [check_output_file(out, "--output", (".mp4",), companions=(".json",))
@@ -272,4 +282,9 @@ def _summary(out, sidecar, fps: int):
     console.print(t)
     if sidecar["fallbacks"]:
         console.print(f"[yellow]stock fallbacks: {sidecar['fallbacks']}[/yellow]")
+    check = sidecar.get("motion_check")
+    if check and check["checked"]:
+        marks = ", ".join(f"{k} {'right' if check[k] else 'wrong'}" for k in ("colour", "shape", "motion"))
+        console.print(f"motion check of the caption: {'passed' if check['passed'] else 'failed'} ({marks})"
+                      + (f": {check['reason']}" if check["reason"] else ""))
     console.print(f"wrote {out} and {out.with_suffix('.json')}")

@@ -15,8 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 
 from .linear import LinearPolicy
 from .policy import Number, Policy, format_validation_error
+from ..testmodel.model import TEST_MODEL_CALL
 
-__all__ = ["RunConfig", "ParallelSettings", "load_config", "read_yaml_mapping", "ConfigError", "DEFAULT_CONFIG"]
+__all__ = ["RunConfig", "ParallelSettings", "load_config", "read_yaml_mapping", "ConfigError", "DEFAULT_CONFIG",
+           "TEST_MODEL_SIZES"]
 
 
 class ConfigError(ValueError):
@@ -35,7 +37,8 @@ class ParallelSettings(BaseModel):
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
-    model: StrictStr = Field("tiny", description='"tiny" (embedded random model), a local folder or a hub id')
+    model: StrictStr = Field("tiny", description='"test" (the project\'s trained test model), "tiny" (an embedded '
+                             'random model), a local folder or a hub id')
     family: Literal["wan", "hunyuan", "hunyuan15", "ltx", "ltx2", "skyreels", "vace", "animate", "sana", "kandinsky5"] = Field(
         "wan", description="the pipeline's family: the tiny model `--model tiny` embeds, and the call's arguments")
     task: Literal["t2v", "i2v"] = "t2v"
@@ -66,6 +69,13 @@ class RunConfig(BaseModel):
     parallel: ParallelSettings | None = Field(None, description="context parallelism under torchrun")
 
     @model_validator(mode="after")
+    def _test_model_is_wan_t2v(self):
+        if self.model == "test" and (self.family != "wan" or self.task != "t2v"):
+            raise ValueError(f"model: test is the project's trained Wan text-to-video model: it needs family wan and "
+                             f"task t2v, got family {self.family!r}, task {self.task!r}")
+        return self
+
+    @model_validator(mode="after")
     def _animate_fields_need_animate(self):
         """Wan Animate's inputs on another family would be silently unused: refused."""
         set_ = [n for n in ("pose_video", "face_video", "background_video", "mask_video") if getattr(self, n) is not None]
@@ -79,11 +89,18 @@ class RunConfig(BaseModel):
         return self
 
 
-#: The embedded default: MXAttention's Wan2.2 main-table policy on the tiny two-expert model.
+#: The test model's own sizes (its TEST_MODEL_CALL's; a YAML's sizes are the real model's).
+TEST_MODEL_SIZES = {"height": TEST_MODEL_CALL["height"], "width": TEST_MODEL_CALL["width"],
+                    "frames": TEST_MODEL_CALL["num_frames"], "steps": TEST_MODEL_CALL["num_inference_steps"]}
+
+#: The embedded default: MXAttention's Wan2.2 main-table policy (block 0 and the last two steps in
+#: FP16) on the project's trained test model, with a caption of the kind it was trained on.
 DEFAULT_CONFIG = RunConfig(
-    model="tiny",
+    model="test",
     family="wan",
-    prompts=["A red panda climbs a snowy tree, cinematic."],
+    **TEST_MODEL_SIZES,
+    guidance_scale=TEST_MODEL_CALL["guidance_scale"],
+    prompts=["a red circle moves right over the coffee photo"],
     policy=Policy(method="mxattn", rules=[{"method": "fp16", "blocks": [0]}, {"method": "fp16", "steps": {"last": 2}}]),
 )
 

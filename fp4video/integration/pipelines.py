@@ -1,5 +1,5 @@
-"""Loading pipelines for ``fp4video generate``: the embedded tiny models, or real ones from a local
-folder or the hub (with a clear error when the weights are not there)."""
+"""Loading pipelines for ``fp4video generate``: the project's trained test model, the embedded tiny
+models, or real ones from a local folder or the hub (with a clear error when the weights are not there)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,28 @@ import torch
 
 from .config import RunConfig
 
-__all__ = ["load_pipeline", "configure_pipeline", "pipeline_kwargs"]
+__all__ = ["load_pipeline", "configure_pipeline", "pipeline_kwargs", "embedded_sizes"]
+
+
+def embedded_sizes(model: str, family: str) -> dict:
+    """The sizes an embedded model runs at in place of a YAML's (which are the real model's): the
+    tiny models' and the test model's; nothing for a real model."""
+    if model == "tiny":
+        from .tiny import tiny_sizes
+
+        return tiny_sizes(family)
+    if model == "test":
+        from .config import TEST_MODEL_SIZES
+
+        return dict(TEST_MODEL_SIZES)
+    return {}
 
 
 def load_pipeline(cfg: RunConfig, device: torch.device):
+    if cfg.model == "test":
+        from ..testmodel import test_model_pipeline
+
+        return test_model_pipeline(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     if cfg.model == "tiny":
         from .tiny import tiny_pipeline
 
@@ -76,6 +94,10 @@ def pipeline_kwargs(cfg: RunConfig, prompt: str, device: torch.device) -> dict:
         from .tiny import TINY_CALLS
 
         kw.update(TINY_CALLS.get(cfg.family, {}))
+    if cfg.model == "test":  # the text length it was trained at
+        from ..testmodel import TEST_MODEL_CALL
+
+        kw["max_sequence_length"] = TEST_MODEL_CALL["max_sequence_length"]
     if cfg.task == "i2v" and cfg.family != "animate":
         if cfg.model == "tiny":
             from .tiny import tiny_image

@@ -14,6 +14,22 @@ from .processor import AttentionContext, sparse_summary
 __all__ = ["generate_video"]
 
 
+def motion_check(cfg: RunConfig, prompt: str, frames) -> dict | None:
+    """The test model's clip checked against its caption (:func:`fp4video.testmodel.check_clip`:
+    the named colour's region, its shape and its motion, from the frames alone); None for other
+    models. A prompt that is not a caption of the test model's scenes is said so, unchecked."""
+    if cfg.model != "test":
+        return None
+    from ..testmodel import check_clip, parse_caption
+
+    spec = parse_caption(prompt)
+    if spec is None:
+        return {"checked": False, "reason": "not a caption of the test model's scenes (docs/test-model.md)"}
+    v = check_clip(frames, spec)
+    return {"checked": True, "passed": v.passed, "colour": v.colour, "shape": v.shape, "motion": v.motion,
+            "reason": v.reason, "details": v.details}
+
+
 def generate_video(pipe, ctx: AttentionContext, cfg: RunConfig, prompt: str, call: dict, out: Path, *,
                    device, backend: str, load_seconds: float = 0.0, write: bool = True, world_size: int = 1,
                    linear: dict | None = None) -> dict:
@@ -56,6 +72,7 @@ def generate_video(pipe, ctx: AttentionContext, cfg: RunConfig, prompt: str, cal
         "fallbacks": dict(ctx.fallbacks),
         "block_sparse": sparse_summary(calls),
         "linear_layers": linear,
+        "motion_check": motion_check(cfg, prompt, frames),
         "attention_calls": calls,
     }
     if write:

@@ -26,10 +26,10 @@ import torch
 
 from .checker import Verdict, check_clip, check_rate
 from .model import FULL, SMOKE, TEST_MODEL_CALL, TestModelConfig, build_pipeline, is_pack, pack, unpack
-from .scenes import HELD_OUT, SceneSpec, caption, held_out_scenes, render, sample_scenes
+from .scenes import HELD_OUT, SceneSpec, caption, held_out_scenes, parse_caption, render, sample_scenes
 
 __all__ = ["test_model_pipeline", "TEST_MODEL_CALL", "WEIGHTS", "FULL", "SMOKE", "TestModelConfig", "build_pipeline",
-           "pack", "unpack", "HELD_OUT", "SceneSpec", "caption", "sample_scenes", "held_out_scenes", "render",
+           "pack", "unpack", "HELD_OUT", "SceneSpec", "caption", "parse_caption", "sample_scenes", "held_out_scenes", "render",
            "check_clip", "check_rate", "Verdict"]
 
 #: Where the shipped weights live: a WanPipeline folder inside the package.

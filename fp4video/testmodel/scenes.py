@@ -29,7 +29,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 __all__ = ["COLOURS", "SHAPES", "MOTIONS", "DIRECTIONS", "BACKGROUNDS", "CAMERAS", "SceneSpec", "Scenes", "HELD_OUT",
-           "caption", "vocabulary", "sample_scenes", "render", "held_out_scenes", "background_bank",
+           "caption", "parse_caption", "vocabulary", "sample_scenes", "render", "held_out_scenes", "background_bank",
            "SHAPE_AREA", "SIZE_RANGE", "SCALE_RANGE", "DISTANCE_RANGE", "SPIN_RANGE"]
 
 #: Named shape colours (RGB in [0, 1]): fully saturated hues and white.
@@ -122,6 +122,31 @@ def caption(spec: SceneSpec) -> str:
     article = "an" if spec.colour[0] in "aeiou" else "a"
     text = f"{article} {spec.colour} {spec.shape} {spec.motion} {BACKGROUNDS[spec.background][1]}"
     return text if spec.camera == "still" else f"{text} as the camera {spec.camera}"
+
+
+def parse_caption(text: str) -> SceneSpec | None:
+    """The scene a caption names (:func:`caption`'s inverse; case, surrounding spaces and a final
+    full stop aside), or None where the text is not such a caption."""
+    words = " ".join(str(text).strip().rstrip(".").lower().split())
+    camera = "still"
+    for c in CAMERAS[1:]:
+        if words.endswith(f" as the camera {c}"):
+            words, camera = words[: -len(f" as the camera {c}")], c
+            break
+    parts = words.split(" ", 3)
+    if len(parts) < 4:
+        return None
+    article, colour, shape, rest = parts
+    motion = next((m for m in MOTIONS if rest.startswith(m + " ")), None)
+    background = next((b for b, v in BACKGROUNDS.items() if motion and rest == f"{motion} {v[1]}"), None)
+    if colour not in COLOURS or shape not in SHAPES or background is None:
+        return None
+    try:
+        spec = SceneSpec(colour=colour, shape=shape, motion=motion, background=background, camera=camera)
+    except ValueError:
+        return None
+    return spec if caption(spec) == " ".join([article, colour, shape, rest] + (
+        [f"as the camera {camera}"] if camera != "still" else [])) else None
 
 
 def vocabulary() -> list[str]:

@@ -142,25 +142,44 @@ class _Run:
         tmp.write_text(json.dumps(self.data, indent=1, default=str))
         tmp.replace(path)
         try:
-            _plot_losses(self.data["curves"], self.out / "loss.png")
+            _plot_losses(self.data, self.out / "loss.png")
         except Exception as e:  # a plot failure never stops training
             self.data["plot_error"] = f"{type(e).__name__}: {e}"
 
 
-def _plot_losses(curves: dict, path: Path) -> None:
+def _chain(log: dict) -> list[dict]:
+    """The runs that trained a model, first to last: ``log`` and the logs of the runs it resumed."""
+    runs = [log]
+    while isinstance(runs[-1].get("previous_log"), dict):
+        runs.append(runs[-1]["previous_log"])
+    return runs[::-1]
+
+
+def _plot_losses(log: dict, path: Path) -> None:
+    """Each phase's loss against its steps over the whole chain of resumed runs (a run per colour)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, (name, rows) in zip(axes, curves.items()):
-        if rows:
-            ax.plot([r["elapsed"] for r in rows], [r["loss"] for r in rows], lw=1.2)
+    runs = _chain(log)
+    for ax, name in zip(axes, ("vae", "transformer")):
+        offset = 0
+        for i, run in enumerate(runs):
+            rows = run.get("curves", {}).get(name) or []
+            if not rows:
+                continue
+            rate = (run.get("evaluation") or {}).get("generated", {}).get("rate")
+            label = f"run {i + 1}" + (f" (held-out {rate:.0%})" if rate is not None and name == "transformer" else "")
+            ax.plot([offset + r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2, label=label)
+            offset += rows[-1]["step"]
         ax.set_title(f"{name} loss")
-        ax.set_xlabel("seconds since the run's start")
+        ax.set_xlabel("steps (resumed runs continue the count)")
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     tmp = path.with_name(path.stem + ".tmp.png")
     fig.savefig(tmp, dpi=90)
