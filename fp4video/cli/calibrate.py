@@ -56,7 +56,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                      help="choose again from this earlier calibration's report (its --out folder or report.json): "
                           "takes --budget, --min-cosine, --min-kept, --match, --candidates")
     src.add_argument("--config", type=Path, help="run config YAML: model, family, sizes, steps, prompts")
-    src.add_argument("--model", help='"tiny", a local pipeline folder or a hub id (overrides the config)')
+    src.add_argument("--model", help='"test" (the trained test model), "tiny" (random weights), a local pipeline '
+                     'folder or a hub id (overrides the config)')
     src.add_argument("--family", help="the pipeline's family (wan, hunyuan, ltx, ...; overrides the config)")
     src.add_argument("--prompt", action="append", help="a calibration prompt (repeat; default: the config's)")
     src.add_argument("--holdout", action="append", default=[], help="a hold-out prompt the plan is checked on (repeat)")
@@ -187,7 +188,7 @@ def check_flags(args) -> None:
             if not v.strip():
                 raise UsageError(f"{flag} {v!r}: an empty prompt")
     if args.model is not None and not args.model.strip():
-        raise UsageError(f"--model {args.model!r}: empty; give \"tiny\", a local pipeline folder or a hub id")
+        raise UsageError(f"--model {args.model!r}: empty; give \"test\", \"tiny\", a local pipeline folder or a hub id")
     _check_device(args.device, args.backend)
 
 
@@ -354,8 +355,8 @@ def _pipeline(args, device):
     import torch
 
     from ..integration.config import DEFAULT_CONFIG, ConfigError, load_config
-    from ..integration.pipelines import load_pipeline, pipeline_kwargs
-    from ..integration.tiny import add_sensitivity, tiny_sizes
+    from ..integration.pipelines import embedded_sizes, load_pipeline, pipeline_kwargs
+    from ..integration.tiny import add_sensitivity
 
     try:
         cfg = load_config(args.config) if args.config else DEFAULT_CONFIG
@@ -364,8 +365,7 @@ def _pipeline(args, device):
     changes = {k: v for k, v in (("model", args.model), ("family", args.family)) if v is not None}
     model = changes.get("model", cfg.model)
     family = changes.get("family", cfg.family)
-    if model == "tiny":
-        changes.update(tiny_sizes(family))
+    changes.update(embedded_sizes(model, family))  # an embedded model's own sizes (a YAML's are the real model's)
     for name in ("steps", "height", "width", "frames"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
