@@ -25,7 +25,7 @@ tokens on an 8 × 16 × 16 latent grid) captured for ``--captions`` held-out cap
 ``--steps`` (early, middle, late of ``TEST_MODEL_CALL``'s 16), every block, both guidance passes
 (a call equal to one already captured, block 0's unconditional pass, is counted once)::
 
-    python scripts/sparse_selection_suite.py --test-model --out sparse-learned      # CPU, ~15 minutes
+    python scripts/sparse_selection_suite.py --test-model --out sparse-learned      # CPU, about a quarter of an hour
 
 Per call and head, every selection of :func:`test_model_rules` (128-row query tiles, and 64 where
 the rule takes them; key tiles of 128, the kernels') against the oracle at the same number of key tiles

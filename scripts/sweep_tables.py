@@ -17,13 +17,13 @@ from pathlib import Path
 
 from fp4video.eval.sweep import run_sweep
 from fp4video.integration.config import DEFAULT_CONFIG, load_config
-from fp4video.integration.tiny import tiny_sizes
+from fp4video.integration.pipelines import embedded_sizes
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path)
-    ap.add_argument("--model", help='"tiny", a folder or a hub id (overrides the config)')
+    ap.add_argument("--model", help='"test", "tiny", a folder or a hub id (overrides the config)')
     ap.add_argument("--prompts-file", type=Path, help="one prompt per line (overrides the config)")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--frames", type=int)
@@ -34,8 +34,7 @@ def main(argv=None) -> int:
     changes = {}
     if args.model:
         changes["model"] = args.model
-    if changes.get("model", cfg.model) == "tiny":
-        changes.update(tiny_sizes(cfg.family))
+    changes.update(embedded_sizes(changes.get("model", cfg.model), cfg.family))  # an embedded model's own sizes
     if args.prompts_file:
         changes["prompts"] = [p.strip() for p in args.prompts_file.read_text().splitlines() if p.strip()]
     for k in ("steps", "frames"):

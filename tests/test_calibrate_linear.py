@@ -380,3 +380,41 @@ def test_cli_writes_the_linear_section_of_run_yaml(tmp_path, capsys):
     assert load_config(tmp_path / "again" / "run.yaml").linear == L.LinearPolicy()
     assert main(["calibrate", "--from", str(out), "--linear", "fp8-rowwise", "--out", str(tmp_path / "x")]) == 2
     assert "--linear measures; --from only chooses again" in capsys.readouterr().err
+
+
+def test_choosing_again_keeps_a_users_linear_section_when_linear_layers_were_not_calibrated(tmp_path, capsys):
+    """--from over a calibration without --linear: the run's own linear section (written by the user
+    into run.yaml) is the run's, kept as it was; only the attention policy is chosen again."""
+    import yaml
+
+    from fp4video.cli.main import main
+    from fp4video.integration.config import load_config
+
+    out = tmp_path / "calib"
+    assert main(["calibrate", "--model", "tiny", "--family", "ltx", "--steps", "2", "--height", "32", "--width", "32",
+                 "--frames", "1", "--candidates", "fp16", "fp8", "--propagation", "0", "--prompt", "a cat", "--quiet",
+                 "--out", str(out)]) == 0
+    run = yaml.safe_load((out / "run.yaml").read_text())
+    run["linear"] = {"method": "fp8-rowwise", "rules": [{"method": "bf16", "blocks": [0]}]}
+    (out / "run.yaml").write_text(yaml.safe_dump(run))
+    capsys.readouterr()
+    assert main(["calibrate", "--from", str(out), "--budget", "0.3", "--out", str(tmp_path / "again")]) == 0
+    again = load_config(tmp_path / "again" / "run.yaml")
+    assert again.linear == L.LinearPolicy.model_validate(run["linear"]) and again.linear.method == "fp8-rowwise"
+
+
+def test_a_torchao_gemm_that_fails_refuses_the_method_at_that_site_and_the_calibration_goes_on(monkeypatch):
+    """A torchao GEMM raising inside the calibration's forward (as cuBLASLt's
+    CUBLAS_STATUS_NOT_SUPPORTED did for eager float8 on an H200) refuses that method at the site,
+    naming the error, and the calibration finishes; the method is never chosen there."""
+    pipe = bf16_pipeline()
+
+    def broken(*_a, **_k):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmulAlgoGetHeuristic\nmore")
+
+    monkeypatch.setattr(CL.LinearObserver, "_torchao", staticmethod(broken))
+    monkeypatch.setattr(CL, "LINEAR_TABLE", SAVING_TABLE)
+    result = calibrate(pipe, ["a cat"], budget=0.2, candidates=["fp16", "fp8"], call=WAN_CALL, propagation=0,
+                       progress=False, linear=["mxfp8"], linear_rows=16)
+    sites = result.report["linear_sites"]
+    assert sites and all("CUBLAS_STATUS_NOT_SUPPORTED" in s["refused"]["mxfp8"] and s["chosen"] == "bf16" for s in sites)

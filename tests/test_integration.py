@@ -216,6 +216,36 @@ def test_generate_says_when_a_prompt_is_not_a_test_model_caption(tmp_path):
     assert json.loads(out.with_suffix(".json").read_text())["motion_check"]["checked"] is False
 
 
+def test_generate_a_clip_too_short_to_check_is_written_and_said_unchecked(tmp_path):
+    out = tmp_path / "v.mp4"
+    proc = _cli("generate", "--frames", "1", "--steps", "1", "--output", str(out))
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
+    check = json.loads(out.with_suffix(".json").read_text())["motion_check"]
+    assert check["checked"] is False and "3 frames" in check["reason"], check
+
+
+def test_the_test_models_sizes_apply_to_it_alone():
+    """The default config's model is the test model, at its own sizes; naming another model gives
+    that model the run config's own sizes (a real model's), not the test model's."""
+    import argparse
+
+    from fp4video.cli.generate import resolve_config
+    from fp4video.integration.config import TEST_MODEL_SIZES, RunConfig
+
+    def args(**kw):
+        return argparse.Namespace(**{**dict(config=None, model=None, prompt=None, method=None, steps=None, seed=None,
+                                            height=None, width=None, frames=None, ring_degree=None,
+                                            ulysses_degree=None), **kw})
+
+    default = resolve_config(args())
+    assert default.model == "test" and {k: getattr(default, k) for k in TEST_MODEL_SIZES} == TEST_MODEL_SIZES
+    real = resolve_config(args(model="/models/Wan2.2-T2V-A14B-Diffusers"))
+    assert {k: getattr(real, k) for k in TEST_MODEL_SIZES} == {k: getattr(RunConfig(), k) for k in TEST_MODEL_SIZES}
+    tiny = resolve_config(args(model="tiny"))
+    assert {k: getattr(tiny, k) for k in ("height", "width", "frames", "steps")} == {
+        k: TINY_SIZES[k] for k in ("height", "width", "frames", "steps")}
+
+
 def test_generate_tiny_model_still_runs_at_its_own_sizes(tmp_path):
     out = tmp_path / "video.mp4"
     proc = _cli("generate", "--model", "tiny", "--output", str(out))

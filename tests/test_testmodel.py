@@ -362,3 +362,27 @@ def test_parse_caption_is_the_inverse_of_caption_and_refuses_other_text():
                  "a red square moves sideways over the grass", "a red square moves left over the grass as the camera flies",
                  "a red square grows on a black background as the camera pans left", ""):
         assert parse_caption(text) is None, text
+
+
+@pytest.mark.slow
+def test_calibration_finds_where_the_learned_model_needs_precision():
+    """On the shipped test model, with no sensitivity built in: calibration between FP16 and mxattn
+    against a 0.15 budget keeps exactly the sites whose measured MXFP4 error is over the budget in
+    FP16; the learned structure puts them all in cross attention (a 32-token text whose padding keys
+    are all alike), and none in self-attention, which stays cheap."""
+    from fp4video.calibration import calibrate
+    from fp4video.testmodel import TEST_MODEL_CALL, test_model_pipeline
+
+    pipe = test_model_pipeline()
+    call = {**TEST_MODEL_CALL, "num_inference_steps": 2}
+    result = calibrate(pipe, ["a red circle moves right over the coffee photo"], budget=0.15,
+                       candidates=["fp16", "mxattn"], call=call, propagation=0, progress=False)
+    plan, stats = result.plan, result.stats
+    assert len(plan) == 4 * 2 * 2  # blocks × kinds × steps
+    error = {k: stats[k].rel_l2["mxattn"] for k in plan}
+    over = {k for k in plan if error[k] > 0.15}
+    assert all(plan[k] == "fp16" for k in over) and all(plan[k] == "mxattn" for k in plan if k not in over), plan
+    cross = {k for k in plan if k[2] == "cross"}
+    assert over == cross, error
+    # not an accident of the budget: every cross site's error is well over every self site's
+    assert min(error[k] for k in cross) > 1.5 * max(error[k] for k in plan if k not in cross), error

@@ -247,7 +247,10 @@ class LinearObserver:
                     rowwise = m == "fp8-rowwise"
                     y = float8_linear(xs, w, b, rowwise=rowwise, x_amax=None if rowwise else x2.abs().amax())
                 else:
-                    y = self._torchao(module, m, x2, xs, pick, form)
+                    try:
+                        y = self._torchao(module, m, x2, xs, pick, form)
+                    except RuntimeError as e:  # a GEMM this torch / torchao pair cannot run: the method is refused
+                        y = f"torchao failed: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
                     if isinstance(y, str):
                         st.refused.setdefault(m, f"{name}: {y}")
                         continue
@@ -310,7 +313,7 @@ def linear_times(observer: LinearObserver, *, compile: bool = False) -> None:
                 m = measure_linear(module, x, method, compile=compile, reps=10)
                 if m.saved_ms is not None:
                     out = (m.saved_ms, "measured")
-            except (LinearUnsupported, ValueError):
+            except (LinearUnsupported, ValueError, RuntimeError):  # (a GEMM that fails: no time, never chosen)
                 pass
         else:
             ratio = table_ratio(method, k, n, compile=compile)

@@ -104,6 +104,8 @@ def _linear_methods(linear) -> tuple:
 
     if linear is None:
         return ()
+    if not isinstance(linear, (str, list, tuple)):
+        raise ValueError(f"linear must be a method name or a list of them (of {', '.join(METHODS)}), got {linear!r}")
     methods = [linear] if isinstance(linear, str) else list(linear)
     for m in methods:
         if not isinstance(m, str) or m not in METHODS:

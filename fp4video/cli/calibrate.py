@@ -343,7 +343,10 @@ def _replan(args) -> int:
     run = {}
     if run_yaml.exists():
         try:
-            run = {k: v for k, v in read_yaml_mapping(run_yaml).items() if k not in ("policy", "linear")}
+            # the policy is chosen again; the linear section too where the report measured linear layers,
+            # else the run's own section stays as it was
+            replaced = ("policy", "linear") if result.linear_policy is not None else ("policy",)
+            run = {k: v for k, v in read_yaml_mapping(run_yaml).items() if k not in replaced}
         except ConfigError as e:
             raise UsageError(f"--from {args.source}: {e}") from None
     r = result.report

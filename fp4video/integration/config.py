@@ -89,16 +89,18 @@ class RunConfig(BaseModel):
         return self
 
 
-#: The test model's own sizes (its TEST_MODEL_CALL's; a YAML's sizes are the real model's).
+#: The test model's own sizes (its TEST_MODEL_CALL's). Like the tiny models', they replace a config's
+#: sizes where the model is the test model (``pipelines.embedded_sizes``), not in the config itself:
+#: a config's sizes are for the real model it may also run.
 TEST_MODEL_SIZES = {"height": TEST_MODEL_CALL["height"], "width": TEST_MODEL_CALL["width"],
                     "frames": TEST_MODEL_CALL["num_frames"], "steps": TEST_MODEL_CALL["num_inference_steps"]}
 
 #: The embedded default: MXAttention's Wan2.2 main-table policy (block 0 and the last two steps in
-#: FP16) on the project's trained test model, with a caption of the kind it was trained on.
+#: FP16) on the project's trained test model (at its own sizes, applied where the config is
+#: resolved), with a caption of the kind it was trained on.
 DEFAULT_CONFIG = RunConfig(
     model="test",
     family="wan",
-    **TEST_MODEL_SIZES,
     guidance_scale=TEST_MODEL_CALL["guidance_scale"],
     prompts=["a red circle moves right over the coffee photo"],
     policy=Policy(method="mxattn", rules=[{"method": "fp16", "blocks": [0]}, {"method": "fp16", "steps": {"last": 2}}]),

@@ -25,7 +25,10 @@ def motion_check(cfg: RunConfig, prompt: str, frames) -> dict | None:
     spec = parse_caption(prompt)
     if spec is None:
         return {"checked": False, "reason": "not a caption of the test model's scenes (docs/test-model.md)"}
-    v = check_clip(frames, spec)
+    try:
+        v = check_clip(frames, spec)
+    except ValueError as e:  # a clip the checker cannot read (fewer than 3 frames): said, never fatal
+        return {"checked": False, "reason": str(e)}
     return {"checked": True, "passed": v.passed, "colour": v.colour, "shape": v.shape, "motion": v.motion,
             "reason": v.reason, "details": v.details}
 
