@@ -1,7 +1,7 @@
 """Tiny random-weight pipelines, built offline from configs (no downloads), that still exercise the
 FP4 path for real: head dim 64, hundreds of video tokens, 2 blocks, 512 text tokens.
 
-A public API: ``fp4video generate --model tiny`` (the embedded default), ``fp4video calibrate
+A public API: ``fp4video generate --model tiny``, ``fp4video calibrate
 --model tiny``, ``fp4video bench --tiny`` and the tests use it, and so can a user trying fp4video
 without weights::
 
