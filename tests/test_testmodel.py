@@ -368,8 +368,8 @@ def test_parse_caption_is_the_inverse_of_caption_and_refuses_other_text():
 def test_calibration_finds_where_the_learned_model_needs_precision():
     """On the shipped test model, with no sensitivity built in: calibration between FP16 and mxattn
     against a 0.15 budget keeps exactly the sites whose measured MXFP4 error is over the budget in
-    FP16; the learned structure puts them all in cross attention (a 32-token text whose padding keys
-    are all alike), and none in self-attention, which stays cheap."""
+    FP16; the learned structure puts them all in cross attention (sharp rows over a 32-token text),
+    and none in self-attention, which stays cheap."""
     from fp4video.calibration import calibrate
     from fp4video.testmodel import TEST_MODEL_CALL, test_model_pipeline
 
