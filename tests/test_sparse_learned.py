@@ -226,3 +226,28 @@ def test_attention_structure_names_synthetic_heads_by_their_kind():
     assert s[0]["window [1, 2, 2]"] > s[2]["window [1, 2, 2]"]
     with pytest.raises(ValueError, match="8×8×8"):
         attention_structure(q[:, :, :100], k, (8, 8, 8))
+
+
+@pytest.mark.slow
+def test_the_checks_estimate_of_unread_rows_is_honest_on_learned_attention(calls, masses):
+    """Each call's check estimates what rows its repair did not read keep (each sampled row left out
+    of the repair, under the tiles the others added): over the captured calls, the share of query
+    tiles it estimates under the floor is at least the true share (every row measured exactly: a
+    tile's mean kept mass), and it is informative (far from every tile); its worst tile is no better
+    than the true worst tile."""
+    true_under, est_under, true_min, est_min = [], [], [], []
+    for c, mass in zip(calls, masses):
+        sel = selection_for(SHIPPED, c.q, c.k, scale=c.scale)
+        b, h, sq, _ = mass.shape
+        tile_mean = _row_kept(mass, sel.tiles, sel.query_tile).reshape(b, h, -1, sel.query_tile).mean(-1)
+        summary = {k: float(v) for k, v in sel.check.summary().items()}
+        assert summary["kept_min"] >= FLOOR - FP32_MASS  # the rows the repair read keep the floor
+        assert summary["unseen_min"] <= summary["kept_min"] + 1e-6
+        true_under.append(float((tile_mean < FLOOR).float().mean()))
+        est_under.append(summary["unseen_under_floor"])
+        true_min.append(float(tile_mean.min()))
+        est_min.append(summary["unseen_min"])
+    assert sum(true_under) > 0, "no tile under the floor: the estimate is not tested"
+    assert sum(est_under) >= sum(true_under), (est_under, true_under)
+    assert sum(est_under) / len(est_under) <= 0.5, est_under
+    assert min(est_min) <= min(true_min) + 0.01, (est_min, true_min)

@@ -584,7 +584,9 @@ def bench_pipeline(args) -> str:
                                  f" ({summary['density_before']:.3f} before repair); exact mass kept per query "
                                  f"tile (sampled rows): min {summary['kept_min']:.3f}, 1% {summary['kept_q01']:.3f}, "
                                  f"mean {summary['kept_mean']:.4f} (min {summary['kept_min_before']:.3f} before); "
-                                 f"{100 * summary['repaired']:.1f}% of query tiles repaired"
+                                 f"{100 * summary['repaired']:.1f}% of query tiles repaired; rows the repair did not "
+                                 f"read (left out in turn): min {summary['unseen_min']:.3f}, "
+                                 f"{100 * summary['unseen_under_floor']:.1f}% of query tiles estimated under the floor"
                                  if "kept_min" in summary else ""))
             rows.append((res, tokens, label, secs))
             print(f"  {res} {label}: {secs:.2f} s", file=sys.stderr, flush=True)

@@ -107,8 +107,10 @@ def sparse_summary(calls: list[dict]) -> dict | None:
     one dict: how many there were (``calls``, ``share`` of all), their mean ``density`` (and the rules'
     own, ``density_before``), the exact mass their query tiles kept by their checks' sampled rows:
     ``kept_min`` (the worst query tile of any call), ``kept_q01`` (the worst call's 1% quantile),
-    ``kept_mean`` (the mean over calls), ``kept_min_before`` (before sinks and repair), and the mean
-    share of query tiles ``repaired``. None without a sparse call."""
+    ``kept_mean`` (the mean over calls), ``kept_min_before`` (before sinks and repair), the mean
+    share of query tiles ``repaired``; and what rows the repair did not read keep, estimated by leaving
+    each sampled row out: ``unseen_min``, ``unseen_q01`` and the mean share of query tiles
+    ``unseen_under_floor``. None without a sparse call."""
     sparse = [c for c in calls if "density" in c]
     if not sparse:
         return None
@@ -121,7 +123,9 @@ def sparse_summary(calls: list[dict]) -> dict | None:
     if checked:
         out.update(density_before=mean("density_before", checked), kept_min=min(c["kept_min"] for c in checked),
                    kept_q01=min(c["kept_q01"] for c in checked), kept_mean=mean("kept_mean", checked),
-                   kept_min_before=min(c["kept_min_before"] for c in checked), repaired=mean("repaired", checked))
+                   kept_min_before=min(c["kept_min_before"] for c in checked), repaired=mean("repaired", checked),
+                   unseen_min=min(c["unseen_min"] for c in checked), unseen_q01=min(c["unseen_q01"] for c in checked),
+                   unseen_under_floor=mean("unseen_under_floor", checked))
     return out
 
 

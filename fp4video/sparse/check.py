@@ -60,8 +60,11 @@ def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, sc
     tiles :func:`sink_columns` finds in those rows' mean block mass are visited by every query tile.
     With ``floor``, each sampled row whose kept share is under it adds, in descending order of its
     own exact mass, the key tiles it needs to reach ``floor + FLOOR_MARGIN · (1 − floor)``; its query
-    tile visits the union (so every sampled row, and the tile's mean over them, reaches the floor). A query tile whose rows' mass is
-    not finite (NaN or Inf in Q or K) visits every key tile. Nothing is read back to the host."""
+    tile visits the union (so every sampled row, and the tile's mean over them, reaches the floor). The
+    rows a repair read keep the floor by construction; what a row it did not read keeps is estimated by
+    leaving each sampled row out: its kept share under the key tiles the tile's other sampled rows
+    added (the check's ``unseen``). A query tile whose rows' mass is not finite (NaN or Inf in Q or K)
+    visits every key tile. Nothing is read back to the host."""
     check_options(floor=floor, sinks=sinks, rows=rows, seed=seed)
     check_qk(q, k)
     b, h, sq, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
@@ -87,6 +90,8 @@ def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, sc
     tiles = before
     if sinks:
         tiles = tiles | sink_columns(block).unsqueeze(-2)
+    pre = tiles  # the selection before the repair
+    unseen = None
     if floor is not None:
         # every sampled row of a tile under the floor gets, by its own exact mass, the key tiles it
         # needs to reach it (a tile's rows may attend to different places: their union is kept)
@@ -96,11 +101,24 @@ def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, sc
         row_kept = (share * visit).sum(dim=-1, keepdim=True)
         need = (row_kept < floor) & (total > 0).unsqueeze(-1)  # a row that sees no key needs nothing
         add = cumulative_take(share, visit, min(floor + FLOOR_MARGIN * (1.0 - floor) + 1e-6, 1.0)) & need
+        if rows > 1:
+            # leave one out: each sampled row under the key tiles the *other* rows' repair added, i.e.
+            # as a row the repair did not read: an honest estimate of what unsampled rows keep
+            others = (add.sum(dim=-2, keepdim=True) - add.int()) > 0
+            loo = (share * (visit | others)).sum(dim=-1)
+            loo = torch.where(total > 0, loo, torch.where(total == 0, 1.0, nan))
+            unseen = loo.mean(dim=-1)
         tiles = tiles | add.any(dim=-2) | unknown
     if tiles is before:  # measured only: the rule's own bitmap (a static one is shared) runs as it is
         check = SelectionCheck(kept_before, kept_before, torch.zeros(kept_before.shape, dtype=torch.bool,
-                               device=q.device), sel.density(), floor, rows)
+                               device=q.device), sel.density(), floor, rows, kept_before)
         return BlockSelection(sel.tiles, sq, sk, sel.query_tile, sel.key_tile, sel.estimated_mass, check)
     est = None if sel.estimated_mass is None else sel.estimated_mass.expand(b, h, sel.n_query_tiles)
-    check = SelectionCheck(kept_of(tiles), kept_before, (tiles & ~before).any(dim=-1), sel.density(), floor, rows)
+    kept = kept_of(tiles)
+    # without a repair the sampled rows shaped nothing but the sinks: what they keep is what others keep;
+    # a repair read by one row per tile leaves no other row to hold out: its pre-repair share stands in
+    if unseen is None:
+        unseen = kept if floor is None else kept_of(pre)
+    check = SelectionCheck(kept, kept_before, (tiles & ~before).any(dim=-1), sel.density(), floor, rows,
+                           torch.minimum(unseen, kept))
     return BlockSelection(tiles, sq, sk, sel.query_tile, sel.key_tile, est, check)

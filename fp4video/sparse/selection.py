@@ -51,7 +51,9 @@ class SelectionCheck:
     under the rule's own selection, before sinks and repair; ``repaired``: (B, H, nq) bool, the query
     tiles that sinks or the repair gave more key tiles; ``density_before``: 0-d, the rule's own
     density. ``floor``: the repair's floor (None: measured, not repaired); ``rows``: sampled rows per
-    query tile."""
+    query tile. ``unseen``: (B, H, nq) fp32, what a row the repair did not read keeps, estimated by
+    leaving each sampled row out of the repair (at most ``kept``; with one row per tile, the share
+    before the repair; None: as ``kept``)."""
 
     kept: torch.Tensor
     kept_before: torch.Tensor
@@ -59,29 +61,46 @@ class SelectionCheck:
     density_before: torch.Tensor
     floor: float | None
     rows: int
+    unseen: torch.Tensor | None = None
 
     def summary(self) -> dict:
         """{name: 0-d fp32 tensor}: ``kept_min``, ``kept_q01`` (the 1% quantile over query tiles and
         heads), ``kept_mean`` after repair, ``kept_min_before``, ``repaired`` (the share of query tiles
-        repaired) and ``density_before``. Query tiles whose rows see no finite mass (NaN/Inf inputs)
+        repaired), ``density_before``; and of the rows the repair did not read (``unseen``):
+        ``unseen_min``, ``unseen_q01`` and ``unseen_under_floor``, the share of query tiles estimated
+        under the floor (0 without one). Query tiles whose rows see no finite mass (NaN/Inf inputs)
         are left out of the statistics (such heads return NaN)."""
-        kept = self.kept.reshape(-1)
-        finite = torch.isfinite(kept)
-        valid = torch.where(finite, kept, 1.0)
-        # the 1% quantile over the finite tiles, as a sort and an index (no read-back)
-        n = finite.sum()
-        ordered = torch.where(finite, kept, float("inf")).sort().values
-        index = ((n - 1).clamp(min=0).float() * 0.01).floor().long()
-        q01 = torch.where(n > 0, ordered.gather(0, index.reshape(1)).reshape(()), torch.ones((), device=kept.device))
+        kept_min, kept_q01, kept_mean, n = _spread(self.kept)
+        unseen = self.kept if self.unseen is None else self.unseen
+        unseen_min, unseen_q01, _, _ = _spread(unseen)
+        u = unseen.reshape(-1)
+        under = ((u < self.floor) & torch.isfinite(u)).sum() / n.clamp(min=1) if self.floor is not None else \
+            torch.zeros((), device=u.device)
         before = self.kept_before.reshape(-1)
         return {
-            "kept_min": valid.min(),
-            "kept_q01": q01,
-            "kept_mean": (valid * finite).sum() / n.clamp(min=1),
+            "kept_min": kept_min,
+            "kept_q01": kept_q01,
+            "kept_mean": kept_mean,
             "kept_min_before": torch.where(torch.isfinite(before), before, 1.0).min(),
             "repaired": self.repaired.float().mean(),
             "density_before": self.density_before,
+            "unseen_min": unseen_min,
+            "unseen_q01": unseen_q01,
+            "unseen_under_floor": under.float(),
         }
+
+
+def _spread(values: torch.Tensor):
+    """(min, 1% quantile, mean, count) over the finite entries of ``values``, as 0-d tensors (a sort
+    and an index: nothing read back); 1 where none is finite."""
+    v = values.reshape(-1)
+    finite = torch.isfinite(v)
+    valid = torch.where(finite, v, 1.0)
+    n = finite.sum()
+    ordered = torch.where(finite, v, float("inf")).sort().values
+    index = ((n - 1).clamp(min=0).float() * 0.01).floor().long()
+    q01 = torch.where(n > 0, ordered.gather(0, index.reshape(1)).reshape(()), torch.ones((), device=v.device))
+    return valid.min(), q01, (valid * finite).sum() / n.clamp(min=1), n
 
 
 @dataclass(frozen=True, eq=False)
