@@ -616,3 +616,66 @@ def test_a_run_config_names_the_linear_layers_method_and_generate_honours_it(tmp
     errors = [line for line in run.stderr.splitlines() if "error:" in line]
     assert run.returncode == 2 and len(errors) == 1 and "would quantize none of the layers" in errors[0], run.stderr
     assert "its weight is float32" in errors[0] and not (tmp_path / "b.mp4").exists()
+
+
+# --- float8 GEMMs take row counts that are multiples of 16 -------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (300, 64), (2, 7, 64), (16, 64), (3, 16, 64), (0, 64)])
+def test_rows_padded_gives_every_token_count_a_multiple_of_16_and_the_same_values(shape):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48)
+    seen = []
+
+    def gemm(x):  # as cuBLASLt's float8 GEMM: refuses a row count that is not a multiple of 16
+        rows = x.numel() // x.shape[-1]
+        seen.append(rows)
+        assert rows % L.GEMM_ROWS == 0 or rows == 0, rows
+        return layer(x)
+
+    x = torch.randn(*shape)
+    before = x.clone()
+    out = L.rows_padded(gemm)(x)
+    assert out.shape == (*shape[:-1], 48)
+    torch.testing.assert_close(out, layer(x), rtol=1e-5, atol=1e-6)  # (a GEMV and a GEMM may sum in other orders)
+    assert torch.equal(x, before)  # the caller's tensor is untouched
+    assert seen and all(r % L.GEMM_ROWS == 0 for r in seen)
+
+
+def test_fp8_layers_are_padded_at_install_and_unwrapped_at_uninstall(monkeypatch):
+    """The install wraps each fp8 layer's forward (an instance attribute) and uninstall removes it;
+    other methods' layers are not wrapped. (torchao's float8 runs on a GPU only: its quantization is
+    stubbed here, the wrapping is what is checked.)"""
+    model = wan_bf16()
+    stock = forward(model)
+    monkeypatch.setattr(L, "check_linear_support", lambda method, device, emulate=False: "stub")
+    monkeypatch.setattr(L, "torchao_config", lambda method, emulate=False: None)
+    monkeypatch.setattr(L, "_torchao", lambda method: None)
+    monkeypatch.setattr(L, "_quantize", lambda module, config: None)
+    L.install_linear(model, L.LinearPolicy(method="fp8-rowwise",
+                                           rules=[L.LinearRule(method="bf16", kinds=["embedder", "head"])]))
+    wrapped = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "forward" in m.__dict__}
+    assert wrapped == {n for n, k in WAN_KINDS.items() if k not in ("embedder", "head")}
+    torch.testing.assert_close(forward(model), stock, rtol=1e-3, atol=1e-3)  # stubs pad and drop rows: same values
+    L.uninstall_linear(model)
+    assert not [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "forward" in m.__dict__]
+
+
+@pytest.mark.gpu
+@needs_torchao
+@pytest.mark.parametrize("rows", [1, 300, 32760])
+def test_fp8_rowwise_layers_take_any_token_count_on_the_gpu(rows):
+    """cuBLASLt's float8 GEMM refuses row counts that are not multiples of 16; an installed layer pads
+    them: one time embedding, 300 rows, Wan 480p's 32,760 tokens."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs sm_89+")
+    torch.manual_seed(5)
+    layer = torch.nn.Linear(512, 256, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, 512, device="cuda").bfloat16()
+    ref = layer(x).float()
+    holder = torch.nn.Sequential(layer)
+    L.install_linear(holder, L.LinearPolicy(method="fp8-rowwise"))
+    with torch.no_grad():
+        out = holder(x).float()
+    assert torch.isfinite(out).all() and rel(out, ref) < 0.08
+    L.uninstall_linear(holder)

@@ -68,7 +68,8 @@ from .policy import non_negative_blocks, not_empty
 __all__ = ["METHODS", "KINDS", "BLOCK_KINDS", "OUTSIDE_KINDS", "EXPERTS", "TORCHAO_REQUIREMENT", "LinearRule",
            "LinearPolicy", "LinearSite", "LinearPlan", "LinearInstall", "LinearMeasure", "LinearUnsupported",
            "as_linear_policy", "linear_sites", "block_lists", "plan_linear", "install_linear", "uninstall_linear",
-           "installed_linear", "check_linear_support", "unfit_reason", "measure_linear", "torchao_config"]
+           "installed_linear", "check_linear_support", "unfit_reason", "measure_linear", "torchao_config", "GEMM_ROWS",
+           "rows_padded", "pad_rows"]
 
 METHODS = ("bf16", "fp8-rowwise", "fp8-tensor", "mxfp8", "nvfp4")
 #: Kinds of linear layer inside the transformer blocks, then outside them (see the module's docstring).
@@ -516,6 +517,43 @@ def _quantize(module: torch.nn.Linear, config) -> None:
         raise RuntimeError(f"torchao left {module} unquantized under {type(config).__name__}")
 
 
+#: cuBLASLt's float8 GEMM (what ``torch._scaled_mm`` calls for fp8) takes matrices whose sizes are
+#: multiples of 16 and refuses others (CUBLAS_STATUS_NOT_SUPPORTED): a layer's weight is checked at
+#: install (:func:`unfit_reason`), its token count varies per call (one time embedding, a 77-token
+#: text, 32,760 tokens of Wan 480p) and is padded to it.
+GEMM_ROWS = 16
+#: The methods whose GEMM needs the padding.
+_PADDED = ("fp8-rowwise", "fp8-tensor")
+
+
+def rows_padded(forward):
+    """``forward`` (a linear layer's) on inputs whose token count is padded to a multiple of
+    :data:`GEMM_ROWS` by repeating the last token (finite, and no new maximum for a per-tensor
+    scale), the padding's outputs dropped: the same values per token, for any count."""
+
+    def run(x, *args, **kwargs):
+        k = x.shape[-1]
+        m = x.numel() // k if k else 0
+        pad = -m % GEMM_ROWS
+        if pad == 0 or m == 0:
+            return forward(x, *args, **kwargs)
+        x2 = x.reshape(m, k)
+        y = forward(torch.cat([x2, x2[-1:].expand(pad, k)]), *args, **kwargs)
+        return y[:m].reshape(*x.shape[:-1], y.shape[-1])
+
+    run.__wrapped__ = forward
+    return run
+
+
+def pad_rows(module: torch.nn.Module, method: str) -> bool:
+    """Wrap ``module``'s forward (an instance attribute) in :func:`rows_padded` where ``method``'s
+    GEMM needs it; whether it did."""
+    if method not in _PADDED:
+        return False
+    module.forward = rows_padded(module.forward)
+    return True
+
+
 # --- install / uninstall ----------------------------------------------------------------------------
 
 
@@ -528,6 +566,7 @@ class _Original:
     copied: bool  # a host copy: restored as a new Parameter on the quantized weight's device
     requires_grad: bool
     extra_repr: object  # the layer's own instance ``extra_repr`` before torchao set one (None: none)
+    padded: bool = False  # its forward wrapped by :func:`rows_padded` (an instance attribute)
 
 
 @dataclass
@@ -615,6 +654,7 @@ def install_linear(target, policy=None, *, compile_backend="inductor") -> Linear
             done.append(_keep(site.module, policy.originals))
             by_model[id(site.model)].append(done[-1])
             _quantize(site.module, configs[method])
+            done[-1].padded = pad_rows(site.module, method)
     except BaseException:
         _restore(done)
         raise
@@ -653,6 +693,8 @@ def _restore(originals: list) -> None:
             o.module.weight = torch.nn.Parameter(o.weight.to(o.module.weight.device), requires_grad=o.requires_grad)
         else:
             o.module.weight = o.weight
+        if o.padded:
+            o.module.__dict__.pop("forward", None)
         if o.extra_repr is None:
             o.module.__dict__.pop("extra_repr", None)
         else:
@@ -731,6 +773,7 @@ def measure_linear(module: torch.nn.Linear, inputs, method: str, *, emulate: boo
     quantized = copy.deepcopy(module)
     if method != "bf16":
         _quantize(quantized, torchao_config(method, emulate=emulate))
+        pad_rows(quantized, method)
     num = den = 0.0
     with torch.no_grad():
         for x in xs:
