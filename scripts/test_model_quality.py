@@ -194,9 +194,9 @@ def _plots(out: Path, results: dict) -> None:
     ax.set_yticks(range(len(done)), [n for n, _ in done], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("PSNR to the FP16 clips (dB, mean of frames and clips)")
-    for g in groups:
-        ax.barh([], [], color=colours[g], label=g)
-    ax.legend(fontsize=7, loc="lower right")
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color=colours[g], label=g) for g in groups], fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(out / "psnr.png", dpi=110)
     plt.close(fig)
