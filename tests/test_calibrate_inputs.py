@@ -527,3 +527,11 @@ def test_property_calibrate_from_a_perturbed_report_works_or_fails_in_one_line(c
             assert not (Path(tmp) / "out").exists()
 
     check()
+
+
+def test_the_test_model_on_another_family_blames_the_flag(capsys, tmp_path):
+    """A check of the whole run config (the test model is Wan's) names the flag that set it, not
+    "the default run config"."""
+    rc, err = _cli(capsys, "--model", "test", "--family", "hunyuan", "--out", tmp_path / "o")
+    assert rc == 2 and len(err) == 1 and err[0].startswith("fp4video calibrate: error: --model test: "), err
+    assert "needs family wan" in err[0] and "default run config" not in err[0] and "(top level)" not in err[0]

@@ -416,6 +416,7 @@ def _run_config(spec: dict, args):
         if flag is None:
             return UsageError(f"--config {args.config}: {line}" if args.config else f"the default run config: {line}")
         value = getattr(args, flag)
+        line = line.removeprefix("(top level): ")
         reason = line.split(": ", 1)[1] if line.startswith(field) and ": " in line else line
         return UsageError(f"--{flag} {' '.join(value) if isinstance(value, list) else value}: {reason}")
 
@@ -423,8 +424,10 @@ def _run_config(spec: dict, args):
         cfg = RunConfig.model_validate(spec)
     except ValidationError as e:
         first = e.errors()[0]
-        raise problem(str(first["loc"][0]) if first["loc"] else "", format_validation_error(e).splitlines()[0]) \
-            from None
+        # a check of the whole config (model: test needs family wan) is the model's or the family's flag
+        field = str(first["loc"][0]) if first["loc"] else next(
+            (name for flag, name in PIPELINE_FLAGS.items() if name in ("model", "family") and getattr(args, flag)), "")
+        raise problem(field, format_validation_error(e).splitlines()[0]) from None
     try:
         check_run_config(cfg)
     except UsageError as e:
