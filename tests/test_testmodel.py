@@ -386,3 +386,12 @@ def test_calibration_finds_where_the_learned_model_needs_precision():
     assert over == cross, error
     # not an accident of the budget: every cross site's error is well over every self site's
     assert min(error[k] for k in cross) > 1.5 * max(error[k] for k in plan if k not in cross), error
+
+
+def test_the_shipped_weights_name_no_build_folder():
+    """Configs saved from a pipeline loaded out of a temporary folder do not record that folder."""
+    from fp4video.testmodel import WEIGHTS
+
+    for path in WEIGHTS.rglob("*.json"):
+        data = json.loads(path.read_text())
+        assert not (isinstance(data, dict) and "_name_or_path" in data), path

@@ -187,6 +187,10 @@ def save_pipeline(pipe, folder, dtype=torch.float16) -> Path:
                 metadata = f.metadata()
             tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
             save_file(tensors, str(path), metadata=metadata)
+        for path in tmp.rglob("*.json"):  # where the pipeline was loaded from (a temporary folder): not its own
+            data = json.loads(path.read_text())
+            if isinstance(data, dict) and data.pop("_name_or_path", None) is not None:
+                path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
         old = folder.with_name(folder.name + ".old")
         if folder.exists():
             shutil.rmtree(old, ignore_errors=True)
