@@ -8,6 +8,7 @@ independent MXFP8 reference (fp4video.formats' E4M3 rounding)."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import warnings
 
 import pytest
@@ -679,3 +680,66 @@ def test_fp8_rowwise_layers_take_any_token_count_on_the_gpu(rows):
         out = holder(x).float()
     assert torch.isfinite(out).all() and rel(out, ref) < 0.08
     L.uninstall_linear(holder)
+
+
+def test_bench_pipeline_linear_variants_parse_and_refuse_in_one_line():
+    """`bench pipeline --linear` takes METHOD, METHOD+compile and torchao:METHOD(+compile); anything
+    else is refused by argparse naming the entry and the forms."""
+    import argparse
+
+    from fp4video.cli.bench import LinearVariant, _linear_variant
+
+    assert _linear_variant("fp8-rowwise") == LinearVariant("fp8-rowwise")
+    assert _linear_variant("fp8-rowwise+compile") == LinearVariant("fp8-rowwise", compile=True)
+    assert _linear_variant("torchao:fp8-tensor+compile") == LinearVariant("fp8-tensor", compile=True, own=True)
+    assert _linear_variant("bf16+compile").label() == "bf16, blocks compiled"
+    for bad in ("fp9", "torchao:bf16", "fp8-rowwise+compiled", "+compile"):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(f"{bad!r} is not a linear variant")):
+            _linear_variant(bad)
+
+
+def test_bench_pipeline_times_every_attention_row_under_every_linear_variant(monkeypatch):
+    """The stock bf16 step comes first even when not named (every ratio needs it); each variant is
+    installed once, its rows timed, then uninstalled; a variant that fails is named under the table
+    and the others still run."""
+    import argparse
+
+    import fp4video.cli.bench as bench
+    import fp4video.integration.linear as lin
+
+    installed = []
+    real_install = lin.install_linear
+
+    def install_linear(model, policy=None, **kw):
+        installed.append(policy.method)
+        if policy.method == "fp8-rowwise":
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED (stand-in)")
+        return real_install(model, policy, **kw)
+
+    monkeypatch.setattr(lin, "install_linear", install_linear)
+    monkeypatch.setattr(lin, "check_linear_support", lambda method, device, **kw: "stand-in")
+    args = argparse.Namespace(model="wan22", layers=None, resolutions=["480p"], methods=["fp16"], configs=[], reps=1,
+                              peers=False, tiny=True, linear=["fp8-rowwise", "mxfp8"])
+    real_config = lin.torchao_config  # mxfp8 through torchao's exact emulation: it runs on the CPU
+    real_build = bench._build_tiny
+
+    def build_bf16(args, device):  # torchao's mxfp8 takes bf16 weights
+        model, inputs, desc = real_build(args, device)
+
+        def inputs_bf16(res):
+            kw, tokens = inputs(res)
+            return {k: v.bfloat16() if torch.is_tensor(v) and v.is_floating_point() and k != "timestep" else v
+                    for k, v in kw.items()}, tokens
+
+        return model.bfloat16(), inputs_bf16, desc
+
+    monkeypatch.setattr(bench, "_build_tiny", build_bf16)
+    monkeypatch.setattr(lin, "torchao_config", lambda method, emulate=False: real_config(method, emulate=True))
+    table = bench.bench_pipeline(args)
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| 480p")]
+    assert [(r[2], r[3]) for r in rows] == [("stock diffusers attention (SDPA)", "bf16"), ("fp4video fp16", "bf16"),
+                                            ("stock diffusers attention (SDPA)", "mxfp8"), ("fp4video fp16", "mxfp8")]
+    assert installed == ["fp8-rowwise", "mxfp8"]
+    assert "- linear fp8-rowwise: failed (RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED (stand-in))" in table
+    assert rows[0][6] == rows[1][6] == "1.00"  # a bf16 row against itself
+    assert float(rows[3][6]) > 0  # an mxfp8 row against the same attention's bf16 row (seconds too short to compare)

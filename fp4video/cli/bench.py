@@ -111,12 +111,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     help="also each installed peer (FlashAttention-3 bf16, FlashAttention-3 FP8 with its cast, "
                          "SageAttention2) in place of diffusers' SDPA; calls it cannot take (masks) stay on SDPA, "
                          "counted under the table")
-    pl.add_argument("--linear", default="bf16", choices=["bf16", "fp8-rowwise", "fp8-tensor", "mxfp8", "nvfp4"],
-                    help="the linear layers' method through torchao for every row, block 0 kept in bf16 "
-                         "(fp4video.integration.linear; installed once, before the rows)")
-    pl.add_argument("--linear-compile", action="store_true",
-                    help="compile each transformer block (regional torch.compile): fuses the activations' "
-                         "quantization with the GEMMs' neighbours")
+    pl.add_argument("--linear", nargs="+", default=["bf16"], metavar="VARIANT", type=_linear_variant,
+                    help="the linear layers' variants, each timed with every attention row: a method (bf16, "
+                         "fp8-rowwise, fp8-tensor, mxfp8, nvfp4) through fp4video.integration.linear with block 0 "
+                         "kept in bf16; +compile compiles each transformer block (regional torch.compile, which "
+                         "fuses the activations' quantization with its neighbours); torchao:METHOD is torchao's "
+                         "own quantize_ on the same layers (no way back: it runs last)")
     pl.add_argument("--tiny", action="store_true", help="the tiny test transformers (CPU smoke run)")
     pl.add_argument("--out", default=None, help="append the markdown table to this file")
     pp = which.add_parser("parallel", help="under torchrun: one forward on 1 GPU vs split over N (context parallel)",
@@ -504,36 +504,85 @@ def bench_parallel(args) -> str | None:
     return "\n".join(lines) + "\n"
 
 
+@dataclass(frozen=True)
+class LinearVariant:
+    """One ``bench pipeline --linear`` entry: ``method`` through fp4video's linear installation (block
+    0 kept in bf16), or with ``own`` through torchao's ``quantize_`` on the same layers; ``compile``:
+    each transformer block compiled."""
+
+    method: str
+    compile: bool = False
+    own: bool = False
+
+    def label(self) -> str:
+        text = f"torchao quantize_ {self.method}" if self.own else self.method
+        return text + (", blocks compiled" if self.compile else "")
+
+
+LINEAR_METHODS = ("bf16", "fp8-rowwise", "fp8-tensor", "mxfp8", "nvfp4")
+
+
+def _linear_variant(text: str) -> LinearVariant:
+    """``METHOD``, ``METHOD+compile``, ``torchao:METHOD`` or ``torchao:METHOD+compile``."""
+    rest, compiled = (text[:-len("+compile")], True) if text.endswith("+compile") else (text, False)
+    own = rest.startswith("torchao:")
+    method = rest[len("torchao:"):] if own else rest
+    if method not in LINEAR_METHODS or (own and method == "bf16"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a linear variant: METHOD, METHOD+compile, torchao:METHOD or torchao:METHOD+compile, "
+            f"METHOD one of {', '.join(LINEAR_METHODS)} (torchao: not bf16)")
+    return LinearVariant(method, compiled, own)
+
+
 def bench_pipeline(args) -> str:
     """Stock diffusers attention, each policy and (``--peers``) each installed peer in place of
-    diffusers' SDPA, on one transformer forward each, in one process."""
+    diffusers' SDPA, on one transformer forward each, in one process; all of it under each linear
+    variant (``--linear``), the first row set always with bf16 linear layers (the stock step)."""
     import torch
 
     from ..eval.peers import find_peers, sdpa_replaced_by
     from ..integration import Policy, install, uninstall
-    from ..integration.processor import sparse_summary
     from ..integration.config import load_config
+    from ..integration.linear import (LinearPolicy, check_linear_support, install_linear, plan_linear,
+                                      torchao_config, uninstall_linear)
+    from ..integration.processor import sparse_summary
 
     tiny = getattr(args, "tiny", False)
     device = torch.device("cpu" if tiny else "cuda")
-    from ..integration.linear import LinearPolicy, check_linear_support, install_linear, uninstall_linear
+    variants = [v if isinstance(v, LinearVariant) else _linear_variant(v) for v in getattr(args, "linear", ["bf16"])]
+    variants = list(dict.fromkeys(variants))
+    if LinearVariant("bf16") not in variants:  # every ratio needs the stock step
+        variants.insert(0, LinearVariant("bf16"))
+    variants.sort(key=lambda v: (v != LinearVariant("bf16"), v.own))  # stock first; torchao's own has no way back
+    if sum(v.own for v in variants) > 1:
+        raise UsageError("at most one torchao:METHOD variant per run (quantize_ cannot be undone)")
+    for v in variants:  # before the model is built: one line where a method cannot run
+        check_linear_support(v.method, device)
+    if any(v.compile for v in variants) and not tiny:
+        import torch._dynamo
 
-    linear_method, linear_compile = getattr(args, "linear", "bf16"), getattr(args, "linear_compile", False)
-    linear = LinearPolicy(method=linear_method, compile=linear_compile,
-                          rules=[{"method": "bf16", "blocks": [0]}] if linear_method != "bf16" else [])
-    check_linear_support(linear_method, device)  # before the model is built: one line where it cannot run
+        # every attention row and block-0/other-block pair is a graph of its own; the default limit
+        # would drop later rows back to eager silently
+        for name, least in (("recompile_limit", 256), ("accumulated_recompile_limit", 4096)):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), least))
     model, inputs, desc = _build(args, device)
     seconds = _timer(device)
-    linear_label = linear_method + (", blocks compiled" if linear_compile else "")
-    linear_report = install_linear(model, linear) if linear.methods() != ["bf16"] or linear_compile else None
+    cuda = device.type == "cuda"
+    gib = lambda b: b / 2 ** 30  # noqa: E731
 
     forwards = 1 + args.reps  # what forward_seconds runs: a warm-up and the timed ones
 
     def forward_seconds(kw):
+        """(median seconds, warm-up seconds, peak GiB allocated during the forwards)."""
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         with torch.no_grad():
-            model(**kw)  # warm-up (and Triton compilation)
+            warm = seconds(lambda: model(**kw))  # warm-up (Triton and torch.compile compilation)
             times = [seconds(lambda: model(**kw)) for _ in range(args.reps)]
-        return sorted(times)[len(times) // 2]
+        peak = gib(torch.cuda.max_memory_allocated()) if cuda else float("nan")
+        return sorted(times)[len(times) // 2], warm, peak
 
     policies = []  # (row label, policy)
     notes = []
@@ -564,60 +613,110 @@ def bench_pipeline(args) -> str:
                 peers.append(p)
     # a tiny CPU run lets a stand-in take its fp32 calls (the smoke test of this code path)
     peer_options = dict(dtypes=(torch.float32,), devices=("cpu",)) if tiny else {}
-    rows = []
-    for res in args.resolutions:
-        kw, tokens = inputs(res)
-        stock = forward_seconds(kw)
-        rows.append((res, tokens, "stock diffusers attention (SDPA)", stock))
-        print(f"  {res} stock: {stock:.2f} s", file=sys.stderr, flush=True)
-        for label, policy in policies:
-            # recorded (an entry per call; nothing read back until the end) for the sparse calls' density
-            ctx = install(model, policy, record=True)
-            try:
-                secs = forward_seconds(kw)
-            finally:
-                uninstall(model)
-            summary = sparse_summary(ctx.recorded_calls())
-            if summary is not None:
-                notes.append(f"{res} {label}: {100 * summary['share']:.0f}% of the attention calls block-sparse, "
-                             f"mean density {summary['density']:.3f}" + (
-                                 f" ({summary['density_before']:.3f} before repair); exact mass kept per query "
-                                 f"tile (sampled rows): min {summary['kept_min']:.3f}, 1% {summary['kept_q01']:.3f}, "
-                                 f"mean {summary['kept_mean']:.4f} (min {summary['kept_min_before']:.3f} before); "
-                                 f"{100 * summary['repaired']:.1f}% of query tiles repaired; rows the repair did not "
-                                 f"read (left out in turn): min {summary['unseen_min']:.3f}, "
-                                 f"{100 * summary['unseen_under_floor']:.1f}% of query tiles estimated under the floor"
-                                 if "kept_min" in summary else ""))
-            rows.append((res, tokens, label, secs))
-            print(f"  {res} {label}: {secs:.2f} s", file=sys.stderr, flush=True)
-        for p in peers:
-            try:
-                with sdpa_replaced_by(p, **peer_options) as route:
-                    secs = forward_seconds(kw)
-            except Exception as e:  # a peer's build that cannot run these shapes: say so, keep going
-                notes.append(f"{res} {p.name}: failed ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0][:80] if str(e) else ''})")
-                continue
-            if not route.routed:  # a row would be stock SDPA under the peer's name
-                notes.append(f"{res} {p.name}: not timed, it can take none of the forward's attention calls "
-                             f"({route.reasons(per=forwards)}) per forward")
-                continue
-            rows.append((res, tokens, f"{p.name} in place of SDPA", secs))
-            notes.append(f"{res} {route.summary(per=forwards)} per forward")
-            print(f"  {res} {p.name}: {secs:.2f} s", file=sys.stderr, flush=True)
-        del kw
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    if linear_report is not None:
-        runs = '; '.join(linear_report.runs.values())
-        notes.append(f"linear layers: {linear_report.summary()}" + (f" ({runs})" if runs else ""))
-        uninstall_linear(model)
+    rows = []  # (resolution, tokens, attention, linear label, seconds, peak GiB)
+    weights = {}  # linear label -> GiB allocated with no forward running (the weights, mostly)
+    for variant in variants:
+        label = variant.label()
+        try:
+            policy = LinearPolicy(method=variant.method, compile=variant.compile,
+                                  rules=[{"method": "bf16", "blocks": [0]}] if variant.method != "bf16" else [])
+            report = None
+            if variant.own:  # torchao's own entry point on exactly the layers fp4video would quantize
+                from torchao.quantization import quantize_
+
+                # the blocks' layers fp4video quantizes (the embedders' single-row time projections are
+                # sizes torchao's float8 GEMM refuses; fp4video pads them)
+                plan = plan_linear(model, policy)
+                names = {id(plan.sites[n].module) for n in plan.quantized() if plan.sites[n].block >= 0}
+                quantize_(model, torchao_config(variant.method), filter_fn=lambda m, fqn: id(m) in names)
+                notes.append(f"{label}: {len(names)} linear layers of blocks 1 on through "
+                             f"torchao.quantization.quantize_ ({type(torchao_config(variant.method)).__name__})")
+                if variant.compile:
+                    report = install_linear(model, LinearPolicy(compile=True))
+            elif variant != LinearVariant("bf16"):
+                report = install_linear(model, policy)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                weights[label] = gib(torch.cuda.memory_allocated())
+            if report is not None:
+                runs = "; ".join(report.runs.values())
+                notes.append(f"{label}: {report.summary()}" + (f" ({runs})" if runs else ""))
+            for res in args.resolutions:
+                kw, tokens = inputs(res)
+
+                def row(what, timing):
+                    secs, warm, peak = timing
+                    rows.append((res, tokens, what, label, secs, peak))
+                    print(f"  {res} {what} | linear {label}: {secs:.2f} s (warm-up {warm:.1f} s, peak {peak:.1f} GiB)",
+                          file=sys.stderr, flush=True)
+
+                row("stock diffusers attention (SDPA)", forward_seconds(kw))
+                for what, policy_ in policies:
+                    # recorded (an entry per call; nothing read back until the end) for the sparse calls' density
+                    ctx = install(model, policy_, record=True)
+                    try:
+                        timing = forward_seconds(kw)
+                    finally:
+                        uninstall(model)
+                    summary = sparse_summary(ctx.recorded_calls())
+                    if summary is not None and variant == variants[0]:
+                        notes.append(_sparse_note(f"{res} {what}", summary))
+                    row(what, timing)
+                for p in peers:
+                    try:
+                        with sdpa_replaced_by(p, **peer_options) as route:
+                            timing = forward_seconds(kw)
+                    except Exception as e:  # a peer's build that cannot run these shapes: say so, keep going
+                        notes.append(f"{res} {p.name} (linear {label}): failed ({type(e).__name__}: "
+                                     f"{str(e).splitlines()[0][:80] if str(e) else ''})")
+                        continue
+                    if not route.routed:  # a row would be stock SDPA under the peer's name
+                        if variant == variants[0]:
+                            notes.append(f"{res} {p.name}: not timed, it can take none of the forward's attention "
+                                         f"calls ({route.reasons(per=forwards)}) per forward")
+                        continue
+                    if variant == variants[0]:
+                        notes.append(f"{res} {route.summary(per=forwards)} per forward")
+                    row(f"{p.name} in place of SDPA", timing)
+                del kw
+                if cuda:
+                    torch.cuda.empty_cache()
+        except Exception as e:  # a variant that cannot run here (a GEMM the GPU refuses): say so, keep going
+            notes.append(f"linear {label}: failed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
+            print(f"  linear {label}: failed: {e}", file=sys.stderr, flush=True)
+            if variant == LinearVariant("bf16"):
+                raise
+        finally:
+            if not variant.own:
+                uninstall_linear(model)
     lines = [run_header(f"bench pipeline, {desc}, one forward, batch 1, {'fp32' if tiny else 'bf16'}"), "",
-             "| resolution | video tokens | attention | linear layers | s / forward | × stock attention |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    base = {r[0]: r[3] for r in rows if r[2].startswith("stock")}
-    for res, tokens, what, secs in rows:
-        lines.append(f"| {res} | {tokens} | {what} | {linear_label} | {secs:.2f} | {base[res] / secs:.2f} |")
+             "| resolution | video tokens | attention | linear layers | s / forward | × stock | "
+             "× same attention, bf16 linear | peak GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    stock_label = LinearVariant("bf16").label()
+    base = {(r[0], r[2]): r[4] for r in rows if r[3] == stock_label}
+    stock = {r[0]: r[4] for r in rows if r[3] == stock_label and r[2].startswith("stock")}
+    for res, tokens, what, label, secs, peak in rows:
+        same = base.get((res, what))
+        ratio = f"{same / secs:.2f}" if same else "–"
+        lines.append(f"| {res} | {tokens} | {what} | {label} | {secs:.2f} | {stock[res] / secs:.2f} | {ratio} | "
+                     f"{f'{peak:.1f}' if cuda else '–'} |")
+    if weights:
+        notes.append("GPU memory allocated between forwards (the transformer's weights, mostly): " + "; ".join(
+            f"{label} {w:.1f} GiB ({w / weights[stock_label]:.2f}×)" for label, w in weights.items()))
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _sparse_note(what: str, summary: dict) -> str:
+    return (f"{what}: {100 * summary['share']:.0f}% of the attention calls block-sparse, "
+            f"mean density {summary['density']:.3f}" + (
+                f" ({summary['density_before']:.3f} before repair); exact mass kept per query "
+                f"tile (sampled rows): min {summary['kept_min']:.3f}, 1% {summary['kept_q01']:.3f}, "
+                f"mean {summary['kept_mean']:.4f} (min {summary['kept_min_before']:.3f} before); "
+                f"{100 * summary['repaired']:.1f}% of query tiles repaired; rows the repair did not "
+                f"read (left out in turn): min {summary['unseen_min']:.3f}, "
+                f"{100 * summary['unseen_under_floor']:.1f}% of query tiles estimated under the floor"
+                if "kept_min" in summary else ""))
