@@ -53,7 +53,7 @@ from fp4video.attention import selection_for
 from fp4video.harness.video_heads import (HEAD_CLASSES, HEAD_KINDS, VideoGrid, attention_structure, capture_self_attention,
                                           exact_block_mass, key_tile_partials, oracle_selection, partial_row_cosines,
                                           selection_quality, video_heads)
-from fp4video.sparse import DynamicSparsity, HybridSparsity, StaticSparsity, sample_rows
+from fp4video.sparse import DynamicSparsity, HybridSparsity, StaticSparsity
 
 
 def fp4video_rules(grid: VideoGrid) -> list[tuple[str, str, object]]:
@@ -71,7 +71,7 @@ def fp4video_rules(grid: VideoGrid) -> list[tuple[str, str, object]]:
     for topk in (0.05, 0.1, 0.2, 0.4, 0.6, 0.8):  # SpargeAttn's top-k on 64-row tiles, then the check
         rules.append(("pooled top-k, 64-row tiles + sinks + floor 0.9", f"pooled top-k {topk} (64) sinks floor=0.9",
                       DynamicSparsity(None, topk=topk, min_similarity=-1.0, query_tile=64, global_tokens=text,
-                                      sinks=True, floor=0.9, check_rows=1)))
+                                      sinks=True, floor=0.9)))
     for topk in (0.1, 0.2, 0.3):
         rules.append(("sampled top-k", f"sampled top-k {topk}", DynamicSparsity(None, topk=topk, estimate="sampled",
                                                                                 global_tokens=text)))
@@ -286,9 +286,11 @@ def measure_call(c, rules) -> tuple[list[dict], dict]:
         oracle = oracle_selection(parts.mass, counts, qt)
         oracle_cos, _ = _per_head(parts, oracle, qt)
         check = sel.check
-        # the check's kept mass against the exact mass of the very rows it sampled
-        sampled = sample_rows(c.q.shape[2], qt, check.rows, seed=rule.seed)
-        exact_sampled = (parts.mass[:, :, sampled] * tiles.unsqueeze(-2).double()).sum(-1).mean(-1)  # (1, H, nq)
+        # the check's kept mass against the exact mass of the very rows it read, weighted as it weighs them
+        nk = parts.mass.shape[-1]
+        read = parts.mass.gather(2, check.sampled.reshape(1, heads, -1, 1).expand(1, heads, check.sampled[0, 0].numel(), nk))
+        read = read.reshape(*check.sampled.shape, nk)
+        exact_sampled = ((read * tiles.unsqueeze(-2).double()).sum(-1) * check.weight.double()).sum(-1)  # (1, H, nq)
         check_error = (check.kept.double() - exact_sampled).abs()
         raw[label] = []
         for h in range(heads):

@@ -1,8 +1,10 @@
-"""Every block-sparse call measures what it drops, and repairs it: sampled rows, their exact mass
-(reference against fp64; the GPU kernel in the interpreter against the reference, row by row), the
-check's kept mass against the exact kept mass of the same rows, sinks, the floor's repair on every
-sampled row, the top-k share, the sampled estimate, rules checked when built, scale invariance, and
-no read-back while checking."""
+"""Every block-sparse call measures what it drops, and repairs it: sampled rows, the check's rows that
+cover each tile's queries (k-center greedy against a brute force), their exact mass (reference
+against fp64; the GPU kernel in the interpreter against the reference, row by row), the check's kept
+mass against the exact kept mass of the same rows, its confidence bound (Student's t against scipy),
+sinks, the floor's repair (the fewest tiles that bring the bound to the floor, against a brute
+force), the top-k share, the sampled estimate, rules checked when built, scale invariance,
+determinism, and no read-back while checking."""
 
 from __future__ import annotations
 
@@ -19,11 +21,14 @@ from fp4video.sparse import (
     HybridSparsity,
     StaticSparsity,
     check_selection,
+    covering_rows,
     dynamic_selection,
     resolve_sparsity,
     row_block_mass,
     sample_rows,
+    student_t_quantile,
 )
+from fp4video.sparse.check import CHECK_CONFIDENCE
 
 GRID = VideoGrid(4, 16, 32, text=32)  # 2,080 tokens: 17 query tiles
 
@@ -119,33 +124,182 @@ def test_row_mass_kernel_equals_the_reference_per_row(d, monkeypatch):
 # --- the check ------------------------------------------------------------------------------------------
 
 
-def test_check_measures_the_exact_kept_mass_of_its_rows(heads):
+def _checked_rows_mass(rows_mass, sampled):
+    """(B, H, nq, r, nk): the exact fp64 mass of the check's rows ``sampled`` (B, H, nq, r), per head."""
+    b, h, _, nk = rows_mass.shape
+    flat = sampled.reshape(b, h, -1, 1).expand(b, h, sampled[0, 0].numel(), nk)
+    return rows_mass.gather(2, flat).reshape(*sampled.shape, nk)
+
+
+def _tile_mean_kept(rows_mass, tiles, query_tile=128):
+    """(B, H, nq) fp64: each query tile's mean over ALL its rows of their exact kept mass."""
+    b, h, sq, _ = rows_mass.shape
+    t = tiles.expand(b, h, *tiles.shape[2:])
+    kept = (rows_mass * t.repeat_interleave(query_tile, dim=2)[:, :, :sq]).sum(-1)
+    nq = t.shape[2]
+    pad = torch.nn.functional.pad(kept, (0, nq * query_tile - sq), value=math.nan)
+    return pad.reshape(b, h, nq, query_tile).nanmean(-1)
+
+
+def test_check_measures_the_exact_kept_mass_of_its_rows(heads, rows_mass):
+    """The check's kept mass per query tile is the weighted mean of its rows' exact (fp64) kept shares;
+    with every row of a tile read, the exact mean over the tile, and its bound is that mean."""
     q, k, _ = heads
     sel = dynamic_selection(q, k, tau=0.5, estimate="sampled")
-    checked = check_selection(sel, q, k, rows=3, seed=5)
-    rows = sample_rows(q.shape[2], 128, 3, seed=5)
-    exact = _fp64_row_mass(q, k, rows)  # (B, H, nq, r, nk)
-    want = (exact * sel.tiles.unsqueeze(-2)).sum(-1).mean(-1)
-    torch.testing.assert_close(checked.check.kept.double(), want, rtol=0, atol=1e-5)
+    checked = check_selection(sel, q, k, rows=3)
+    check = checked.check
+    assert check.sampled.shape == check.weight.shape == (1, q.shape[1], sel.n_query_tiles, 3)
+    exact = _checked_rows_mass(rows_mass, check.sampled)
+    want = ((exact * sel.tiles.unsqueeze(-2)).sum(-1) * check.weight.double()).sum(-1)
+    torch.testing.assert_close(check.kept.double(), want, rtol=0, atol=1e-5)
+    assert (check.unseen <= check.kept + 1e-6).all()
     assert torch.equal(checked.tiles, sel.tiles)  # no floor, no sinks: measured only
     dense = check_selection(BlockSelection.dense(q.shape[2], k.shape[2], device=q.device), q, k)
     assert torch.allclose(dense.check.kept, torch.ones(()), atol=1e-5)
+    every = check_selection(sel, q, k, rows=128).check
+    truth = _tile_mean_kept(rows_mass, sel.tiles)
+    torch.testing.assert_close(every.kept.double(), truth, rtol=0, atol=1e-5)
+    torch.testing.assert_close(every.unseen, every.kept, rtol=0, atol=0)  # every row read: no doubt left
 
 
-def test_repair_brings_every_sampled_row_to_the_floor(heads):
+def test_the_checks_bound_is_the_weighted_mean_less_students_t_spread(heads, rows_mass):
+    """unseen = m − t·s·√((1 − n/L)/n) with m, s the weighted mean and standard deviation (n/(n−1)) of
+    the checked rows' exact kept shares, t Student's CHECK_CONFIDENCE quantile (n − 1 degrees of
+    freedom); with one row, the row's share."""
+    q, k, _ = heads
+    sel = dynamic_selection(q, k, tau=0.6, estimate="sampled")
+    for rows in (1, 4, 8):
+        check = check_selection(sel, q, k, rows=rows).check
+        kept = (_checked_rows_mass(rows_mass, check.sampled) * sel.tiles.unsqueeze(-2)).sum(-1)
+        w = check.weight.double()
+        m = (kept * w).sum(-1)
+        length = torch.tensor([min(128, q.shape[2] - i * 128) for i in range(sel.n_query_tiles)], dtype=torch.float64)
+        n = length.clamp(max=rows)
+        if rows == 1:
+            want = m
+        else:
+            s = ((kept - m.unsqueeze(-1)) ** 2 * w).sum(-1) * rows / (rows - 1)
+            t = student_t_quantile(CHECK_CONFIDENCE, rows - 1)
+            want = m - t * s.sqrt() * ((1 - n / length).clamp(min=0) / n).sqrt()
+        torch.testing.assert_close(check.unseen.double(), want, rtol=0, atol=2e-5)
+
+
+def test_student_t_quantile_matches_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    for dof in (1, 2, 3, 4, 7, 8, 15, 63, 127):
+        for p in (0.5, 0.9, 0.95, 0.99, 0.999):
+            assert abs(student_t_quantile(p, dof) - float(stats.t.ppf(p, dof))) <= 1e-9 * max(1.0, stats.t.ppf(p, dof))
+    for bad in ((0.3, 3), (1.0, 3), (0.9, 0), (0.9, 2.5), (0.9, True)):
+        with pytest.raises(ValueError, match="student_t_quantile"):
+            student_t_quantile(*bad)
+
+
+# --- the check's rows: k-center greedy over each tile's queries ------------------------------------------
+
+
+def _greedy_reference(x, per_tile):
+    """Independent k-center greedy on one tile's queries x (L, D), fp64, by full pairwise distances."""
+    x = x.double()
+    dist = torch.cdist(x, x)
+    n = x.shape[0]
+    if per_tile == 1:
+        return [int((x - x.mean(0)).norm(dim=-1).argmin())]
+    chosen = [0, n - 1][:per_tile] if n > 1 else [0, 0][:per_tile]
+    while len(chosen) < per_tile:
+        nearest = dist[:, chosen].min(dim=1).values
+        nearest[chosen] = -1
+        chosen.append(int(nearest.argmax()) if len(set(chosen)) < n else 0)
+    return chosen
+
+
+@pytest.mark.parametrize("sq,per_tile", [(300, 8), (128, 4), (256, 1), (133, 2), (261, 8)])
+def test_covering_rows_are_k_center_greedy_per_tile_and_head(sq, per_tile):
+    """First and last row of the tile, then each the row farthest from all chosen (brute force, fp64);
+    weights: the share of the tile's rows nearest to each chosen row; a short tile repeats rows that
+    weigh 0; different heads get their own rows; the same rows on every call."""
+    g = torch.Generator().manual_seed(sq + per_tile)
+    q = torch.randn(2, 3, sq, 16, generator=g)
+    rows, weight = covering_rows(q, 128, per_tile)
+    nq = -(-sq // 128)
+    assert rows.shape == weight.shape == (2, 3, nq, per_tile) and rows.dtype == torch.int64
+    for b in range(2):
+        for h in range(3):
+            for i in range(nq):
+                lo, hi = i * 128, min(sq, (i + 1) * 128)
+                x = q[b, h, lo:hi]
+                want = _greedy_reference(x, per_tile)
+                assert (rows[b, h, i] - lo).tolist() == want, (b, h, i)
+                owner = torch.cdist(x.double(), x[want].double()).argmin(dim=1)
+                share = torch.bincount(owner, minlength=per_tile).double() / (hi - lo)
+                torch.testing.assert_close(weight[b, h, i].double(), share, rtol=0, atol=1e-6)
+    if per_tile > 2:  # (two rows are the ends of every tile)
+        assert not torch.equal(rows[0, 0], rows[0, 1])  # per head
+    again = covering_rows(q, 128, per_tile)
+    assert torch.equal(again[0], rows) and torch.equal(again[1], weight)
+    short = covering_rows(q[:, :, :5], 128, 8)
+    assert sorted(set(short[0][0, 0, 0].tolist())) == [0, 1, 2, 3, 4]
+    torch.testing.assert_close(short[1].sum(-1), torch.ones(2, 3, 1))
+
+
+def test_covering_rows_choose_a_row_whose_query_is_not_finite():
+    q = torch.randn(1, 2, 256, 8)
+    q[0, 1, 77] = math.nan
+    q[0, 0, 200] = math.inf
+    rows, weight = covering_rows(q, 128, 3)
+    assert 77 in rows[0, 1, 0].tolist() and 200 in rows[0, 0, 1].tolist()
+    assert torch.isfinite(weight).all()
+    sel = check_selection(BlockSelection(torch.zeros(1, 1, 2, 2, dtype=torch.bool), 256, 256), q, torch.randn(1, 2, 256, 8),
+                          floor=0.9)
+    assert sel.tiles[0, 1, 0].all() and sel.tiles[0, 0, 1].all()  # the tile visits every key tile
+
+
+def test_repair_brings_every_tiles_bound_to_the_floor_with_the_fewest_tiles(heads, rows_mass):
+    """A window drops mass; the repair adds, per query tile, the shortest prefix of the key tiles it
+    does not visit in descending weighted mass of its checked rows after which the bound reaches the
+    floor (an independent fp64 search over prefixes); every tile's bound and estimate then reach it,
+    and on these inputs so does the exact mean of every row of each tile."""
     q, k, _ = heads
     for floor in (0.5, 0.9, 0.99):
         rule = StaticSparsity(GRID.frames, GRID.height, GRID.width, window=(0, 2, 4), text_tokens=GRID.text,
                               text_position="last", floor=floor)
         sel = resolve_sparsity(rule, q, k)
-        rows = sample_rows(q.shape[2], 128, rule.check_rows, seed=rule.seed)
-        exact = _fp64_row_mass(q, k, rows)
-        row_kept = (exact * sel.tiles.unsqueeze(-2)).sum(-1)
-        assert row_kept.min() >= floor - 1e-5, floor
-        assert sel.check.kept.min() >= floor - 1e-5
-        assert sel.check.kept_before.min() < floor  # the window alone drops mass here
-        assert bool(sel.check.repaired.any())
-        assert float(sel.density()) > float(sel.check.density_before)
+        check = sel.check
+        assert check.unseen.min() >= floor - 1e-6 and check.kept.min() >= floor - 1e-6
+        assert check.kept_before.min() < floor  # the window alone drops mass here
+        assert bool(check.repaired.any()) and float(sel.density()) > float(check.density_before)
+        assert _tile_mean_kept(rows_mass, sel.tiles).min() >= floor, floor
+        window = rule.select(q, k).tiles.expand_as(sel.tiles)
+        mass = _checked_rows_mass(rows_mass, check.sampled)  # (1, H, nq, r, nk) fp64
+        w = check.weight.double()
+        r = check.rows
+        t = student_t_quantile(CHECK_CONFIDENCE, r - 1)
+        for h in range(q.shape[1]):
+            for i in range(sel.n_query_tiles):
+                length = min(128, q.shape[2] - i * 128)
+                share = mass[0, h, i]
+                order = torch.where(window[0, h, i], -1.0, (share * w[0, h, i, :, None]).sum(0)).argsort(
+                    descending=True, stable=True)
+                free = [int(j) for j in order if not window[0, h, i, j]]
+                for count in range(len(free) + 1):
+                    tiles = window[0, h, i].clone()
+                    tiles[free[:count]] = True
+                    kept = (share * tiles).sum(-1)
+                    m = float((kept * w[0, h, i]).sum())
+                    s = float((((kept - m) ** 2) * w[0, h, i]).sum() * r / (r - 1))
+                    if m - t * math.sqrt(s * max(0.0, 1 - r / length) / r) >= floor:
+                        break
+                want = window[0, h, i].clone()
+                want[free[:count]] = True
+                # a prefix at the very edge of the floor may round either way in fp32
+                assert torch.equal(sel.tiles[0, h, i], want) or abs(m - floor) < 1e-4, (floor, h, i)
+
+
+def test_the_check_is_deterministic(heads):
+    q, k, _ = heads
+    rule = DynamicSparsity(0.8, estimate="sampled", sinks=True, floor=0.9)
+    a, b = resolve_sparsity(rule, q, k), resolve_sparsity(rule, q, k)
+    assert torch.equal(a.tiles, b.tiles) and torch.equal(a.check.sampled, b.check.sampled)
+    assert torch.equal(a.check.kept, b.check.kept) and torch.equal(a.check.unseen, b.check.unseen)
 
 
 def test_sinks_are_found_and_kept_by_every_query_tile(heads, rows_mass):

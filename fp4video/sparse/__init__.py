@@ -24,13 +24,15 @@ Attention: O(n log n) Sparse Attention with Energy Decay for Long Video Generati
 tokens, first or last, are global. **Hybrid** (:class:`HybridSparsity`): a window and a dynamic rule
 together.
 
-**The check** (:func:`check_selection`), run by every rule's calls: a few sampled query rows per
-tile get their exact softmax mass over every key tile (MInference's sampled queries; a GPU kernel,
-:mod:`fp4video.kernels.row_mass`), which gives each query tile's kept share of its true mass. From
-it, optionally: key tiles heavy for most query tiles become global (attention sinks: Xiao et al.,
-StreamingLLM, 2023; mean pooling and static windows miss them), and a query tile under the rule's
-``floor`` visits more key tiles, by those rows' exact mass, until it reaches the floor. The selection
-carries what was measured (:class:`SelectionCheck`).
+**The check** (:func:`check_selection`), run by every rule's calls: a few query rows per tile,
+spread over the tile's queries (:func:`covering_rows`: k-center greedy from the tile's first and last
+rows), get their exact softmax mass over every key tile (MInference's sampled queries; a GPU kernel,
+:mod:`fp4video.kernels.row_mass`); weighted by the rows each stands for, they estimate each query
+tile's kept share of its true mass and a one-sided confidence bound on it. From it, optionally: key
+tiles heavy for most query tiles become global (attention sinks: Xiao et al., StreamingLLM, 2023;
+mean pooling and static windows miss them), and a query tile whose bound is under the rule's
+``floor`` visits more key tiles, in descending estimated mass, until the bound reaches the floor. The
+selection carries what was measured (:class:`SelectionCheck`).
 
 Everything is computed with tensor operations only: no value is read back to the host, so a CUDA
 graph can capture the selection and its check with the call.
@@ -38,9 +40,10 @@ graph can capture the selection and its check with the call.
 
 from __future__ import annotations
 
-from .check import CHECK_ROWS, SINK_MASS, check_selection, sink_columns
+from .check import CHECK_CONFIDENCE, CHECK_ROWS, SINK_MASS, check_selection, sink_columns, student_t_quantile
 from .dynamic import ESTIMATE_ROWS, ESTIMATES, dynamic_selection
-from .estimate import MIN_SIMILARITY, BlockEstimate, estimate_block_mass, row_block_mass, sample_rows, tile_pool
+from .estimate import (MIN_SIMILARITY, BlockEstimate, covering_rows, estimate_block_mass, row_block_mass, sample_rows,
+                       tile_pool)
 from .rules import DynamicSparsity, HybridSparsity, StaticSparsity, resolve_sparsity
 from .selection import KEY_TILE, QUERY_TILE, BlockSelection, SelectionCheck, tile_lists
 from .static import static_selection, static_token_window
@@ -50,6 +53,7 @@ __all__ = [
     "KEY_TILE",
     "MIN_SIMILARITY",
     "CHECK_ROWS",
+    "CHECK_CONFIDENCE",
     "SINK_MASS",
     "ESTIMATES",
     "ESTIMATE_ROWS",
@@ -60,12 +64,14 @@ __all__ = [
     "estimate_block_mass",
     "tile_pool",
     "sample_rows",
+    "covering_rows",
     "row_block_mass",
     "dynamic_selection",
     "static_selection",
     "static_token_window",
     "check_selection",
     "sink_columns",
+    "student_t_quantile",
     "DynamicSparsity",
     "StaticSparsity",
     "HybridSparsity",

@@ -1,7 +1,10 @@
-"""Every block-sparse call measures what its selection drops, and can repair it: the exact attention
-mass of a few sampled query rows per tile (:func:`~fp4video.sparse.estimate.row_block_mass`) tells
-each query tile's kept share; key tiles heavy for most query tiles become global (sinks); a query
-tile under the floor gets key tiles by those rows' exact mass until it reaches the floor."""
+"""Every block-sparse call measures what its selection drops, and can repair it: a few query rows per
+tile, spread over the tile's queries (:func:`~fp4video.sparse.estimate.covering_rows`), get their
+exact attention mass (:func:`~fp4video.sparse.estimate.row_block_mass`); weighted by the rows each
+stands for, they estimate each query tile's kept share (the mean over all its rows) and a lower
+confidence bound on it. Key tiles heavy for most query tiles become global (sinks); a query tile
+whose bound is under the floor gets key tiles, in descending estimated mass, until the bound reaches
+the floor."""
 
 from __future__ import annotations
 
@@ -9,35 +12,64 @@ import math
 
 import torch
 
-from .dynamic import cumulative_take
-from .estimate import check_qk, row_block_mass, sample_rows
+from .estimate import check_mask, check_qk, covering_rows, row_block_mass, tile_counts
 from .selection import BlockSelection, SelectionCheck, number_in, positive_int
 
-__all__ = ["CHECK_ROWS", "SINK_MASS", "SINK_RATIO", "FLOOR_MARGIN", "check_selection", "sink_columns", "check_options"]
+__all__ = ["CHECK_ROWS", "CHECK_CONFIDENCE", "SINK_MASS", "SINK_RATIO", "check_selection", "sink_columns",
+           "check_options", "student_t_quantile"]
 
-#: Sampled query rows per tile a call's check reads by default: 2 of 128 rows cost about 1/64 of
-#: the dense call's Q·Kᵀ and none of its P·V.
-CHECK_ROWS = 2
-#: A key tile is a sink when, at the median query tile, it holds at least this share of the sampled
+#: Query rows per tile a call's check reads by default. Fewer rows leave groups of a tile's rows that
+#: no checked row stands for: on the trained test model's attention, 2 rows left 10% of query tiles
+#: under the floor, 4 rows a few, 8 rows none (docs/sparse-learned.md).
+CHECK_ROWS = 8
+#: The one-sided confidence of the bound a repaired tile's mean kept mass must reach the floor with.
+CHECK_CONFIDENCE = 0.99
+#: A key tile is a sink when, at the median query tile, it holds at least this share of the checked
 #: rows' mass, and ``SINK_RATIO`` times what the median key tile holds there: heavy for most query
 #: tiles (not only its neighbours) and far above the rest (not a uniform row).
 SINK_MASS = 0.02
 SINK_RATIO = 8.0
-#: A repaired row aims this share of the way from the floor to 1 above it: the tile's other rows
-#: (not sampled) keep a little less or more than its sampled ones, and the margin covers the
-#: difference on smooth heads (measured: the suite's miss rate).
-FLOOR_MARGIN = 0.25
 
 
-def check_options(*, floor, sinks, rows, seed) -> None:
+def check_options(*, floor, sinks, rows) -> None:
     """One-line ValueErrors for a check's options."""
     if floor is not None:
         number_in(floor, "floor", 0.0, 1.0, "the share of its exact attention mass a query tile keeps at least")
     if not isinstance(sinks, bool):
         raise ValueError(f"sinks must be true or false, got {sinks!r}")
     positive_int(rows, "check_rows")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+
+
+def student_t_quantile(p: float, dof: int) -> float:
+    """The ``p`` quantile (0.5 <= p < 1) of Student's t distribution with ``dof`` (an int >= 1)
+    degrees of freedom: its distribution function in closed form for integer degrees of freedom
+    (Abramowitz & Stegun 26.7.3 and 26.7.4), inverted by bisection. A host-side constant."""
+    if not 0.5 <= p < 1 or isinstance(dof, bool) or not isinstance(dof, int) or dof < 1:
+        raise ValueError(f"student_t_quantile needs 0.5 <= p < 1 and an int dof >= 1, got p={p!r}, dof={dof!r}")
+
+    def cdf(t: float) -> float:
+        theta = math.atan(t / math.sqrt(dof))
+        c2 = math.cos(theta) ** 2
+        series, term = 1.0, 1.0
+        if dof % 2:
+            for i in range(1, (dof - 3) // 2 + 1):
+                term *= 2 * i / (2 * i + 1) * c2
+                series += term
+            a = 2 / math.pi * (theta + (math.sin(theta) * math.cos(theta) * series if dof > 1 else 0.0))
+        else:
+            for i in range(1, (dof - 2) // 2 + 1):
+                term *= (2 * i - 1) / (2 * i) * c2
+                series += term
+            a = math.sin(theta) * series
+        return (1 + a) / 2
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return hi
 
 
 def sink_columns(block: torch.Tensor) -> torch.Tensor:
@@ -47,78 +79,105 @@ def sink_columns(block: torch.Tensor) -> torch.Tensor:
     return typical >= torch.clamp(typical.median(dim=-1, keepdim=True).values * SINK_RATIO, min=SINK_MASS)
 
 
+def _estimate(kept: torch.Tensor, weight: torch.Tensor, spread: torch.Tensor, t: float):
+    """(mean, bound) over the checked rows' dim -2 of ``kept`` (…, r, m) weighted by ``weight`` (…, r):
+    the tile's estimated mean and its lower confidence bound ``mean − t·s·spread`` (``s``: the rows'
+    weighted standard deviation; ``spread`` (…, 1): the finite-population standard error's factor)."""
+    w = weight.unsqueeze(-1)
+    mean = (kept * w).sum(dim=-2)
+    if t == 0:
+        return mean, mean
+    r = kept.shape[-2]
+    var = ((kept - mean.unsqueeze(-2)).square() * w).sum(dim=-2) * (r / (r - 1))
+    return mean, mean - t * var.clamp(min=0).sqrt() * spread
+
+
 def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None,
                     attn_mask: torch.Tensor | None = None, floor: float | None = None, sinks: bool = False,
-                    rows: int = 2, seed: int = 0, row_mass=row_block_mass) -> BlockSelection:
+                    rows: int = CHECK_ROWS, row_mass=row_block_mass) -> BlockSelection:
     """``sel`` measured (and with ``sinks`` / ``floor``, repaired) on the call's ``q`` (B, H, Sq, D),
     ``k`` (B, H, Sk, D), ``scale`` and ``attn_mask``: a new selection carrying a
     :class:`~fp4video.sparse.selection.SelectionCheck`.
 
-    ``rows`` query rows per tile (:func:`sample_rows` from ``seed``) get their exact softmax mass on
-    every key tile (``row_mass``); a query tile's kept share is the mean over its rows of the mass on
-    the tiles it visits (a row that sees no key keeps all of nothing: 1). With ``sinks``, the key
-    tiles :func:`sink_columns` finds in those rows' mean block mass are visited by every query tile.
-    With ``floor``, each sampled row whose kept share is under it adds, in descending order of its
-    own exact mass, the key tiles it needs to reach ``floor + FLOOR_MARGIN · (1 − floor)``; its query
-    tile visits the union (so every sampled row, and the tile's mean over them, reaches the floor). The
-    rows a repair read keep the floor by construction; what a row it did not read keeps is estimated by
-    leaving each sampled row out: its kept share under the key tiles the tile's other sampled rows
-    added (the check's ``unseen``). A query tile whose rows' mass is not finite (NaN or Inf in Q or K)
-    visits every key tile. Nothing is read back to the host."""
-    check_options(floor=floor, sinks=sinks, rows=rows, seed=seed)
+    ``rows`` query rows per tile, spread over the tile's queries (:func:`covering_rows`: the tile's
+    first and last rows, then each the farthest from those chosen), get their exact softmax mass on
+    every key tile (``row_mass``). Each stands for the tile's rows nearest to it (its ``weight``); a
+    query tile's kept share is the weighted mean of its rows' shares on the tiles it visits (a row
+    that sees no key keeps all of nothing: 1), an estimate of the mean over all its rows. Its bound
+    is that mean less ``t·s·√((1 − n/L)/n)`` (``s`` the rows' weighted standard deviation, ``n`` the
+    rows, ``L`` the tile's rows, ``t`` Student's ``CHECK_CONFIDENCE`` quantile with n − 1 degrees of
+    freedom; 0 with one row): a one-sided confidence bound on the tile's mean, with the spread of the
+    checked rows standing for that of the rows they stand for. With ``sinks``, the key tiles
+    :func:`sink_columns` finds in the rows' weighted block mass are visited by every query tile. With
+    ``floor``, a query tile whose bound is under it visits more key tiles, in descending order of the
+    rows' weighted exact mass on them (the oracle's order, estimated), the fewest that bring the bound
+    to the floor. A query tile whose rows' mass is not finite (NaN or Inf in Q or K) visits every key
+    tile. The check's ``unseen`` is the bound under the selection the call runs. Nothing is read back
+    to the host."""
+    check_options(floor=floor, sinks=sinks, rows=rows)
     check_qk(q, k)
+    mask = check_mask(attn_mask, q, k)
     b, h, sq, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     sel.check_call(b, h, sq, sk, q.device)
-    sample = sample_rows(sq, sel.query_tile, rows, seed=seed, device=q.device)
-    mass = row_mass(q, k, sample, scale=scale, attn_mask=attn_mask, key_tile=sel.key_tile)  # (B, H, nq, r, nk)
-    total = mass.sum(dim=-1)  # 1 for a row that sees keys, 0 for one that sees none, NaN
+    nq, nk = sel.n_query_tiles, sel.n_key_tiles
+    index, weight = covering_rows(q, sel.query_tile, rows)  # (B, H, nq, r): different rows per head
+    flat = index.reshape(b, h, nq * rows, 1)
+    q_rows = q.gather(2, flat.expand(b, h, nq * rows, q.shape[-1]))
+    if mask is not None and mask.shape[-2] != 1:  # a mask per query row: the checked rows' own
+        mask = mask.expand(b, h, sq, sk).gather(2, flat.expand(b, h, nq * rows, sk))
+    mass = row_mass(q_rows, k, torch.arange(nq * rows, device=q.device), scale=scale, attn_mask=mask,
+                    key_tile=sel.key_tile).reshape(b, h, nq, rows, nk)
+    total = mass.sum(dim=-1)  # (B, H, nq, r): 1 for a row that sees keys, 0 for one that sees none, NaN
+    sees = total > 0
+    unknown = ~torch.isfinite(total).all(dim=-1)  # (B, H, nq): a row's mass is NaN
+    share = torch.where(sees.unsqueeze(-1), mass / total.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1), 0.0)
+    share = torch.where(torch.isfinite(share), share, 0.0)
+    length = tile_counts(sq, sel.query_tile, q.device)  # (nq,)
+    n = length.clamp(max=rows)
+    spread = ((1 - n / length).clamp(min=0) / n).sqrt().unsqueeze(-1)  # (nq, 1): all rows read: exact
+    t = student_t_quantile(CHECK_CONFIDENCE, rows - 1) if rows > 1 else 0.0
     nan = torch.full((), math.nan, device=q.device)
-    per_row = torch.where(total > 0, 1.0 / total.clamp(min=torch.finfo(torch.float32).tiny),
-                          torch.where(total == 0, 0.0, nan))
 
-    def kept_of(tiles):
-        kept = (mass * tiles.unsqueeze(-2)).sum(dim=-1) * per_row
-        return torch.where(total == 0, 1.0, kept).mean(dim=-1)  # (B, H, nq)
+    def measured(tiles):
+        """(kept, bound), each (B, H, nq), of the selection ``tiles``; NaN where the rows are not finite."""
+        row = torch.where(sees, (share * tiles.unsqueeze(-2)).sum(dim=-1), 1.0)
+        mean, bound = _estimate(row.unsqueeze(-1), weight, spread, t)
+        return torch.where(unknown, nan, mean.squeeze(-1)), torch.where(unknown, nan, bound.squeeze(-1))
 
-    before = sel.tiles.expand(b, h, *sel.tiles.shape[2:])
-    kept_before = kept_of(before)
-    block = mass.mean(dim=-2)  # (B, H, nq, nk): the sampled rows' mean block mass
+    before = sel.tiles.expand(b, h, nq, nk)
+    kept_before, bound_before = measured(before)
+    block = (share * weight.unsqueeze(-1)).sum(dim=-2)  # (B, H, nq, nk): the rows' weighted block mass
     block_sum = block.sum(dim=-1, keepdim=True)
-    unknown = ~torch.isfinite(block_sum)
     block = torch.where(block_sum > 0, block / block_sum.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
-    block = torch.where(unknown, 0.0, block)
     tiles = before
     if sinks:
         tiles = tiles | sink_columns(block).unsqueeze(-2)
-    pre = tiles  # the selection before the repair
-    unseen = None
-    if floor is not None:
-        # every sampled row of a tile under the floor gets, by its own exact mass, the key tiles it
-        # needs to reach it (a tile's rows may attend to different places: their union is kept)
-        share = torch.where((total > 0).unsqueeze(-1), mass * per_row.unsqueeze(-1), 0.0)
-        share = torch.where(torch.isfinite(share), share, 0.0)
-        visit = tiles.unsqueeze(-2).expand(share.shape)
-        row_kept = (share * visit).sum(dim=-1, keepdim=True)
-        need = (row_kept < floor) & (total > 0).unsqueeze(-1)  # a row that sees no key needs nothing
-        add = cumulative_take(share, visit, min(floor + FLOOR_MARGIN * (1.0 - floor) + 1e-6, 1.0)) & need
-        if rows > 1:
-            # leave one out: each sampled row under the key tiles the *other* rows' repair added, i.e.
-            # as a row the repair did not read: an honest estimate of what unsampled rows keep
-            others = (add.sum(dim=-2, keepdim=True) - add.int()) > 0
-            loo = (share * (visit | others)).sum(dim=-1)
-            loo = torch.where(total > 0, loo, torch.where(total == 0, 1.0, nan))
-            unseen = loo.mean(dim=-1)
-        tiles = tiles | add.any(dim=-2) | unknown
+    if floor is not None and floor > 0:
+        tiles = tiles | _repair(tiles, share, sees, weight, spread, t, block, floor) | unknown.unsqueeze(-1)
     if tiles is before:  # measured only: the rule's own bitmap (a static one is shared) runs as it is
         check = SelectionCheck(kept_before, kept_before, torch.zeros(kept_before.shape, dtype=torch.bool,
-                               device=q.device), sel.density(), floor, rows, kept_before)
+                               device=q.device), sel.density(), floor, rows, bound_before, index, weight)
         return BlockSelection(sel.tiles, sq, sk, sel.query_tile, sel.key_tile, sel.estimated_mass, check)
-    est = None if sel.estimated_mass is None else sel.estimated_mass.expand(b, h, sel.n_query_tiles)
-    kept = kept_of(tiles)
-    # without a repair the sampled rows shaped nothing but the sinks: what they keep is what others keep;
-    # a repair read by one row per tile leaves no other row to hold out: its pre-repair share stands in
-    if unseen is None:
-        unseen = kept if floor is None else kept_of(pre)
-    check = SelectionCheck(kept, kept_before, (tiles & ~before).any(dim=-1), sel.density(), floor, rows,
-                           torch.minimum(unseen, kept))
+    est = None if sel.estimated_mass is None else sel.estimated_mass.expand(b, h, nq)
+    kept, bound = measured(tiles)
+    check = SelectionCheck(kept, kept_before, (tiles & ~before).any(dim=-1), sel.density(), floor, rows, bound,
+                           index, weight)
     return BlockSelection(tiles, sq, sk, sel.query_tile, sel.key_tile, est, check)
+
+
+def _repair(tiles, share, sees, weight, spread, t, block, floor) -> torch.Tensor:
+    """(B, H, nq, nk) bool: the key tiles a query tile adds so that its bound reaches ``floor``: not
+    visited yet, in descending ``block`` mass, the shortest prefix after which the bound of the
+    checked rows' ``share`` (B, H, nq, r, nk) is at least ``floor`` (all of them if none is)."""
+    have = torch.where(sees, (share * tiles.unsqueeze(-2)).sum(dim=-1), 1.0)  # (B, H, nq, r)
+    free, order = torch.where(tiles, -1.0, block).sort(dim=-1, descending=True, stable=True)
+    gained = share.gather(-1, order.unsqueeze(-2).expand(share.shape))
+    gained = torch.where(tiles.gather(-1, order).unsqueeze(-2), 0.0, gained)
+    # each row's kept share after the first 0, 1, …, nk free tiles of the order
+    kept = torch.cat([have.unsqueeze(-1), have.unsqueeze(-1) + gained.cumsum(dim=-1)], dim=-1)
+    _, bound = _estimate(kept, weight, spread, t)  # (B, H, nq, nk + 1)
+    enough = bound >= floor
+    enough[..., -1] = True  # every tile: the whole row (its fp32 sum may round under the floor)
+    count = enough.to(torch.int8).argmax(dim=-1, keepdim=True)  # the first prefix that reaches it
+    take = (torch.arange(free.shape[-1], device=free.device) < count) & (free >= 0)
+    return torch.zeros_like(tiles).scatter(-1, order, take)

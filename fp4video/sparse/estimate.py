@@ -12,7 +12,7 @@ import torch
 from .selection import KEY_TILE, QUERY_TILE, n_tiles, positive_int
 
 __all__ = ["MIN_SIMILARITY", "BlockEstimate", "check_qk", "check_mask", "check_scale", "tile_sums", "tile_counts",
-           "tile_pool", "estimate_block_mass", "sample_rows", "row_block_mass"]
+           "tile_pool", "estimate_block_mass", "sample_rows", "covering_rows", "row_block_mass"]
 
 #: The default floor on a tile's mean pairwise cosine (SpargeAttn's self-similarity, K taken
 #: without its mean over the live keys) under which the tile is kept instead of estimated: the
@@ -227,6 +227,67 @@ def sample_rows(sq: int, query_tile: int, per_tile: int, *, seed: int = 0, devic
     width = ((j + 1) * length // per_tile - lo).clamp(min=1)
     h = _mix(_mix((i * 40503 + j) % _HASH ^ seed % _HASH) + 12345)
     return i * query_tile + torch.minimum(lo + h % width, length - 1)
+
+
+def covering_rows(q: torch.Tensor, query_tile: int, per_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, weight)``, each (B, H, n_query_tiles, per_tile): ``per_tile`` query rows of each tile of
+    ``query_tile`` rows of ``q`` (B, H, Sq, D) that cover the tile's queries, and the share of the
+    tile's rows each stands for. The rows are chosen by k-center greedy (farthest-point sampling,
+    Gonzalez 1985) on the query vectors: first the tile's first and last rows (the two ends of its
+    span of positions; with ``per_tile`` 1, the row nearest the tile's mean query), then, in turn, the
+    row farthest (Euclidean) from every row chosen so far. A row's logits move by at most
+    ``scale·‖Δq‖·‖k‖`` from a chosen row's, so rows near a chosen one attend alike; spreading the
+    chosen rows over the queries leaves no group of rows far from all of them. ``weight``: the share
+    of the tile's rows nearest to each chosen row (ties to the first chosen), summing to 1 per tile.
+    A tile of fewer rows than ``per_tile`` repeats rows (the repeats weigh 0). A row whose query is not
+    finite counts as farthest (it is chosen, and its mass marks the tile). ``rows`` holds indices of
+    Sq, int64; ``weight`` is fp32. Tensor operations only, on ``q``'s device (a fixed number of
+    steps: a CUDA graph captures it); the distances' dot products run in ``q``'s dtype, the rest in
+    fp32; ``q`` is never modified."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or not q.is_floating_point():
+        raise ValueError(f"q must be a 4-D (B, H, S, D) float tensor, got {getattr(q, 'dtype', type(q).__name__)} "
+                         f"of shape {tuple(getattr(q, 'shape', ()))}")
+    query_tile, per_tile = positive_int(query_tile, "query_tile"), positive_int(per_tile, "per_tile")
+    b, h, sq, d = q.shape
+    nq = n_tiles(sq, query_tile)
+    dev = q.device
+    pad = nq * query_tile - sq
+    x = (torch.nn.functional.pad(q, (0, 0, 0, pad)) if pad else q).reshape(b, h, nq, query_tile, d)
+    norm2 = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).square()  # (B, H, nq, L)
+    length = tile_counts(sq, query_tile, dev).long()  # (nq,)
+    offset = torch.arange(query_tile, device=dev)
+    valid = offset[None, :] < length[:, None]  # (nq, L)
+
+    def distance(s):
+        """(B, H, nq, L) squared distance of every row of the tile to its row ``s`` (B, H, nq); +inf
+        where it is not finite."""
+        xs = x.gather(3, s[..., None, None].expand(b, h, nq, 1, d))
+        dot = (x @ xs.transpose(-1, -2)).squeeze(-1).float()
+        dist = (norm2 - 2.0 * dot + norm2.gather(-1, s.unsqueeze(-1))).clamp(min=0.0)
+        return torch.where(torch.isfinite(dist), dist, math.inf)
+
+    if per_tile == 1:
+        mean = (x.float() * valid[..., None]).sum(dim=-2, keepdim=True) / length[:, None, None]
+        to_mean = torch.linalg.vector_norm(x.float() - mean, dim=-1)
+        to_mean = torch.where(torch.isfinite(to_mean), to_mean, math.inf)
+        picks = [torch.where(valid, to_mean, math.inf).argmin(dim=-1)]
+    else:
+        picks = [torch.zeros(b, h, nq, dtype=torch.int64, device=dev), (length - 1).expand(b, h, nq)]
+    nearest = torch.full((b, h, nq, query_tile), math.inf, device=dev)
+    to_chosen = []
+    for step in range(per_tile):
+        if step >= len(picks):  # the row farthest from every chosen one (a chosen or padding row: never)
+            picks.append(torch.where(valid & (nearest > -1), nearest, -1.0).argmax(dim=-1))
+        s = picks[step]
+        to_chosen.append(distance(s))
+        nearest = torch.minimum(nearest, to_chosen[-1]).scatter(-1, s.unsqueeze(-1), -2.0)  # chosen: never again
+    chosen = torch.stack(picks[:per_tile], dim=-1)  # (B, H, nq, r) offsets in the tile
+    # each row stands with its nearest chosen row: the share of the tile each chosen row stands for
+    owner = torch.stack(to_chosen, dim=-1).argmin(dim=-1)  # (B, H, nq, L)
+    weight = torch.zeros(b, h, nq, per_tile, device=dev).scatter_add(
+        -1, owner, valid.float().expand(b, h, nq, query_tile)) / length[:, None].float()
+    rows = chosen + (torch.arange(nq, device=dev) * query_tile)[:, None]
+    return rows, weight
 
 
 def row_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, *, scale: float | None = None,

@@ -20,23 +20,24 @@ __all__ = ["DynamicSparsity", "StaticSparsity", "HybridSparsity", "resolve_spars
 @dataclass(frozen=True)
 class _Checked:
     """The check every rule's calls run (:func:`fp4video.sparse.check_selection`): ``check_rows``
-    sampled rows per query tile measure the kept mass; ``sinks`` makes key tiles heavy for most query
-    tiles global; ``floor`` repairs query tiles under it; ``seed`` picks the rows."""
+    rows per query tile, spread over its queries, measure the kept mass; ``sinks`` makes key tiles
+    heavy for most query tiles global; ``floor`` repairs query tiles whose bound is under it. The
+    check's rows follow the queries alone (no seed)."""
 
     def _check_fields(self):
-        check_options(floor=self.floor, sinks=self.sinks, rows=self.check_rows, seed=self.seed)
+        check_options(floor=self.floor, sinks=self.sinks, rows=self.check_rows)
 
     def checked(self, sel: BlockSelection, q, k, *, scale, attn_mask, row_mass) -> BlockSelection:
         return check_selection(sel, q, k, scale=scale, attn_mask=attn_mask, floor=self.floor, sinks=self.sinks,
-                               rows=self.check_rows, seed=self.seed, row_mass=row_mass)
+                               rows=self.check_rows, row_mass=row_mass)
 
 
 @dataclass(frozen=True)
 class DynamicSparsity(_Checked):
     """A dynamic selection rule (:func:`~fp4video.sparse.dynamic_selection`'s arguments), applied to
-    each call's Q and K, then checked: ``floor`` (None: measure only), ``sinks``, ``check_rows``,
-    ``seed`` (:func:`~fp4video.sparse.check_selection`). Every option is checked here, when the rule
-    is built."""
+    each call's Q and K, then checked: ``floor`` (None: measure only), ``sinks``, ``check_rows``
+    (:func:`~fp4video.sparse.check_selection`); ``seed`` picks the ``sampled`` estimate's rows. Every
+    option is checked here, when the rule is built."""
 
     tau: float | None = None
     neighbours: int | None = 0
@@ -90,7 +91,6 @@ class StaticSparsity(_Checked):
     floor: float | None = None
     sinks: bool = False
     check_rows: int = CHECK_ROWS
-    seed: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "window", check_grid(self.frames, self.height, self.width, self.window,
@@ -125,7 +125,6 @@ class HybridSparsity(_Checked):
     floor: float | None = None
     sinks: bool = False
     check_rows: int = CHECK_ROWS
-    seed: int = 0
 
     def __post_init__(self):
         if not isinstance(self.static, StaticSparsity) or not isinstance(self.dynamic, DynamicSparsity):

@@ -42,18 +42,20 @@ def n_tiles(n: int, tile: int) -> int:
 @dataclass(frozen=True, eq=False)
 class SelectionCheck:
     """What a block-sparse call measured of its selection (:func:`fp4video.sparse.check_selection`):
-    the exact attention mass its sampled query rows keep. Every field is a tensor on the call's
-    device (nothing is read back while the call runs); :meth:`summary` gives the numbers a record
-    carries.
+    the exact attention mass of a few checked query rows per tile, each standing for the tile's rows
+    nearest to it. Every field is a tensor on the call's device (nothing is read back while the call
+    runs); :meth:`summary` gives the numbers a record carries.
 
-    ``kept``: (B, H, nq) fp32, each query tile's kept share of its sampled rows' exact softmax mass
-    (the mean over its sampled rows) under the selection the call runs; ``kept_before``: the same
-    under the rule's own selection, before sinks and repair; ``repaired``: (B, H, nq) bool, the query
-    tiles that sinks or the repair gave more key tiles; ``density_before``: 0-d, the rule's own
-    density. ``floor``: the repair's floor (None: measured, not repaired); ``rows``: sampled rows per
-    query tile. ``unseen``: (B, H, nq) fp32, what a row the repair did not read keeps, estimated by
-    leaving each sampled row out of the repair (at most ``kept``; with one row per tile, the share
-    before the repair; None: as ``kept``)."""
+    ``kept``: (B, H, nq) fp32, each query tile's estimated kept share of its rows' exact softmax mass
+    (the checked rows' shares weighted by ``weight``: an estimate of the mean over all its rows) under
+    the selection the call runs; ``kept_before``: the same under the rule's own selection, before sinks
+    and repair; ``repaired``: (B, H, nq) bool, the query tiles that sinks or the repair gave more key
+    tiles; ``density_before``: 0-d, the rule's own density. ``floor``: the repair's floor (None:
+    measured, not repaired); ``rows``: checked rows per query tile. ``unseen``: (B, H, nq) fp32, a
+    lower confidence bound on the mean over all the tile's rows, the rows not read included (at most
+    ``kept``; None: as ``kept``). ``sampled``: (B, H, nq, rows) int64, the checked query rows;
+    ``weight``: (B, H, nq, rows) fp32, the share of its tile's rows each stands for (None for checks
+    made without them)."""
 
     kept: torch.Tensor
     kept_before: torch.Tensor
@@ -62,14 +64,16 @@ class SelectionCheck:
     floor: float | None
     rows: int
     unseen: torch.Tensor | None = None
+    sampled: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
 
     def summary(self) -> dict:
         """{name: 0-d fp32 tensor}: ``kept_min``, ``kept_q01`` (the 1% quantile over query tiles and
         heads), ``kept_mean`` after repair, ``kept_min_before``, ``repaired`` (the share of query tiles
-        repaired), ``density_before``; and of the rows the repair did not read (``unseen``):
-        ``unseen_min``, ``unseen_q01`` and ``unseen_under_floor``, the share of query tiles estimated
-        under the floor (0 without one). Query tiles whose rows see no finite mass (NaN/Inf inputs)
-        are left out of the statistics (such heads return NaN)."""
+        repaired), ``density_before``; and of the lower bound on every row's mean (``unseen``, the rows
+        the check did not read included): ``unseen_min``, ``unseen_q01`` and ``unseen_under_floor``,
+        the share of query tiles whose bound is under the floor (0 without one). Query tiles whose rows
+        see no finite mass (NaN/Inf inputs) are left out of the statistics (such heads return NaN)."""
         kept_min, kept_q01, kept_mean, n = _spread(self.kept)
         unseen = self.kept if self.unseen is None else self.unseen
         unseen_min, unseen_q01, _, _ = _spread(unseen)
