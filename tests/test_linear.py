@@ -466,6 +466,45 @@ def test_regional_compile_wraps_each_block_and_uninstall_unwraps():
     assert torch.equal(forward(model), stock)
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_compiled_blocks_with_fp4video_attention_compile_once_for_any_block_count(sparse):
+    """Regional compile with fp4video attention installed: the attention call is opaque to dynamo
+    (a graph break), so the blocks' graphs do not depend on the block index, the step or the call's
+    routing: the same graph count for 2 and 5 blocks, no recompile past the first forward, and the
+    output is the eager one's. (Before, each block recompiled the routing and the kernels' Python,
+    past dynamo's recompile limit: 35 graphs for 5 blocks.)"""
+    from torch._dynamo.testing import CompileCounter
+
+    import fp4video
+    from fp4video.integration import Policy
+
+    policy = Policy.model_validate({"method": "mxattn", **({"sparsity": {"dynamic": {"tau": 0.9}}} if sparse else {})})
+    graphs = []
+    for layers in (2, 5):
+        torch._dynamo.reset()
+        model = tiny_wan_transformer(0, 32, num_layers=layers)
+        fp4video.install(model, policy)
+        want = forward_fp32(model)
+        counter = CompileCounter()
+        L.install_linear(model, L.LinearPolicy(compile=True), compile_backend=counter)
+        got = forward_fp32(model)
+        first = counter.frame_count
+        forward_fp32(model)
+        assert counter.frame_count == first  # the second forward reuses every graph
+        graphs.append(first)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        L.uninstall_linear(model)
+        fp4video.uninstall(model)
+    assert graphs[0] == graphs[1] <= 8, graphs
+
+
+def forward_fp32(model):
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        return model(hidden_states=torch.randn(1, 16, 2, 16, 16, generator=g), timestep=torch.tensor([500.0]),
+                     encoder_hidden_states=torch.randn(1, 24, 32, generator=g), return_dict=False)[0]
+
+
 # --- torchao's emulated MXFP8 against an independent reference, and the layer measure --------------
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..recipe import METHODS
 from . import diffusers_api
 
@@ -77,7 +79,11 @@ def diffusers_backend(fn):
     # (not functools.wraps: diffusers reads the accepted arguments from inspect.signature, which
     # would follow __wrapped__ to fn's)
     backend.__name__, backend.__qualname__, backend.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
-    return backend
+    # Opaque to torch.compile (a compiled block breaks its graph here and runs the call as it is):
+    # which kernel a call runs depends on the block, the step and the call's routing, which a
+    # compiled block would otherwise guard on, one graph per block past dynamo's recompile limit.
+    # The wrapper's __wrapped__ is ``backend``, whose signature diffusers reads.
+    return torch.compiler.disable(backend)
 
 
 def _backend_fn(method: str):

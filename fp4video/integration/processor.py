@@ -188,6 +188,10 @@ class FP4Processor:
 
     # --- the one numerics decision -----------------------------------------------------------
 
+    # Opaque to torch.compile: which method a call runs depends on the block, the step and the
+    # recorded state, which a compiled block would guard on (one graph per block and step, past
+    # dynamo's recompile limit); the compiled graph breaks here and the kernels run as they are.
+    @torch.compiler.disable
     def _attend(self, attn, q, k, v, mask, kind: str, parallel_config=None, replicated: int = 0):
         """q, k, v: (B, S, H, D). Returns (B, S, H, D) in q's dtype. ``replicated``: under context
         parallelism, the number of trailing tokens every rank holds in full (HunyuanVideo's text)."""
