@@ -260,7 +260,7 @@ class LinearObserver:
     def _torchao(module, method: str, x2, xs, pick, form: str):
         """The layer quantized by torchao (a bf16 copy), on the sampled rows; a per-tensor method on
         every row (its activation scale is the whole input's), the sample taken from its output."""
-        from ..integration.linear import pad_rows, torchao_config, unfit_reason
+        from ..integration.linear import torchao_config, unfit_reason
 
         # a new layer, not a copy: a copy would carry this observer's hook
         w = module.weight.detach()
@@ -276,7 +276,6 @@ class LinearObserver:
         from torchao.quantization import quantize_
 
         quantize_(q, torchao_config(method, emulate=form.startswith("torchao's emulated")))
-        pad_rows(q, method)
         per_tensor = method in ("fp8-tensor", "nvfp4")
         return q(x2.to(torch.bfloat16)).index_select(0, pick) if per_tensor else q(xs.to(torch.bfloat16))
 

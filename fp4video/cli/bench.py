@@ -682,6 +682,10 @@ def bench_pipeline(args) -> str:
                 del kw
                 if cuda:
                     torch.cuda.empty_cache()
+            if report is not None and report.refused():
+                refused = report.refused()
+                notes.append(f"{label}: cuBLASLt refused the GEMM of {len(refused)} layers, which ran those calls "
+                             f"weight-only (e.g. {next(iter(refused.items()))}: token count: calls)")
         except Exception as e:  # a variant that cannot run here (a GEMM the GPU refuses): say so, keep going
             notes.append(f"linear {label}: failed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
             print(f"  linear {label}: failed: {e}", file=sys.stderr, flush=True)

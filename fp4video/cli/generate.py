@@ -219,7 +219,7 @@ def run(args) -> int:
     for prompt, call, out in zip(cfg.prompts, calls, outputs):
         sidecar = generate_video(pipe, ctx, cfg, prompt, call, out, device=device, backend=args.backend,
                                  load_seconds=t_load, write=rank == 0, world_size=size,
-                                 linear=None if linear is None else {"summary": linear.summary(), "runs": linear.runs})
+                                 linear=linear)
         if rank == 0:
             _summary(out, sidecar, cfg.fps)
     if rank == 0 and len(outputs) > 1:

@@ -68,8 +68,8 @@ from .policy import non_negative_blocks, not_empty
 __all__ = ["METHODS", "KINDS", "BLOCK_KINDS", "OUTSIDE_KINDS", "EXPERTS", "TORCHAO_REQUIREMENT", "LinearRule",
            "LinearPolicy", "LinearSite", "LinearPlan", "LinearInstall", "LinearMeasure", "LinearUnsupported",
            "as_linear_policy", "linear_sites", "block_lists", "plan_linear", "install_linear", "uninstall_linear",
-           "installed_linear", "check_linear_support", "unfit_reason", "measure_linear", "torchao_config", "GEMM_ROWS",
-           "rows_padded", "pad_rows"]
+           "installed_linear", "check_linear_support", "unfit_reason", "measure_linear", "torchao_config",
+           "GEMM_REFUSED", "gemm_guarded"]
 
 METHODS = ("bf16", "fp8-rowwise", "fp8-tensor", "mxfp8", "nvfp4")
 #: Kinds of linear layer inside the transformer blocks, then outside them (see the module's docstring).
@@ -517,41 +517,44 @@ def _quantize(module: torch.nn.Linear, config) -> None:
         raise RuntimeError(f"torchao left {module} unquantized under {type(config).__name__}")
 
 
-#: cuBLASLt's float8 GEMM (what ``torch._scaled_mm`` calls for fp8) takes matrices whose sizes are
-#: multiples of 16 and refuses others (CUBLAS_STATUS_NOT_SUPPORTED): a layer's weight is checked at
-#: install (:func:`unfit_reason`), its token count varies per call (one time embedding, a 77-token
-#: text, 32,760 tokens of Wan 480p) and is padded to it.
-GEMM_ROWS = 16
-#: The methods whose GEMM needs the padding.
-_PADDED = ("fp8-rowwise", "fp8-tensor")
+#: What cuBLASLt answers when it has no low-precision GEMM for a problem. On the H200 (torch
+#: 2.11+cu130) it refuses some row-wise-scaled float8 problems that other shapes of the same layer
+#: take: a 512 -> 256 layer at 1, 300 and 32,760 rows, and in the 40-block Wan forward a layer the
+#: eager path reaches (compiled, the same forward runs); pytorch/ao#4582 reports large K with at most
+#: 256 rows on the H100. Which shapes is cuBLASLt's heuristic's choice, not a rule fp4video can check
+#: at install.
+GEMM_REFUSED = "CUBLAS_STATUS_NOT_SUPPORTED"
 
 
-def rows_padded(forward):
-    """``forward`` (a linear layer's) on inputs whose token count is padded to a multiple of
-    :data:`GEMM_ROWS` by repeating the last token (finite, and no new maximum for a per-tensor
-    scale), the padding's outputs dropped: the same values per token, for any count."""
+def gemm_guarded(forward, module: torch.nn.Linear, refused: dict):
+    """``forward`` (a quantized linear layer's) that survives cuBLASLt's refusals: a call whose
+    GEMM raises :data:`GEMM_REFUSED` runs again as ``x @ W'ᵀ + b`` with ``W'`` the layer's quantized
+    weight dequantized (weight-only quantization, the activations in their own dtype), and later
+    calls with the same token count go there directly. ``refused`` ({token count: calls}) counts
+    them; the first refusal of a layer warns. Other errors propagate."""
+    counted: set = set()
 
     def run(x, *args, **kwargs):
         k = x.shape[-1]
         m = x.numel() // k if k else 0
-        pad = -m % GEMM_ROWS
-        if pad == 0 or m == 0:
-            return forward(x, *args, **kwargs)
-        x2 = x.reshape(m, k)
-        y = forward(torch.cat([x2, x2[-1:].expand(pad, k)]), *args, **kwargs)
-        return y[:m].reshape(*x.shape[:-1], y.shape[-1])
+        if m not in counted:
+            try:
+                return forward(x, *args, **kwargs)
+            except RuntimeError as e:
+                if GEMM_REFUSED not in str(e):
+                    raise
+                if not refused:
+                    warnings.warn(f"fp4video linear: cuBLASLt has no GEMM for {type(module.weight).__name__} "
+                                  f"{tuple(module.weight.shape)} at {m} rows ({GEMM_REFUSED}); the layer runs such "
+                                  "calls with its quantized weight dequantized (weight-only), counted in "
+                                  "installed_linear(model).refused()", stacklevel=2)
+                counted.add(m)
+        refused[m] = refused.get(m, 0) + 1
+        w = module.weight.dequantize(x.dtype)
+        return torch.nn.functional.linear(x, w, None if module.bias is None else module.bias.to(x.dtype))
 
     run.__wrapped__ = forward
     return run
-
-
-def pad_rows(module: torch.nn.Module, method: str) -> bool:
-    """Wrap ``module``'s forward (an instance attribute) in :func:`rows_padded` where ``method``'s
-    GEMM needs it; whether it did."""
-    if method not in _PADDED:
-        return False
-    module.forward = rows_padded(module.forward)
-    return True
 
 
 # --- install / uninstall ----------------------------------------------------------------------------
@@ -566,7 +569,8 @@ class _Original:
     copied: bool  # a host copy: restored as a new Parameter on the quantized weight's device
     requires_grad: bool
     extra_repr: object  # the layer's own instance ``extra_repr`` before torchao set one (None: none)
-    padded: bool = False  # its forward wrapped by :func:`rows_padded` (an instance attribute)
+    refused: dict = field(default_factory=dict)  # {token count: calls} cuBLASLt refused (:func:`gemm_guarded`)
+    name: str = ""
 
 
 @dataclass
@@ -589,6 +593,12 @@ class LinearInstall:
     runs: dict = field(default_factory=dict)
     compiled: int = 0
     notes: list = field(default_factory=list)
+    originals: list = field(default_factory=list, repr=False)  # the quantized layers' records
+
+    def refused(self) -> dict:
+        """{layer name: {token count: calls}}: the calls whose GEMM cuBLASLt refused, run with the
+        layer's quantized weight dequantized (:func:`gemm_guarded`); empty when none was."""
+        return {o.name: dict(o.refused) for o in self.originals if o.refused}
 
     def summary(self) -> str:
         counts: dict = {}
@@ -654,10 +664,12 @@ def install_linear(target, policy=None, *, compile_backend="inductor") -> Linear
             done.append(_keep(site.module, policy.originals))
             by_model[id(site.model)].append(done[-1])
             _quantize(site.module, configs[method])
-            done[-1].padded = pad_rows(site.module, method)
+            done[-1].name = name
+            site.module.forward = gemm_guarded(site.module.forward, site.module, done[-1].refused)
     except BaseException:
         _restore(done)
         raise
+    report.originals = done
     for _, _, model in models:
         forwards = _compile_blocks(model, compile_backend) if policy.compile else []
         report.compiled += len(forwards)
@@ -693,8 +705,7 @@ def _restore(originals: list) -> None:
             o.module.weight = torch.nn.Parameter(o.weight.to(o.module.weight.device), requires_grad=o.requires_grad)
         else:
             o.module.weight = o.weight
-        if o.padded:
-            o.module.__dict__.pop("forward", None)
+        o.module.__dict__.pop("forward", None)  # :func:`gemm_guarded`'s wrapper
         if o.extra_repr is None:
             o.module.__dict__.pop("extra_repr", None)
         else:
@@ -773,7 +784,6 @@ def measure_linear(module: torch.nn.Linear, inputs, method: str, *, emulate: boo
     quantized = copy.deepcopy(module)
     if method != "bf16":
         _quantize(quantized, torchao_config(method, emulate=emulate))
-        pad_rows(quantized, method)
     num = den = 0.0
     with torch.no_grad():
         for x in xs:

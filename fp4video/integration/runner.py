@@ -35,10 +35,10 @@ def motion_check(cfg: RunConfig, prompt: str, frames) -> dict | None:
 
 def generate_video(pipe, ctx: AttentionContext, cfg: RunConfig, prompt: str, call: dict, out: Path, *,
                    device, backend: str, load_seconds: float = 0.0, write: bool = True, world_size: int = 1,
-                   linear: dict | None = None) -> dict:
+                   linear=None) -> dict:
     """Run the pipeline once with ``call`` (from :func:`pipelines.pipeline_kwargs`), write ``out``
-    (mp4) and ``out.json`` (the sidecar, also returned; ``linear``: what the linear-layer installation
-    reported, or None). Under torchrun every rank runs the
+    (mp4) and ``out.json`` (the sidecar, also returned; ``linear``: the linear-layer installation's
+    :class:`~fp4video.integration.linear.LinearInstall`, or None). Under torchrun every rank runs the
     pipeline and only the one with ``write`` writes. The pair is written through temporary names
     and renamed into place (:func:`media.write_video_and_sidecar`): an interrupted run leaves the
     previous pair, or a video without a sidecar, never a short video or a mismatched sidecar."""
@@ -74,7 +74,10 @@ def generate_video(pipe, ctx: AttentionContext, cfg: RunConfig, prompt: str, cal
         "methods_used": dict(Counter(c["method"] for c in calls)),
         "fallbacks": dict(ctx.fallbacks),
         "block_sparse": sparse_summary(calls),
-        "linear_layers": linear,
+        "linear_layers": None if linear is None else {
+            "summary": linear.summary(), "runs": linear.runs,
+            # {layer: {token count: calls}} run weight-only where cuBLASLt refused the GEMM, since install
+            "refused_since_install": {n: {str(m): c for m, c in r.items()} for n, r in linear.refused().items()}},
         "motion_check": motion_check(cfg, prompt, frames),
         "attention_calls": calls,
     }
