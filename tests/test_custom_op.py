@@ -58,3 +58,31 @@ def test_compiled_and_cuda_graphs_gpu(mode):
     for _ in range(3):  # CUDA graphs record on a later call and replay after
         got = compiled(q, k, v, mask)
     assert torch.equal(got, want)
+
+
+def test_a_one_method_diffusers_backend_compiles_fullgraph(monkeypatch):
+    """``fp4video_<method>`` through diffusers' dispatcher inside torch.compile(fullgraph=True): the
+    one-method backend stays traceable (its kernel is one custom op), while the policy backend of
+    ``install`` is opaque by design (its kernel depends on the block, step and call)."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU check of the traced path (the GPU suite compiles with inductor)")
+    import functools
+
+    import diffusers.models.attention_dispatch as dispatch
+
+    import fp4video.attention as attention_mod
+    from fp4video.integration.dispatcher import register_attention_backends
+
+    # the Triton custom op, as a GPU call takes it (TRITON_INTERPRET=1 on the CPU)
+    monkeypatch.setattr(attention_mod, "fp4_attention", functools.partial(attention_mod.fp4_attention,
+                                                                         backend="triton"))
+    register_attention_backends(["mxattn"])
+    name = dispatch.AttentionBackendName("fp4video_mxattn")
+    q, k, v = (rand(1, 64, 2, 64, seed=s) for s in (52, 53, 54))
+
+    def f(q, k, v):
+        return dispatch.dispatch_attention_fn(q, k, v, backend=name) * 2
+
+    want = f(q, k, v)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(q, k, v), want)

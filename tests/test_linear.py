@@ -7,8 +7,10 @@ independent MXFP8 reference (fp4video.formats' E4M3 rounding)."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import re
+import types
 import warnings
 
 import pytest
@@ -663,46 +665,74 @@ def test_a_run_config_names_the_linear_layers_method_and_generate_honours_it(tmp
 
 
 @needs_torchao
-def test_a_refused_gemm_runs_weight_only_and_is_counted_per_layer_and_row_count(monkeypatch):
+def test_a_refused_gemm_runs_weight_only_and_is_counted_per_layer_and_row_count():
     """cuBLASLt refuses some quantized GEMMs by shape (CUBLAS_STATUS_NOT_SUPPORTED): such a call runs
     with the layer's quantized weight dequantized, the layer and row count are counted in the
-    report, one warning names the first; calls of other row counts still take the quantized GEMM,
-    and other errors propagate. (The refusal is a stand-in: cuBLASLt is a GPU's.)"""
+    report, one warning names the layer; calls of other row counts still take the quantized GEMM,
+    other errors propagate; the report holds counts, not the layers. (The refusal is a stand-in:
+    cuBLASLt is a GPU's.)"""
     model = wan_bf16()
     report = L.install_linear(model, L.LinearPolicy(method="mxfp8", emulate=True))
     name = "blocks.1.ffn.net.0.proj"
     layer = model.get_submodule(name)
-    guarded = layer.forward
-    real = guarded.__wrapped__
     calls = []
 
     def picky(x, *a, **kw):  # as cuBLASLt: no GEMM for one row
         calls.append(x.numel() // x.shape[-1])
         if calls[-1] == 1:
             raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul(...)")
-        return real(x, *a, **kw)
+        return torch.nn.Linear.forward(layer, x, *a, **kw)
 
-    guarded.__closure__[[c.cell_contents for c in guarded.__closure__].index(real)].cell_contents = picky
+    layer._fp4video_guard["own"] = picky
     x1, x4 = (torch.randn(1, n, layer.in_features).bfloat16() for n in (1, 4))
-    with pytest.warns(UserWarning, match=r"cuBLASLt has no GEMM for MXTensor \(.*\) at 1 rows"):
+    with pytest.warns(UserWarning, match=rf"cuBLASLt has no GEMM for {re.escape(name)} \(MXTensor .*\) at 1 rows"):
         y1 = layer(x1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         y1b, y4 = layer(x1), layer(x4)
     w = layer.weight.dequantize(torch.bfloat16)
     assert torch.equal(y1, torch.nn.functional.linear(x1, w, layer.bias)) and torch.equal(y1b, y1)
-    assert torch.equal(y4, real(x4))  # another row count: the quantized GEMM
+    assert torch.equal(y4, torch.nn.Linear.forward(layer, x4))  # another row count: the quantized GEMM
     assert calls == [1, 4]  # the refused row count is not tried again
     assert report.refused() == {name: {1: 2}}
 
     def broken(x, *a, **kw):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    guarded.__closure__[[c.cell_contents for c in guarded.__closure__].index(picky)].cell_contents = broken
+    layer._fp4video_guard["own"] = broken
     with pytest.raises(RuntimeError, match="illegal memory access"):
         layer(x4)
     L.uninstall_linear(model)
-    assert "forward" not in layer.__dict__
+    assert "forward" not in layer.__dict__ and "_fp4video_guard" not in layer.__dict__
+    assert report.refused() == {name: {1: 2}}  # the counts outlive the install, the layers are not held
+    assert not any(isinstance(v, torch.nn.Module) for v in vars(report).values())
+
+
+@needs_torchao
+def test_the_guard_keeps_a_layers_own_forward_and_a_deep_copy_guards_itself():
+    """A layer's own instance forward (e.g. an offload hook's) runs under the guard and is back after
+    uninstall; a deep copy of an installed model runs its own layers, not the original's."""
+    model = wan_bf16()
+    layer = model.get_submodule("blocks.1.ffn.net.2")
+    seen = []
+
+    def hook(self, x, *a, **kw):  # bound to the layer, as accelerate's hooks are
+        seen.append(x.shape)
+        return torch.nn.Linear.forward(self, x, *a, **kw)
+
+    hooked = layer.forward = types.MethodType(hook, layer)
+    L.install_linear(model, L.LinearPolicy(method="mxfp8", emulate=True))
+    forward(model)
+    assert seen  # the own forward ran under the guard
+    twin = copy.deepcopy(model)
+    before = forward(twin)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.add_(1.0)
+    assert torch.equal(forward(twin), before)  # the copy's layers are its own
+    L.uninstall_linear(model)
+    assert layer.__dict__["forward"] is hooked
 
 
 def test_quantized_layers_are_wrapped_at_install_and_unwrapped_at_uninstall(monkeypatch):
@@ -745,6 +775,12 @@ def test_fp8_rowwise_layers_take_any_token_count_on_the_gpu(rows):
     print(f"{rows} rows: refused {report.refused()}")
     assert torch.isfinite(out).all() and rel(out, ref) < 0.08, report.refused()
     L.uninstall_linear(holder)
+    wan = torch.nn.Sequential(torch.nn.Linear(5120, 5120, device="cuda", dtype=torch.bfloat16))
+    report = L.install_linear(wan, L.LinearPolicy(method="fp8-rowwise"))
+    with torch.no_grad():
+        wan(torch.randn(1024, 5120, device="cuda").bfloat16())
+    assert report.refused() == {}  # Wan's 5120 -> 5120 at 1,024 rows takes the fp8 GEMM itself
+    L.uninstall_linear(wan)
 
 
 def test_bench_pipeline_linear_variants_parse_and_refuse_in_one_line():

@@ -114,7 +114,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     pl.add_argument("--linear", nargs="+", default=["bf16"], metavar="VARIANT", type=_linear_variant,
                     help="the linear layers' variants, each timed with every attention row: a method (bf16, "
                          "fp8-rowwise, fp8-tensor, mxfp8, nvfp4) through fp4video.integration.linear with block 0 "
-                         "kept in bf16; +compile compiles each transformer block (regional torch.compile, which "
+                         "and the layers outside the blocks kept in bf16; +compile compiles each transformer block (regional torch.compile, which "
                          "fuses the activations' quantization with its neighbours); torchao:METHOD is torchao's "
                          "own quantize_ on the same layers (no way back: it runs last)")
     pl.add_argument("--tiny", action="store_true", help="the tiny test transformers (CPU smoke run)")
@@ -543,6 +543,7 @@ def bench_pipeline(args) -> str:
     from ..eval.peers import find_peers, sdpa_replaced_by
     from ..integration import Policy, install, uninstall
     from ..integration.config import load_config
+    from ..integration.linear import OUTSIDE_KINDS as OUTSIDE
     from ..integration.linear import (LinearPolicy, check_linear_support, install_linear, plan_linear,
                                       torchao_config, uninstall_linear)
     from ..integration.processor import sparse_summary
@@ -618,18 +619,18 @@ def bench_pipeline(args) -> str:
     for variant in variants:
         label = variant.label()
         try:
+            # block 0 and the small layers outside the blocks (time, text embedders, head) in bf16
             policy = LinearPolicy(method=variant.method, compile=variant.compile,
-                                  rules=[{"method": "bf16", "blocks": [0]}] if variant.method != "bf16" else [])
+                                  rules=[{"method": "bf16", "blocks": [0]}, {"method": "bf16", "kinds": list(OUTSIDE)}]
+                                  if variant.method != "bf16" else [])
             report = None
             if variant.own:  # torchao's own entry point on exactly the layers fp4video would quantize
                 from torchao.quantization import quantize_
 
-                # the blocks' layers fp4video quantizes (the embedders' single-row time projections are
-                # sizes torchao's float8 GEMM refuses; fp4video pads them)
-                plan = plan_linear(model, policy)
-                names = {id(plan.sites[n].module) for n in plan.quantized() if plan.sites[n].block >= 0}
+                plan = plan_linear(model, policy)  # the layers fp4video's variant quantizes
+                names = {id(plan.sites[n].module) for n in plan.quantized()}
                 quantize_(model, torchao_config(variant.method), filter_fn=lambda m, fqn: id(m) in names)
-                notes.append(f"{label}: {len(names)} linear layers of blocks 1 on through "
+                notes.append(f"{label}: the {len(names)} linear layers fp4video's {variant.method} quantizes, through "
                              f"torchao.quantization.quantize_ ({type(torchao_config(variant.method)).__name__})")
                 if variant.compile:
                     report = install_linear(model, LinearPolicy(compile=True))

@@ -66,10 +66,10 @@ class AttentionCall:
         return kw
 
 
-def diffusers_backend(fn):
+def diffusers_backend(fn, *, opaque: bool = False):
     """``fn(call: AttentionCall)`` as a function with the signature diffusers' dispatcher calls
     backends with (it passes only the arguments a backend's signature names): the one place where
-    that signature is adapted."""
+    that signature is adapted; ``opaque``: hidden from torch.compile (see below)."""
 
     def backend(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
                 scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False, _parallel_config=None):
@@ -79,11 +79,13 @@ def diffusers_backend(fn):
     # (not functools.wraps: diffusers reads the accepted arguments from inspect.signature, which
     # would follow __wrapped__ to fn's)
     backend.__name__, backend.__qualname__, backend.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
-    # Opaque to torch.compile (a compiled block breaks its graph here and runs the call as it is):
-    # which kernel a call runs depends on the block, the step and the call's routing, which a
-    # compiled block would otherwise guard on, one graph per block past dynamo's recompile limit.
-    # The wrapper's __wrapped__ is ``backend``, whose signature diffusers reads.
-    return torch.compiler.disable(backend)
+    # ``opaque``: hidden from torch.compile (a compiled block breaks its graph here and runs the
+    # call as it is), for a backend whose kernel depends on the block, the step and the call's
+    # routing, which a compiled block would otherwise guard on, one graph per block past dynamo's
+    # recompile limit. A one-method backend stays traceable (its kernel is one custom op, so
+    # fullgraph compiles and CUDA graphs keep it). The wrapper's __wrapped__ is ``backend``, whose
+    # signature diffusers reads.
+    return torch.compiler.disable(backend) if opaque else backend
 
 
 def _backend_fn(method: str):

@@ -55,6 +55,7 @@ from __future__ import annotations
 import copy
 import importlib
 import importlib.util
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Literal
@@ -517,44 +518,48 @@ def _quantize(module: torch.nn.Linear, config) -> None:
         raise RuntimeError(f"torchao left {module} unquantized under {type(config).__name__}")
 
 
-#: What cuBLASLt answers when it has no low-precision GEMM for a problem. On the H200 (torch
-#: 2.11+cu130) it refuses some row-wise-scaled float8 problems that other shapes of the same layer
-#: take: a 512 -> 256 layer at 1, 300 and 32,760 rows, and in the 40-block Wan forward a layer the
-#: eager path reaches (compiled, the same forward runs); pytorch/ao#4582 reports large K with at most
-#: 256 rows on the H100. Which shapes is cuBLASLt's heuristic's choice, not a rule fp4video can check
+#: What cuBLASLt answers when it has no low-precision GEMM for a problem. The eager 40-block Wan
+#: forward on the H200 (torch 2.11+cu130, torchao 0.18) stopped on it while Wan's 720p layer shapes
+#: ran alone; pytorch/ao#4582 reports row-wise fp8 refused for large K with at most 256 rows on the
+#: H100. Which problems it refuses is cuBLASLt's heuristic's choice, not a rule fp4video can check
 #: at install.
 GEMM_REFUSED = "CUBLAS_STATUS_NOT_SUPPORTED"
 
 
-def gemm_guarded(forward, module: torch.nn.Linear, refused: dict):
-    """``forward`` (a quantized linear layer's) that survives cuBLASLt's refusals: a call whose
-    GEMM raises :data:`GEMM_REFUSED` runs again as ``x @ W'ᵀ + b`` with ``W'`` the layer's quantized
-    weight dequantized (weight-only quantization, the activations in their own dtype), and later
-    calls with the same token count go there directly. ``refused`` ({token count: calls}) counts
-    them; the first refusal of a layer warns. Other errors propagate."""
-    counted: set = set()
+def gemm_guarded(module: torch.nn.Linear, name: str, refused: dict) -> None:
+    """Guard ``module`` (a quantized linear layer, called ``name``) against cuBLASLt's refusals: its
+    forward becomes :func:`_guarded_forward` (bound to the module, so a deep copy guards itself): a
+    call whose GEMM raises :data:`GEMM_REFUSED` runs again as ``x @ W'ᵀ + b`` with ``W'`` the
+    layer's quantized weight dequantized (weight-only quantization, the activations in their own
+    dtype), and later calls with the same token count go there directly. ``refused`` ({token count:
+    calls}) counts them; the first refusal of each layer warns, naming it. Other errors propagate.
+    Eager calls only: inside a compiled block the GEMM runs in the compiled graph, where a refusal
+    propagates."""
+    module._fp4video_guard = {"name": name, "own": module.__dict__.get("forward"), "counted": set(),
+                              "refused": refused}
+    module.forward = types.MethodType(_guarded_forward, module)
 
-    def run(x, *args, **kwargs):
-        k = x.shape[-1]
-        m = x.numel() // k if k else 0
-        if m not in counted:
-            try:
-                return forward(x, *args, **kwargs)
-            except RuntimeError as e:
-                if GEMM_REFUSED not in str(e):
-                    raise
-                if not refused:
-                    warnings.warn(f"fp4video linear: cuBLASLt has no GEMM for {type(module.weight).__name__} "
-                                  f"{tuple(module.weight.shape)} at {m} rows ({GEMM_REFUSED}); the layer runs such "
-                                  "calls with its quantized weight dequantized (weight-only), counted in "
-                                  "installed_linear(model).refused()", stacklevel=2)
-                counted.add(m)
-        refused[m] = refused.get(m, 0) + 1
-        w = module.weight.dequantize(x.dtype)
-        return torch.nn.functional.linear(x, w, None if module.bias is None else module.bias.to(x.dtype))
 
-    run.__wrapped__ = forward
-    return run
+def _guarded_forward(self, x, *args, **kwargs):
+    guard = self._fp4video_guard
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    if m not in guard["counted"]:
+        forward = guard["own"] or type(self).forward.__get__(self)
+        try:
+            return forward(x, *args, **kwargs)
+        except RuntimeError as e:
+            if GEMM_REFUSED not in str(e):
+                raise
+            if not guard["refused"]:
+                warnings.warn(f"fp4video linear: cuBLASLt has no GEMM for {guard['name']} "
+                              f"({type(self.weight).__name__} {tuple(self.weight.shape)}) at {m} rows "
+                              f"({GEMM_REFUSED}); the layer runs such calls with its quantized weight dequantized "
+                              "(weight-only), counted in the install report's refused()", stacklevel=2)
+            guard["counted"].add(m)
+    guard["refused"][m] = guard["refused"].get(m, 0) + 1
+    w = self.weight.dequantize(x.dtype)
+    return torch.nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
 
 # --- install / uninstall ----------------------------------------------------------------------------
@@ -569,8 +574,7 @@ class _Original:
     copied: bool  # a host copy: restored as a new Parameter on the quantized weight's device
     requires_grad: bool
     extra_repr: object  # the layer's own instance ``extra_repr`` before torchao set one (None: none)
-    refused: dict = field(default_factory=dict)  # {token count: calls} cuBLASLt refused (:func:`gemm_guarded`)
-    name: str = ""
+    own_forward: object = None  # the layer's own instance ``forward`` before install (None: none)
 
 
 @dataclass
@@ -593,12 +597,12 @@ class LinearInstall:
     runs: dict = field(default_factory=dict)
     compiled: int = 0
     notes: list = field(default_factory=list)
-    originals: list = field(default_factory=list, repr=False)  # the quantized layers' records
+    refused_calls: dict = field(default_factory=dict, repr=False)  # {layer: {token count: calls}}
 
     def refused(self) -> dict:
         """{layer name: {token count: calls}}: the calls whose GEMM cuBLASLt refused, run with the
         layer's quantized weight dequantized (:func:`gemm_guarded`); empty when none was."""
-        return {o.name: dict(o.refused) for o in self.originals if o.refused}
+        return {n: dict(c) for n, c in self.refused_calls.items() if c}
 
     def summary(self) -> str:
         counts: dict = {}
@@ -664,12 +668,10 @@ def install_linear(target, policy=None, *, compile_backend="inductor") -> Linear
             done.append(_keep(site.module, policy.originals))
             by_model[id(site.model)].append(done[-1])
             _quantize(site.module, configs[method])
-            done[-1].name = name
-            site.module.forward = gemm_guarded(site.module.forward, site.module, done[-1].refused)
+            gemm_guarded(site.module, name, report.refused_calls.setdefault(name, {}))
     except BaseException:
         _restore(done)
         raise
-    report.originals = done
     for _, _, model in models:
         forwards = _compile_blocks(model, compile_backend) if policy.compile else []
         report.compiled += len(forwards)
@@ -692,8 +694,9 @@ def _keep(module: torch.nn.Linear, where: str) -> _Original:
     w = module.weight
     own_repr = module.__dict__.get("extra_repr")
     if where == "cpu" and w.device.type != "cpu":
-        return _Original(module, w.detach().to("cpu", copy=True), True, w.requires_grad, own_repr)
-    return _Original(module, w, False, w.requires_grad, own_repr)
+        return _Original(module, w.detach().to("cpu", copy=True), True, w.requires_grad, own_repr,
+                         module.__dict__.get("forward"))
+    return _Original(module, w, False, w.requires_grad, own_repr, module.__dict__.get("forward"))
 
 
 def _restore(originals: list) -> None:
@@ -705,7 +708,11 @@ def _restore(originals: list) -> None:
             o.module.weight = torch.nn.Parameter(o.weight.to(o.module.weight.device), requires_grad=o.requires_grad)
         else:
             o.module.weight = o.weight
-        o.module.__dict__.pop("forward", None)  # :func:`gemm_guarded`'s wrapper
+        o.module.__dict__.pop("_fp4video_guard", None)
+        if o.own_forward is None:  # :func:`gemm_guarded`'s forward gives way to the class's
+            o.module.__dict__.pop("forward", None)
+        else:
+            o.module.forward = o.own_forward
         if o.extra_repr is None:
             o.module.__dict__.pop("extra_repr", None)
         else:

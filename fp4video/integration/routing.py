@@ -193,7 +193,8 @@ def _policy_attention(a: AttentionCall):
     return out
 
 
-_backend = diffusers_backend(_policy_attention)
+# opaque: which kernel a call runs depends on the block, the step and the call (see diffusers_backend)
+_backend = diffusers_backend(_policy_attention, opaque=True)
 
 
 def _run(call: _Call, kind: str, target: str, a: AttentionCall, sparsity=None):
