@@ -1,6 +1,7 @@
 """What the block-sparse check costs, against a dense attention call: its pieces (the rows' placement,
-their exact mass, the repair) for 2, 4 and 8 rows per query tile, the shipped check (covering rows,
-the bound's repair) and the previous one (strata rows, each row's own repair), at Wan 720p by default.
+their exact mass, the repair) for 2, 4, 8 and 10 (the default) rows per query tile, the shipped check
+(covering rows, the bound's repair) and the previous one (strata rows, each row's own repair), at Wan
+720p by default.
 
     PYTHONPATH=. python3 scripts/sparse_check_cost.py --out check-cost                 # the H200: B=1, H=40, 75,600 tokens, D=128, bf16
     PYTHONPATH=. python3 scripts/sparse_check_cost.py --out check-cost --graph         # + each check replayed from a CUDA graph
@@ -95,7 +96,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--rows", type=int, nargs="+", default=[2, 4, CHECK_ROWS])
+    p.add_argument("--rows", type=int, nargs="+", default=sorted({2, 4, 8, CHECK_ROWS}))
     p.add_argument("--density", type=float, default=0.3, help="the checked (random) selection's density")
     p.add_argument("--floor", type=float, default=0.9)
     p.add_argument("--methods", nargs="*", default=["mxattn-pv8"], help="fp4video's dense calls to compare (GPU)")

@@ -13,7 +13,7 @@ previous check's with m = ¼; ``union-loo``: the same, the margin m raised per t
 until each checked row, left out, keeps the floor under what the others added — a cross-validated
 margin; ``mean``: key tiles in descending mean mass of the checked rows until their mean reaches
 ``floor + m·(1 − floor)``; ``bound``: the same order until a one-sided Student-t bound on the tile's
-mean reaches the floor, :func:`fp4video.sparse.check_selection`'s at 99%). Every design starts from
+mean reaches the floor, :func:`fp4video.sparse.check_selection`'s: 10 covering rows, 99%). Every design starts from
 the same rule's own tiles and sinks (``sampled τ 0.9`` with ``sinks``, floor 0.9: the shipped rule),
 and the checked rows' mass is their exact mass.
 
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from fp4video.harness.video_heads import HEAD_KINDS, VideoGrid, exact_block_mass, video_heads
-from fp4video.sparse import (CHECK_CONFIDENCE, DynamicSparsity, covering_rows, sample_rows, sink_columns,
+from fp4video.sparse import (CHECK_CONFIDENCE, CHECK_ROWS, DynamicSparsity, covering_rows, sample_rows, sink_columns,
                              student_t_quantile)
 from fp4video.sparse.dynamic import cumulative_take
 
@@ -64,8 +64,12 @@ DESIGNS = (
     ("ends 8, bound 99%", "ends", 8, "bound", 0.99),
     ("covering 4, bound 99%", "covering", 4, "bound", 0.99),
     ("covering 6, bound 99%", "covering", 6, "bound", 0.99),
+    ("covering 8, bound 90%", "covering", 8, "bound", 0.90),
     ("covering 8, bound 95%", "covering", 8, "bound", 0.95),
-    ("covering 8, bound 99% (the check)", "covering", 8, "bound", CHECK_CONFIDENCE),
+    ("covering 8, bound 99%", "covering", 8, "bound", 0.99),
+    ("covering 10, bound 95%", "covering", 10, "bound", 0.95),
+    (f"covering {CHECK_ROWS}, bound {100 * CHECK_CONFIDENCE:g}% (the check)", "covering", CHECK_ROWS, "bound",
+     CHECK_CONFIDENCE),
     ("covering 12, bound 99%", "covering", 12, "bound", 0.99),
 )
 
@@ -236,6 +240,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="repair-designs")
     p.add_argument("--held-out", action="store_true", help="also other captions, latent widths and synthetic grids")
+    p.add_argument("--model", default=None, help="a test-model pipeline folder or pack (default: the shipped weights)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -254,12 +259,12 @@ def main(argv=None):
         (out / "designs.json").write_text(json.dumps({"sets": sets, "sizes": sizes}, indent=1))
 
     run("synthetic suite", synthetic_inputs([(4, 16, 32, 32, 0)]), "4×16×32 + 32 text tokens, 7 head kinds, seed 0")
-    learned = argparse.Namespace(num_inference_steps=None, steps=list(suite.LEARNED_STEPS), model=None, captions=2,
+    learned = argparse.Namespace(num_inference_steps=None, steps=list(suite.LEARNED_STEPS), model=args.model, captions=2,
                                  branches=["cond", "uncond"])
     calls, _, _, _ = suite.capture_learned(learned)
     run("test model", learned_inputs(calls), f"{len(calls)} calls × 4 heads: the selection suite's --test-model capture")
     if args.held_out:
-        pipe = test_model_pipeline()
+        pipe = test_model_pipeline(path=args.model)
         captions = [spec.caption for spec in HELD_OUT[2:6]]
         calls = capture_self_attention(pipe, captions, steps=(3, 11), call=dict(TEST_MODEL_CALL), branches=("cond",))
         run("test model, held-out captions", learned_inputs(calls), f"{len(calls)} calls: captions 3–6, steps 3 and 11")

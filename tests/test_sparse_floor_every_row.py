@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fp4video.harness.video_heads import VideoGrid, exact_block_mass, video_heads
-from fp4video.sparse import BlockSelection, DynamicSparsity, check_selection, covering_rows, resolve_sparsity
+from fp4video.sparse import CHECK_ROWS, BlockSelection, DynamicSparsity, check_selection, covering_rows, resolve_sparsity
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the selection suite's default synthetic grid (scripts/sparse_selection_suite.py)
@@ -75,7 +75,7 @@ def test_the_repair_designs_report_their_miss_rate_measured_on_every_row(suite_i
     shipped = DynamicSparsity(designs.TAU, estimate="sampled", sinks=True, floor=designs.FLOOR, global_tokens=text)
     sel = resolve_sparsity(shipped, q, k)
     tile = _tile_means(mass, sel.tiles, 128)
-    mine = lines["covering 8, bound 99% (the check)"]
+    mine = lines[f"covering {CHECK_ROWS}, bound 99% (the check)"]
     assert mine["under"] == int((tile < designs.FLOOR - 1e-4).sum()) == 0
     assert abs(mine["density"] - float(sel.density_per_head().mean())) < 1e-6
     assert abs(mine["kept_min"] - float(tile.min())) < 1e-5
@@ -85,15 +85,16 @@ def test_the_repair_designs_report_their_miss_rate_measured_on_every_row(suite_i
 
 
 def test_the_check_cost_script_runs_at_a_tiny_size(tmp_path):
-    """scripts/sparse_check_cost.py on the CPU at 1,024 tokens: every piece timed for 2, 4 and 8 rows,
-    against the dense call, in a markdown table."""
+    """scripts/sparse_check_cost.py on the CPU at 1,024 tokens: every piece timed for 2, 4, 8 rows and
+    the check's default, against the dense call, in a markdown table."""
     _script("sparse_check_cost").main(["--tokens", "1024", "--heads", "2", "--device", "cpu", "--repeats", "1",
                                        "--out", str(tmp_path)])
     result = json.loads((tmp_path / "cost.json").read_text())
-    assert [line["rows"] for line in result["lines"]] == [2] * 6 + [4] * 6 + [8] * 6
+    rows = sorted({2, 4, 8, CHECK_ROWS})
+    assert [line["rows"] for line in result["lines"]] == [r for r in rows for _ in range(6)]
     assert all(line["ms"] > 0 and line["of SDPA"] > 0 for line in result["lines"])
     table = (tmp_path / "cost.md").read_text()
-    assert "| the check with sinks and floor 0.9 (the bound's repair) | 8 |" in table and "of dense SDPA" in table
+    assert f"| the check with sinks and floor 0.9 (the bound's repair) | {CHECK_ROWS} |" in table and "of dense SDPA" in table
 
 
 def test_the_check_and_its_rows_read_nothing_back(monkeypatch):

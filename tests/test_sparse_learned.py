@@ -3,7 +3,7 @@ model (fp4video.testmodel), captured once per module, against the exact fp64 att
 
 (a) the shipped dynamic rule (sampled τ 0.9, sinks, floor 0.9) saves work (density < 1 on some heads)
 and every query tile keeps the floor on the mean of ALL its rows, measured exactly (every row, every
-key), under the default check (8 rows per tile); with every row checked, the check's estimate is each
+key), under the default check (10 rows per tile); with every row checked, the check's estimate is each
 tile's exact mean; single rows still fall under the floor (a strict xfail: the floor is on a tile's
 mean, docs/sparse-learned.md). (b) the oracle bounds every selection of the suite, per query tile.
 (c) each call's check reports the exact kept mass of the rows it read. (d) the check's bound on the

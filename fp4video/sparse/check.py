@@ -18,10 +18,10 @@ from .selection import BlockSelection, SelectionCheck, number_in, positive_int
 __all__ = ["CHECK_ROWS", "CHECK_CONFIDENCE", "SINK_MASS", "SINK_RATIO", "check_selection", "sink_columns",
            "check_options", "student_t_quantile"]
 
-#: Query rows per tile a call's check reads by default. Fewer rows leave groups of a tile's rows that
-#: no checked row stands for: on the trained test model's attention, 2 rows left 10% of query tiles
-#: under the floor, 4 rows a few, 8 rows none (docs/sparse-learned.md).
-CHECK_ROWS = 8
+#: Query rows per tile a call's check reads by default: fewer rows leave groups of a tile's rows that
+#: no checked row stands for and widen the bound (more density); 10 keep every query tile of the
+#: selection suites at the floor on the mean of all its rows (docs/sparse-learned.md).
+CHECK_ROWS = 10
 #: The one-sided confidence of the bound a repaired tile's mean kept mass must reach the floor with.
 CHECK_CONFIDENCE = 0.99
 #: A key tile is a sink when, at the median query tile, it holds at least this share of the checked
