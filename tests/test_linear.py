@@ -783,23 +783,23 @@ def test_fp8_rowwise_layers_take_any_token_count_on_the_gpu(rows):
     L.uninstall_linear(wan)
 
 
-def test_bench_pipeline_linear_variants_parse_and_refuse_in_one_line():
+def test_bench_pipelinelinear_variants_parse_and_refuse_in_one_line():
     """`bench pipeline --linear` takes METHOD, METHOD+compile and torchao:METHOD(+compile); anything
     else is refused by argparse naming the entry and the forms."""
     import argparse
 
-    from fp4video.cli.bench import LinearVariant, _linear_variant
+    from fp4video.cli.bench import LinearVariant, linear_variant
 
-    assert _linear_variant("fp8-rowwise") == LinearVariant("fp8-rowwise")
-    assert _linear_variant("fp8-rowwise+compile") == LinearVariant("fp8-rowwise", compile=True)
-    assert _linear_variant("torchao:fp8-tensor+compile") == LinearVariant("fp8-tensor", compile=True, own=True)
-    assert _linear_variant("bf16+compile").label() == "bf16, blocks compiled"
+    assert linear_variant("fp8-rowwise") == LinearVariant("fp8-rowwise")
+    assert linear_variant("fp8-rowwise+compile") == LinearVariant("fp8-rowwise", compile=True)
+    assert linear_variant("torchao:fp8-tensor+compile") == LinearVariant("fp8-tensor", compile=True, own=True)
+    assert linear_variant("bf16+compile").label() == "bf16, blocks compiled"
     for bad in ("fp9", "torchao:bf16", "fp8-rowwise+compiled", "+compile"):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(f"{bad!r} is not a linear variant")):
-            _linear_variant(bad)
+            linear_variant(bad)
 
 
-def test_bench_pipeline_times_every_attention_row_under_every_linear_variant(monkeypatch):
+def test_bench_pipeline_times_every_attention_row_under_everylinear_variant(monkeypatch):
     """The stock bf16 step comes first even when not named (every ratio needs it); each variant is
     installed once, its rows timed, then uninstalled; a variant that fails is named under the table
     and the others still run."""

@@ -111,7 +111,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     help="also each installed peer (FlashAttention-3 bf16, FlashAttention-3 FP8 with its cast, "
                          "SageAttention2) in place of diffusers' SDPA; calls it cannot take (masks) stay on SDPA, "
                          "counted under the table")
-    pl.add_argument("--linear", nargs="+", default=["bf16"], metavar="VARIANT", type=_linear_variant,
+    pl.add_argument("--linear", nargs="+", default=["bf16"], metavar="VARIANT", type=linear_variant,
                     help="the linear layers' variants, each timed with every attention row: a method (bf16, "
                          "fp8-rowwise, fp8-tensor, mxfp8, nvfp4) through fp4video.integration.linear with block 0 "
                          "and the layers outside the blocks kept in bf16; +compile compiles each transformer block (regional torch.compile, which "
@@ -522,7 +522,7 @@ class LinearVariant:
 LINEAR_METHODS = ("bf16", "fp8-rowwise", "fp8-tensor", "mxfp8", "nvfp4")
 
 
-def _linear_variant(text: str) -> LinearVariant:
+def linear_variant(text: str) -> LinearVariant:
     """``METHOD``, ``METHOD+compile``, ``torchao:METHOD`` or ``torchao:METHOD+compile``."""
     rest, compiled = (text[:-len("+compile")], True) if text.endswith("+compile") else (text, False)
     own = rest.startswith("torchao:")
@@ -550,7 +550,7 @@ def bench_pipeline(args) -> str:
 
     tiny = getattr(args, "tiny", False)
     device = torch.device("cpu" if tiny else "cuda")
-    variants = [v if isinstance(v, LinearVariant) else _linear_variant(v) for v in getattr(args, "linear", ["bf16"])]
+    variants = [v if isinstance(v, LinearVariant) else linear_variant(v) for v in getattr(args, "linear", ["bf16"])]
     variants = list(dict.fromkeys(variants))
     if LinearVariant("bf16") not in variants:  # every ratio needs the stock step
         variants.insert(0, LinearVariant("bf16"))
@@ -721,7 +721,7 @@ def _sparse_note(what: str, summary: dict) -> str:
                 f" ({summary['density_before']:.3f} before repair); exact mass kept per query "
                 f"tile (sampled rows): min {summary['kept_min']:.3f}, 1% {summary['kept_q01']:.3f}, "
                 f"mean {summary['kept_mean']:.4f} (min {summary['kept_min_before']:.3f} before); "
-                f"{100 * summary['repaired']:.1f}% of query tiles repaired; rows the repair did not "
-                f"read (left out in turn): min {summary['unseen_min']:.3f}, "
-                f"{100 * summary['unseen_under_floor']:.1f}% of query tiles estimated under the floor"
+                f"{100 * summary['repaired']:.1f}% of query tiles repaired; 99% lower bound on each query "
+                f"tile's mean over all its rows: min {summary['unseen_min']:.3f}, "
+                f"{100 * summary['unseen_under_floor']:.1f}% of query tiles whose bound is under the floor"
                 if "kept_min" in summary else ""))
