@@ -20,34 +20,18 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from fp4video.calibration.costs import median_seconds
 from fp4video.sparse import (BlockSelection, CHECK_ROWS, check_selection, covering_rows, sample_rows, sink_columns)
 
 
 def bench(fn, repeats: int, device: torch.device) -> float:
-    """The median milliseconds of ``fn()`` over ``repeats`` calls, after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(stop))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    """The median milliseconds of ``fn()`` over ``repeats`` calls, after a warm-up call."""
+    return 1e3 * median_seconds(fn, device, reps=repeats)
 
 
 def graphed(fn, device: torch.device):
