@@ -12,7 +12,6 @@ nothing read back to the host, a CUDA graph replays it."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 
@@ -110,19 +109,19 @@ def assert_greedy_covering(q, query_tile, per_tile, rows, weight):
     assert ((weight >= low - 1e-6) & (weight <= high + 1e-6))[finite].all(), "a weight not its rows' share"
 
 
-@contextlib.contextmanager
-def fp32_matmul_sums():
-    """cuBLAS's 16-bit matmuls keep their sums in fp32 within (no reduced-precision reductions)."""
-    if not HAS_CUDA:
-        yield
-        return
-    flags = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+def formula(q, query_tile, per_tile):
+    """The reference's result with its distances as its docstring states them: on CUDA, its matmuls
+    with fp32 operands in fp32 (not TF32, which another test's training may have switched on in
+    this process) and 16-bit operands summed in fp32 (no reduced-precision reductions)."""
+    if not q.is_cuda:
+        return reference(q, query_tile, per_tile)
     matmul = torch.backends.cuda.matmul
+    flags = ("allow_tf32", "allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
     before = {flag: getattr(matmul, flag) for flag in flags}
     try:
         for flag in flags:
             setattr(matmul, flag, False)
-        yield
+        return reference(q, query_tile, per_tile)
     finally:
         for flag, value in before.items():
             setattr(matmul, flag, value)
@@ -174,7 +173,7 @@ def test_kernel_placement_is_the_references_on_random_queries(query_tile, per_ti
     q = rand(1, 2, 300, 64, seed=per_tile, device=device) * 2 + rand(1, 1, 1, 64, seed=99, device=device) * 3
     got = kernel(q, query_tile, per_tile)
     assert_contract(q, query_tile, per_tile, *got)
-    assert_same(got, reference(q, query_tile, per_tile))
+    assert_same(got, formula(q, query_tile, per_tile))
     assert_greedy_covering(q, query_tile, per_tile, *got)
 
 
@@ -183,7 +182,7 @@ def test_tiles_and_head_dims_that_are_not_powers_of_two(query_tile, d, kernel, d
     q = rand(2, 1, 250, d, seed=d, device=device)
     got = kernel(q, query_tile, 5)
     assert_contract(q, query_tile, 5, *got)
-    assert_same(got, reference(q, query_tile, 5))
+    assert_same(got, formula(q, query_tile, 5))
 
 
 @pytest.mark.parametrize("sq", [257, 259])
@@ -192,7 +191,7 @@ def test_tiles_shorter_than_per_tile_repeat_the_first_row_weighing_nothing(sq, p
     """A last tile of 1 or 3 rows: its rows each chosen once, then the tile's first row again."""
     q = rand(1, 2, sq, 64, seed=sq, device=device)
     rows, weight = kernel(q, 128, per_tile)
-    assert_same((rows, weight), reference(q, 128, per_tile))
+    assert_same((rows, weight), formula(q, 128, per_tile))
     n = sq - 256
     last, w = rows[..., -1, :].cpu(), weight[..., -1, :].cpu()
     if per_tile >= n:
@@ -208,7 +207,7 @@ def test_strided_queries_are_read_in_place_and_never_modified(kernel, device):
     before = base.clone()
     got = kernel(q, 128, 4)
     assert torch.equal(base, before)
-    assert_same(got, reference(q.contiguous(), 128, 4))
+    assert_same(got, formula(q.contiguous(), 128, 4))
 
 
 # --- ties --------------------------------------------------------------------------------------------
@@ -228,8 +227,7 @@ def test_exact_ties_are_broken_as_the_reference_breaks_them(dtype, top, offset, 
     nearest even in q's dtype, which equates many (a truncating rounding, the CPU interpreter's
     cast, or none, gives other picks), most where the queries share an offset of 30 (dot products
     near 28,800, distances near 100: the rounding decides); in fp16 those of the rows of ±60s and
-    50s overflow to ±inf, as the reference's. Repeated rows tie at distance 0. (On CUDA the
-    reference's matmul keeps its sums in fp32: exact.)"""
+    50s overflow to ±inf, as the reference's. Repeated rows tie at distance 0."""
     g = torch.Generator().manual_seed(top + per_tile)
     q = torch.randint(-top, top + 1, (1, 2, 300, 32), generator=g).float() + offset
     q[:, :, 140], q[:, :, 30], q[:, 1, 100], q[:, 0, 230] = 60, 50, -60, 60
@@ -237,9 +235,7 @@ def test_exact_ties_are_broken_as_the_reference_breaks_them(dtype, top, offset, 
     q = q.to(device=device, dtype=dtype)
     got = kernel(q, 64, per_tile)
     assert_contract(q, 64, per_tile, *got)
-    with fp32_matmul_sums():
-        want = reference(q, 64, per_tile)
-    assert_same(got, want)
+    assert_same(got, formula(q, 64, per_tile))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -251,7 +247,7 @@ def test_16bit_queries_round_their_dot_products_as_the_reference(dtype, kernel, 
     in bf16 about a twentieth in fp16)."""
     q = rand(1, 2, 1024, 64, seed=11, device=device, dtype=dtype) * 2
     got = kernel(q, 64, 10)
-    want = reference(q, 64, 10)
+    want = formula(q, 64, 10)
     assert_contract(q, 64, 10, *got)
     assert_greedy_covering(q, 64, 10, *got)
     differ = ((got[0] != want[0]) | (got[1] != want[1])).any(-1)
@@ -291,7 +287,7 @@ def test_non_finite_queries_are_chosen_as_the_reference_chooses_them(per_tile, k
     got = kernel(q, 128, per_tile)
     torch.testing.assert_close(q, before, rtol=0, atol=0, equal_nan=True)
     assert_contract(q, 128, per_tile, *got)
-    assert_same(got, reference(q, 128, per_tile))
+    assert_same(got, formula(q, 128, per_tile))
     rows = got[0].cpu()
     if per_tile >= 3:
         assert rows[0, 0, 0, 2] == 20 and rows[0, 1, 1, 2] == 150
@@ -343,7 +339,7 @@ def test_kernel_placement_is_the_references_gpu(dtype, per_tile, kernel):
         kernel(q, 128, per_tile)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    want = reference(q, 128, per_tile)
+    want = formula(q, 128, per_tile)
     assert_contract(q, 128, per_tile, *got)
     assert_greedy_covering(q, 128, per_tile, *got)
     differ = ((got[0] != want[0]) | (got[1] != want[1])).any(-1)
