@@ -243,8 +243,8 @@ def test_16bit_queries_round_their_dot_products_as_the_reference(dtype, kernel, 
     """Random 16-bit queries: the dot products are rounded to q's dtype as the reference's matmul
     rounds them, so the picks agree but where another summation order rounds one of them the other
     way (one unit of q's dtype) and two distances lie that close: then both are valid greedy picks.
-    At most 1 of the 32 tiles differs (a truncating rounding changes about a quarter of them, none
-    in bf16 about a twentieth in fp16)."""
+    At most 1 of the 32 tiles differs (in bf16 a truncating rounding changes about a quarter of
+    them; in fp16 no rounding at all changes a few)."""
     q = rand(1, 2, 1024, 64, seed=11, device=device, dtype=dtype) * 2
     got = kernel(q, 64, 10)
     want = formula(q, 64, 10)
