@@ -13,7 +13,14 @@ previous check's with m = ¼; ``union-loo``: the same, the margin m raised per t
 until each checked row, left out, keeps the floor under what the others added — a cross-validated
 margin; ``mean``: key tiles in descending mean mass of the checked rows until their mean reaches
 ``floor + m·(1 − floor)``; ``bound``: the same order until a one-sided Student-t bound on the tile's
-mean reaches the floor, :func:`fp4video.sparse.check_selection`'s: 10 covering rows, 99%). Every design starts from
+mean reaches the floor, :func:`fp4video.sparse.check_selection`'s: 10 covering rows, 99%; ``pooled``: the
+same order and bound with the within-tile variance pooled over the query tiles of a (batch, head), or of
+a band of consecutive query tiles (one-way ANOVA's pooled within-group variance, its t quantile with the
+pooled degrees of freedom), re-estimated at every candidate prefix; ``pooled-max``: the larger of the
+pooled and the tile's own variance; ``dispersion-max``: the variance as the pooled ratio of the rows'
+variance to ``m·(1 − m)`` (the largest variance of shares with mean m, Bhatia–Davis) times the tile's
+own ``m·(1 − m)``, or the tile's own variance if larger). A placement ``estimate`` reads no new rows:
+the rule's own ``sampled`` estimate rows, equally weighted. Every design starts from
 the same rule's own tiles and sinks (``sampled τ 0.9`` with ``sinks``, floor 0.9: the shipped rule),
 and the checked rows' mass is their exact mass.
 
@@ -44,7 +51,7 @@ import torch
 from fp4video.harness.video_heads import HEAD_KINDS, VideoGrid, exact_block_mass, video_heads
 from fp4video.sparse import (CHECK_CONFIDENCE, CHECK_ROWS, DynamicSparsity, covering_rows, sample_rows, sink_columns,
                              student_t_quantile)
-from fp4video.sparse.dynamic import cumulative_take
+from fp4video.sparse.dynamic import ESTIMATE_ROWS, ESTIMATE_SEED_OFFSET, cumulative_take
 
 FLOOR = 0.9
 TAU = 0.9
@@ -71,6 +78,25 @@ DESIGNS = (
     (f"covering {CHECK_ROWS}, bound {100 * CHECK_CONFIDENCE:g}% (the check)", "covering", CHECK_ROWS, "bound",
      CHECK_CONFIDENCE),
     ("covering 12, bound 99%", "covering", 12, "bound", 0.99),
+    # the within-tile variance pooled over a head's query tiles ("head") or bands of 2 or 4 of them
+    ("covering 2, pooled per head 99%", "covering", 2, "pooled", (0.99, "head")),
+    ("covering 2, max(pooled per head, own) 99%", "covering", 2, "pooled-max", (0.99, "head")),
+    ("covering 2, max(pooled per 2 tiles, own) 99%", "covering", 2, "pooled-max", (0.99, 2)),
+    ("covering 3, pooled per head 99%", "covering", 3, "pooled", (0.99, "head")),
+    ("covering 3, max(pooled per head, own) 99%", "covering", 3, "pooled-max", (0.99, "head")),
+    ("covering 3, max(pooled per 2 tiles, own) 99%", "covering", 3, "pooled-max", (0.99, 2)),
+    ("covering 4, pooled per head 99%", "covering", 4, "pooled", (0.99, "head")),
+    ("covering 4, max(pooled per head, own) 99%", "covering", 4, "pooled-max", (0.99, "head")),
+    ("covering 4, pooled per 4 tiles 99%", "covering", 4, "pooled", (0.99, 4)),
+    ("covering 4, max(pooled per 2 tiles, own) 99%", "covering", 4, "pooled-max", (0.99, 2)),
+    ("covering 4, max(pooled m(1−m) ratio per 2 tiles, own) 99%", "covering", 4, "dispersion-max", (0.99, 2)),
+    ("strata 4, pooled per head 99%", "strata", 4, "pooled", (0.99, "head")),
+    ("strata 4, max(pooled per head, own) 99%", "strata", 4, "pooled-max", (0.99, "head")),
+    ("covering 6, pooled per head 99%", "covering", 6, "pooled", (0.99, "head")),
+    ("covering 6, max(pooled per 2 tiles, own) 99%", "covering", 6, "pooled-max", (0.99, 2)),
+    ("covering 10, pooled per head 99%", "covering", 10, "pooled", (0.99, "head")),
+    (f"the estimate's {ESTIMATE_ROWS} rows, max(pooled per head, own) 99%", "estimate", ESTIMATE_ROWS, "pooled-max",
+     (0.99, "head")),
 )
 
 
@@ -83,6 +109,8 @@ def placement(q: torch.Tensor, how: str, rows: int, query_tile: int = 128) -> tu
         return covering_rows(q, query_tile, rows)
     if how == "strata":
         r = sample_rows(sq, query_tile, rows)
+    elif how == "estimate":  # the rows the rule's sampled estimate read (its default seed, 0)
+        r = sample_rows(sq, query_tile, rows, seed=ESTIMATE_SEED_OFFSET)
     elif how == "ends":
         i = torch.arange(nq)[:, None]
         length = (sq - i * query_tile).clamp(max=query_tile)
@@ -129,17 +157,40 @@ def repair(tiles, share, weight, how, param, length):
     mean = (kept * w).sum(-2)
     if how == "mean":
         enough = mean >= FLOOR + param * (1 - FLOOR)
-    elif how == "bound":
+    elif how in ("bound", "pooled", "pooled-max", "dispersion-max"):
         n = length.clamp(max=r)
         spread = ((1 - n / length).clamp(min=0) / n).sqrt().unsqueeze(-1)
-        var = ((kept - mean.unsqueeze(-2)).square() * w).sum(-2) * (r / (r - 1))
-        enough = mean - student_t_quantile(param, r - 1) * var.sqrt() * spread >= FLOOR
+        var = ((kept - mean.unsqueeze(-2)).square() * w).sum(-2) * (r / (r - 1))  # (B, H, nq, nk + 1)
+        if how == "bound":
+            t = student_t_quantile(param, r - 1)
+        else:
+            confidence, scope = param
+            band = var.shape[2] if scope == "head" else scope
+            if how == "dispersion-max":  # the pooled share of the largest variance m·(1 − m)
+                top = (mean * (1 - mean)).clamp(min=0)
+                pooled = band_mean(var, band) / band_mean(top, band).clamp(min=1e-12) * top
+            else:
+                pooled = band_mean(var, band)
+            var = pooled if how == "pooled" else torch.maximum(pooled, var)
+            smallest = min(band, var.shape[2] % band or band)  # the fewest tiles a band pools
+            t = student_t_quantile(confidence, smallest * (r - 1))
+        enough = mean - t * var.clamp(min=0).sqrt() * spread >= FLOOR
     else:
         raise ValueError(f"unknown repair {how!r}")
     enough[..., -1] = True
     count = enough.to(torch.int8).argmax(-1, keepdim=True)
     take = (torch.arange(free.shape[-1], device=free.device) < count) & (free >= 0)
     return tiles | torch.zeros_like(tiles).scatter(-1, order, take)
+
+
+def band_mean(x: torch.Tensor, band: int) -> torch.Tensor:
+    """``x`` (B, H, nq, P) averaged over bands of ``band`` consecutive query tiles (dim 2; the last band
+    may be shorter), each tile given its band's mean."""
+    nq = x.shape[2]
+    group = torch.arange(nq, device=x.device) // band
+    count = torch.zeros(int(group[-1]) + 1, device=x.device).index_add(0, group, torch.ones(nq, device=x.device))
+    total = torch.zeros(*x.shape[:2], count.numel(), x.shape[3], dtype=x.dtype, device=x.device).index_add(2, group, x)
+    return (total / count[:, None]).index_select(2, group)
 
 
 def tile_means(mass: torch.Tensor, tiles: torch.Tensor, query_tile: int = 128):
