@@ -172,8 +172,10 @@ def repair(tiles, share, weight, how, param, length):
             else:
                 pooled = band_mean(var, band)
             var = pooled if how == "pooled" else torch.maximum(pooled, var)
-            smallest = min(band, var.shape[2] % band or band)  # the fewest tiles a band pools
-            t = student_t_quantile(confidence, smallest * (r - 1))
+            nq = var.shape[2]  # each band's t has its own degrees of freedom (the last band may be short)
+            last = nq % band or band
+            t = torch.full((nq, 1), student_t_quantile(confidence, band * (r - 1)), dtype=var.dtype, device=var.device)
+            t[nq - last:] = student_t_quantile(confidence, last * (r - 1))
         enough = mean - t * var.clamp(min=0).sqrt() * spread >= FLOOR
     else:
         raise ValueError(f"unknown repair {how!r}")

@@ -1,8 +1,9 @@
 """The repair designs with a pooled within-tile variance (scripts/sparse_repair_designs.py): the tiles each
 adds are the shortest prefix of the estimated order whose bound — the tile's weighted mean less
 t·s·√((1 − n/L)/n), with s² the rows' variance pooled over the head's query tiles or a band of them
-(or the larger of that and the tile's own) at the same prefix — reaches the floor; checked against a
-loop over tiles and prefixes in fp64 with scipy's t quantile."""
+(or the larger of that and the tile's own) at the same prefix, t with the band's pooled degrees of
+freedom — reaches the floor; checked against a loop over tiles and prefixes in fp64 with scipy's t
+quantile."""
 
 from __future__ import annotations
 
@@ -62,8 +63,7 @@ def _reference(tiles, share, weight, length, how, confidence, scope, floor):
                 curves.append((free, points))
             for j in range(nq):
                 members = [i for i in range(nq) if i // band == j // band]
-                smallest = min(band, nq % band or band)
-                t = stats.t.ppf(confidence, smallest * (r - 1))
+                t = stats.t.ppf(confidence, len(members) * (r - 1))
                 n = min(float(length[j]), r)
                 spread = math.sqrt(max(1 - n / float(length[j]), 0.0) / n)
                 free, points = curves[j]
