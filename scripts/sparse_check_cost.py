@@ -10,7 +10,8 @@ their exact mass, the repair) for 2, 4, 8 and 10 (the default) rows per query ti
 The dense call is torch's ``scaled_dot_product_attention`` in the inputs' dtype (FlashAttention on the
 H200) and, on a GPU, fp4video's ``--methods`` (dense, Triton). The checked selection is a uniform
 random one at ``--density``. On the GPU the rows' exact mass runs the Triton kernel
-(:mod:`fp4video.kernels.row_mass`), on the CPU the reference. Times are medians of ``--repeats``
+(:mod:`fp4video.kernels.row_mass`) and the rows' placement its kernel (:mod:`fp4video.kernels.covering`),
+on the CPU the references. Times are medians of ``--repeats``
 calls after two warm-up calls (CUDA events on the GPU). Writes ``cost.md`` and ``cost.json`` into
 ``--out``.
 """
@@ -103,9 +104,11 @@ def main(argv=None):
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(b, h, s, d, device=device, generator=g).to(dtype) for _ in range(3))
     if device.type == "cuda":
+        from fp4video.kernels.covering import covering_rows as placement
         from fp4video.kernels.row_mass import row_block_mass as row_mass
     else:
         from fp4video.sparse import row_block_mass as row_mass
+        placement = covering_rows
     nq = nk = -(-s // 128)
     sel = BlockSelection(torch.rand(b, h, nq, nk, device=device, generator=g) < args.density, s, s)
     union_take = designs_module().union_take
@@ -137,15 +140,18 @@ def main(argv=None):
     for r in args.rows:
         strata = sample_rows(s, 128, r, device=device)
         record("the rows' exact mass alone, strata rows (shared by the heads)", r, lambda: row_mass(q, k, strata))
-        record("covering rows: the placement alone", r, lambda: covering_rows(q, 128, r))
-        index, _ = covering_rows(q, 128, r)
+        record("covering rows: the placement alone", r, lambda: placement(q, 128, r))
+        if placement is not covering_rows:
+            record("covering rows: the placement alone, torch ops (the reference)", r, lambda: covering_rows(q, 128, r))
+        index, _ = placement(q, 128, r)
         flat = index.reshape(b, h, -1, 1)
         ar = torch.arange(flat.shape[2], device=device)
         record("the rows' exact mass alone, covering rows (gathered, per head)", r,
                lambda: row_mass(q.gather(2, flat.expand(b, h, flat.shape[2], d)), k, ar))
-        record("the check, measure only", r, lambda: check_selection(sel, q, k, rows=r, row_mass=row_mass), args.graph)
+        record("the check, measure only", r, lambda: check_selection(sel, q, k, rows=r, row_mass=row_mass, placement=placement), args.graph)
         record(f"the check with sinks and floor {args.floor:g} (the bound's repair)", r,
-               lambda: check_selection(sel, q, k, rows=r, sinks=True, floor=args.floor, row_mass=row_mass), args.graph)
+               lambda: check_selection(sel, q, k, rows=r, sinks=True, floor=args.floor, row_mass=row_mass,
+                                               placement=placement), args.graph)
         record(f"the previous check with sinks and floor {args.floor:g} (strata rows, each row's repair)", r,
                lambda: previous_check(sel, q, k, r, row_mass, args.floor, union_take), args.graph)
 

@@ -94,7 +94,7 @@ def _estimate(kept: torch.Tensor, weight: torch.Tensor, spread: torch.Tensor, t:
 
 def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None,
                     attn_mask: torch.Tensor | None = None, floor: float | None = None, sinks: bool = False,
-                    rows: int = CHECK_ROWS, row_mass=row_block_mass) -> BlockSelection:
+                    rows: int = CHECK_ROWS, row_mass=row_block_mass, placement=covering_rows) -> BlockSelection:
     """``sel`` measured (and with ``sinks`` / ``floor``, repaired) on the call's ``q`` (B, H, Sq, D),
     ``k`` (B, H, Sk, D), ``scale`` and ``attn_mask``: a new selection carrying a
     :class:`~fp4video.sparse.selection.SelectionCheck`.
@@ -111,7 +111,8 @@ def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, sc
     :func:`sink_columns` finds in the rows' weighted block mass are visited by every query tile. With
     ``floor``, a query tile whose bound is under it visits more key tiles, in descending order of the
     rows' weighted exact mass on them (the oracle's order, estimated), the fewest that bring the bound
-    to the floor. A query tile whose rows' mass is not finite (NaN or Inf in Q or K) visits every key
+    to the floor. ``row_mass`` and ``placement``: :func:`row_block_mass` and :func:`covering_rows` or
+    implementations of them (the GPU's kernels). A query tile whose rows' mass is not finite (NaN or Inf in Q or K) visits every key
     tile. The check's ``unseen`` is the bound under the selection the call runs. Nothing is read back
     to the host."""
     check_options(floor=floor, sinks=sinks, rows=rows)
@@ -120,7 +121,7 @@ def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, sc
     b, h, sq, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     sel.check_call(b, h, sq, sk, q.device)
     nq, nk = sel.n_query_tiles, sel.n_key_tiles
-    index, weight = covering_rows(q, sel.query_tile, rows)  # (B, H, nq, r): different rows per head
+    index, weight = placement(q, sel.query_tile, rows)  # (B, H, nq, r): different rows per head
     flat = index.reshape(b, h, nq * rows, 1)
     q_rows = q.gather(2, flat.expand(b, h, nq * rows, q.shape[-1]))
     if mask is not None and mask.shape[-2] != 1:  # a mask per query row: the checked rows' own

@@ -10,7 +10,7 @@ import torch
 
 from .check import CHECK_ROWS, check_options, check_selection
 from .dynamic import ESTIMATE_ROWS, check_dynamic_options, check_global_tokens, dynamic_selection
-from .estimate import MIN_SIMILARITY, check_qk, row_block_mass, tile_pool
+from .estimate import MIN_SIMILARITY, check_qk, covering_rows, row_block_mass, tile_pool
 from .selection import KEY_TILE, QUERY_TILE, BlockSelection, positive_int
 from .static import check_grid, static_selection
 
@@ -27,9 +27,10 @@ class _Checked:
     def _check_fields(self):
         check_options(floor=self.floor, sinks=self.sinks, rows=self.check_rows)
 
-    def checked(self, sel: BlockSelection, q, k, *, scale, attn_mask, row_mass) -> BlockSelection:
+    def checked(self, sel: BlockSelection, q, k, *, scale, attn_mask, row_mass,
+                placement=covering_rows) -> BlockSelection:
         return check_selection(sel, q, k, scale=scale, attn_mask=attn_mask, floor=self.floor, sinks=self.sinks,
-                               rows=self.check_rows, row_mass=row_mass)
+                               rows=self.check_rows, row_mass=row_mass, placement=placement)
 
 
 @dataclass(frozen=True)
@@ -155,11 +156,13 @@ RULES = (DynamicSparsity, StaticSparsity, HybridSparsity)
 
 
 def resolve_sparsity(sparsity, q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None,
-                     attn_mask: torch.Tensor | None = None, pool=tile_pool, row_mass=row_block_mass) -> BlockSelection:
+                     attn_mask: torch.Tensor | None = None, pool=tile_pool, row_mass=row_block_mass,
+                     placement=covering_rows) -> BlockSelection:
     """The selection a call on ``q``, ``k`` (B, H, S, D) uses: ``sparsity`` itself when it is a
     :class:`BlockSelection` (checked against the call's shape, run as given), else its rule's
-    selection (Q and K read through ``pool`` and ``row_mass``: :func:`~fp4video.sparse.tile_pool`'s
-    and :func:`~fp4video.sparse.row_block_mass`'s contracts) measured and repaired by the rule's check
+    selection (Q and K read through ``pool``, ``row_mass`` and ``placement``:
+    :func:`~fp4video.sparse.tile_pool`'s, :func:`~fp4video.sparse.row_block_mass`'s and
+    :func:`~fp4video.sparse.covering_rows`'s contracts) measured and repaired by the rule's check
     (:func:`~fp4video.sparse.check_selection`); an object with a ``select(q, k, scale=, attn_mask=)``
     method returning a :class:`BlockSelection` is run as it returns."""
     if isinstance(sparsity, BlockSelection):
@@ -167,7 +170,7 @@ def resolve_sparsity(sparsity, q: torch.Tensor, k: torch.Tensor, *, scale: float
     elif isinstance(sparsity, RULES):
         sel = sparsity.select(q, k, scale=scale, attn_mask=attn_mask, pool=pool, row_mass=row_mass)
         sel.check_call(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.device)
-        sel = sparsity.checked(sel, q, k, scale=scale, attn_mask=attn_mask, row_mass=row_mass)
+        sel = sparsity.checked(sel, q, k, scale=scale, attn_mask=attn_mask, row_mass=row_mass, placement=placement)
     elif callable(getattr(sparsity, "select", None)):
         sel = sparsity.select(q, k, scale=scale, attn_mask=attn_mask)
         if not isinstance(sel, BlockSelection):
