@@ -28,7 +28,7 @@ from fp4video.sparse import (
     sample_rows,
     student_t_quantile,
 )
-from fp4video.sparse.check import CHECK_CONFIDENCE
+from fp4video.sparse.check import CHECK_CONFIDENCE, CHECK_ROWS
 
 GRID = VideoGrid(4, 16, 32, text=32)  # 2,080 tokens: 17 query tiles
 
@@ -431,3 +431,24 @@ def test_checked_repaired_call_captures_in_a_cuda_graph_gpu():
 
     rule = DynamicSparsity(tau=0.5, topk=0.1, estimate="sampled", sinks=True, floor=0.9)
     assert_graph_replays_eager(lambda: fp4_attention(q, k, v, method="mxattn-pv8", sparsity=rule, backend="triton"))
+
+
+def test_a_check_without_a_floor_reads_fewer_rows_by_default(heads):
+    """The rows a check reads: 10 per tile with a floor (its bound narrows with rows), 2 without
+    (measuring and finding sinks repairs nothing), a given number as given; the same through
+    check_selection, each rule and a policy's sparsity (null)."""
+    from fp4video.integration.policy import Sparsity
+    from fp4video.sparse import MEASURE_ROWS, StaticSparsity, check_rows_for
+
+    assert (check_rows_for(None, None), check_rows_for(0.9, None), check_rows_for(None, 5)) == (MEASURE_ROWS, CHECK_ROWS, 5)
+    assert check_rows_for(0.0, None) == MEASURE_ROWS  # a floor of 0 repairs nothing
+    q, k, _ = heads
+    sel = dynamic_selection(q, k, tau=0.5)
+    assert check_selection(sel, q, k).check.rows == MEASURE_ROWS
+    assert check_selection(sel, q, k, floor=0.9).check.rows == CHECK_ROWS
+    assert check_selection(sel, q, k, rows=3).check.sampled.shape[-1] == 3
+    assert DynamicSparsity(0.9).check_rows == MEASURE_ROWS
+    assert DynamicSparsity(0.9, floor=0.9).check_rows == CHECK_ROWS
+    assert StaticSparsity(frames=2, height=4, width=4, sinks=True).check_rows == MEASURE_ROWS
+    assert DynamicSparsity(0.9, floor=0.9, check_rows=4).check_rows == 4
+    assert Sparsity.model_validate({"dynamic": {"tau": 0.9}}).check_rows is None  # resolved by the rule it builds

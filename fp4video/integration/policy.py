@@ -42,7 +42,6 @@ from pydantic import (AllowInfNan, BaseModel, ConfigDict, Discriminator, Field, 
                       StrictStr, Tag, field_validator, model_serializer, model_validator)
 
 from ..recipe import METHODS
-from ..sparse import CHECK_ROWS
 
 #: Kinds of attention call (see :mod:`fp4video.integration.routing`): ``self``, ``cross`` (keys from
 #: the text or another sequence), ``image`` (Wan I2V's image-context keys), ``joint`` (context tokens
@@ -239,8 +238,9 @@ _NO_WINDOW = {"cross": "cross attention (keys from another sequence)",
 class Sparsity(_Strict):
     """Block-sparse attention for a method's calls: ``dynamic``, ``static`` or both (a hybrid: each
     query tile visits what either keeps), and the check every call runs
-    (:func:`fp4video.sparse.check_selection`): ``check_rows`` rows per query tile, spread over its
-    queries, measure the exact mass kept and bound the tile's mean over all its rows (fewer rows:
+    (:func:`fp4video.sparse.check_selection`): ``check_rows`` rows per query tile (null: 10 with a
+    floor, 2 without: :func:`fp4video.sparse.check_rows_for`), spread over its queries, measure the
+    exact mass kept and bound the tile's mean over all its rows (fewer rows:
     a cheaper check, a wider bound, more tiles added by a floor); ``sinks`` makes key tiles heavy
     for most query tiles global; ``floor`` repairs a query tile until that bound reaches it (null:
     measured, not repaired)."""
@@ -249,7 +249,7 @@ class Sparsity(_Strict):
     static: StaticSelection | None = None
     floor: Annotated[Number, Field(ge=0, le=1)] | None = None
     sinks: StrictBool = False
-    check_rows: Annotated[StrictInt, Field(ge=1, le=128)] = CHECK_ROWS
+    check_rows: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
 
     @model_validator(mode="after")
     def _one(self):

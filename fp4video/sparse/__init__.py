@@ -40,7 +40,8 @@ graph can capture the selection and its check with the call.
 
 from __future__ import annotations
 
-from .check import CHECK_CONFIDENCE, CHECK_ROWS, SINK_MASS, check_selection, sink_columns, student_t_quantile
+from .check import (CHECK_CONFIDENCE, CHECK_ROWS, MEASURE_ROWS, SINK_MASS, check_rows_for, check_selection, sink_columns,
+                    student_t_quantile)
 from .dynamic import ESTIMATE_ROWS, ESTIMATES, dynamic_selection
 from .estimate import (MIN_SIMILARITY, BlockEstimate, covering_rows, estimate_block_mass, row_block_mass, sample_rows,
                        tile_pool)
@@ -53,6 +54,8 @@ __all__ = [
     "KEY_TILE",
     "MIN_SIMILARITY",
     "CHECK_ROWS",
+    "MEASURE_ROWS",
+    "check_rows_for",
     "CHECK_CONFIDENCE",
     "SINK_MASS",
     "ESTIMATES",

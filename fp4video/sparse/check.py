@@ -15,13 +15,17 @@ import torch
 from .estimate import check_mask, check_qk, covering_rows, row_block_mass, tile_counts
 from .selection import BlockSelection, SelectionCheck, number_in, positive_int
 
-__all__ = ["CHECK_ROWS", "CHECK_CONFIDENCE", "SINK_MASS", "SINK_RATIO", "check_selection", "sink_columns",
+__all__ = ["CHECK_ROWS", "MEASURE_ROWS", "check_rows_for", "CHECK_CONFIDENCE", "SINK_MASS", "SINK_RATIO", "check_selection", "sink_columns",
            "check_options", "student_t_quantile"]
 
 #: Query rows per tile a call's check reads by default: fewer rows leave groups of a tile's rows that
 #: no checked row stands for and widen the bound (more density); 10 keep every query tile of the
 #: selection suites at the floor on the mean of all its rows (docs/sparse-learned.md).
 CHECK_ROWS = 10
+#: Query rows per tile a check without a floor reads by default: it measures and finds sinks, and
+#: repairs nothing, so the bound's width adds no tiles; its cost is the rows' (on the H200 at Wan
+#: 720p the rows' exact mass costs about 1.8 ms per row per tile: BENCHMARKS.md).
+MEASURE_ROWS = 2
 #: The one-sided confidence of the bound a repaired tile's mean kept mass must reach the floor with.
 CHECK_CONFIDENCE = 0.99
 #: A key tile is a sink when, at the median query tile, it holds at least this share of the checked
@@ -32,12 +36,21 @@ SINK_RATIO = 8.0
 
 
 def check_options(*, floor, sinks, rows) -> None:
-    """One-line ValueErrors for a check's options."""
+    """One-line ValueErrors for a check's options (``rows`` None: :func:`check_rows_for`'s default)."""
     if floor is not None:
         number_in(floor, "floor", 0.0, 1.0, "the share of its exact attention mass a query tile keeps at least")
     if not isinstance(sinks, bool):
         raise ValueError(f"sinks must be true or false, got {sinks!r}")
-    positive_int(rows, "check_rows")
+    if rows is not None:
+        positive_int(rows, "check_rows")
+
+
+def check_rows_for(floor: float | None, rows: int | None) -> int:
+    """The rows per query tile a check reads: ``rows`` when given, else :data:`CHECK_ROWS` with a
+    floor (the bound it repairs to narrows with rows) and :data:`MEASURE_ROWS` without one."""
+    if rows is not None:
+        return rows
+    return CHECK_ROWS if floor is not None and floor > 0 else MEASURE_ROWS
 
 
 def student_t_quantile(p: float, dof: int) -> float:
@@ -94,12 +107,12 @@ def _estimate(kept: torch.Tensor, weight: torch.Tensor, spread: torch.Tensor, t:
 
 def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None,
                     attn_mask: torch.Tensor | None = None, floor: float | None = None, sinks: bool = False,
-                    rows: int = CHECK_ROWS, row_mass=row_block_mass, placement=covering_rows) -> BlockSelection:
+                    rows: int | None = None, row_mass=row_block_mass, placement=covering_rows) -> BlockSelection:
     """``sel`` measured (and with ``sinks`` / ``floor``, repaired) on the call's ``q`` (B, H, Sq, D),
     ``k`` (B, H, Sk, D), ``scale`` and ``attn_mask``: a new selection carrying a
     :class:`~fp4video.sparse.selection.SelectionCheck`.
 
-    ``rows`` query rows per tile, spread over the tile's queries (:func:`covering_rows`: the tile's
+    ``rows`` query rows per tile (None: :func:`check_rows_for`'s default), spread over the tile's queries (:func:`covering_rows`: the tile's
     first and last rows, then each the farthest from those chosen), get their exact softmax mass on
     every key tile (``row_mass``). Each stands for the tile's rows nearest to it (its ``weight``); a
     query tile's kept share is the weighted mean of its rows' shares on the tiles it visits (a row
@@ -116,6 +129,7 @@ def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, sc
     tile. The check's ``unseen`` is the bound under the selection the call runs. Nothing is read back
     to the host."""
     check_options(floor=floor, sinks=sinks, rows=rows)
+    rows = check_rows_for(floor, rows)
     check_qk(q, k)
     mask = check_mask(attn_mask, q, k)
     b, h, sq, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]

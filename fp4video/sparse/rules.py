@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .check import CHECK_ROWS, check_options, check_selection
+from .check import check_options, check_rows_for, check_selection
 from .dynamic import ESTIMATE_ROWS, check_dynamic_options, check_global_tokens, dynamic_selection
 from .estimate import MIN_SIMILARITY, check_qk, covering_rows, row_block_mass, tile_pool
 from .selection import KEY_TILE, QUERY_TILE, BlockSelection, positive_int
@@ -20,12 +20,13 @@ __all__ = ["DynamicSparsity", "StaticSparsity", "HybridSparsity", "resolve_spars
 @dataclass(frozen=True)
 class _Checked:
     """The check every rule's calls run (:func:`fp4video.sparse.check_selection`): ``check_rows``
-    rows per query tile, spread over its queries, measure the kept mass; ``sinks`` makes key tiles
+    rows per query tile (None: 10 with a floor, 2 without), spread over its queries, measure the kept mass; ``sinks`` makes key tiles
     heavy for most query tiles global; ``floor`` repairs query tiles whose bound is under it. The
     check's rows follow the queries alone (no seed)."""
 
     def _check_fields(self):
         check_options(floor=self.floor, sinks=self.sinks, rows=self.check_rows)
+        object.__setattr__(self, "check_rows", check_rows_for(self.floor, self.check_rows))
 
     def checked(self, sel: BlockSelection, q, k, *, scale, attn_mask, row_mass,
                 placement=covering_rows) -> BlockSelection:
@@ -52,7 +53,7 @@ class DynamicSparsity(_Checked):
     estimate_rows: int = ESTIMATE_ROWS
     floor: float | None = None
     sinks: bool = False
-    check_rows: int = CHECK_ROWS
+    check_rows: int | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -91,7 +92,7 @@ class StaticSparsity(_Checked):
     key_tile: int = KEY_TILE
     floor: float | None = None
     sinks: bool = False
-    check_rows: int = CHECK_ROWS
+    check_rows: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "window", check_grid(self.frames, self.height, self.width, self.window,
@@ -125,7 +126,7 @@ class HybridSparsity(_Checked):
     dynamic: DynamicSparsity = None
     floor: float | None = None
     sinks: bool = False
-    check_rows: int = CHECK_ROWS
+    check_rows: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.static, StaticSparsity) or not isinstance(self.dynamic, DynamicSparsity):
