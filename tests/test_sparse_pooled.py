@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def designs():
-    spec = importlib.util.spec_from_file_location("sparse_repair_designs", ROOT / "scripts" / "sparse_repair_designs.py")
+    path = ROOT / "scripts" / "sparse_repair_designs.py"
+    spec = importlib.util.spec_from_file_location("sparse_repair_designs", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -70,8 +71,9 @@ def _reference(tiles, share, weight, length, how, confidence, scope, floor):
                 count = len(free)
                 for p, (mean, own, top) in enumerate(points):
                     if how == "dispersion-max":
-                        ratio = sum(curves[i][1][p][1] for i in members) / max(sum(curves[i][1][p][2] for i in members), 1e-12)
-                        pooled = ratio * top
+                        spread_sum = sum(curves[i][1][p][1] for i in members)
+                        top_sum = sum(curves[i][1][p][2] for i in members)
+                        pooled = spread_sum / max(top_sum, 1e-12) * top
                     else:
                         pooled = sum(curves[i][1][p][1] for i in members) / len(members)
                     var = pooled if how == "pooled" else max(pooled, own)
