@@ -71,9 +71,9 @@ def _reference(tiles, share, weight, length, how, confidence, scope, floor):
                 count = len(free)
                 for p, (mean, own, top) in enumerate(points):
                     if how == "dispersion-max":
-                        spread_sum = sum(curves[i][1][p][1] for i in members)
+                        var_sum = sum(curves[i][1][p][1] for i in members)
                         top_sum = sum(curves[i][1][p][2] for i in members)
-                        pooled = spread_sum / max(top_sum, 1e-12) * top
+                        pooled = var_sum / max(top_sum, 1e-12) * top
                     else:
                         pooled = sum(curves[i][1][p][1] for i in members) / len(members)
                     var = pooled if how == "pooled" else max(pooled, own)
