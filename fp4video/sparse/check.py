@@ -94,7 +94,7 @@ def sink_columns(block: torch.Tensor) -> torch.Tensor:
 
 def _estimate(kept: torch.Tensor, weight: torch.Tensor, spread: torch.Tensor, t: float):
     """(mean, bound) over the checked rows' dim -2 of ``kept`` (…, r, m) weighted by ``weight`` (…, r):
-    the tile's estimated mean and its lower confidence bound ``mean − t·s·spread`` (``s``: the rows'
+    the tile's estimated mean and its lower confidence bound ``max(0, mean − t·s·spread)`` (``s``: the rows'
     weighted standard deviation; ``spread`` (…, 1): the finite-population standard error's factor)."""
     w = weight.unsqueeze(-1)
     mean = (kept * w).sum(dim=-2)
@@ -102,7 +102,7 @@ def _estimate(kept: torch.Tensor, weight: torch.Tensor, spread: torch.Tensor, t:
         return mean, mean
     r = kept.shape[-2]
     var = ((kept - mean.unsqueeze(-2)).square() * w).sum(dim=-2) * (r / (r - 1))
-    return mean, mean - t * var.clamp(min=0).sqrt() * spread
+    return mean, (mean - t * var.clamp(min=0).sqrt() * spread).clamp(min=0)  # a share is never negative
 
 
 def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None,
