@@ -11,7 +11,11 @@ last two steps in FP16, configs/wan22_mxattn.yaml's shape) — the ``fp8`` tier 
 block-sparse ``mxattn-pv8`` self-attention (hybrid) on static windows and on the dynamic selection
 at several τ;
 calibrated policies (``fp4video.calibrate`` on a few training captions, chosen again at each
-budget); the quantized external backends that run here (others are listed as unavailable).
+budget); the quantized external backends that run here (others are listed as unavailable); the
+linear layers in FP8 (torchao's per-row float8 on the layers fp4video's ``fp8-rowwise`` plan
+quantizes: blocks 1 onwards, block 0, the embedders and the head kept), emulated exactly
+(:func:`fp4video.formats.float8_linear`: any device runs it), with stock attention and with ``fp8``
+attention under the hybrid policy.
 
 Per policy and clip: per-frame PSNR / SSIM / cosine against the FP16 clip
 (:func:`fp4video.eval.paired_metrics`), the motion checker's verdict and whether it agrees with the
@@ -76,12 +80,45 @@ def policy_list(quick: bool) -> list[dict]:
                         {"method": SPARSE_METHOD, "kinds": ["self"], "sparsity": {"dynamic": {"tau": tau}}}]}})
     for b in (0.1,) if quick else BUDGETS:
         out.append({"name": f"calibrated {b:g}", "group": "calibrated", "budget": b})
+    out.append({"name": "fp8-rowwise linear (emulated), stock attention", "group": "linear",
+                "policy": {"method": "fp16"}, "linear": "fp8-rowwise"})
+    if not quick:
+        out.append({"name": "fp8-rowwise linear (emulated), fp8 hybrid", "group": "linear",
+                    "policy": {"method": "fp8", "rules": HYBRID}, "linear": "fp8-rowwise"})
     for name in OPTIONAL_BACKENDS:
         out.append({"name": f"backend:{name} hybrid", "group": "external peer",
                     "policy": {"backend": name, "rules": HYBRID}})
         if not quick:
             out.append({"name": f"backend:{name}", "group": "external peer", "policy": {"backend": name}})
     return out
+
+
+def emulated_linear(pipe, method: str):
+    """The linear layers fp4video's ``method`` policy gives ``method`` (block 0, the embedders and the
+    head kept, as ``bench pipeline --linear`` does; by block and kind, whatever the weights' dtype:
+    torchao itself takes bf16 weights only), each running the exact emulation of torchao's float8
+    product (:func:`fp4video.formats.float8_linear`, in fp32, back to the layer's dtype); returns
+    the function that restores their forwards."""
+    from fp4video.formats import float8_linear
+    from fp4video.integration.linear import OUTSIDE_KINDS, LinearPolicy, linear_sites
+
+    if method not in ("fp8-rowwise", "fp8-tensor"):
+        raise ValueError(f"emulated linear layers: fp8-rowwise or fp8-tensor, got {method!r}")
+    policy = LinearPolicy(method=method, rules=[{"method": "bf16", "blocks": [0]},
+                                                {"method": "bf16", "kinds": list(OUTSIDE_KINDS)}])
+    layers = [s.module for s in linear_sites(pipe)
+              if policy.method_for(expert=s.expert, block=s.block, kind=s.kind) == method
+              and s.module.in_features % 16 == 0 and s.module.out_features % 16 == 0]  # torchao's GEMM's shapes
+    for layer in layers:
+        def forward(x, layer=layer):
+            return float8_linear(x.float(), layer.weight.float(), layer.bias,
+                                 rowwise=method == "fp8-rowwise").to(x.dtype)
+        layer.forward = forward
+
+    def undo():
+        for layer in layers:
+            del layer.forward
+    return undo
 
 
 class SiteErrors:
@@ -332,7 +369,13 @@ def main(argv=None) -> int:
                 row["chosen"] = dict(Counter(chosen.plan.values()))
             else:
                 policy = Policy(**entry["policy"])
-            ctx = fp4video.install(pipe, policy, backend=args.backend)
+            undo_linear = emulated_linear(pipe, entry["linear"]) if "linear" in entry else None
+            try:
+                ctx = fp4video.install(pipe, policy, backend=args.backend)
+            except Exception:
+                if undo_linear is not None:
+                    undo_linear()
+                raise
         except (BackendUnavailable, ImportError) as e:
             results["policies"][name] = {**row, "unavailable": str(e).splitlines()[0][:200]}
             _write(args.out, results)
@@ -354,6 +397,8 @@ def main(argv=None) -> int:
             continue
         finally:
             ctx.observer = None
+            if undo_linear is not None:
+                undo_linear()
             fp4video.uninstall(pipe)
         clips = torch.from_numpy(_to_uint8(clips)).float() / 255
         metrics = [paired_metrics(r, c, name=cap) for r, c, cap in zip(ref, clips, captions)]

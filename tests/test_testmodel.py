@@ -395,3 +395,33 @@ def test_the_shipped_weights_name_no_build_folder():
     for path in WEIGHTS.rglob("*.json"):
         data = json.loads(path.read_text())
         assert not (isinstance(data, dict) and "_name_or_path" in data), path
+
+
+def test_quality_scripts_emulated_fp8_linear_layers_are_the_plans_and_come_back():
+    """scripts/test_model_quality.py's FP8 linear rows: the layers of blocks 1 onwards (block 0, the
+    embedders and the head kept, as bench pipeline's) run the exact float8 emulation, whatever the
+    weights' dtype; undo restores every forward."""
+    import importlib.util
+
+    from fp4video.formats import float8_linear
+    from fp4video.integration.tiny import tiny_wan_transformer
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "test_model_quality.py"
+    spec = importlib.util.spec_from_file_location("tmq", script)
+    tmq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tmq)
+    model = tiny_wan_transformer(0)
+    layers = dict(model.named_modules())
+    undo = tmq.emulated_linear(model, "fp8-rowwise")
+    swapped = {n for n, m in layers.items() if isinstance(m, torch.nn.Linear) and "forward" in m.__dict__}
+    assert swapped and all(n.startswith("blocks.") and not n.startswith("blocks.0.") for n in swapped)
+    assert {n for n, m in layers.items() if isinstance(m, torch.nn.Linear) and n.startswith("blocks.")
+            and not n.startswith("blocks.0.") and m.in_features % 16 == 0 and m.out_features % 16 == 0} == swapped
+    name = sorted(swapped)[0]
+    m = layers[name]
+    x = torch.randn(3, m.in_features)
+    torch.testing.assert_close(m(x), float8_linear(x, m.weight, m.bias, rowwise=True), rtol=0, atol=0)
+    undo()
+    assert not [n for n, m in layers.items() if isinstance(m, torch.nn.Linear) and "forward" in m.__dict__]
+    with pytest.raises(ValueError, match="fp8-rowwise or fp8-tensor"):
+        tmq.emulated_linear(model, "nvfp4")
