@@ -82,9 +82,8 @@ def policy_list(quick: bool) -> list[dict]:
         out.append({"name": f"calibrated {b:g}", "group": "calibrated", "budget": b})
     out.append({"name": "fp8-rowwise linear (emulated), stock attention", "group": "linear",
                 "policy": {"method": "fp16"}, "linear": "fp8-rowwise"})
-    if not quick:
-        out.append({"name": "fp8-rowwise linear (emulated), fp8 hybrid", "group": "linear",
-                    "policy": {"method": "fp8", "rules": HYBRID}, "linear": "fp8-rowwise"})
+    out.append({"name": "fp8-rowwise linear (emulated), fp8 hybrid", "group": "linear",
+                "policy": {"method": "fp8", "rules": HYBRID}, "linear": "fp8-rowwise"})
     for name in OPTIONAL_BACKENDS:
         out.append({"name": f"backend:{name} hybrid", "group": "external peer",
                     "policy": {"backend": name, "rules": HYBRID}})
