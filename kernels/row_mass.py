@@ -78,10 +78,12 @@ def _row_tile_stats_kernel(Q, K, Rows, Alive, Max, Sum, H, Sk, R, n_key_tiles, D
 
 
 def row_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, *, scale: float | None = None,
-                   attn_mask: torch.Tensor | None = None, key_tile: int = 128, rows_at_once: int = 1024) -> torch.Tensor:
+                   attn_mask: torch.Tensor | None = None, key_tile: int = 128, rows_at_once: int = 1024,
+                   block_r: int | None = None, num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
     """:func:`fp4video.sparse.row_block_mass` on the GPU (the same contract and values to fp32
     rounding: the sums run in another order). A mask other than a key-padding one ((B, 1, 1, Sk) or
-    a broadcast of it) runs the reference, on the same device."""
+    a broadcast of it) runs the reference, on the same device. ``block_r`` (rows a program takes: 64
+    or 128), ``num_warps`` and ``num_stages`` are for tuning (None: the defaults below)."""
     if attn_mask is not None and not (attn_mask.dim() == 4 and attn_mask.shape[1] == attn_mask.shape[2] == 1):
         return reference_row_block_mass(q, k, rows, scale=scale, attn_mask=attn_mask, key_tile=key_tile,
                                         rows_at_once=rows_at_once)
@@ -103,13 +105,16 @@ def row_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, *, scal
     if q.dtype != k.dtype or not q.is_cuda:  # (the CPU interpreter has no 16-bit dot)
         q, k = q.float(), k.float()
     ieee = q.dtype == torch.float32
-    block_r = 128 if n_rows >= 128 * 132 // (b * h) else 64  # larger blocks re-read K less; enough programs
+    if block_r is None:  # larger blocks re-read K less; enough programs
+        block_r = 128 if n_rows >= 128 * 132 // (b * h) else 64
+    if block_r not in (64, 128):
+        raise ValueError(f"block_r must be 64 or 128, got {block_r!r}")
     if n_rows:
         _row_tile_stats_kernel[(triton.cdiv(n_rows, block_r), b * h)](
             q, k, flat, a, top, total, h, sk, n_rows, nk, d, scale * LOG2E,
             *q.stride(), *k.stride(), *(a.stride() if alive is not None else (0, 0)),
             BLOCK_R=block_r, BLOCK_N=key_tile, BLOCK_D=next_pow2(d), HAS_ALIVE=alive is not None, IEEE=ieee,
-            num_warps=8 if block_r == 128 else 4, num_stages=3,
+            num_warps=num_warps or (8 if block_r == 128 else 4), num_stages=num_stages,
         )
     # each row's softmax weight per tile: the tiles' sums brought to the row's largest logit
     row_top = top.amax(dim=-1, keepdim=True)

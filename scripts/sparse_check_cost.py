@@ -5,6 +5,7 @@ their exact mass, the repair) for 2, 4, 8 and 10 (the default) rows per query ti
 
     PYTHONPATH=. python3 scripts/sparse_check_cost.py --out check-cost                 # the H200: B=1, H=40, 75,600 tokens, D=128, bf16
     PYTHONPATH=. python3 scripts/sparse_check_cost.py --out check-cost --graph         # + each check replayed from a CUDA graph
+    PYTHONPATH=. python3 scripts/sparse_check_cost.py --out check-cost --rows 2 --sweep   # + the row-mass kernel's launch settings
     PYTHONPATH=. python3 scripts/sparse_check_cost.py --tokens 2048 --heads 2 --device cpu --out /tmp/c   # a tiny CPU run
 
 The dense call is torch's ``scaled_dot_product_attention`` in the inputs' dtype (FlashAttention on the
@@ -87,6 +88,8 @@ def main(argv=None):
     p.add_argument("--methods", nargs="*", default=["mxattn-pv8"], help="fp4video's dense calls to compare (GPU)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--graph", action="store_true", help="also time each check replayed from a CUDA graph")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time the row-mass kernel's launch settings (rows a program, warps, stages; GPU)")
     args = p.parse_args(argv)
     for name in ("tokens", "heads", "head_dim", "batch", "repeats"):
         if getattr(args, name) < 1:
@@ -154,6 +157,18 @@ def main(argv=None):
                                                placement=placement), args.graph)
         record(f"the previous check with sinks and floor {args.floor:g} (strata rows, each row's repair)", r,
                lambda: previous_check(sel, q, k, r, row_mass, args.floor, union_take), args.graph)
+
+    if args.sweep and device.type == "cuda":  # the row-mass kernel's launch settings, on covering rows
+        for r in args.rows:
+            index, _ = placement(q, 128, r)
+            flat = index.reshape(b, h, -1, 1)
+            q_rows = q.gather(2, flat.expand(b, h, flat.shape[2], d)).contiguous()
+            ar = torch.arange(flat.shape[2], device=device)
+            for block_r in (64, 128):
+                for warps in (4, 8):
+                    for stages in (2, 3, 4):
+                        record(f"the rows' exact mass alone, {block_r} rows a program, {warps} warps, {stages} stages", r,
+                               lambda: row_mass(q_rows, k, ar, block_r=block_r, num_warps=warps, num_stages=stages))
 
     names = list(dense)
     head = ["piece", "rows per tile", "ms", *[f"of dense {n}" for n in names]] + (["CUDA graph ms"] if args.graph else [])

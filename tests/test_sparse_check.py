@@ -113,9 +113,12 @@ def test_row_mass_kernel_equals_the_reference_per_row(d, monkeypatch):
     pad[0, ..., :] = False  # batch entry 0 sees no key: zeros
     for mask in (None, pad):
         want = row_block_mass(q, k, rows, attn_mask=mask)
-        got = kernel(q, k, rows, attn_mask=mask)
-        assert got.shape == want.shape
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        for block_r in (None, 64, 128):  # the launch settings a tuning sweep tries: the same values
+            got = kernel(q, k, rows, attn_mask=mask, block_r=block_r)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="block_r must be 64 or 128"):
+        kernel(q, k, rows, block_r=32)
     k[1, 0, 3] = math.nan
     got = kernel(q, k, rows)
     assert torch.isnan(got[1, 0]).all() and torch.isfinite(got[0]).all() and torch.isfinite(got[1, 1]).all()
