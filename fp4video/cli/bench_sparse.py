@@ -153,7 +153,8 @@ def bench_sparse(args) -> tuple[str, list[SparseTiming]]:
     for name, extra in (("measure", {}), ("measure, sinks, floor 0.9", dict(sinks=True, floor=0.9))):
         check_selection(sel, q, k, row_mass=row_block_mass, placement=covering_rows, **extra)
         ms = bench(lambda: check_selection(sel, q, k, row_mass=row_block_mass, placement=covering_rows, **extra))
-        check_lines.append(f"| {name} | {check_rows_for(extra.get('floor'), None)} | {ms:.2f} | {100 * ms / dense_ms[first]:.1f}% |")
+        rows_read = check_rows_for(extra.get("floor"), None)
+        check_lines.append(f"| {name} | {rows_read} | {ms:.2f} | {100 * ms / dense_ms[first]:.1f}% |")
     from ..sparse import sample_rows
 
     rows_ = sample_rows(s, 128, CHECK_ROWS, device="cuda")

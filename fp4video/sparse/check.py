@@ -15,16 +15,16 @@ import torch
 from .estimate import check_mask, check_qk, covering_rows, row_block_mass, tile_counts
 from .selection import BlockSelection, SelectionCheck, number_in, positive_int
 
-__all__ = ["CHECK_ROWS", "MEASURE_ROWS", "check_rows_for", "CHECK_CONFIDENCE", "SINK_MASS", "SINK_RATIO", "check_selection", "sink_columns",
-           "check_options", "student_t_quantile"]
+__all__ = ["CHECK_ROWS", "MEASURE_ROWS", "check_rows_for", "CHECK_CONFIDENCE", "SINK_MASS", "SINK_RATIO",
+           "check_selection", "sink_columns", "check_options", "student_t_quantile"]
 
-#: Query rows per tile a call's check reads by default: fewer rows leave groups of a tile's rows that
+#: Query rows per tile a check with a floor reads by default: fewer rows leave groups of a tile's rows that
 #: no checked row stands for and widen the bound (more density); 10 keep every query tile of the
 #: selection suites at the floor on the mean of all its rows (docs/sparse-learned.md).
 CHECK_ROWS = 10
 #: Query rows per tile a check without a floor reads by default: it measures and finds sinks, and
-#: repairs nothing, so the bound's width adds no tiles; its cost is the rows' (on the H200 at Wan
-#: 720p the rows' exact mass costs about 1.8 ms per row per tile: BENCHMARKS.md).
+#: repairs nothing, so the bound's width adds no tiles; the check's cost grows with its rows
+#: (BENCHMARKS.md: the check's cost).
 MEASURE_ROWS = 2
 #: The one-sided confidence of the bound a repaired tile's mean kept mass must reach the floor with.
 CHECK_CONFIDENCE = 0.99
@@ -94,8 +94,8 @@ def sink_columns(block: torch.Tensor) -> torch.Tensor:
 
 def _estimate(kept: torch.Tensor, weight: torch.Tensor, spread: torch.Tensor, t: float):
     """(mean, bound) over the checked rows' dim -2 of ``kept`` (…, r, m) weighted by ``weight`` (…, r):
-    the tile's estimated mean and its lower confidence bound ``max(0, mean − t·s·spread)`` (``s``: the rows'
-    weighted standard deviation; ``spread`` (…, 1): the finite-population standard error's factor)."""
+    the tile's estimated mean and its lower confidence bound ``max(0, mean − t·s·spread)`` (``s``:
+    the rows' weighted standard deviation; ``spread`` (…, 1): the finite-population standard error's factor)."""
     w = weight.unsqueeze(-1)
     mean = (kept * w).sum(dim=-2)
     if t == 0:
@@ -112,8 +112,9 @@ def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, sc
     ``k`` (B, H, Sk, D), ``scale`` and ``attn_mask``: a new selection carrying a
     :class:`~fp4video.sparse.selection.SelectionCheck`.
 
-    ``rows`` query rows per tile (None: :func:`check_rows_for`'s default), spread over the tile's queries (:func:`covering_rows`: the tile's
-    first and last rows, then each the farthest from those chosen), get their exact softmax mass on
+    ``rows`` query rows per tile (None: :func:`check_rows_for`'s default), spread over the tile's
+    queries (:func:`covering_rows`: the tile's first and last rows, then each the farthest from those
+    chosen), get their exact softmax mass on
     every key tile (``row_mass``). Each stands for the tile's rows nearest to it (its ``weight``); a
     query tile's kept share is the weighted mean of its rows' shares on the tiles it visits (a row
     that sees no key keeps all of nothing: 1), an estimate of the mean over all its rows. Its bound
@@ -125,8 +126,8 @@ def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, sc
     ``floor``, a query tile whose bound is under it visits more key tiles, in descending order of the
     rows' weighted exact mass on them (the oracle's order, estimated), the fewest that bring the bound
     to the floor. ``row_mass`` and ``placement``: :func:`row_block_mass` and :func:`covering_rows` or
-    implementations of them (the GPU's kernels). A query tile whose rows' mass is not finite (NaN or Inf in Q or K) visits every key
-    tile. The check's ``unseen`` is the bound under the selection the call runs. Nothing is read back
+    implementations of them (the GPU's kernels). A query tile whose rows' mass is not finite (NaN or
+    Inf in Q or K) visits every key tile. The check's ``unseen`` is the bound under the selection the call runs. Nothing is read back
     to the host."""
     check_options(floor=floor, sinks=sinks, rows=rows)
     rows = check_rows_for(floor, rows)

@@ -20,8 +20,8 @@ __all__ = ["DynamicSparsity", "StaticSparsity", "HybridSparsity", "resolve_spars
 @dataclass(frozen=True)
 class _Checked:
     """The check every rule's calls run (:func:`fp4video.sparse.check_selection`): ``check_rows``
-    rows per query tile (None: 10 with a floor, 2 without), spread over its queries, measure the kept mass; ``sinks`` makes key tiles
-    heavy for most query tiles global; ``floor`` repairs query tiles whose bound is under it. The
+    rows per query tile (None: 10 with a floor, 2 without), spread over its queries, measure the kept
+    mass; ``sinks`` makes key tiles heavy for most query tiles global; ``floor`` repairs query tiles whose bound is under it. The
     check's rows follow the queries alone (no seed)."""
 
     def _check_fields(self):
