@@ -465,3 +465,17 @@ def test_the_bound_is_never_negative_with_few_rows(heads):
     check = check_selection(sel, q, k, rows=2).check
     assert (check.unseen >= 0).all() and (check.unseen <= check.kept + 1e-6).all()
     assert check.summary()["unseen_min"] >= 0
+
+
+def test_an_fp64_call_is_checked_like_any_other():
+    """fp64 Q and K (a reference run) stopped in the check's row placement (torch's vector_norm
+    refuses to narrow fp64 to fp32); they are checked as fp32 ones are."""
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 2, 300, 32, generator=g), torch.randn(1, 2, 300, 32, generator=g)
+    rows32, weight32 = covering_rows(q, 128, 4)
+    rows64, weight64 = covering_rows(q.double(), 128, 4)
+    assert torch.equal(rows64, rows32) and torch.equal(weight64, weight32)
+    sel = dynamic_selection(q, k, tau=0.5)
+    want = check_selection(sel, q, k, floor=0.9).check.summary()
+    got = check_selection(sel, q.double(), k.double(), floor=0.9).check.summary()
+    assert abs(float(got["kept_min"]) - float(want["kept_min"])) < 1e-5

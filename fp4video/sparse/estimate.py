@@ -253,7 +253,9 @@ def covering_rows(q: torch.Tensor, query_tile: int, per_tile: int) -> tuple[torc
     dev = q.device
     pad = nq * query_tile - sq
     x = (torch.nn.functional.pad(q, (0, 0, 0, pad)) if pad else q).reshape(b, h, nq, query_tile, d)
-    norm2 = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).square()  # (B, H, nq, L)
+    # (B, H, nq, L) in fp32 (an fp64 q's norms in fp64, then fp32: vector_norm does not narrow)
+    norm2 = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+    norm2 = norm2.float().square()
     length = tile_counts(sq, query_tile, dev).long()  # (nq,)
     offset = torch.arange(query_tile, device=dev)
     valid = offset[None, :] < length[:, None]  # (nq, L)
