@@ -99,7 +99,7 @@ def emulated_linear(pipe, method: str):
     product (:func:`fp4video.formats.float8_linear`, in fp32, back to the layer's dtype); returns
     the function that restores their forwards."""
     from fp4video.formats import float8_linear
-    from fp4video.integration.linear import OUTSIDE_KINDS, LinearPolicy, linear_sites
+    from fp4video.integration.linear import OUTSIDE_KINDS, LinearPolicy, linear_sites, shape_reason
 
     if method not in ("fp8-rowwise", "fp8-tensor"):
         raise ValueError(f"emulated linear layers: fp8-rowwise or fp8-tensor, got {method!r}")
@@ -107,7 +107,7 @@ def emulated_linear(pipe, method: str):
                                                 {"method": "bf16", "kinds": list(OUTSIDE_KINDS)}])
     layers = [s.module for s in linear_sites(pipe)
               if policy.method_for(expert=s.expert, block=s.block, kind=s.kind) == method
-              and s.module.in_features % 16 == 0 and s.module.out_features % 16 == 0]  # torchao's GEMM's shapes
+              and shape_reason(s.module.in_features, s.module.out_features, method) is None]
     for layer in layers:
         def forward(x, layer=layer):
             return float8_linear(x.float(), layer.weight.float(), layer.bias,

@@ -69,7 +69,7 @@ from .policy import non_negative_blocks, not_empty
 __all__ = ["METHODS", "KINDS", "BLOCK_KINDS", "OUTSIDE_KINDS", "EXPERTS", "TORCHAO_REQUIREMENT", "LinearRule",
            "LinearPolicy", "LinearSite", "LinearPlan", "LinearInstall", "LinearMeasure", "LinearUnsupported",
            "as_linear_policy", "linear_sites", "block_lists", "plan_linear", "install_linear", "uninstall_linear",
-           "installed_linear", "check_linear_support", "unfit_reason", "measure_linear", "torchao_config",
+           "installed_linear", "check_linear_support", "unfit_reason", "shape_reason", "measure_linear", "torchao_config",
            "GEMM_REFUSED", "gemm_guarded"]
 
 METHODS = ("bf16", "fp8-rowwise", "fp8-tensor", "mxfp8", "nvfp4")
@@ -376,9 +376,15 @@ def unfit_reason(module: torch.nn.Linear, method: str) -> str | None:
     if method == "fp8-tensor" and tuple(w.shape) == (128, 128):
         return ("a 128 x 128 weight: torchao takes its per-tensor scale for 128 x 128 block scaling, and its GEMM "
                 "refuses the layer")
+    return shape_reason(module.in_features, module.out_features, method)
+
+
+def shape_reason(in_features: int, out_features: int, method: str) -> str | None:
+    """Why torchao's ``method`` (not bf16) cannot take a layer of this shape (None: it can): its
+    kernels take K and N in multiples of 16 (32 along K for mxfp8)."""
     k_mult, n_mult = _SHAPE[method]
-    if module.in_features % k_mult or module.out_features % n_mult:
-        return (f"{module.in_features} -> {module.out_features} features: {method} needs in_features a multiple of "
+    if in_features % k_mult or out_features % n_mult:
+        return (f"{in_features} -> {out_features} features: {method} needs in_features a multiple of "
                 f"{k_mult} and out_features a multiple of {n_mult}")
     return None
 
