@@ -330,6 +330,8 @@ def test_what_each_gpu_kind_runs(monkeypatch, gpu, capability, mslk):
         if method == "fp8-rowwise":
             assert ("MSLK" in runs) == (mslk and capability >= (9, 0)), runs
             assert ("torch ops" in runs) == (not (mslk and capability >= (9, 0))), runs
+        if method.startswith("fp8"):  # the scales' granularity, named once
+            assert runs.startswith(f"torchao float8 {'rowwise' if method == 'fp8-rowwise' else 'tensorwise'}:"), runs
         assert L.check_linear_support(method, "cuda", emulate=True).startswith(
             "torchao's emulated" if method == "mxfp8" else "torchao")
 
@@ -875,3 +877,25 @@ def test_bench_pipeline_times_every_attention_row_under_everylinear_variant(monk
     assert "- linear fp8-rowwise: failed (RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED (stand-in))" in table
     assert rows[0][6] == rows[1][6] == "1.00"  # a bf16 row against itself
     assert float(rows[3][6]) > 0  # an mxfp8 row against the same attention's bf16 row (seconds too short to compare)
+
+
+def test_guarded_layers_join_a_compiled_blocks_graph():
+    """Inside a compiled block, a guarded layer's forward is the layer's own (a refusal propagates
+    there): dynamo traces through it without a graph break, one graph for both blocks and both
+    forwards, and the output is the eager guarded model's."""
+    from torch._dynamo.testing import CompileCounter
+
+    model = wan_bf16()
+    want = forward(model)
+    for site in L.linear_sites(model):
+        if site.block is not None:
+            L.gemm_guarded(site.module, site.name, {})
+    assert torch.equal(forward(model), want)  # eager: the guard calls the layer's own forward
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    L.install_linear(model, L.LinearPolicy(method="bf16", compile=True), compile_backend=counter)
+    got = forward(model)
+    forward(model)
+    assert counter.frame_count == 1
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    L.uninstall_linear(model)

@@ -487,7 +487,7 @@ def check_linear_support(method: str, device, *, emulate: bool = False) -> str:
     if method.startswith("fp8"):
         if importlib.util.find_spec("mslk") is not None and found >= (9, 0) and method == "fp8-rowwise":
             return "torchao float8 rowwise: MSLK's fused row quantization and rowwise GEMM"
-        return (f"torchao float8 {method.removeprefix('fp8-')}wise: activations quantized by torch ops (amax, divide, "
+        return (f"torchao float8 {'rowwise' if method == 'fp8-rowwise' else 'tensorwise'}: activations quantized by torch ops (amax, divide, "
                 "clamp, cast; fused only under compile), torch._scaled_mm")
     return f"torchao {method}: torch._scaled_mm with block scales"
 
@@ -546,14 +546,21 @@ def gemm_guarded(module: torch.nn.Linear, name: str, refused: dict) -> None:
     module.forward = types.MethodType(_guarded_forward, module)
 
 
+def _own_forward(self, guard, x, args, kwargs):
+    """The layer's forward as it was before :func:`gemm_guarded`: its own instance forward, else its class's."""
+    own = guard["own"]
+    return own(x, *args, **kwargs) if own is not None else type(self).forward(self, x, *args, **kwargs)
+
+
 def _guarded_forward(self, x, *args, **kwargs):
     guard = self._fp4video_guard
+    if torch.compiler.is_compiling():  # the GEMM joins the compiled block's graph (a refusal propagates)
+        return _own_forward(self, guard, x, args, kwargs)
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     if m not in guard["counted"]:
-        forward = guard["own"] or type(self).forward.__get__(self)
         try:
-            return forward(x, *args, **kwargs)
+            return _own_forward(self, guard, x, args, kwargs)
         except RuntimeError as e:
             if GEMM_REFUSED not in str(e):
                 raise
