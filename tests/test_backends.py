@@ -204,3 +204,27 @@ def test_the_backend_signature_is_adapted_in_one_place():
                     defining.append(f"{path.name}:{getattr(node, 'name', 'lambda')}")
     assert defining == ["dispatcher.py:backend"]
 
+
+
+def test_backends_are_probed_in_the_dtype_of_most_of_the_weights(tmp_path):
+    """diffusers keeps a few small modules of a bf16 model in float32 (Wan's scale_shift_table comes
+    first): the backends are probed, and calibration runs, in bf16, the attention's dtype."""
+    from fp4video.integration.dispatcher import register_backend
+    from fp4video.integration.install import model_place
+    from fp4video.integration.tiny import tiny_wan_transformer
+
+    tiny_wan_transformer(0).save_pretrained(tmp_path)
+    model = type(tiny_wan_transformer(0)).from_pretrained(tmp_path, torch_dtype=torch.bfloat16)
+    assert next(model.parameters()).dtype == torch.float32  # what the first parameter says
+    assert model_place(model) == (torch.device("cpu"), torch.bfloat16)
+    seen = []
+
+    def sdpa_recording(query, key, value, scale=None):
+        seen.append(query.dtype)
+        return torch.nn.functional.scaled_dot_product_attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale=scale).transpose(1, 2)
+
+    register_backend("test_dtype_probe", sdpa_recording)
+    install(model, Policy.model_validate({"method": "fp16", "rules": [{"backend": "test_dtype_probe"}]}))
+    uninstall(model)
+    assert seen and set(seen) == {torch.bfloat16}

@@ -392,11 +392,9 @@ def _run_once(pipe, prompt, settings: Settings):
 
 
 def _device_of(pipe):
-    from ..integration.install import transformers_of
+    from ..integration.install import model_place, transformers_of
 
-    model = transformers_of(pipe)[0][1]
-    p = next(model.parameters())
-    return p.device, p.dtype
+    return model_place(transformers_of(pipe)[0][1])
 
 
 def _device_name(device) -> str:

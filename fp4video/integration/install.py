@@ -126,6 +126,17 @@ def install(pipe, policy: Policy | str | None = None, *, backend: str = "auto", 
     return ctx
 
 
+def model_place(model) -> tuple[torch.device, torch.dtype]:
+    """(device, dtype) of the most of ``model``'s parameter elements: where and in what its attention
+    runs. diffusers keeps a few small modules in float32 in a bf16 model (``_keep_in_fp32_modules``:
+    Wan's ``scale_shift_table`` is its first parameter), so the first parameter does not tell.
+    (cpu, float32) for a model without parameters."""
+    counts = {}
+    for p in model.parameters():
+        counts[(p.device, p.dtype)] = counts.get((p.device, p.dtype), 0) + p.numel()
+    return max(counts, key=counts.get) if counts else (torch.device("cpu"), torch.float32)
+
+
 def _resolve_backends(policy: Policy, models) -> tuple[dict, object]:
     """The external backends ``policy`` names, each made ready for the transformers' device and
     dtype (a probe call), and the backend of its fp16 tier (None: stock). A backend that is not
@@ -134,8 +145,7 @@ def _resolve_backends(policy: Policy, models) -> tuple[dict, object]:
 
     places = []
     for _, model in models:
-        p = next(model.parameters(), None)
-        place = (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
+        place = model_place(model)
         if place not in places:
             places.append(place)
     if len(places) > 1 and (policy.external_backends() or policy.fp16_backend != "stock"):
