@@ -1,7 +1,8 @@
 """The exact attention mass of sampled query rows on every key tile: :func:`fp4video.sparse.row_block_mass`
 on the GPU, the read behind every block-sparse call's check (and the ``sampled`` estimate).
 
-A program takes ``BLOCK_R`` sampled rows of one batch entry and head and walks every key tile once:
+A program takes ``BLOCK_R`` sampled rows of one batch entry and head and walks a run of key tiles once
+(the tiles are independent, so the key tiles split over programs until the GPU has several waves):
 Q·Kᵀ of those rows in fp32 (16-bit inputs on the tensor cores, exact products), and per key tile the
 rows' largest logit and the sum of their exponentials below it. The host combines the tiles into each
 row's softmax weight per tile. Its work is the rows' share of a dense call's Q·Kᵀ (2 of 128 rows: 1/64),
@@ -17,6 +18,7 @@ import triton
 import triton.language as tl
 
 from fp4video.sparse import row_block_mass as reference_row_block_mass
+from fp4video.sparse.selection import positive_int
 
 from .tiles import LOG2E, next_pow2
 
@@ -47,10 +49,13 @@ def _tile_stats(q, K, Max, Sum, out, j, n, live, d, D, kbase, sks, skd, scale_lo
 @triton.jit
 def _row_tile_stats_kernel(Q, K, Rows, Alive, Max, Sum, H, Sk, R, n_key_tiles, D, scale_log2,
                            sqb, sqh, sqs, sqd, skb, skh, sks, skd, sab, sas,
+                           tiles_per_program,
                            BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                            HAS_ALIVE: tl.constexpr, IEEE: tl.constexpr):
     pr = tl.program_id(0)
     bh = tl.program_id(1)
+    j0 = tl.program_id(2) * tiles_per_program  # this program's share of the key tiles: [j0, j1)
+    j1 = tl.minimum(j0 + tiles_per_program, n_key_tiles)
     b = bh // H
     h = bh % H
     r = pr * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -63,27 +68,29 @@ def _row_tile_stats_kernel(Q, K, Rows, Alive, Max, Sum, H, Sk, R, n_key_tiles, D
     kbase = b * skb + h * skh
     n0 = tl.arange(0, BLOCK_N)
     if HAS_ALIVE:  # a key-padding mask: every tile masked
-        for j in range(0, n_key_tiles):
+        for j in range(j0, j1):
             n = j * BLOCK_N + n0
             live = (n < Sk) & (tl.load(Alive + b * sab + n * sas, mask=n < Sk, other=0) != 0)
             _tile_stats(q, K, Max, Sum, out, j, n, live, d, D, kbase, sks, skd, scale_log2, r_ok, True, IEEE)
     else:  # whole tiles unmasked, the partial last one masked
         full = Sk // BLOCK_N
-        for j in range(0, full):
+        for j in range(j0, tl.minimum(j1, full)):
             n = j * BLOCK_N + n0
             _tile_stats(q, K, Max, Sum, out, j, n, n < Sk, d, D, kbase, sks, skd, scale_log2, r_ok, False, IEEE)
-        if full < n_key_tiles:
+        if (full < n_key_tiles) & (full >= j0) & (full < j1):
             n = full * BLOCK_N + n0
             _tile_stats(q, K, Max, Sum, out, full, n, n < Sk, d, D, kbase, sks, skd, scale_log2, r_ok, True, IEEE)
 
 
 def row_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, *, scale: float | None = None,
                    attn_mask: torch.Tensor | None = None, key_tile: int = 128, rows_at_once: int = 1024,
-                   block_r: int | None = None, num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
+                   block_r: int | None = None, num_warps: int | None = None, num_stages: int = 3,
+                   splits: int | None = None) -> torch.Tensor:
     """:func:`fp4video.sparse.row_block_mass` on the GPU (the same contract and values to fp32
     rounding: the sums run in another order). A mask other than a key-padding one ((B, 1, 1, Sk) or
     a broadcast of it) runs the reference, on the same device. ``block_r`` (rows a program takes: 64
-    or 128), ``num_warps`` and ``num_stages`` are for tuning (None: the defaults below)."""
+    or 128), ``num_warps``, ``num_stages`` and ``splits`` (programs sharing one row block's key
+    tiles) are for tuning (None: the defaults below)."""
     if attn_mask is not None and not (attn_mask.dim() == 4 and attn_mask.shape[1] == attn_mask.shape[2] == 1):
         return reference_row_block_mass(q, k, rows, scale=scale, attn_mask=attn_mask, key_tile=key_tile,
                                         rows_at_once=rows_at_once)
@@ -105,14 +112,20 @@ def row_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, *, scal
     if q.dtype != k.dtype or not q.is_cuda:  # (the CPU interpreter has no 16-bit dot)
         q, k = q.float(), k.float()
     ieee = q.dtype == torch.float32
-    if block_r is None:  # larger blocks re-read K less; enough programs
-        block_r = 128 if n_rows >= 128 * 132 // (b * h) else 64
+    if block_r is None:  # 64 rows, 4 warps, 3 stages: the fastest of the sweep at Wan 720p (BENCHMARKS.md)
+        block_r = 64
     if block_r not in (64, 128):
         raise ValueError(f"block_r must be 64 or 128, got {block_r!r}")
+    row_blocks = triton.cdiv(n_rows, block_r)
+    if splits is None:  # several waves of programs on the GPU's processors, each with a long run of tiles
+        processors = torch.cuda.get_device_properties(dev).multi_processor_count if q.is_cuda else 1
+        splits = max(1, min(nk // 16, -(-8 * processors // max(1, row_blocks * b * h))))
+    positive_int(splits, "splits")
+    per_program = -(-nk // min(splits, nk)) if nk else 1
     if n_rows:
-        _row_tile_stats_kernel[(triton.cdiv(n_rows, block_r), b * h)](
+        _row_tile_stats_kernel[(row_blocks, b * h, -(-nk // per_program) if nk else 1)](
             q, k, flat, a, top, total, h, sk, n_rows, nk, d, scale * LOG2E,
-            *q.stride(), *k.stride(), *(a.stride() if alive is not None else (0, 0)),
+            *q.stride(), *k.stride(), *(a.stride() if alive is not None else (0, 0)), per_program,
             BLOCK_R=block_r, BLOCK_N=key_tile, BLOCK_D=next_pow2(d), HAS_ALIVE=alive is not None, IEEE=ieee,
             num_warps=num_warps or (8 if block_r == 128 else 4), num_stages=num_stages,
         )

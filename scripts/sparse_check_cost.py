@@ -6,6 +6,7 @@ their exact mass, the repair) for 2, 4, 8 and 10 (the default) rows per query ti
     PYTHONPATH=. python3 scripts/sparse_check_cost.py --out check-cost                 # the H200: B=1, H=40, 75,600 tokens, D=128, bf16
     PYTHONPATH=. python3 scripts/sparse_check_cost.py --out check-cost --graph         # + each check replayed from a CUDA graph
     PYTHONPATH=. python3 scripts/sparse_check_cost.py --out check-cost --rows 2 --sweep   # + the row-mass kernel's launch settings
+    PYTHONPATH=. python3 scripts/sparse_check_cost.py --out check-cost --rows 2 --profile # + each check's kernels by time
     PYTHONPATH=. python3 scripts/sparse_check_cost.py --tokens 2048 --heads 2 --device cpu --out /tmp/c   # a tiny CPU run
 
 The dense call is torch's ``scaled_dot_product_attention`` in the inputs' dtype (FlashAttention on the
@@ -90,6 +91,8 @@ def main(argv=None):
     p.add_argument("--graph", action="store_true", help="also time each check replayed from a CUDA graph")
     p.add_argument("--sweep", action="store_true",
                    help="also time the row-mass kernel's launch settings (rows a program, warps, stages; GPU)")
+    p.add_argument("--profile", action="store_true",
+                   help="also write profile.md: each check's GPU kernels by time (torch.profiler), at the first --rows")
     args = p.parse_args(argv)
     for name in ("tokens", "heads", "head_dim", "batch", "repeats"):
         if getattr(args, name) < 1:
@@ -152,6 +155,8 @@ def main(argv=None):
         record("the rows' exact mass alone, covering rows (gathered, per head)", r,
                lambda: row_mass(q.gather(2, flat.expand(b, h, flat.shape[2], d)), k, ar))
         record("the check, measure only", r, lambda: check_selection(sel, q, k, rows=r, row_mass=row_mass, placement=placement), args.graph)
+        record("the check with sinks (the shipped sparse configs' check)", r,
+               lambda: check_selection(sel, q, k, rows=r, sinks=True, row_mass=row_mass, placement=placement), args.graph)
         record(f"the check with sinks and floor {args.floor:g} (the bound's repair)", r,
                lambda: check_selection(sel, q, k, rows=r, sinks=True, floor=args.floor, row_mass=row_mass,
                                                placement=placement), args.graph)
@@ -166,9 +171,30 @@ def main(argv=None):
             ar = torch.arange(flat.shape[2], device=device)
             for block_r in (64, 128):
                 for warps in (4, 8):
-                    for stages in (2, 3, 4):
-                        record(f"the rows' exact mass alone, {block_r} rows a program, {warps} warps, {stages} stages", r,
-                               lambda: row_mass(q_rows, k, ar, block_r=block_r, num_warps=warps, num_stages=stages))
+                    for stages in (2, 3):
+                        for splits in (1, None):
+                            record(f"the rows' exact mass alone, {block_r} rows a program, {warps} warps, {stages} stages, "
+                                   f"key tiles split {'by default' if splits is None else f'{splits} ways'}", r,
+                                   lambda: row_mass(q_rows, k, ar, block_r=block_r, num_warps=warps, num_stages=stages,
+                                                    splits=splits))
+
+    if args.profile and device.type == "cuda":  # where each check's time goes, kernel by kernel
+        from torch.profiler import ProfilerActivity, profile
+
+        r = args.rows[0]
+        tables = []
+        for label, kw in (("measure only", {}), ("with sinks", {"sinks": True}),
+                          (f"with sinks and floor {args.floor:g}", {"sinks": True, "floor": args.floor})):
+            fn = lambda: check_selection(sel, q, k, rows=r, row_mass=row_mass, placement=placement, **kw)
+            fn()
+            torch.cuda.synchronize(device)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    fn()
+                torch.cuda.synchronize(device)
+            tables.append(f"## The check {label}, {r} rows per tile (5 calls)\n\n```\n"
+                          + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25) + "\n```\n")
+            (out / "profile.md").write_text("\n".join(tables))
 
     names = list(dense)
     head = ["piece", "rows per tile", "ms", *[f"of dense {n}" for n in names]] + (["CUDA graph ms"] if args.graph else [])

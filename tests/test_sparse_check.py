@@ -113,12 +113,16 @@ def test_row_mass_kernel_equals_the_reference_per_row(d, monkeypatch):
     pad[0, ..., :] = False  # batch entry 0 sees no key: zeros
     for mask in (None, pad):
         want = row_block_mass(q, k, rows, attn_mask=mask)
-        for block_r in (None, 64, 128):  # the launch settings a tuning sweep tries: the same values
-            got = kernel(q, k, rows, attn_mask=mask, block_r=block_r)
+        # the launch settings a tuning sweep tries, and key tiles split over 2 or 3 programs (the
+        # partial last tile in a program of its own, or after a whole one): the same values
+        for block_r, splits in ((None, None), (64, None), (128, None), (64, 2), (128, 3), (64, 9)):
+            got = kernel(q, k, rows, attn_mask=mask, block_r=block_r, splits=splits)
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="block_r must be 64 or 128"):
         kernel(q, k, rows, block_r=32)
+    with pytest.raises(ValueError, match="splits must be a positive int"):
+        kernel(q, k, rows, splits=0)
     k[1, 0, 3] = math.nan
     got = kernel(q, k, rows)
     assert torch.isnan(got[1, 0]).all() and torch.isfinite(got[0]).all() and torch.isfinite(got[1, 1]).all()
@@ -419,10 +423,11 @@ def test_row_mass_kernel_equals_the_reference_gpu(dtype):
     pad = torch.ones(1, 1, 1, 9100, dtype=torch.bool, device="cuda")
     pad[..., 8000:] = False
     for mask in (None, pad):
-        out = kernel(q, k, rows, attn_mask=mask)  # its tile statistics start uninitialized: a tile not
         want = row_block_mass(q, k, rows, attn_mask=mask)
-        assert torch.isfinite(out).all()  # written would show as garbage here or below
-        torch.testing.assert_close(out, want, rtol=0, atol=2e-5 if dtype == torch.float32 else 1e-5)
+        for splits in (None, 1, 5, 71):  # the default, one program per row block, and uneven shares
+            out = kernel(q, k, rows, attn_mask=mask, splits=splits)  # its tile statistics start
+            assert torch.isfinite(out).all()  # uninitialized: a tile not written shows as garbage here or below
+            torch.testing.assert_close(out, want, rtol=0, atol=2e-5 if dtype == torch.float32 else 1e-5)
 
 
 @pytest.mark.gpu
