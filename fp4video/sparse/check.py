@@ -146,8 +146,9 @@ def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, sc
     total = mass.sum(dim=-1)  # (B, H, nq, r): 1 for a row that sees keys, 0 for one that sees none, NaN
     sees = total > 0
     unknown = ~torch.isfinite(total).all(dim=-1)  # (B, H, nq): a row's mass is NaN
-    share = torch.where(sees.unsqueeze(-1), mass / total.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1), 0.0)
-    share = torch.where(torch.isfinite(share), share, 0.0)
+    # a row's share of its mass on a tile is its mass there times ``inv`` (0: a row that sees no key or
+    # is not finite); the shares are formed only where a sum needs them (the check reads (B, H, nq, r, nk))
+    inv = torch.where(sees & torch.isfinite(total), 1 / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
     length = tile_counts(sq, sel.query_tile, q.device)  # (nq,)
     n = length.clamp(max=rows)
     spread = ((1 - n / length).clamp(min=0) / n).sqrt().unsqueeze(-1)  # (nq, 1): all rows read: exact
@@ -156,20 +157,24 @@ def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, sc
 
     def measured(tiles):
         """(kept, bound), each (B, H, nq), of the selection ``tiles``; NaN where the rows are not finite."""
-        row = torch.where(sees, (share * tiles.unsqueeze(-2)).sum(dim=-1), 1.0)
+        row = torch.where(sees, (mass * tiles.unsqueeze(-2)).sum(dim=-1) * inv, 1.0)
         mean, bound = _estimate(row.unsqueeze(-1), weight, spread, t)
         return torch.where(unknown, nan, mean.squeeze(-1)), torch.where(unknown, nan, bound.squeeze(-1))
 
     before = sel.tiles.expand(b, h, nq, nk)
     kept_before, bound_before = measured(before)
-    block = (share * weight.unsqueeze(-1)).sum(dim=-2)  # (B, H, nq, nk): the rows' weighted block mass
-    block_sum = block.sum(dim=-1, keepdim=True)
-    block = torch.where(block_sum > 0, block / block_sum.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
     tiles = before
-    if sinks:
-        tiles = tiles | sink_columns(block).unsqueeze(-2)
-    if floor is not None and floor > 0:
-        tiles = tiles | _repair(tiles, share, sees, weight, spread, t, block, floor) | unknown.unsqueeze(-1)
+    repair = floor is not None and floor > 0
+    if sinks or repair:
+        # (B, H, nq, nk): the rows' weighted block mass (a row that is not finite weighs 0: nansum)
+        block = (mass * (weight * inv).unsqueeze(-1)).nansum(dim=-2)
+        block_sum = block.sum(dim=-1, keepdim=True)
+        block = torch.where(block_sum > 0, block / block_sum.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+        if sinks:
+            tiles = tiles | sink_columns(block).unsqueeze(-2)
+        if repair:
+            share = torch.where(inv.unsqueeze(-1) > 0, mass * inv.unsqueeze(-1), 0.0)
+            tiles = tiles | _repair(tiles, share, sees, weight, spread, t, block, floor) | unknown.unsqueeze(-1)
     if tiles is before:  # measured only: the rule's own bitmap (a static one is shared) runs as it is
         check = SelectionCheck(kept_before, kept_before, torch.zeros(kept_before.shape, dtype=torch.bool,
                                device=q.device), sel.density(), floor, rows, bound_before, index, weight)
