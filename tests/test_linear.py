@@ -899,3 +899,22 @@ def test_guarded_layers_join_a_compiled_blocks_graph():
     assert counter.frame_count == 1
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     L.uninstall_linear(model)
+
+
+def test_a_deep_copy_of_a_compiled_installation_runs_its_own_weights():
+    """compile: true binds the compiled forward to each block: a deep copy of the model runs the
+    copy's blocks (a compiled bound method in the copy called the original's blocks)."""
+    import copy
+
+    model = wan_bf16()
+    L.install_linear(model, L.LinearPolicy(compile=True), compile_backend="eager")
+    want = forward(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+    torch.testing.assert_close(forward(twin), want, rtol=0, atol=0)
+    assert not torch.equal(forward(model), want)
+    L.uninstall_linear(twin)
+    assert all("forward" not in b.__dict__ for b in twin.blocks)
+    torch.testing.assert_close(forward(twin), want, rtol=0, atol=0)

@@ -734,12 +734,22 @@ def _restore(originals: list) -> None:
 
 def _compile_blocks(model: torch.nn.Module, backend: str) -> list:
     """Compile each block's forward in place (an instance attribute over the class's forward: the
-    module's hooks stay outside the compiled region, and removing the attribute undoes it)."""
-    forwards = []
+    module's hooks stay outside the compiled region, and removing the attribute undoes it). The
+    compiled function is bound to the block as a method, so a deep copy of the model rebinds it to
+    the copy's block (a compiled bound method would keep calling the original's); one compiled
+    function per block class serves all its blocks."""
+    forwards, compiled = [], {}
     for _, blocks in block_lists(model):
         for block in blocks:
-            forwards.append((block, block.__dict__.get("forward")))
-            block.forward = torch.compile(block.forward, backend=backend)
+            own = block.__dict__.get("forward")
+            forwards.append((block, own))
+            if own is None or (isinstance(own, types.MethodType) and own.__self__ is block):
+                fn = type(block).forward if own is None else own.__func__
+                if fn not in compiled:
+                    compiled[fn] = torch.compile(fn, backend=backend)
+                block.forward = types.MethodType(compiled[fn], block)
+            else:  # an instance forward that is not the block's method: compiled as it is
+                block.forward = torch.compile(own, backend=backend)
     return forwards
 
 
