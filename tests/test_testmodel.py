@@ -190,6 +190,61 @@ def test_checker_fails_noise_and_empty_clips():
     assert not check_clip(uint8.numpy(), HELD_OUT[0]).passed
 
 
+def _discs(centres, radius, colour, frames=T):
+    """A clip on a plain grey background: discs of ``colour`` (RGB) at ``centres`` (frames, discs, 2)
+    in pixels (x, y)."""
+    y, x = torch.meshgrid(torch.arange(H) + 0.5, torch.arange(W) + 0.5, indexing="ij")
+    clip = torch.full((frames, H, W, 3), 0.42)
+    for t in range(frames):
+        for cx, cy in centres[t].tolist():
+            clip[t][(x - cx) ** 2 + (y - cy) ** 2 <= radius ** 2] = torch.tensor(colour)
+    return clip
+
+
+def test_checker_several_blobs_of_the_colour_are_not_one_shape():
+    """Three magenta discs in a column, moving left together: their pixels taken as one region have
+    a bar's moments, but no bar is drawn."""
+    spec = SceneSpec(colour="magenta", shape="bar", motion="moves left", background="grey")
+    tau = torch.linspace(0, 1, T)[:, None]
+    x = 96 - 50 * tau  # moves 39% of the frame to the left
+    centres = torch.stack([torch.cat([x, x, x], 1), torch.tensor([[40.0, 64, 88]]).expand(T, 3)], -1)
+    clip = _discs(centres, 8, scenes.COLOURS["magenta"])
+    v = check_clip(clip, spec)
+    assert not v.passed and not v.colour and v.details["largest_share"] < 0.5, v.as_dict()
+    one = _discs(centres[:, 1:2], 8, scenes.COLOURS["magenta"])  # one of the discs alone: a circle moving left
+    v = check_clip(one, spec.model_copy(update={"shape": "circle"}))
+    assert v.passed, v.as_dict()
+
+
+def test_checker_reads_the_shape_not_a_speck_beside_it(truth):
+    """A still 6 × 6 speck of the shape's colour in a corner of every frame (what generated clips
+    show beside the shape): the shape and its motion are still read from the shape."""
+    sc, frames, mask = truth
+    checked = 0
+    for s, f, m in zip(sc.specs, frames, mask):
+        if m[:, :20, :20].any():
+            continue  # the shape itself passes through that corner
+        specked = f.clone()
+        specked[:, 4:10, 4:10] = torch.tensor(scenes.COLOURS[s.colour])
+        v = check_clip(specked, s)
+        assert v.passed, (s.caption, v.as_dict())
+        checked += 1
+    assert checked >= 20
+
+
+def test_checker_shape_tie_names_no_shape():
+    """A clip that is a square for half its frames and a circle for the other half names neither
+    shape: the verdict cannot depend on the order the shapes are listed in."""
+    specs = [SceneSpec(colour="red", shape=shape, motion="moves right", background="grey")
+             for shape in ("square", "circle")]
+    square, circle = (_frames(sample_scenes(1, seed=3, specs=[s]), frames=28)[0][0] for s in specs)
+    clip = torch.cat([square[:14], circle[14:]])  # one seed, one track: only the shape changes
+    for spec in specs:
+        v = check_clip(clip, spec)
+        assert v.colour and v.motion and not v.shape, (spec.shape, v.as_dict())
+        assert v.details["shape_votes"]["square"] == v.details["shape_votes"]["circle"] == 14
+
+
 def test_checker_colour_masks_pick_only_their_colour():
     rgb = torch.tensor(list(scenes.COLOURS.values()))  # one pure pixel of each colour, in 5×5 patches
     frames = rgb[:, None, None, :].expand(-1, 5, 5, 3).reshape(1, -1, 5, 3)

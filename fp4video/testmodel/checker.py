@@ -3,13 +3,15 @@
 Given the frames and the caption's :class:`~fp4video.testmodel.scenes.SceneSpec`, three checks:
 
 - **colour**: the pixels of the named colour (hue, saturation and value windows; white: bright and
-  unsaturated), after a 3×3 opening that removes isolated pixels, form a region of a shape's size
-  in at least 75% of the frames. Backgrounds are dimmed and desaturated in every training scene, so
-  in a faithful clip only the shape has these pixels.
+  unsaturated), after a 3×3 opening that removes isolated pixels, form one region of a shape's size
+  in at least 75% of the frames: the largest 8-connected region, holding at least 80% of the
+  colour's pixels (several blobs of the colour are not one shape). Backgrounds are dimmed and
+  desaturated in every training scene, so in a faithful clip only the shape has these pixels. The
+  shape and motion checks read that largest region alone.
 - **shape**: per frame, the region's rotation-invariant complex moments |Σ ρ² e^{ikφ}| / Σ ρ² for
   k = 2, 3, 4 about its centroid (an elongated bar has a large k = 2 term, a triangle k = 3, a
   square k = 4, a circle none) name the nearest of the four shapes' values; the caption's shape
-  must win the most frames.
+  must win more frames than any other shape (a tie names no shape).
 - **motion**: the centroid track (a least-squares line through the frames' centroids) moves at
   least 15% of the frame in the named direction and at most half as far across it; a growing
   (shrinking) region's area grows (shrinks) at least 1.8×, its centre within 15% of the frame; a
@@ -30,7 +32,8 @@ import torch
 
 from .scenes import DIRECTIONS, SHAPES, SIZE_RANGE, SCALE_RANGE, SceneSpec
 
-__all__ = ["Verdict", "check_clip", "check_rate", "colour_mask", "shape_moments", "SHAPE_MOMENTS", "HUES"]
+__all__ = ["Verdict", "check_clip", "check_rate", "colour_mask", "largest_region", "shape_moments", "SHAPE_MOMENTS",
+           "HUES"]
 
 #: Hue (degrees) and half-width of the window of each chromatic colour name.
 HUES = {"red": (0.0, 15.0), "orange": (30.0, 13.0), "yellow": (60.0, 15.0), "green": (120.0, 35.0),
@@ -45,6 +48,7 @@ SHAPE_MOMENTS = {"square": (0.0, 0.0, 0.28), "circle": (0.0, 0.0, 0.0), "triangl
 _SYMMETRY = {"square": 4, "triangle": 3, "bar": 2}
 
 PRESENT_FRACTION = 0.75  # of the frames must show the colour
+MIN_DOMINANCE = 0.8  # of a frame's colour pixels must lie in its largest region for it to show one shape
 MIN_MOVE = 0.15  # of the frame, along the named direction
 MAX_ACROSS = 0.5  # of the move along it, across the direction
 MIN_GROWTH = 1.8  # area ratio, last over first (its inverse for shrinking)
@@ -112,6 +116,41 @@ def colour_mask(frames, colour: str) -> torch.Tensor:
     return opened[:, 0] > 0.5
 
 
+def largest_region(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For (T, H, W) bool masks: (T, H, W) bool, each frame's largest 8-connected region (among
+    regions of one size, the one reaching furthest in raster order; empty where the frame is), and
+    (T,) the share of the frame's mask pixels it holds (0 where the frame is empty)."""
+    t_count, h, w = mask.shape
+    region = torch.zeros_like(mask, dtype=torch.bool)
+    share = torch.zeros(t_count)
+    rows, cols = mask.any(0).any(1).nonzero().flatten(), mask.any(0).any(0).nonzero().flatten()
+    if not len(rows):
+        return region, share
+    r0, r1, c0, c1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+    box = mask[:, r0:r1, c0:c1]  # the rows and columns any frame's mask reaches
+    bh, bw = box.shape[1:]
+    # each pixel's label starts as its own index (1-based) in its frame; a region's pixels take the
+    # region's largest index: one 8-neighbour step a pass, then a jump to the label of the pixel a
+    # label names (that pixel is in the same region and its label is at least as large)
+    inside = box.reshape(t_count, -1)
+    labels = torch.where(inside, torch.arange(1, bh * bw + 1).expand(t_count, -1), 0)
+    while True:
+        spread = torch.nn.functional.max_pool2d(labels.reshape(t_count, 1, bh, bw).double(), 3, stride=1, padding=1)
+        spread = torch.where(inside, spread.reshape(t_count, -1).long(), 0)
+        spread = torch.where(inside, spread.gather(1, (spread - 1).clamp_min(0)), 0)
+        if torch.equal(spread, labels):
+            break
+        labels = spread
+    counts = torch.zeros(t_count, bh * bw + 1, dtype=torch.long).scatter_add_(1, labels, torch.ones_like(labels))
+    counts[:, 0] = 0  # outside the mask
+    best = counts.flip(1).argmax(1)  # the largest region (the largest label among equals), counted from the end
+    best = bh * bw - best
+    region[:, r0:r1, c0:c1] = ((labels == best[:, None]) & (best[:, None] > 0)).reshape(t_count, bh, bw)
+    total = counts.sum(1)
+    share = torch.where(total > 0, counts.amax(1).double() / total.clamp_min(1), 0.0).float()
+    return region, share
+
+
 def shape_moments(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For (T, H, W) masks: centroids (T, 2) in pixels (x, y), areas (T,), and the complex moments
     Σ ρ² e^{ikφ} / Σ ρ² about the centroid for k = 2, 3, 4 (T, 3) (complex; NaN where empty)."""
@@ -150,14 +189,14 @@ def check_clip(frames, spec: SceneSpec) -> Verdict:
     if t_all < 3:
         raise ValueError(f"a clip needs at least 3 frames to show motion, got {t_all}")
     short = min(h, w)
-    mask = colour_mask(x, spec.colour)
+    mask, share = largest_region(colour_mask(x, spec.colour))
     centroid, area, moments = shape_moments(mask)
     # a region of a shape's size: from a quarter of the smallest shape to twice the largest
     smallest = (SIZE_RANGE[0] * SCALE_RANGE[0] * short) ** 2
     largest = (SIZE_RANGE[1] * SCALE_RANGE[1] * short) ** 2
-    present = (area >= 0.25 * smallest) & (area <= 2 * largest)
+    present = (area >= 0.25 * smallest) & (area <= 2 * largest) & (share >= MIN_DOMINANCE)
     frac = float(present.float().mean())
-    details = {"present_fraction": round(frac, 3)}
+    details = {"present_fraction": round(frac, 3), "largest_share": round(float(share.median()), 3)}
     colour_ok = frac >= PRESENT_FRACTION
     if int(present.sum()) < 3:
         return Verdict(False, False, False, details, f"the {spec.colour} region is in {int(present.sum())} of "
@@ -169,8 +208,10 @@ def check_clip(frames, spec: SceneSpec) -> Verdict:
     protos = torch.tensor([SHAPE_MOMENTS[n] for n in names])
     nearest = torch.cdist(mags, protos).argmin(1)
     votes = {n: int((nearest == i).sum()) for i, n in enumerate(names)}
-    winner = max(votes, key=votes.get)
-    shape_ok = winner == spec.shape
+    most = max(votes.values())
+    leaders = [n for n in names if votes[n] == most]
+    winner = leaders[0] if len(leaders) == 1 else " or ".join(leaders)
+    shape_ok = leaders == [spec.shape]
     details["shape_votes"] = votes
 
     t = idx.float()
