@@ -50,6 +50,22 @@ def _git() -> dict:
     return {"commit": commit, "dirty": bool(dirty)} if commit else {}
 
 
+def _weights(text: str) -> dict:
+    """``name=weight,name=weight`` -> {name: weight} (the names and values are checked by Settings)."""
+    out = {}
+    for item in text.split(","):
+        name, eq, value = (x.strip() for x in item.partition("="))
+        if not name or not eq:
+            raise argparse.ArgumentTypeError(f"expected name=weight[,name=weight...], got {text!r}")
+        if name in out:
+            raise argparse.ArgumentTypeError(f"{name} given twice in {text!r}")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"the weight of {name} is not a number: {value!r}") from None
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="train_test_model.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,6 +80,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vae-frames", type=int, help="frames of the VAE's training clips, 4n + 1 (default 29, the clip's)")
     p.add_argument("--lr", type=float, help="transformer and text encoder learning rate (default 4e-4)")
     p.add_argument("--vae-lr", type=float, help="VAE learning rate (default 6e-4)")
+    p.add_argument("--vae-colour-weights", type=_weights, metavar="COLOUR=W,...",
+                   help="draw the VAE's clips' colours with these relative weights, e.g. red=2 (others 1; "
+                   "default uniform)")
+    p.add_argument("--vae-first-frame-weight", type=float, metavar="F",
+                   help="multiply the VAE's reconstruction weight of each clip's first frame by F (default 1)")
+    p.add_argument("--shape-weights", type=_weights, metavar="SHAPE=W,...",
+                   help="draw the VAE's and the latent pool's shapes with these relative weights, e.g. "
+                   "square=2,triangle=2 (others 1; default uniform)")
+    p.add_argument("--shape-loss-weight", type=float, metavar="W",
+                   help="weight the transformer's loss by 1 + W x the shape's coverage of each latent cell "
+                   "(default 0: unweighted)")
     p.add_argument("--pool-size", type=int, help="clips in the transformer's latent pool, at most (default 12288)")
     p.add_argument("--max-steps", type=int, help="stop the transformer after this many steps")
     p.add_argument("--max-vae-steps", type=int, help="stop the VAE after this many steps")
@@ -131,7 +158,9 @@ def main(argv=None) -> int:
         seed=args.seed, minutes=args.minutes, vae_minutes=args.vae_minutes, reserve_seconds=args.reserve_seconds,
         batch=args.batch, vae_batch=args.vae_batch, vae_frames=args.vae_frames, lr=args.lr, vae_lr=args.vae_lr, pool_size=args.pool_size,
         max_steps=args.max_steps, max_vae_steps=args.max_vae_steps, eval_clips=args.eval_clips,
-        checkpoint_seconds=args.checkpoint_seconds, compile=args.compile).items() if v is not None}
+        checkpoint_seconds=args.checkpoint_seconds, compile=args.compile, shape_weights=args.shape_weights,
+        vae_colour_weights=args.vae_colour_weights, vae_first_frame_weight=args.vae_first_frame_weight,
+        shape_loss_weight=args.shape_loss_weight).items() if v is not None}
     if args.resume is not None and args.vae_minutes is None:
         given["vae_minutes"] = 0.0
     base = dict(SMOKE_SETTINGS) if args.smoke else {}
@@ -139,7 +168,8 @@ def main(argv=None) -> int:
         settings = Settings(**{**base, **given})
     except ValidationError as e:
         first = e.errors()[0]
-        parser.error(f"--{'-'.join(map(str, first['loc'])).replace('_', '-')}: {first['msg']}")
+        msg = first["msg"].removeprefix("Value error, ")
+        parser.error(f"--{'-'.join(map(str, first['loc'][:1])).replace('_', '-')}: {msg}")
     if settings.vae_minutes * 60 >= settings.minutes * 60 - settings.reserve_seconds:
         parser.error(f"--vae-minutes {settings.vae_minutes:g} leaves the transformer no time within --minutes "
                      f"{settings.minutes:g} less {settings.reserve_seconds:g} reserved seconds")

@@ -29,7 +29,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 __all__ = ["COLOURS", "SHAPES", "MOTIONS", "DIRECTIONS", "BACKGROUNDS", "CAMERAS", "SceneSpec", "Scenes", "HELD_OUT",
-           "caption", "parse_caption", "vocabulary", "sample_scenes", "render", "held_out_scenes", "background_bank",
+           "caption", "parse_caption", "vocabulary", "sample_scenes", "sampling_probabilities", "render", "held_out_scenes", "background_bank",
            "SHAPE_AREA", "SIZE_RANGE", "SCALE_RANGE", "DISTANCE_RANGE", "SPIN_RANGE"]
 
 #: Named shape colours (RGB in [0, 1]): fully saturated hues and white.
@@ -199,15 +199,50 @@ def _pick(g: torch.Generator, n: int, k: int) -> list[int]:
     return torch.randint(k, (n,), generator=g).tolist()
 
 
-def _random_specs(g: torch.Generator, n: int, exclude: set) -> list[SceneSpec]:
-    """``n`` scene specs drawn uniformly (the camera still half the time), none of whose
-    combinations is in ``exclude`` (those are drawn again)."""
+def sampling_probabilities(weights, names, what: str) -> torch.Tensor | None:
+    """The probabilities (float64, in ``names``' order) of drawing each of ``names`` given relative
+    ``weights`` ({name: weight ≥ 0}, names left out weigh 1), or None where the draw is uniform (no
+    weights, or all equal: the uniform draw itself, so those give the same scenes as no weights).
+    ``what`` names the weights in the error raised for unknown names or bad values."""
+    if weights is None:
+        return None
+    if not isinstance(weights, dict):
+        raise TypeError(f"{what}: a mapping {{name: weight}}, got a {type(weights).__name__}")
+    names = tuple(names)
+    unknown = sorted(str(k) for k in weights if k not in names)
+    if unknown:
+        raise ValueError(f"{what}: unknown name {unknown[0]!r} (one of {', '.join(names)})")
+    for k, v in weights.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{what}: the weight of {k} must be a finite number ≥ 0, got {v!r}")
+    w = torch.tensor([float(weights.get(k, 1.0)) for k in names], dtype=torch.float64)
+    if not (w > 0).any():
+        raise ValueError(f"{what}: every weight is 0 (at least one must be positive)")
+    if (w == w[0]).all():
+        return None
+    return w / w.sum()
+
+
+def _draw(g: torch.Generator, n: int, k: int, p: torch.Tensor | None) -> list[int]:
+    """``n`` indices below ``k``: uniform (:func:`_pick`) where ``p`` is None, else drawn with
+    probabilities ``p``."""
+    if p is None:
+        return _pick(g, n, k)
+    return torch.multinomial(p, n, replacement=True, generator=g).tolist()
+
+
+def _random_specs(g: torch.Generator, n: int, exclude: set, shape_p: torch.Tensor | None = None,
+                  colour_p: torch.Tensor | None = None) -> list[SceneSpec]:
+    """``n`` scene specs (the camera still half the time), none of whose combinations is in
+    ``exclude`` (those are drawn again); the shape and the colour drawn with probabilities
+    ``shape_p`` / ``colour_p`` (:func:`sampling_probabilities`; None: uniformly), the rest uniformly."""
     colours, backgrounds = list(COLOURS), list(BACKGROUNDS)
     out: list[SceneSpec | None] = [None] * n
     todo = list(range(n))
     while todo:
         m = len(todo)
-        c, s, mo, b, cam = (_pick(g, m, k) for k in (len(colours), len(SHAPES), len(MOTIONS), len(backgrounds), 8))
+        c, s, mo, b, cam = (_draw(g, m, k, p) for k, p in ((len(colours), colour_p), (len(SHAPES), shape_p),
+                                                            (len(MOTIONS), None), (len(backgrounds), None), (8, None)))
         again = []
         for j, i in enumerate(todo):
             combo = (colours[c[j]], SHAPES[s[j]], MOTIONS[mo[j]], backgrounds[b[j]])
@@ -234,16 +269,24 @@ def _dim(rgb: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def sample_scenes(n: int, *, seed: int, specs: list[SceneSpec] | None = None,
-                  exclude=tuple(HELD_OUT)) -> Scenes:
-    """``n`` scenes from ``seed``: the specs drawn uniformly leaving out the combinations of
-    ``exclude`` (default :data:`HELD_OUT`), or the given ``specs``; the continuous parameters drawn
-    for each. The same seed gives the same scenes on every machine."""
+                  exclude=tuple(HELD_OUT), shape_weights: dict | None = None,
+                  colour_weights: dict | None = None) -> Scenes:
+    """``n`` scenes from ``seed``: the specs drawn leaving out the combinations of ``exclude``
+    (default :data:`HELD_OUT`), or the given ``specs``; the continuous parameters drawn for each.
+    The specs' shapes and colours are drawn uniformly, or with the relative ``shape_weights`` /
+    ``colour_weights`` ({name: weight}, names left out weigh 1; :func:`sampling_probabilities`);
+    the other names uniformly. The same seed and weights give the same scenes on every machine."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a whole number ≥ 0, got {n!r}")
+    shape_p = sampling_probabilities(shape_weights, SHAPES, "shape_weights")
+    colour_p = sampling_probabilities(colour_weights, COLOURS, "colour_weights")
     g = torch.Generator().manual_seed(int(seed))
     if specs is None:
-        specs = _random_specs(g, n, {s.combination if isinstance(s, SceneSpec) else tuple(s) for s in exclude})
+        specs = _random_specs(g, n, {s.combination if isinstance(s, SceneSpec) else tuple(s) for s in exclude},
+                              shape_p, colour_p)
     else:
+        if shape_p is not None or colour_p is not None:
+            raise ValueError("sample_scenes: shape_weights / colour_weights draw the specs: give no specs with them")
         specs = list(specs)
         if len(specs) != n:
             raise ValueError(f"sample_scenes: {n} scenes asked for, {len(specs)} specs given")

@@ -36,9 +36,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .checker import check_rate
 from .model import (FULL, SMOKE, TestModelConfig, build_pipeline, is_pack, pack, parameter_counts, save_pipeline,
                     text_embeddings, tokenize)
-from .scenes import held_out_scenes, render, sample_scenes
+from .scenes import COLOURS, SHAPES, held_out_scenes, render, sample_scenes, sampling_probabilities
 
-__all__ = ["Settings", "SMOKE_SETTINGS", "train", "clip_frames", "generate", "evaluate", "call_for", "flow_sample"]
+__all__ = ["Settings", "SMOKE_SETTINGS", "train", "clip_frames", "generate", "evaluate", "call_for", "flow_sample",
+           "latent_cover", "flow_loss"]
 
 _PHASES = {"vae": 1, "stats": 2, "pool": 3, "noise": 4}
 
@@ -69,6 +70,15 @@ class Settings(BaseModel):
     long_text_every: int = Field(4, ge=0, description="pad the text to 512 tokens every n-th step (0: never)")
     checkpoint_seconds: float = Field(60.0, gt=0)
     log_seconds: float = Field(10.0, ge=0)
+    vae_colour_weights: dict[str, float] | None = Field(
+        None, description="relative weights of the VAE's clips' colours ({colour: weight}, others 1; None: uniform)")
+    vae_first_frame_weight: float = Field(1.0, gt=0, allow_inf_nan=False,
+                                          description="the first frame's factor on the VAE's reconstruction weight")
+    shape_weights: dict[str, float] | None = Field(
+        None, description="relative weights of the shapes of the VAE's clips and the latent pool's "
+        "({shape: weight}, others 1; None: uniform)")
+    shape_loss_weight: float = Field(0.0, ge=0, allow_inf_nan=False,
+                                     description="extra flow-matching weight on the latent cells the shape covers")
     max_vae_steps: int | None = Field(None, ge=0)
     max_steps: int | None = Field(None, ge=0)
     eval_clips: int = Field(24, ge=0, description="held-out captions generated and checked at the end")
@@ -77,6 +87,18 @@ class Settings(BaseModel):
     eval_seed: int = 1234
     compile: bool = False
     smoke: bool = False
+
+    @field_validator("shape_weights")
+    @classmethod
+    def _shape_names(cls, v):
+        sampling_probabilities(v, SHAPES, "shape weights")
+        return v
+
+    @field_validator("vae_colour_weights")
+    @classmethod
+    def _colour_names(cls, v):
+        sampling_probabilities(v, COLOURS, "colour weights")
+        return v
 
     @field_validator("vae_frames")
     @classmethod
@@ -109,6 +131,39 @@ def flow_sample(x0: torch.Tensor, noise: torch.Tensor, u: torch.Tensor, shift: f
     t = shift * u / (1 + (shift - 1) * u)
     tt = t.view(-1, *([1] * (x0.dim() - 1)))
     return (1 - tt) * x0 + tt * noise, t * 1000, noise - x0
+
+
+def latent_cover(mask: torch.Tensor, latent_shape) -> torch.Tensor:
+    """The shape's coverage of each latent cell: ``mask`` (B, 1, T, H, W), the pixels' coverage in
+    [0, 1] (:func:`~fp4video.testmodel.scenes.render`'s), max-pooled onto the latent grid of
+    ``latent_shape`` (B, C, T', H', W'), the causal VAE's: latent frame 0 holds frame 0 alone,
+    latent frame k the frames 4k - 3 .. 4k (the factor (T - 1) / (T' - 1)), and each latent pixel
+    an f × f block of pixels (f = H / H'). Returns (B, 1, T', H', W')."""
+    b, _, t, h, w = mask.shape
+    lt, lh, lw = latent_shape[-3:]
+    ft = (t - 1) // (lt - 1) if lt > 1 else 1
+    if (lt - 1) * ft + 1 != t or h % lh or w % lw or h // lh != w // lw:
+        raise ValueError(f"latent_cover: a mask of {t}×{h}×{w} does not map onto a latent grid of {lt}×{lh}×{lw}")
+    f = h // lh
+    # frame 0 repeated to a whole first group: the first latent frame's group is frame 0 alone
+    padded = torch.cat([mask[:, :, :1].expand(b, 1, ft - 1, h, w), mask], 2) if ft > 1 else mask
+    return torch.nn.functional.max_pool3d(padded.float(), kernel_size=(ft, f, f), stride=(ft, f, f))
+
+
+def flow_loss(pred: torch.Tensor, target: torch.Tensor, cover: torch.Tensor | None = None,
+              weight: float = 0.0) -> torch.Tensor:
+    """The transformer's flow-matching loss: the mean squared error of ``pred`` against ``target``,
+    weighted as the VAE's reconstruction is where ``weight`` > 0: each latent cell's error times
+    1 + weight·cover (``cover`` (B, 1, T', H', W') from :func:`latent_cover`, the same for every
+    channel), divided by the weights' mean (so the loss keeps its scale). ``weight`` 0 is the
+    plain mean, computed as it is without coverage."""
+    err = (pred.float() - target).pow(2)
+    if not weight:
+        return err.mean()
+    if cover is None:
+        raise ValueError("flow_loss: a shape weight needs the shape's coverage (cover)")
+    w = 1 + weight * cover.float()
+    return (w * err).mean() / w.mean()
 
 
 def _stream(seed: int, phase: str, index: int) -> int:
@@ -255,7 +310,8 @@ def _vae_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, device, de
     start, step, acc, last_log, last_ckpt = run.elapsed(), 0, [], run.elapsed(), run.elapsed()
     budget = max(deadline - start, 1e-9)
     while run.elapsed() < deadline and (s.max_vae_steps is None or step < s.max_vae_steps):
-        scenes = sample_scenes(s.vae_batch, seed=_stream(s.seed, "vae", step))
+        scenes = sample_scenes(s.vae_batch, seed=_stream(s.seed, "vae", step), shape_weights=s.shape_weights,
+                               colour_weights=s.vae_colour_weights)
         video, mask = render(scenes, frames=s.vae_frames, height=config.height, width=config.width, device=device)
         _set_lr(opt, s.vae_lr, step, s.warmup_steps, (run.elapsed() - start) / budget, s.max_vae_steps)
         with _autocast(device):
@@ -264,6 +320,8 @@ def _vae_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, device, de
                                                              dtype=posterior.mean.dtype)
             recon = vae.decode(z).sample
         weight = 1 + s.shape_weight * mask
+        if s.vae_first_frame_weight != 1:
+            weight[:, :, 0] *= s.vae_first_frame_weight
         rec_loss = (weight * (recon.float() - video).abs()).mean() / weight.mean()
         mean, logvar = posterior.mean.float(), posterior.logvar.float()
         kl = 0.5 * (mean.pow(2) + logvar.exp() - 1 - logvar).mean()
@@ -325,18 +383,22 @@ def _normalizer(pipe, device):
 
 @torch.no_grad()
 def _build_pool(run: _Run, pipe, config: TestModelConfig, s: Settings, device, deadline: float):
-    """Latents (normalized, bfloat16 on CUDA) and token ids of as many fresh clips as fit before
-    ``deadline`` (at least one encode batch, at most ``pool_size``)."""
+    """Latents (normalized, bfloat16 on CUDA), token ids, text masks and, where the transformer's
+    loss weighs the shape (``shape_loss_weight`` > 0), the shape's coverage of the latent grid
+    (:func:`latent_cover`; else None) of as many fresh clips as fit before ``deadline`` (at least
+    one encode batch, at most ``pool_size``). Every run builds its pool afresh, a resumed one too."""
     mean, std = _normalizer(pipe, device)
     store = torch.bfloat16 if device.type == "cuda" else torch.float32
-    latents, ids, masks = [], [], []
+    latents, ids, masks, covers = [], [], [], []
     start, n = run.elapsed(), 0
     while n < s.pool_size and (n == 0 or run.elapsed() < deadline):
         b = min(s.encode_batch, s.pool_size - n)
-        scenes = sample_scenes(b, seed=_stream(s.seed, "pool", n))
-        video, _ = render(scenes, frames=config.frames, height=config.height, width=config.width, device=device)
+        scenes = sample_scenes(b, seed=_stream(s.seed, "pool", n), shape_weights=s.shape_weights)
+        video, cover = render(scenes, frames=config.frames, height=config.height, width=config.width, device=device)
         with _autocast(device):
             mu = pipe.vae.encode(video).latent_dist.mean.float()
+        if s.shape_loss_weight:
+            covers.append(latent_cover(cover, mu.shape).to(store))
         latents.append(((mu - mean) / std).to(store))
         i, m = tokenize(pipe.tokenizer, scenes.captions(), config.max_sequence_length)
         ids.append(i.to(device))
@@ -345,14 +407,19 @@ def _build_pool(run: _Run, pipe, config: TestModelConfig, s: Settings, device, d
     seconds = run.elapsed() - start
     run.data["phases"]["pool"] = {"clips": n, "seconds": round(seconds, 1),
                                   "clips_per_second": round(n / max(seconds, 1e-9), 1)}
+    covers = torch.cat(covers) if covers else None
+    if covers is not None:
+        run.data["phases"]["pool"]["shape_cover"] = round(float((covers > 0).float().mean()), 4)
     run.say(f"latent pool: {n} clips in {seconds:.0f}s")
-    return torch.cat(latents), torch.cat(ids), torch.cat(masks)
+    return torch.cat(latents), torch.cat(ids), torch.cat(masks), covers
 
 
 def _transformer_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, device, deadline: float,
                        packed: bool) -> None:
     pool_deadline = run.elapsed() + s.pool_share * max(deadline - run.elapsed(), 0.0)
-    latents, ids, masks = _build_pool(run, pipe, config, s, device, pool_deadline)
+    latents, ids, masks, covers = _build_pool(run, pipe, config, s, device, pool_deadline)
+    if s.shape_loss_weight and covers is None:
+        raise ValueError("shape_loss_weight > 0 needs a latent pool built with the shape's coverage")
     empty_ids, empty_mask = (t.to(device) for t in tokenize(pipe.tokenizer, [""], config.max_sequence_length))
     transformer, text_encoder = pipe.transformer, pipe.text_encoder
     transformer.train()
@@ -381,7 +448,7 @@ def _transformer_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, de
         with _autocast(device):
             text = text_embeddings(text_encoder, ids_b, mask_b, pad_to)
             pred = model(hidden_states=xt, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
-        loss = (pred.float() - target).pow(2).mean()
+        loss = flow_loss(pred, target, covers[idx] if covers is not None else None, s.shape_loss_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
