@@ -1,0 +1,274 @@
+"""The test model's training options for its shapes and the VAE's red: the shape-weighted
+flow-matching loss (``--shape-loss-weight``), the shapes' and the VAE's colours' sampling weights
+(``--shape-weights``, ``--vae-colour-weights``) and the VAE's first-frame weight. Their defaults
+draw and train exactly as training does without them; each option does what it says against an
+independent computation; bad values are refused before any work."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4video.testmodel import scenes
+from fp4video.testmodel import train as tm
+from fp4video.testmodel.model import SMOKE, build_pipeline
+from fp4video.testmodel.scenes import COLOURS, SHAPES, render, sample_scenes
+from fp4video.testmodel.train import SMOKE_SETTINGS, Settings, flow_loss, latent_cover
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# chi-square critical values at p = 0.001 (3 and 7 degrees of freedom)
+CHI2_3, CHI2_7 = 16.27, 24.32
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def _counts(names: list[str], universe) -> torch.Tensor:
+    return torch.tensor([names.count(k) for k in universe], dtype=torch.float64)
+
+
+def _same_scenes(a, b) -> bool:
+    return a.specs == b.specs and a.params.keys() == b.params.keys() and all(
+        torch.equal(a.params[k], b.params[k]) for k in a.params)
+
+
+def _cover_reference(mask: torch.Tensor, lt: int, lh: int, lw: int) -> torch.Tensor:
+    """The shape's coverage of each latent cell, cell by cell: latent frame 0 is frame 0, latent
+    frame k the frames 4k - 3 .. 4k (the causal VAE's chunks), each latent pixel an f × f block."""
+    b, _, t, h, w = mask.shape
+    ft, f = (t - 1) // (lt - 1), h // lh
+    out = torch.zeros(b, 1, lt, lh, lw)
+    for k in range(lt):
+        frames = [0] if k == 0 else list(range(ft * (k - 1) + 1, ft * k + 1))
+        for i in range(lh):
+            for j in range(lw):
+                out[:, 0, k, i, j] = mask[:, 0, frames, i * f:(i + 1) * f, j * f:(j + 1) * f].flatten(1).amax(1)
+    return out
+
+
+# --- sampling weights ------------------------------------------------------------------------------
+
+def test_default_and_equal_weights_draw_todays_uniform_scenes():
+    """No weights (and all-equal weights) draw what the uniform draw draws: the specs from the
+    seed's generator, one randint per name in order (colour, shape, motion, background, camera)."""
+    n, seed = 300, 5
+    got = sample_scenes(n, seed=seed, exclude=())
+    g = torch.Generator().manual_seed(seed)
+    c, s, m, b, cam = (torch.randint(k, (n,), generator=g).tolist() for k in (8, 4, 7, 15, 8))
+    colours, backgrounds = list(COLOURS), list(scenes.BACKGROUNDS)
+    for i, spec in enumerate(got.specs):
+        assert (spec.colour, spec.shape, spec.motion, spec.background) == (
+            colours[c[i]], SHAPES[s[i]], scenes.MOTIONS[m[i]], backgrounds[b[i]]), i
+        plain = scenes.BACKGROUNDS[spec.background][0] == "plain"
+        assert spec.camera == ("still" if cam[i] >= 4 or plain else scenes.CAMERAS[1 + cam[i]]), i
+    held = sample_scenes(n, seed=seed)
+    assert _same_scenes(held, sample_scenes(n, seed=seed, shape_weights=None, colour_weights=None))
+    assert _same_scenes(held, sample_scenes(n, seed=seed, shape_weights={k: 2.5 for k in SHAPES},
+                                            colour_weights={"red": 1, "blue": 1.0}))
+
+
+def test_shape_and_colour_weights_set_the_drawn_frequencies():
+    """square=2,triangle=2 draws squares and triangles twice as often as circles and bars (chi-square
+    against 1/3, 1/6, 1/3, 1/6 on 4,000 draws); red=2 draws red 2/9 of the time, the other colours
+    1/9. The uniform draw fails the weighted expectation (the check can tell them apart)."""
+    n = 4000
+    weighted = sample_scenes(n, seed=21, shape_weights={"square": 2, "triangle": 2}, colour_weights={"red": 2})
+    shape_p = torch.tensor([2, 1, 2, 1], dtype=torch.float64) / 6
+    colour_p = torch.tensor([2] + [1] * 7, dtype=torch.float64) / 9
+    assert _chi2(_counts([s.shape for s in weighted.specs], SHAPES), shape_p) < CHI2_3
+    assert _chi2(_counts([s.colour for s in weighted.specs], COLOURS), colour_p) < CHI2_7
+    uniform = sample_scenes(n, seed=21)
+    assert _chi2(_counts([s.shape for s in uniform.specs], SHAPES), shape_p) > 10 * CHI2_3
+    assert _chi2(_counts([s.shape for s in uniform.specs], SHAPES), torch.full((4,), 0.25, dtype=torch.float64)) < CHI2_3
+    # a zero weight never draws that shape; held-out combinations stay out
+    only = sample_scenes(500, seed=3, shape_weights={"circle": 0, "bar": 0})
+    assert {s.shape for s in only.specs} == {"square", "triangle"}
+    assert not {s.combination for s in weighted.specs} & {h.combination for h in scenes.HELD_OUT}
+    # the same seed and weights give the same scenes; the renders of the drawn specs are the specs'
+    again = sample_scenes(n, seed=21, shape_weights={"square": 2, "triangle": 2}, colour_weights={"red": 2})
+    assert _same_scenes(weighted, again)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(shape_weights={"sqaure": 2}), "unknown name 'sqaure'"),
+    (dict(shape_weights={"square": -1}), "finite number"),
+    (dict(shape_weights={"square": float("inf")}), "finite number"),
+    (dict(shape_weights={"square": True}), "finite number"),
+    (dict(shape_weights={k: 0 for k in SHAPES}), "every weight is 0"),
+    (dict(colour_weights={"crimson": 2}), "unknown name 'crimson'"),
+    (dict(colour_weights={"red": float("nan")}), "finite number"),
+])
+def test_sample_scenes_refuses_bad_weights(kw, match):
+    with pytest.raises(ValueError, match=match):
+        sample_scenes(4, seed=0, **kw)
+
+
+# --- the shape-weighted flow loss ------------------------------------------------------------------
+
+def test_latent_cover_is_the_max_over_each_latent_cells_frames_and_pixels():
+    """latent_cover of a render's mask is, cell by cell, the max of the coverage over the cell's
+    frames (the causal VAE's: frame 0 alone, then groups of 4) and its 8 × 8 pixels; the grid is the
+    shipped VAE's (29 frames of 128 × 128 -> 8 × 16 × 16)."""
+    sc = sample_scenes(3, seed=2, specs=[
+        scenes.SceneSpec(colour="red", shape="square", motion="moves right", background="grey"),
+        scenes.SceneSpec(colour="cyan", shape="triangle", motion="spins", background="coins"),
+        scenes.SceneSpec(colour="white", shape="bar", motion="grows", background="black")])
+    _, mask = render(sc, frames=29, height=128, width=128)
+    cover = latent_cover(mask, (3, 16, 8, 16, 16))
+    assert cover.shape == (3, 1, 8, 16, 16)
+    ref = _cover_reference(mask, 8, 16, 16)
+    assert torch.equal(cover, ref)
+    assert 0 < (cover > 0).float().mean() < 0.2 and cover.max() == 1
+    # the first latent frame is frame 0's alone: a moving square's first cell row differs from a
+    # plain max over frames 0..3
+    plain = mask[:, :, :4].amax(2).unflatten(-2, (16, 8)).unflatten(-1, (16, 8)).amax((-3, -1))
+    assert not torch.equal(cover[:, :, 0], plain)
+    # the smoke VAE's latent grid is what latent_cover maps onto
+    pipe = build_pipeline(SMOKE, seed=0)
+    sc = sample_scenes(2, seed=4)
+    video, mask = render(sc, frames=SMOKE.frames, height=SMOKE.height, width=SMOKE.width)
+    with torch.no_grad():
+        mu = pipe.vae.encode(video).latent_dist.mean
+    assert torch.equal(latent_cover(mask, mu.shape), _cover_reference(mask, *mu.shape[-3:]))
+    with pytest.raises(ValueError, match="does not map onto a latent grid"):
+        latent_cover(mask, (2, 4, 3, 5, 5))
+
+
+def test_flow_loss_weighs_each_latent_cell_one_plus_w_cover():
+    """With weight W the loss's gradient weighs each latent cell's squared error 1 + W·cover
+    (relative to an uncovered cell), cover computed cell by cell from the render; the loss is
+    the weighted mean (sum of weight × error over sum of weights). W = 0 is the plain mean, bit
+    for bit."""
+    sc = sample_scenes(2, seed=9, shape_weights={"square": 1, "circle": 0, "triangle": 1, "bar": 0})
+    _, mask = render(sc, frames=29, height=128, width=128)
+    cover = _cover_reference(mask, 8, 16, 16)
+    g = torch.Generator().manual_seed(0)
+    target = torch.randn(2, 4, 8, 16, 16, generator=g)
+    pred = (target + torch.randn(target.shape, generator=g)).requires_grad_()
+    w = 4.0
+    loss = flow_loss(pred, target, latent_cover(mask, pred.shape), w)
+    loss.backward()
+    # d loss / d pred = 2 (pred - target) · weight / (N · mean weight)
+    eff = pred.grad / (2 * (pred.detach() - target))
+    eff = eff / eff[(cover == 0).expand_as(eff)].mean()
+    expected = (1 + w * cover).expand_as(eff)
+    assert torch.allclose(eff, expected, rtol=1e-4, atol=1e-5)
+    covered = (cover > 0).expand_as(eff)
+    assert covered.any() and (expected[covered] > 1).all()
+    weight = (1 + w * cover).expand_as(target)
+    err = (pred.detach() - target) ** 2
+    assert torch.allclose(loss.detach(), (weight * err).sum() / weight.sum(), rtol=1e-6)
+    plain = (pred.detach().float() - target).pow(2).mean()
+    assert torch.equal(flow_loss(pred.detach(), target), plain)
+    assert torch.equal(flow_loss(pred.detach(), target, latent_cover(mask, pred.shape), 0.0), plain)
+    with pytest.raises(ValueError, match="needs the shape's coverage"):
+        flow_loss(pred.detach(), target, None, 1.0)
+
+
+# --- the latent pool -------------------------------------------------------------------------------
+
+def _pool(settings: Settings, tmp_path):
+    pipe = build_pipeline(SMOKE, seed=0)
+    run = tm._Run(tmp_path, lambda *a: None, {}, None)
+    return pipe, tm._build_pool(run, pipe, SMOKE, settings, torch.device("cpu"), deadline=1e9)
+
+
+def _pool_reference(pipe, settings: Settings, shape_weights=None):
+    """The pool as training builds it without the options: each encode batch's scenes from the
+    pool's stream, rendered, encoded (posterior mean) and normalized; coverage max-pooled cell by cell."""
+    from fp4video.testmodel.model import tokenize
+
+    mean = torch.tensor(pipe.vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(pipe.vae.config.latents_std).view(1, -1, 1, 1, 1)
+    latents, ids, covers = [], [], []
+    for n in range(0, settings.pool_size, settings.encode_batch):
+        b = min(settings.encode_batch, settings.pool_size - n)
+        sc = sample_scenes(b, seed=tm._stream(settings.seed, "pool", n), shape_weights=shape_weights)
+        video, mask = render(sc, frames=SMOKE.frames, height=SMOKE.height, width=SMOKE.width)
+        with torch.no_grad():
+            mu = pipe.vae.encode(video).latent_dist.mean.float()
+        latents.append((mu - mean) / std)
+        ids.append(tokenize(pipe.tokenizer, sc.captions(), SMOKE.max_sequence_length)[0])
+        covers.append(_cover_reference(mask, *mu.shape[-3:]))
+    return torch.cat(latents), torch.cat(ids), torch.cat(covers)
+
+
+def test_default_pool_is_the_pool_without_the_options(tmp_path):
+    """The default settings build the pool training built before the options (same latents and
+    token ids, bit for bit) and keep no coverage."""
+    s = Settings(**SMOKE_SETTINGS)
+    pipe, (latents, ids, _, covers) = _pool(s, tmp_path)
+    ref_latents, ref_ids, _ = _pool_reference(pipe, s)
+    assert covers is None
+    assert torch.equal(latents, ref_latents) and torch.equal(ids, ref_ids)
+
+
+def test_shape_weighted_pool_keeps_each_clips_coverage(tmp_path):
+    """With --shape-loss-weight and --shape-weights the pool holds the weighted draw's clips and
+    each clip's coverage of its latent grid, row for row with its latents."""
+    weights = {"square": 3.0, "circle": 0.0}
+    s = Settings(**{**SMOKE_SETTINGS, "pool_size": 6, "shape_loss_weight": 4.0, "shape_weights": weights})
+    pipe, (latents, ids, _, covers) = _pool(s, tmp_path)
+    ref_latents, ref_ids, ref_covers = _pool_reference(pipe, s, weights)
+    assert torch.equal(latents, ref_latents) and torch.equal(ids, ref_ids)
+    assert covers.shape == (6, 1, *latents.shape[-3:]) and torch.equal(covers, ref_covers)
+    assert (covers.flatten(1).amax(1) > 0).all()  # every clip's shape covers some cell
+
+
+# --- the script ------------------------------------------------------------------------------------
+
+def _script():
+    spec = importlib.util.spec_from_file_location("train_test_model_script", ROOT / "scripts" / "train_test_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--shape-loss-weight", "-1"], "--shape-loss-weight: Input should be greater than or equal to 0"),
+    (["--shape-loss-weight", "inf"], "--shape-loss-weight: Input should be a finite number"),
+    (["--shape-weights", "sqare=2"], "--shape-weights: shape weights: unknown name 'sqare'"),
+    (["--shape-weights", "square"], "argument --shape-weights: expected name=weight"),
+    (["--shape-weights", "square=two"], "argument --shape-weights: the weight of square is not a number"),
+    (["--shape-weights", "square=1,square=2"], "square given twice"),
+    (["--shape-weights", "square=0,circle=0,triangle=0,bar=0"], "every weight is 0"),
+    (["--vae-colour-weights", "red=-2"], "--vae-colour-weights: colour weights: the weight of red must be"),
+    (["--vae-colour-weights", "scarlet=2"], "unknown name 'scarlet'"),
+    (["--vae-first-frame-weight", "0"], "--vae-first-frame-weight: Input should be greater than 0"),
+])
+def test_script_refuses_bad_option_values_before_any_work(args, match, tmp_path):
+    out = tmp_path / "run"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+        _script().main(["--smoke", "--out", str(out), *args])
+    assert exit_.value.code == 2
+    last = err.getvalue().strip().splitlines()[-1]
+    assert last.startswith("train_test_model.py: error: ") and match in last, last
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_smoke_run_with_the_options_trains_and_logs_them(tmp_path):
+    """A smoke run with every option trains both phases and logs the options and the pool's coverage."""
+    out = tmp_path / "run"
+    args = ["--smoke", "--out", str(out), "--max-vae-steps", "1", "--eval-clips", "0",
+            "--shape-loss-weight", "4", "--shape-weights", "square=2,triangle=2",
+            "--vae-colour-weights", "red=2", "--vae-first-frame-weight", "2"]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert _script().main(args) == 0
+    log = json.loads((out / "train_log.json").read_text())
+    st = log["settings"]
+    assert st["shape_loss_weight"] == 4.0 and st["shape_weights"] == {"square": 2.0, "triangle": 2.0}
+    assert st["vae_colour_weights"] == {"red": 2.0} and st["vae_first_frame_weight"] == 2.0
+    assert log["phases"]["vae"]["steps"] == 1 and log["phases"]["transformer"]["steps"] == 3
+    assert 0 < log["phases"]["pool"]["shape_cover"] < 1
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in log["curves"]["vae"] + log["curves"]["transformer"])
