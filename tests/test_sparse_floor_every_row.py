@@ -85,16 +85,18 @@ def test_the_repair_designs_report_their_miss_rate_measured_on_every_row(suite_i
 
 
 def test_the_check_cost_script_runs_at_a_tiny_size(tmp_path):
-    """scripts/sparse_check_cost.py on the CPU at 1,024 tokens: every piece timed for 2, 4, 8 rows and
-    the check's default, against the dense call, in a markdown table."""
+    """scripts/sparse_check_cost.py on the CPU at 1,024 tokens: every piece (seven, the sinks-only
+    check among them) timed for 2, 4, 8 rows and the check's default, against the dense call, in a
+    markdown table."""
     _script("sparse_check_cost").main(["--tokens", "1024", "--heads", "2", "--device", "cpu", "--repeats", "1",
                                        "--out", str(tmp_path)])
     result = json.loads((tmp_path / "cost.json").read_text())
     rows = sorted({2, 4, 8, CHECK_ROWS})
-    assert [line["rows"] for line in result["lines"]] == [r for r in rows for _ in range(6)]
+    assert [line["rows"] for line in result["lines"]] == [r for r in rows for _ in range(7)]
     assert all(line["ms"] > 0 and line["of SDPA"] > 0 for line in result["lines"])
     table = (tmp_path / "cost.md").read_text()
     assert f"| the check with sinks and floor 0.9 (the bound's repair) | {CHECK_ROWS} |" in table and "of dense SDPA" in table
+    assert f"| the check with sinks (the shipped sparse configs' check) | {CHECK_ROWS} |" in table
 
 
 def test_the_check_and_its_rows_read_nothing_back(monkeypatch):
