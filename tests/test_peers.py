@@ -160,6 +160,33 @@ def test_sdpa_is_restored_after_an_error_and_unrunnable_peers_are_refused():
     assert route.routed == 0 and dict(route.left) == {"in torch.float32": 1}
 
 
+def test_a_peer_in_place_of_sdpa_inside_a_compiled_block_counts_calls_and_compiles_once():
+    """A compiled function calling SDPA runs the peer at every call (not only while dynamo traces
+    it) and keeps one graph: the route's counters are not guarded on, call after call."""
+    import torch._dynamo
+    import torch._dynamo.testing
+
+    calls = []
+    counter = torch._dynamo.testing.CompileCounter()
+
+    def block(x, w):
+        y = x @ w
+        return torch.nn.functional.scaled_dot_product_attention(y, y, y) + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=counter)
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(1, 2, 12, 8, generator=g), torch.randn(8, 8, generator=g)
+    with sdpa_replaced_by(_counting_peer(calls), dtypes=(torch.float32,), devices=("cpu",)) as route:
+        outs = [compiled(x, w) for _ in range(4)]
+    torch._dynamo.reset()
+    assert route.routed == 4 and len(calls) == 4
+    assert counter.frame_count <= 2  # the graph before the peer and the one after it, compiled once
+    want = SDPA(x @ w, x @ w, x @ w) + 1
+    for out in outs:
+        assert torch.allclose(out, want, atol=1e-5)
+
+
 @pytest.mark.parametrize("model", ["wan22", "hunyuan"])
 def test_bench_pipeline_runs_a_peer_in_place_of_sdpa(model, monkeypatch, nothing_installed):
     """`bench pipeline --tiny --peers` on the CPU: a stand-in peer takes the tiny Wan transformer's

@@ -239,7 +239,10 @@ def sdpa_replaced_by(peer: Peer, *, dtypes=(torch.bfloat16, torch.float16), devi
     every call it can take (no mask, not causal, no dropout, the default scale, q, k, v of one head
     dim and one of ``dtypes`` on one of ``devices``) and the original SDPA for the rest; yields an
     :class:`SdpaRoute` that counts both. The original is restored on exit, also after an error.
-    Only whole calls (``Peer.whole_call``: no ``prepare`` step) can stand in for SDPA."""
+    Only whole calls (``Peer.whole_call``: no ``prepare`` step) can stand in for SDPA. The replacement
+    is hidden from torch.compile (a compiled block breaks its graph there and runs the peer as it
+    is, as fp4video's own attention does): traced, its counters would count compilations, not calls,
+    and the route's state would be guarded on, one graph per call past dynamo's recompile limit."""
     if peer.fn is None:
         raise ValueError(f"{peer.name} cannot run here: {peer.missing}")
     if not peer.whole_call or peer.prepare is not None:
@@ -257,7 +260,7 @@ def sdpa_replaced_by(peer: Peer, *, dtypes=(torch.bfloat16, torch.float16), devi
         route.routed += 1
         return peer.fn(query, key, value).to(query.dtype)
 
-    functional.scaled_dot_product_attention = replacement
+    functional.scaled_dot_product_attention = torch.compiler.disable(replacement)
     try:
         yield route
     finally:
