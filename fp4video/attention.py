@@ -144,15 +144,15 @@ def selection_for(sparsity, q: torch.Tensor, k: torch.Tensor, *, layout: str = "
 def _resolve_selection(sparsity, q, k, mask, scale, path):
     """The selection of ``sparsity`` for (B, H, S, D) ``q``, ``k``, Q and K pooled by the kernels
     where they run the call (``path``)."""
-    from .sparse import covering_rows, resolve_sparsity, row_block_mass, tile_pool
+    from .sparse import covering_rows, resolve_sparsity, row_block_mass, row_shares, tile_pool
 
     if path == "triton":
         from .kernels.covering import covering_rows
         from .kernels.pooling import tile_pool
-        from .kernels.row_mass import row_block_mass
+        from .kernels.row_mass import row_block_mass, row_shares
     with torch.no_grad():
         return resolve_sparsity(sparsity, q, k, scale=scale, attn_mask=mask, pool=tile_pool, row_mass=row_block_mass,
-                                placement=covering_rows)
+                                placement=covering_rows, shares=row_shares)
 
 
 def _sparse_key_tiles(sparsity, q, k, mask, scale, path):

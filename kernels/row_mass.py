@@ -4,8 +4,8 @@ on the GPU, the read behind every block-sparse call's check (and the ``sampled``
 A program takes ``BLOCK_R`` sampled rows of one batch entry and head and walks a run of key tiles once
 (the tiles are independent, so the key tiles split over programs until the GPU has several waves):
 Q·Kᵀ of those rows in fp32 (16-bit inputs on the tensor cores, exact products), and per key tile the
-rows' largest logit and the sum of their exponentials below it. The host combines the tiles into each
-row's softmax weight per tile. Its work is the rows' share of a dense call's Q·Kᵀ (2 of 128 rows: 1/64),
+rows' largest logit and the sum of their exponentials below it. A second kernel combines the tiles
+into each row's softmax weight per tile. Its work is the rows' share of a dense call's Q·Kᵀ (2 of 128 rows: 1/64),
 with no P·V.
 """
 
@@ -18,11 +18,13 @@ import triton
 import triton.language as tl
 
 from fp4video.sparse import row_block_mass as reference_row_block_mass
+from fp4video.sparse.check import row_shares as reference_row_shares
 from fp4video.sparse.selection import positive_int
 
+from .plan import interpreting
 from .tiles import LOG2E, next_pow2
 
-__all__ = ["row_block_mass"]
+__all__ = ["row_block_mass", "row_shares"]
 
 
 @triton.jit
@@ -82,6 +84,38 @@ def _row_tile_stats_kernel(Q, K, Rows, Alive, Max, Sum, H, Sk, R, n_key_tiles, D
             _tile_stats(q, K, Max, Sum, out, full, n, n < Sk, d, D, kbase, sks, skd, scale_log2, r_ok, True, IEEE)
 
 
+@triton.jit
+def _normalize_kernel(Top, Total, Mass, n_rows, n_key_tiles, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Each row's tiles' (largest logit, sum below it) into its softmax weight per tile: one pass brings
+    the sums to the row's running largest logit and adds them, a second writes each tile's share. A
+    tile without a live key weighs nothing; a NaN sum makes the row's total, and so every share, NaN."""
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    r_ok = r < n_rows
+    c0 = tl.arange(0, BLOCK_K)
+    row_max = tl.full((BLOCK_ROWS,), -float("inf"), tl.float32)
+    row_sum = tl.zeros((BLOCK_ROWS,), tl.float32)
+    for j in range(0, n_key_tiles, BLOCK_K):
+        c = j + c0
+        ok = r_ok[:, None] & (c[None, :] < n_key_tiles)
+        top = tl.load(Top + r[:, None] * n_key_tiles + c[None, :], mask=ok, other=-float("inf"))
+        total = tl.load(Total + r[:, None] * n_key_tiles + c[None, :], mask=ok, other=0.0)
+        new_max = tl.maximum(row_max, tl.max(top, axis=1))
+        base = tl.where(new_max == -float("inf"), 0.0, new_max)
+        part = tl.where(top == -float("inf"), 0.0, total * tl.exp2(top - base[:, None]))
+        row_sum = row_sum * tl.exp2(row_max - base) + tl.sum(part, axis=1)
+        row_max = new_max
+    base = tl.where(row_max == -float("inf"), 0.0, row_max)
+    denom = tl.maximum(row_sum, 1.1754943508222875e-38)  # (a NaN sum stays NaN)
+    denom = tl.where(row_sum != row_sum, row_sum, denom)
+    for j in range(0, n_key_tiles, BLOCK_K):
+        c = j + c0
+        ok = r_ok[:, None] & (c[None, :] < n_key_tiles)
+        top = tl.load(Top + r[:, None] * n_key_tiles + c[None, :], mask=ok, other=-float("inf"))
+        total = tl.load(Total + r[:, None] * n_key_tiles + c[None, :], mask=ok, other=0.0)
+        part = tl.where(top == -float("inf"), 0.0, total * tl.exp2(top - base[:, None]))
+        tl.store(Mass + r[:, None] * n_key_tiles + c[None, :], part / denom[:, None], mask=ok)
+
+
 def row_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, *, scale: float | None = None,
                    attn_mask: torch.Tensor | None = None, key_tile: int = 128, rows_at_once: int = 1024,
                    block_r: int | None = None, num_warps: int | None = None, num_stages: int = 3,
@@ -129,9 +163,55 @@ def row_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, *, scal
             BLOCK_R=block_r, BLOCK_N=key_tile, BLOCK_D=next_pow2(d), HAS_ALIVE=alive is not None, IEEE=ieee,
             num_warps=num_warps or (8 if block_r == 128 else 4), num_stages=num_stages,
         )
-    # each row's softmax weight per tile: the tiles' sums brought to the row's largest logit
-    row_top = top.amax(dim=-1, keepdim=True)
-    weight = total * torch.exp2(top - torch.where(row_top == -math.inf, 0.0, row_top))
-    weight = torch.where(top == -math.inf, 0.0, weight)  # tiles without a live key (a NaN sum stays NaN)
-    mass = weight / weight.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    mass = torch.empty_like(top)  # each row's softmax weight per tile
+    rows_total = b * h * n_rows
+    if rows_total and nk:
+        _normalize_kernel[(triton.cdiv(rows_total, 16),)](top, total, mass, rows_total, nk, BLOCK_ROWS=16,
+                                                          BLOCK_K=min(256, next_pow2(nk)), num_warps=4)
     return mass.reshape(b, h, *rows.shape, nk)
+
+
+@triton.jit
+def _row_shares_kernel(Mass, Tiles, Kept, Total, n_rows, R, NQ, H, n_key_tiles, stb, sth, stq, stk,
+                       BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Each row's mass summed over the key tiles its query tile visits, and over all: one read of the
+    row. Row ``i`` of ``Mass`` (contiguous (B, H, nq, r, nk)) belongs to query tile ``i // R``."""
+    i = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    ok = i < n_rows
+    g = i // R  # (b·H + h)·nq + query tile
+    qt = g % NQ
+    bh = g // NQ
+    tbase = (bh // H).to(tl.int64) * stb + (bh % H).to(tl.int64) * sth + qt.to(tl.int64) * stq
+    c0 = tl.arange(0, BLOCK_K)
+    kept = tl.zeros((BLOCK_ROWS,), tl.float32)
+    total = tl.zeros((BLOCK_ROWS,), tl.float32)
+    for j in range(0, n_key_tiles, BLOCK_K):
+        c = j + c0
+        m_ok = ok[:, None] & (c[None, :] < n_key_tiles)
+        mass = tl.load(Mass + i.to(tl.int64)[:, None] * n_key_tiles + c[None, :], mask=m_ok, other=0.0)
+        visit = tl.load(Tiles + tbase[:, None] + c[None, :].to(tl.int64) * stk, mask=m_ok, other=0)
+        kept += tl.sum(tl.where(visit != 0, mass, 0.0), axis=1)
+        total += tl.sum(mass, axis=1)
+    tl.store(Kept + i, kept, mask=ok)
+    tl.store(Total + i, total, mask=ok)
+
+
+def row_shares(mass: torch.Tensor, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fp4video.sparse.check.row_shares` in one kernel launch (the same contract; the sums run
+    in another order). Runs the reference for tensors neither on CUDA nor under ``TRITON_INTERPRET=1``
+    and for a ``mass`` that is not contiguous fp32."""
+    if (mass.dim() != 5 or mass.dtype != torch.float32 or not mass.is_contiguous() or tiles.dtype != torch.bool
+            or not (mass.is_cuda or (interpreting() and mass.device.type == "cpu")) or tiles.device != mass.device):
+        return reference_row_shares(mass, tiles)
+    b, h, nq, r, nk = mass.shape
+    t = tiles.expand(b, h, nq, nk).view(torch.uint8)  # broadcast dims keep stride 0
+    kept = torch.empty(b, h, nq, r, device=mass.device, dtype=torch.float32)
+    total = torch.empty_like(kept)
+    n_rows = kept.numel()
+    if n_rows and nk:
+        _row_shares_kernel[(triton.cdiv(n_rows, 16),)](mass, t, kept, total, n_rows, r, nq, h, nk, *t.stride(),
+                                                      BLOCK_ROWS=16, BLOCK_K=min(256, next_pow2(nk)), num_warps=4)
+    else:
+        kept.zero_()
+        total.zero_()
+    return kept, total

@@ -112,8 +112,10 @@ def main(argv=None):
     if device.type == "cuda":
         from fp4video.kernels.covering import covering_rows as placement
         from fp4video.kernels.row_mass import row_block_mass as row_mass
+        from fp4video.kernels.row_mass import row_shares as shares
     else:
         from fp4video.sparse import row_block_mass as row_mass
+        from fp4video.sparse import row_shares as shares
         placement = covering_rows
     nq = nk = -(-s // 128)
     sel = BlockSelection(torch.rand(b, h, nq, nk, device=device, generator=g) < args.density, s, s)
@@ -154,12 +156,12 @@ def main(argv=None):
         ar = torch.arange(flat.shape[2], device=device)
         record("the rows' exact mass alone, covering rows (gathered, per head)", r,
                lambda: row_mass(q.gather(2, flat.expand(b, h, flat.shape[2], d)), k, ar))
-        record("the check, measure only", r, lambda: check_selection(sel, q, k, rows=r, row_mass=row_mass, placement=placement), args.graph)
+        record("the check, measure only", r, lambda: check_selection(sel, q, k, rows=r, row_mass=row_mass, placement=placement, shares=shares), args.graph)
         record("the check with sinks (the shipped sparse configs' check)", r,
-               lambda: check_selection(sel, q, k, rows=r, sinks=True, row_mass=row_mass, placement=placement), args.graph)
+               lambda: check_selection(sel, q, k, rows=r, sinks=True, row_mass=row_mass, placement=placement, shares=shares), args.graph)
         record(f"the check with sinks and floor {args.floor:g} (the bound's repair)", r,
                lambda: check_selection(sel, q, k, rows=r, sinks=True, floor=args.floor, row_mass=row_mass,
-                                               placement=placement), args.graph)
+                                               placement=placement, shares=shares), args.graph)
         record(f"the previous check with sinks and floor {args.floor:g} (strata rows, each row's repair)", r,
                lambda: previous_check(sel, q, k, r, row_mass, args.floor, union_take), args.graph)
 
@@ -178,6 +180,12 @@ def main(argv=None):
                                    lambda: row_mass(q_rows, k, ar, block_r=block_r, num_warps=warps, num_stages=stages,
                                                     splits=splits))
 
+    if args.sweep and device.type == "cuda":  # the placement kernel's warps
+        for r in args.rows:
+            for warps in (2, 4, 8, 16):
+                record(f"covering rows: the placement alone, {warps} warps", r,
+                       lambda: placement(q, 128, r, num_warps=warps))
+
     if args.profile and device.type == "cuda":  # where each check's time goes, kernel by kernel
         from torch.profiler import ProfilerActivity, profile
 
@@ -185,7 +193,7 @@ def main(argv=None):
         tables = []
         for label, kw in (("measure only", {}), ("with sinks", {"sinks": True}),
                           (f"with sinks and floor {args.floor:g}", {"sinks": True, "floor": args.floor})):
-            fn = lambda: check_selection(sel, q, k, rows=r, row_mass=row_mass, placement=placement, **kw)
+            fn = lambda: check_selection(sel, q, k, rows=r, row_mass=row_mass, placement=placement, shares=shares, **kw)
             fn()
             torch.cuda.synchronize(device)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -28,7 +28,7 @@ from fp4video.sparse import (
     sample_rows,
     student_t_quantile,
 )
-from fp4video.sparse.check import CHECK_CONFIDENCE, CHECK_ROWS
+from fp4video.sparse.check import CHECK_CONFIDENCE, CHECK_ROWS, row_shares
 
 GRID = VideoGrid(4, 16, 32, text=32)  # 2,080 tokens: 17 query tiles
 
@@ -128,6 +128,60 @@ def test_row_mass_kernel_equals_the_reference_per_row(d, monkeypatch):
     assert torch.isnan(got[1, 0]).all() and torch.isfinite(got[0]).all() and torch.isfinite(got[1, 1]).all()
 
 
+def _shares_inputs(g, b=2, h=3, nq=5, r=3, nk=300):
+    """Rows' masses (softmax-like, some rows NaN or empty) and a selection with broadcast dims."""
+    mass = torch.rand(b, h, nq, r, nk, generator=g).pow(4)
+    mass = mass / mass.sum(-1, keepdim=True)
+    mass[0, 1, 2, 1] = 0.0  # a row that sees no key
+    mass[1, 0, 3, 0, min(7, nk - 1)] = math.nan  # a row that is not finite
+    tiles = torch.rand(1, h, nq, nk, generator=g) < 0.3
+    return mass, tiles
+
+
+def test_row_shares_kernel_equals_the_reference_per_row(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from fp4video.kernels.row_mass import row_shares as kernel
+
+    g = torch.Generator().manual_seed(5)
+    for nk in (1, 37, 300, 700):  # one tile, one partial block of tiles, several blocks
+        mass, tiles = _shares_inputs(g, nk=nk)
+        before = mass.clone()
+        for t in (tiles, tiles.expand(2, 3, 5, nk), tiles[:, :1], torch.ones(1, 1, 1, 1, dtype=torch.bool)):
+            kept, total = kernel(mass, t)
+            want_kept, want_total = row_shares(mass, t)
+            # per row, NaN where the reference's is (the NaN row's tile 7 is visited or not)
+            torch.testing.assert_close(kept, want_kept, rtol=0, atol=1e-6, equal_nan=True)
+            torch.testing.assert_close(total, want_total, rtol=0, atol=1e-6, equal_nan=True)
+        assert torch.equal(mass.nan_to_num(-1), before.nan_to_num(-1))  # the caller's tensor untouched
+    # the reference itself: each row's sum over its visited tiles, in fp64
+    mass, tiles = _shares_inputs(g)
+    kept, total = row_shares(mass, tiles)
+    m64 = mass.double()
+    want = (m64 * tiles.unsqueeze(-2)).nan_to_num(0).sum(-1)
+    finite = torch.isfinite(m64).all(-1)
+    torch.testing.assert_close(kept[finite].double(), want[finite], rtol=0, atol=1e-6)
+    assert torch.isnan(total[~finite]).all() and (total[0, 1, 2, 1] == 0)
+
+
+def test_the_check_with_the_shares_kernel_equals_the_reference_check(heads, monkeypatch):
+    """check_selection with the GPU's row_shares (in the interpreter) measures and repairs as with the
+    reference's: the same tiles, kept masses to fp32 rounding."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from fp4video.kernels.row_mass import row_shares as kernel
+
+    q, k, _ = heads
+    nq = nk = -(-q.shape[2] // 128)
+    sel = BlockSelection(torch.rand(1, q.shape[1], nq, nk, generator=torch.Generator().manual_seed(4)) < 0.3,
+                         q.shape[2], k.shape[2])
+    for kw in ({}, {"sinks": True}, {"sinks": True, "floor": 0.9}):
+        want = check_selection(sel, q, k, **kw)
+        got = check_selection(sel, q, k, shares=kernel, **kw)
+        assert torch.equal(got.tiles, want.tiles)
+        for name in ("kept", "kept_before", "unseen"):
+            torch.testing.assert_close(getattr(got.check, name), getattr(want.check, name), rtol=0, atol=1e-5)
+
+
+# --- the check ------------------------------------------------------------------------------------------
 # --- the check ------------------------------------------------------------------------------------------
 
 
@@ -428,6 +482,18 @@ def test_row_mass_kernel_equals_the_reference_gpu(dtype):
             out = kernel(q, k, rows, attn_mask=mask, splits=splits)  # its tile statistics start
             assert torch.isfinite(out).all()  # uninitialized: a tile not written shows as garbage here or below
             torch.testing.assert_close(out, want, rtol=0, atol=2e-5 if dtype == torch.float32 else 1e-5)
+
+
+@pytest.mark.gpu
+def test_row_shares_kernel_equals_the_reference_gpu():
+    from fp4video.kernels.row_mass import row_shares as kernel
+
+    g = torch.Generator().manual_seed(6)
+    mass, tiles = _shares_inputs(g, b=1, h=40, nq=591, r=2, nk=591)  # Wan 720p's shape
+    mass, tiles = mass.cuda(), tiles.cuda()
+    for t in (tiles, tiles.expand(1, 40, 591, 591).contiguous()):
+        for got, want in zip(kernel(mass, t), row_shares(mass, t)):
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-6, equal_nan=True)
 
 
 @pytest.mark.gpu

@@ -145,14 +145,15 @@ def bench_sparse(args) -> tuple[str, list[SparseTiming]]:
     # the check every rule's call runs, alone: sampled rows' exact mass (the kernel), kept mass, and with
     # sinks and a floor the repair; against the dense call
     from ..kernels.covering import covering_rows
-    from ..kernels.row_mass import row_block_mass
+    from ..kernels.row_mass import row_block_mass, row_shares
     from ..sparse import CHECK_ROWS, check_rows_for, check_selection
 
     sel = uniform_selection(h, s, s, 0.3)
     check_lines = []
+    kernels = dict(row_mass=row_block_mass, placement=covering_rows, shares=row_shares)
     for name, extra in (("measure", {}), ("measure, sinks, floor 0.9", dict(sinks=True, floor=0.9))):
-        check_selection(sel, q, k, row_mass=row_block_mass, placement=covering_rows, **extra)
-        ms = bench(lambda: check_selection(sel, q, k, row_mass=row_block_mass, placement=covering_rows, **extra))
+        check_selection(sel, q, k, **kernels, **extra)
+        ms = bench(lambda: check_selection(sel, q, k, **kernels, **extra))
         rows_read = check_rows_for(extra.get("floor"), None)
         check_lines.append(f"| {name} | {rows_read} | {ms:.2f} | {100 * ms / dense_ms[first]:.1f}% |")
     from ..sparse import sample_rows

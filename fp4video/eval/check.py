@@ -235,9 +235,11 @@ def _sparse_check(c: MethodCheck, dev, heads, sq, sk, head_dim) -> None:
     # measured of this (random) selection
     from ..kernels.covering import covering_rows as kernel_placement
     from ..kernels.row_mass import row_block_mass as kernel_row_mass
+    from ..kernels.row_mass import row_shares as kernel_shares
     from ..sparse import check_selection, row_block_mass
 
-    measured = check_selection(sel, q, k, attn_mask=mask, row_mass=kernel_row_mass, placement=kernel_placement)
+    measured = check_selection(sel, q, k, attn_mask=mask, row_mass=kernel_row_mass, placement=kernel_placement,
+                               shares=kernel_shares)
     rows_ = torch.arange(0, sq, 64, device=dev)
     kernel_off = float((kernel_row_mass(q, k, rows_, attn_mask=mask) - row_block_mass(q, k, rows_, attn_mask=mask))
                        .abs().max())

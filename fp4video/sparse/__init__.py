@@ -40,8 +40,8 @@ graph can capture the selection and its check with the call.
 
 from __future__ import annotations
 
-from .check import (CHECK_CONFIDENCE, CHECK_ROWS, MEASURE_ROWS, SINK_MASS, check_rows_for, check_selection, sink_columns,
-                    student_t_quantile)
+from .check import (CHECK_CONFIDENCE, CHECK_ROWS, MEASURE_ROWS, SINK_MASS, check_rows_for, check_selection, row_shares,
+                    sink_columns, student_t_quantile)
 from .dynamic import ESTIMATE_ROWS, ESTIMATES, dynamic_selection
 from .estimate import (MIN_SIMILARITY, BlockEstimate, covering_rows, estimate_block_mass, row_block_mass, sample_rows,
                        tile_pool)
@@ -73,6 +73,7 @@ __all__ = [
     "static_selection",
     "static_token_window",
     "check_selection",
+    "row_shares",
     "sink_columns",
     "student_t_quantile",
     "DynamicSparsity",

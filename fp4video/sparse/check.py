@@ -16,7 +16,7 @@ from .estimate import check_mask, check_qk, covering_rows, row_block_mass, tile_
 from .selection import BlockSelection, SelectionCheck, number_in, positive_int
 
 __all__ = ["CHECK_ROWS", "MEASURE_ROWS", "check_rows_for", "CHECK_CONFIDENCE", "SINK_MASS", "SINK_RATIO",
-           "check_selection", "sink_columns", "check_options", "student_t_quantile"]
+           "check_selection", "sink_columns", "check_options", "student_t_quantile", "row_shares"]
 
 #: Query rows per tile a check with a floor reads by default: fewer rows leave groups of a tile's rows that
 #: no checked row stands for and widen the bound (more density); 10 keep every query tile of the
@@ -88,8 +88,17 @@ def student_t_quantile(p: float, dof: int) -> float:
 def sink_columns(block: torch.Tensor) -> torch.Tensor:
     """(…, nk) bool: the key tiles that hold, at the median query tile, at least ``SINK_MASS`` of the
     mass ``block`` (…, nq, nk; rows summing to 1 or 0) and ``SINK_RATIO`` times the median key tile's."""
-    typical = block.median(dim=-2).values
+    # (the median over the last dim of a contiguous copy: a GPU's median over a strided dim is slower)
+    typical = block.transpose(-1, -2).contiguous().median(dim=-1).values
     return typical >= torch.clamp(typical.median(dim=-1, keepdim=True).values * SINK_RATIO, min=SINK_MASS)
+
+
+def row_shares(mass: torch.Tensor, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kept, total)``, each (B, H, nq, r): each checked row's mass ``mass`` (B, H, nq, r, nk) summed
+    over the key tiles its query tile visits (``tiles``, bool, broadcastable to (B, H, nq, nk)) and
+    over every key tile (a NaN on a tile it does not visit is left out of ``kept``, not of ``total``).
+    :func:`fp4video.kernels.row_mass.row_shares` computes the same in one pass on the GPU."""
+    return torch.where(tiles.unsqueeze(-2), mass, 0.0).sum(dim=-1), mass.sum(dim=-1)
 
 
 def _estimate(kept: torch.Tensor, weight: torch.Tensor, spread: torch.Tensor, t: float):
@@ -107,7 +116,8 @@ def _estimate(kept: torch.Tensor, weight: torch.Tensor, spread: torch.Tensor, t:
 
 def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None,
                     attn_mask: torch.Tensor | None = None, floor: float | None = None, sinks: bool = False,
-                    rows: int | None = None, row_mass=row_block_mass, placement=covering_rows) -> BlockSelection:
+                    rows: int | None = None, row_mass=row_block_mass, placement=covering_rows,
+                    shares=row_shares) -> BlockSelection:
     """``sel`` measured (and with ``sinks`` / ``floor``, repaired) on the call's ``q`` (B, H, Sq, D),
     ``k`` (B, H, Sk, D), ``scale`` and ``attn_mask``: a new selection carrying a
     :class:`~fp4video.sparse.selection.SelectionCheck`.
@@ -125,8 +135,8 @@ def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, sc
     :func:`sink_columns` finds in the rows' weighted block mass are visited by every query tile. With
     ``floor``, a query tile whose bound is under it visits more key tiles, in descending order of the
     rows' weighted exact mass on them (the oracle's order, estimated), the fewest that bring the bound
-    to the floor. ``row_mass`` and ``placement``: :func:`row_block_mass` and :func:`covering_rows` or
-    implementations of them (the GPU's kernels). A query tile whose rows' mass is not finite (NaN or
+    to the floor. ``row_mass``, ``placement`` and ``shares``: :func:`row_block_mass`,
+    :func:`covering_rows` and :func:`row_shares` or implementations of them (the GPU's kernels). A query tile whose rows' mass is not finite (NaN or
     Inf in Q or K) visits every key tile. The check's ``unseen`` is the bound under the selection the call runs. Nothing is read back
     to the host."""
     check_options(floor=floor, sinks=sinks, rows=rows)
@@ -143,11 +153,14 @@ def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, sc
         mask = mask.expand(b, h, sq, sk).gather(2, flat.expand(b, h, nq * rows, sk))
     mass = row_mass(q_rows, k, torch.arange(nq * rows, device=q.device), scale=scale, attn_mask=mask,
                     key_tile=sel.key_tile).reshape(b, h, nq, rows, nk)
-    total = mass.sum(dim=-1)  # (B, H, nq, r): 1 for a row that sees keys, 0 for one that sees none, NaN
+    before = sel.tiles.expand(b, h, nq, nk)
+    # (B, H, nq, r): each row's mass on the rule's tiles, and on all (1 for a row that sees keys, 0 for
+    # one that sees none, NaN)
+    kept_rows, total = shares(mass, before)
     sees = total > 0
     unknown = ~torch.isfinite(total).all(dim=-1)  # (B, H, nq): a row's mass is NaN
     # a row's share of its mass on a tile is its mass there times ``inv`` (0: a row that sees no key or
-    # is not finite); the shares are formed only where a sum needs them (the check reads (B, H, nq, r, nk))
+    # is not finite); the shares are formed only where a repair needs them
     inv = torch.where(sees & torch.isfinite(total), 1 / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
     length = tile_counts(sq, sel.query_tile, q.device)  # (nq,)
     n = length.clamp(max=rows)
@@ -155,14 +168,14 @@ def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, sc
     t = student_t_quantile(CHECK_CONFIDENCE, rows - 1) if rows > 1 else 0.0
     nan = torch.full((), math.nan, device=q.device)
 
-    def measured(tiles):
-        """(kept, bound), each (B, H, nq), of the selection ``tiles``; NaN where the rows are not finite."""
-        row = torch.where(sees, (mass * tiles.unsqueeze(-2)).sum(dim=-1) * inv, 1.0)
+    def measured(kept_rows):
+        """(kept, bound), each (B, H, nq), of the rows' mass ``kept_rows`` on a selection; NaN where the
+        rows are not finite."""
+        row = torch.where(sees, kept_rows * inv, 1.0)
         mean, bound = _estimate(row.unsqueeze(-1), weight, spread, t)
         return torch.where(unknown, nan, mean.squeeze(-1)), torch.where(unknown, nan, bound.squeeze(-1))
 
-    before = sel.tiles.expand(b, h, nq, nk)
-    kept_before, bound_before = measured(before)
+    kept_before, bound_before = measured(kept_rows)
     tiles = before
     repair = floor is not None and floor > 0
     if sinks or repair:
@@ -180,7 +193,7 @@ def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, sc
                                device=q.device), sel.density(), floor, rows, bound_before, index, weight)
         return BlockSelection(sel.tiles, sq, sk, sel.query_tile, sel.key_tile, sel.estimated_mass, check)
     est = None if sel.estimated_mass is None else sel.estimated_mass.expand(b, h, nq)
-    kept, bound = measured(tiles)
+    kept, bound = measured(shares(mass, tiles)[0])
     check = SelectionCheck(kept, kept_before, (tiles & ~before).any(dim=-1), sel.density(), floor, rows, bound,
                            index, weight)
     return BlockSelection(tiles, sq, sk, sel.query_tile, sel.key_tile, est, check)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .check import check_options, check_rows_for, check_selection
+from .check import check_options, check_rows_for, check_selection, row_shares
 from .dynamic import ESTIMATE_ROWS, check_dynamic_options, check_global_tokens, dynamic_selection
 from .estimate import MIN_SIMILARITY, check_qk, covering_rows, row_block_mass, tile_pool
 from .selection import KEY_TILE, QUERY_TILE, BlockSelection, positive_int
@@ -29,9 +29,9 @@ class _Checked:
         object.__setattr__(self, "check_rows", check_rows_for(self.floor, self.check_rows))
 
     def checked(self, sel: BlockSelection, q, k, *, scale, attn_mask, row_mass,
-                placement=covering_rows) -> BlockSelection:
+                placement=covering_rows, shares=row_shares) -> BlockSelection:
         return check_selection(sel, q, k, scale=scale, attn_mask=attn_mask, floor=self.floor, sinks=self.sinks,
-                               rows=self.check_rows, row_mass=row_mass, placement=placement)
+                               rows=self.check_rows, row_mass=row_mass, placement=placement, shares=shares)
 
 
 @dataclass(frozen=True)
@@ -158,12 +158,12 @@ RULES = (DynamicSparsity, StaticSparsity, HybridSparsity)
 
 def resolve_sparsity(sparsity, q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None,
                      attn_mask: torch.Tensor | None = None, pool=tile_pool, row_mass=row_block_mass,
-                     placement=covering_rows) -> BlockSelection:
+                     placement=covering_rows, shares=row_shares) -> BlockSelection:
     """The selection a call on ``q``, ``k`` (B, H, S, D) uses: ``sparsity`` itself when it is a
     :class:`BlockSelection` (checked against the call's shape, run as given), else its rule's
-    selection (Q and K read through ``pool``, ``row_mass`` and ``placement``:
-    :func:`~fp4video.sparse.tile_pool`'s, :func:`~fp4video.sparse.row_block_mass`'s and
-    :func:`~fp4video.sparse.covering_rows`'s contracts) measured and repaired by the rule's check
+    selection (Q and K read through ``pool``, ``row_mass``, ``placement`` and ``shares``:
+    :func:`~fp4video.sparse.tile_pool`'s, :func:`~fp4video.sparse.row_block_mass`'s,
+    :func:`~fp4video.sparse.covering_rows`'s and :func:`~fp4video.sparse.row_shares`'s contracts) measured and repaired by the rule's check
     (:func:`~fp4video.sparse.check_selection`); an object with a ``select(q, k, scale=, attn_mask=)``
     method returning a :class:`BlockSelection` is run as it returns."""
     if isinstance(sparsity, BlockSelection):
@@ -171,7 +171,8 @@ def resolve_sparsity(sparsity, q: torch.Tensor, k: torch.Tensor, *, scale: float
     elif isinstance(sparsity, RULES):
         sel = sparsity.select(q, k, scale=scale, attn_mask=attn_mask, pool=pool, row_mass=row_mass)
         sel.check_call(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.device)
-        sel = sparsity.checked(sel, q, k, scale=scale, attn_mask=attn_mask, row_mass=row_mass, placement=placement)
+        sel = sparsity.checked(sel, q, k, scale=scale, attn_mask=attn_mask, row_mass=row_mass, placement=placement,
+                             shares=shares)
     elif callable(getattr(sparsity, "select", None)):
         sel = sparsity.select(q, k, scale=scale, attn_mask=attn_mask)
         if not isinstance(sel, BlockSelection):
