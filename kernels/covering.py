@@ -118,8 +118,8 @@ def covering_rows(q: torch.Tensor, query_tile: int, per_tile: int, *,
     where). Runs the reference where the kernel cannot: invalid arguments (its errors), tensors
     neither on CUDA nor under ``TRITON_INTERPRET=1``, dtypes other than fp32 / bf16 / fp16, empty
     tensors, and tiles of more than :data:`MAX_TILE_VALUES` values (rows × head dim, padded to powers
-    of two). ``num_warps``: the launch's warps per program (default: one per 2,048 values of the
-    tile, 4 to 16), for tuning."""
+    of two). ``num_warps``: the launch's warps per program (default: 4 up to 128 × 128 values, the
+    fastest of a sweep at Wan 720p (BENCHMARKS.md), 8 above), for tuning."""
     if not _runs(q, query_tile, per_tile):
         return reference_covering_rows(q, query_tile, per_tile)
     b, h, sq, d = q.shape
@@ -130,7 +130,7 @@ def covering_rows(q: torch.Tensor, query_tile: int, per_tile: int, *,
     _covering_kernel[(nq, b * h)](
         q, rows, weight, h, sq, d, nq, per_tile, query_tile, *q.stride(),
         BLOCK_T=block_t, BLOCK_D=block_d, ONE=per_tile == 1, ROUND=_ROUNDING[q.dtype],
-        num_warps=num_warps or max(4, min(16, block_t * block_d // 2048)),
+        num_warps=num_warps or (4 if block_t * block_d <= 128 * 128 else 8),
     )
     return rows, weight
 

@@ -380,6 +380,37 @@ def test_sinks_are_found_and_kept_by_every_query_tile(heads, rows_mass):
     assert torch.equal(spatial.tiles.expand(1, 1, -1, -1), plain.tiles.expand(1, 1, -1, -1))
 
 
+def test_sinks_of_many_query_tiles_come_from_an_even_sample_of_them():
+    """With more query tiles than SINK_QUERY_TILES the median reads one from each equal run of them:
+    a key tile heavy for 80% of the query tiles is a sink and one heavy for 20% is not, also when the
+    heavy tiles come with a period that divides the runs' length (a strided sample would see only one
+    phase); up to SINK_QUERY_TILES query tiles, the median of all of them decides (here, one more heavy
+    tile tips it)."""
+    from fp4video.sparse.check import SINK_QUERY_TILES, sink_columns, sink_query_tiles
+
+    for nq in (65, 100, 591, 5 * SINK_QUERY_TILES):
+        idx = sink_query_tiles(nq)
+        assert idx.numel() == SINK_QUERY_TILES and (idx.diff() > 0).all() and 0 <= idx[0] and idx[-1] < nq
+        run = nq / SINK_QUERY_TILES  # one index in each run
+        assert ((idx >= (torch.arange(SINK_QUERY_TILES) * run).floor()) &
+                (idx < (torch.arange(1, SINK_QUERY_TILES + 1) * run).ceil())).all()
+    assert torch.equal(sink_query_tiles(40), torch.arange(40))
+    for nq in (500, 591, 5 * SINK_QUERY_TILES, 10 * SINK_QUERY_TILES):
+        q = torch.arange(nq)
+        block = torch.full((2, nq, 40), 0.5 / 38)
+        block[0, :, 5] = torch.where(q % 5 != 0, 0.3, 0.0)  # heavy on 80% of query tiles
+        block[0, :, 9] = torch.where(q % 5 == 0, 0.3, 0.0)  # heavy on 20%
+        block = block / block.sum(-1, keepdim=True)
+        sinks = sink_columns(block)
+        assert sinks[0].nonzero().flatten().tolist() == [5] and not sinks[1].any()
+    nq = SINK_QUERY_TILES
+    block = torch.full((1, nq, 10), 0.01)
+    block[0, : nq // 2 + 1, 3] = 0.5  # heavy on one more than half: the median is heavy
+    assert sink_columns(block)[0].nonzero().flatten().tolist() == [3]
+    block[0, nq // 2, 3] = 0.01  # on exactly half: torch's median (the lower middle) is not
+    assert not sink_columns(block).any()
+
+
 def test_topk_keeps_at_least_its_share_and_a_superset():
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 2, 1024, 64, generator=g), torch.randn(1, 2, 1024, 64, generator=g)
@@ -489,9 +520,9 @@ def test_row_shares_kernel_equals_the_reference_gpu():
     from fp4video.kernels.row_mass import row_shares as kernel
 
     g = torch.Generator().manual_seed(6)
-    mass, tiles = _shares_inputs(g, b=1, h=40, nq=591, r=2, nk=591)  # Wan 720p's shape
+    mass, tiles = _shares_inputs(g, b=2, h=40, nq=591, r=2, nk=591)  # Wan 720p's tiles, two batch entries
     mass, tiles = mass.cuda(), tiles.cuda()
-    for t in (tiles, tiles.expand(1, 40, 591, 591).contiguous()):
+    for t in (tiles, tiles.expand(2, 40, 591, 591).contiguous()):
         for got, want in zip(kernel(mass, t), row_shares(mass, t)):
             torch.testing.assert_close(got, want, rtol=0, atol=2e-6, equal_nan=True)
 

@@ -16,6 +16,7 @@ from .estimate import check_mask, check_qk, covering_rows, row_block_mass, tile_
 from .selection import BlockSelection, SelectionCheck, number_in, positive_int
 
 __all__ = ["CHECK_ROWS", "MEASURE_ROWS", "check_rows_for", "CHECK_CONFIDENCE", "SINK_MASS", "SINK_RATIO",
+           "SINK_QUERY_TILES", "sink_query_tiles",
            "check_selection", "sink_columns", "check_options", "student_t_quantile", "row_shares"]
 
 #: Query rows per tile a check with a floor reads by default: fewer rows leave groups of a tile's rows that
@@ -33,6 +34,12 @@ CHECK_CONFIDENCE = 0.99
 #: tiles (not only its neighbours) and far above the rest (not a uniform row).
 SINK_MASS = 0.02
 SINK_RATIO = 8.0
+#: The median over query tiles reads at most this many, one from each of as many equal runs of the
+#: query tiles, at offsets that follow the golden ratio (no period, so a frame's period of query tiles
+#: cannot alias with it): a sink is heavy for most query tiles, which a spread sample shows as well, and
+#: the median of every tile's mass took a sixth of a Wan 720p check's time on the GPU (BENCHMARKS.md:
+#: the check's cost).
+SINK_QUERY_TILES = 64
 
 
 def check_options(*, floor, sinks, rows) -> None:
@@ -85,9 +92,23 @@ def student_t_quantile(p: float, dof: int) -> float:
     return hi
 
 
+def sink_query_tiles(nq: int, device=None) -> torch.Tensor:
+    """(min(nq, SINK_QUERY_TILES),) int64, increasing: the query tiles whose median finds the sinks, one
+    from each of that many equal runs of the ``nq`` tiles, at the fraction ``frac(i·φ)`` of run ``i``
+    (φ the golden ratio's conjugate). Computed on ``device`` (nothing is copied from the host)."""
+    m = min(nq, SINK_QUERY_TILES)
+    i = torch.arange(m, device=device)
+    lo, hi = i * nq // m, (i + 1) * nq // m  # run i: [lo, hi), at least one tile
+    return lo + (torch.frac(i.double() * 0.6180339887498949) * (hi - lo)).long()
+
+
 def sink_columns(block: torch.Tensor) -> torch.Tensor:
     """(…, nk) bool: the key tiles that hold, at the median query tile, at least ``SINK_MASS`` of the
-    mass ``block`` (…, nq, nk; rows summing to 1 or 0) and ``SINK_RATIO`` times the median key tile's."""
+    mass ``block`` (…, nq, nk; rows summing to 1 or 0) and ``SINK_RATIO`` times the median key tile's.
+    The median runs over :func:`sink_query_tiles` (every query tile up to ``SINK_QUERY_TILES``)."""
+    nq = block.shape[-2]
+    if nq > SINK_QUERY_TILES:
+        block = block.index_select(-2, sink_query_tiles(nq, block.device))
     # (the median over the last dim of a contiguous copy: a GPU's median over a strided dim is slower)
     typical = block.transpose(-1, -2).contiguous().median(dim=-1).values
     return typical >= torch.clamp(typical.median(dim=-1, keepdim=True).values * SINK_RATIO, min=SINK_MASS)
