@@ -66,7 +66,7 @@ def _row_tile_stats_kernel(Q, K, Rows, Alive, Max, Sum, H, Sk, R, n_key_tiles, D
     d = tl.arange(0, BLOCK_D)
     q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + d[None, :] * sqd,
                 mask=r_ok[:, None] & (d[None, :] < D), other=0.0)
-    out = (bh * R + r) * n_key_tiles
+    out = (bh * R + r).to(tl.int64) * n_key_tiles  # (past 2^31 values at long clips with many rows)
     kbase = b * skb + h * skh
     n0 = tl.arange(0, BLOCK_N)
     if HAS_ALIVE:  # a key-padding mask: every tile masked
@@ -91,17 +91,18 @@ def _normalize_kernel(Top, Total, Mass, n_rows, n_key_tiles, BLOCK_ROWS: tl.cons
     tile without a live key weighs nothing; a NaN sum makes the row's total, and so every share, NaN."""
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     r_ok = r < n_rows
+    base_r = r.to(tl.int64)[:, None] * n_key_tiles  # (past 2^31 values at long clips with many rows)
     c0 = tl.arange(0, BLOCK_K)
     row_max = tl.full((BLOCK_ROWS,), -float("inf"), tl.float32)
     row_sum = tl.zeros((BLOCK_ROWS,), tl.float32)
     for j in range(0, n_key_tiles, BLOCK_K):
         c = j + c0
         ok = r_ok[:, None] & (c[None, :] < n_key_tiles)
-        top = tl.load(Top + r[:, None] * n_key_tiles + c[None, :], mask=ok, other=-float("inf"))
-        total = tl.load(Total + r[:, None] * n_key_tiles + c[None, :], mask=ok, other=0.0)
+        top = tl.load(Top + base_r + c[None, :], mask=ok, other=-float("inf"))
+        total = tl.load(Total + base_r + c[None, :], mask=ok, other=0.0)
         new_max = tl.maximum(row_max, tl.max(top, axis=1))
         base = tl.where(new_max == -float("inf"), 0.0, new_max)
-        part = tl.where(top == -float("inf"), 0.0, total * tl.exp2(top - base[:, None]))
+        part = tl.where((top == -float("inf")) & (total == total), 0.0, total * tl.exp2(top - base[:, None]))
         row_sum = row_sum * tl.exp2(row_max - base) + tl.sum(part, axis=1)
         row_max = new_max
     base = tl.where(row_max == -float("inf"), 0.0, row_max)
@@ -110,10 +111,10 @@ def _normalize_kernel(Top, Total, Mass, n_rows, n_key_tiles, BLOCK_ROWS: tl.cons
     for j in range(0, n_key_tiles, BLOCK_K):
         c = j + c0
         ok = r_ok[:, None] & (c[None, :] < n_key_tiles)
-        top = tl.load(Top + r[:, None] * n_key_tiles + c[None, :], mask=ok, other=-float("inf"))
-        total = tl.load(Total + r[:, None] * n_key_tiles + c[None, :], mask=ok, other=0.0)
-        part = tl.where(top == -float("inf"), 0.0, total * tl.exp2(top - base[:, None]))
-        tl.store(Mass + r[:, None] * n_key_tiles + c[None, :], part / denom[:, None], mask=ok)
+        top = tl.load(Top + base_r + c[None, :], mask=ok, other=-float("inf"))
+        total = tl.load(Total + base_r + c[None, :], mask=ok, other=0.0)
+        part = tl.where((top == -float("inf")) & (total == total), 0.0, total * tl.exp2(top - base[:, None]))
+        tl.store(Mass + base_r + c[None, :], part / denom[:, None], mask=ok)
 
 
 def row_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, *, scale: float | None = None,

@@ -62,7 +62,9 @@ def designs_module():
 def previous_check(sel: BlockSelection, q, k, rows: int, row_mass, floor: float, union_take):
     """The previous check with sinks and a floor: ``rows`` strata rows (the same for every head), the
     kept mass of their mean, sinks, and each row under the floor adding key tiles by its own mass
-    until it keeps floor + ¼(1 − floor) (its leave-one-out estimate left out)."""
+    until it keeps floor + ¼(1 − floor) (its leave-one-out estimate left out). Its sinks are today's
+    (:func:`~fp4video.sparse.sink_columns`: the median over at most 64 query tiles), not the median
+    over every query tile the previous check took."""
     b, h = q.shape[:2]
     index = sample_rows(q.shape[2], sel.query_tile, rows, device=q.device)
     mass = row_mass(q, k, index, key_tile=sel.key_tile)  # (B, H, nq, r, nk)

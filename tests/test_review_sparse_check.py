@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from fp4video.sparse import BlockSelection, check_selection, row_block_mass
-from fp4video.sparse.check import CHECK_CONFIDENCE, SINK_MASS, SINK_RATIO, student_t_quantile
+from fp4video.sparse.check import (CHECK_CONFIDENCE, SINK_MASS, SINK_QUERY_TILES, SINK_RATIO, sink_query_tiles,
+                                   student_t_quantile)
 
 
 def _unnormalized_row_mass(q, k, rows, **kwargs):
@@ -102,12 +103,15 @@ def _fp64_measure(mass, tiles, weight, sq, query_tile):
 def _fp64_sinks(mass, weight):
     """(B, H, nk) bool and the margin of each key tile from the sink threshold: the key tiles holding,
     at the median query tile, SINK_MASS and SINK_RATIO times the median key tile's share of the
-    rows' weighted mass (rows whose mass is not finite left out)."""
+    rows' weighted mass (rows whose mass is not finite left out); the median over the query tiles
+    that sink_query_tiles names when there are more than SINK_QUERY_TILES (an even spread of them)."""
     total = mass.sum(dim=-1, keepdim=True)
     share = torch.where(torch.isfinite(total) & (total > 0), mass / total, 0.0).nan_to_num(0.0)
     block = (share * weight.double().unsqueeze(-1)).sum(dim=-2)
     s = block.sum(dim=-1, keepdim=True)
     block = torch.where(s > 0, block / s, 0.0)
+    if block.shape[-2] > SINK_QUERY_TILES:
+        block = block[..., sink_query_tiles(block.shape[-2]), :]
     typical = block.median(dim=-2).values
     threshold = torch.clamp(typical.median(dim=-1, keepdim=True).values * SINK_RATIO, min=SINK_MASS)
     return typical >= threshold, (typical - threshold).abs()
