@@ -65,6 +65,11 @@ def fp4video_rules(grid: VideoGrid) -> list[tuple[str, str, object]]:
         rules.append(("pooled τ", f"pooled τ={tau}", DynamicSparsity(tau, global_tokens=text)))
     for tau in (0.5, 0.8, 0.9, 0.95, 0.98):
         rules.append(("sampled τ", f"sampled τ={tau}", DynamicSparsity(tau, estimate="sampled", global_tokens=text)))
+    for tau in (0.5, 0.8, 0.9, 0.95, 0.98):  # rows placed on each head's queries, as the check's
+        rules.append(("covering τ", f"covering τ={tau}", DynamicSparsity(tau, estimate="covering", global_tokens=text)))
+    for tau in (0.8, 0.9, 0.95):
+        rules.append(("covering τ + sinks", f"covering τ={tau} sinks",
+                      DynamicSparsity(tau, estimate="covering", global_tokens=text, sinks=True)))
     for tau in (0.8, 0.9, 0.95):
         rules.append(("sampled τ + sinks + floor 0.9", f"sampled τ={tau} sinks floor=0.9",
                       DynamicSparsity(tau, estimate="sampled", global_tokens=text, sinks=True, floor=0.9)))
@@ -145,7 +150,7 @@ def run(args) -> list[dict]:
             tiles = sel.tiles[:, h:h + 1] if sel.tiles.shape[1] > 1 else sel.tiles
             record(family, label, tiles, sel.query_tile, h,
                    {"floor": getattr(rule, "floor", None), "checked_kept_min": summary["kept_min"]})
-            if sparge is not None and family in ("sampled τ", "pooled τ", "window"):
+            if sparge is not None and family in ("sampled τ", "covering τ", "pooled τ", "window"):
                 density = float(tiles.float().mean())
                 share = max(density, 1.0 / tiles.shape[-1])
                 record("SpargeAttn top-k", f"SpargeAttn top-k {share:.3f} (at {label})",

@@ -425,11 +425,13 @@ def test_sparse_candidate_names_parse_and_bad_ones_are_one_line_errors():
         "mxattn-pv8+static:4,45,80,radial", "mxattn-pv8+static:4,45,80,radial,sinks"]
     # options round-trip: the estimate, top-k, sinks and the floor
     for spec in ("dynamic:0.8,sampled,topk=0.1,sinks,floor=0.95", "static:1,2,3,radial,sinks,floor=0.9",
-                 "static:1,2,3,floor=0.5"):
+                 "static:1,2,3,floor=0.5", "dynamic:0.9,covering,sinks"):
         assert sparse_target("mxattn", spec) == "mxattn+" + spec
     sp = parse_sparsity("dynamic:0.8,sampled,topk=0.1,sinks,floor=0.95")
     assert (sp.dynamic.estimate, sp.dynamic.topk, sp.sinks, sp.floor) == ("sampled", 0.1, True, 0.95)
-    for bad in ("dynamic:0.9,floor=2", "dynamic:0.9,exact", "static:1,2,3,floor=x", "dynamic:0.9,topk=0"):
+    assert parse_sparsity("dynamic:0.9,covering").dynamic.estimate == "covering"
+    for bad in ("dynamic:0.9,floor=2", "dynamic:0.9,exact", "static:1,2,3,floor=x", "dynamic:0.9,topk=0",
+                "dynamic:0.9,sampled,covering"):
         with pytest.raises(ValueError, match=r"sparse candidate .*: ") as e:
             parse_sparsity(bad)
         assert "\n" not in str(e.value) and "further information" not in str(e.value)

@@ -427,6 +427,71 @@ def test_sampled_estimate_is_near_the_oracle_on_spatial_and_temporal_heads(heads
     assert quality["density"] < 0.5 and quality["efficiency"] >= 0.95
 
 
+def test_covering_estimate_is_the_weighted_exact_mass_of_the_placed_rows(heads, rows_mass):
+    """estimate="covering": each head's covering rows (the check's placement), their exact mass per key
+    tile in fp64, weighted by the rows each stands for, normalized: the selection is the cumulative
+    rule on that estimate (computed here independently of the package's row mass)."""
+    from fp4video.sparse.dynamic import always_kept, cumulative_take
+
+    q, k, _ = heads
+    for rows, tau in ((4, 0.9), (3, 0.7), (1, 0.95)):
+        sel = dynamic_selection(q, k, tau=tau, estimate="covering", estimate_rows=rows)
+        index, weight = covering_rows(q, 128, rows)
+        mass = _checked_rows_mass(rows_mass, index)  # fp64, each head's own rows
+        block = (mass * weight.double().unsqueeze(-1)).sum(-2)
+        block = block / block.sum(-1, keepdim=True)
+        forced = always_kept(q.shape[2], k.shape[2], 128, 128, 0, (), 0, q.device)
+        want = cumulative_take(block.float(), forced.expand(*block.shape), tau) | forced
+        assert torch.equal(sel.tiles, want), (rows, tau)
+    # a query tile with a NaN query is unknown: it keeps every key tile, the others are unchanged
+    q2 = q.clone()
+    q2[0, 1, 300] = math.nan
+    sel2 = dynamic_selection(q2, k, tau=0.9, estimate="covering")
+    base = dynamic_selection(q, k, tau=0.9, estimate="covering")
+    assert sel2.tiles[0, 1, 300 // 128].all()
+    others = torch.ones(sel2.tiles.shape[:3], dtype=torch.bool)
+    others[0, 1, 300 // 128] = False
+    assert torch.equal(sel2.tiles[others], base.tiles[others])
+
+
+def test_covering_estimate_keeps_content_heads_worst_rows_where_strata_rows_miss_them(heads, rows_mass):
+    """On a content head (tokens attend to their object anywhere in the clip, several objects in a
+    query tile) rows placed on the queries see each object; rows placed by position can miss one.
+    At τ 0.9 the covering estimate visits fewer tiles than the strata rows' at τ 0.95 and keeps more
+    of the worst row's and the worst tile's exact mass; on spatial and temporal heads it keeps as much."""
+    from fp4video.harness.video_heads import HEAD_KINDS
+
+    q, k, _ = heads
+    covering = dynamic_selection(q, k, tau=0.9, estimate="covering").tiles
+    strata = dynamic_selection(q, k, tau=0.95, estimate="sampled").tiles
+    c = HEAD_KINDS.index("content")
+    got = selection_quality(rows_mass[:, c:c + 1], covering[:, c:c + 1])
+    other = selection_quality(rows_mass[:, c:c + 1], strata[:, c:c + 1])
+    assert got["density"] < other["density"]
+    assert got["row_min"] > other["row_min"] + 0.1 and got["kept_min"] > other["kept_min"] + 0.02
+    for kind in ("spatial", "temporal"):
+        i = HEAD_KINDS.index(kind)
+        at_tau = selection_quality(rows_mass[:, i:i + 1], dynamic_selection(q, k, tau=0.9, estimate="sampled").tiles[:, i:i + 1])
+        mine = selection_quality(rows_mass[:, i:i + 1], covering[:, i:i + 1])
+        assert mine["row_min"] >= at_tau["row_min"] - 1e-6 and mine["efficiency"] >= 0.95
+
+
+def test_a_rule_reads_the_estimate_and_the_check_through_the_callers_placement(heads):
+    """resolve_sparsity hands its placement (the GPU's kernel on a GPU) to the covering estimate as
+    well as to the check: one placement per call site, no silent fall back to the reference."""
+    q, k, _ = heads
+    asked = []
+
+    def placement(q_, tile, per_tile):
+        asked.append(per_tile)
+        return covering_rows(q_, tile, per_tile)
+
+    rule = DynamicSparsity(tau=0.9, estimate="covering", estimate_rows=3, floor=0.9)
+    sel = resolve_sparsity(rule, q, k, placement=placement)
+    assert asked == [3, CHECK_ROWS]
+    assert torch.equal(sel.tiles, resolve_sparsity(rule, q, k).tiles)
+
+
 def test_hybrid_visits_what_either_rule_keeps(heads):
     q, k, _ = heads
     static = StaticSparsity(GRID.frames, GRID.height, GRID.width, window=(0, 2, 4), text_tokens=GRID.text,

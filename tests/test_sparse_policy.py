@@ -199,6 +199,14 @@ def test_a_hybrid_of_a_window_and_a_dynamic_rule_installs_and_runs(pipe):
     assert sparse and all(c["sparsity"] == "static window [0, 1, 1] ∪ dynamic top-k 0.2 sampled" for c in sparse)
 
 
+def test_a_dynamic_rule_with_the_covering_estimate_installs_and_runs(pipe):
+    _, calls = generate(pipe, {"method": "mxattn", "rules": [{"method": "mxattn", "kinds": ["self"], "sparsity": {
+        "dynamic": {"tau": 0.9, "estimate": "covering", "estimate_rows": 3}, "sinks": True}}]})
+    sparse = [c for c in calls if "sparsity" in c]
+    assert sparse and all(c["sparsity"] == "dynamic τ=0.9 covering, sinks" for c in sparse)
+    assert all(0 < c["density"] <= 1 and 0 <= c["kept_min"] <= 1 for c in sparse)
+
+
 @pytest.mark.parametrize("bad, field", [({"dynamic": {}}, "tau"), ({"dynamic": {"tau": 0.9}, "floor": 1.5}, "floor"),
                                         ({"dynamic": {"tau": 0.9}, "sinks": 1}, "sinks"),
                                         ({"dynamic": {"tau": 0.9, "estimate": "exact"}}, "estimate"),

@@ -94,7 +94,7 @@ def parse_sparsity(spec: str):
 
     kind, _, args = spec.partition(":") if isinstance(spec, str) else ("", "", "")
     if kind not in ("dynamic", "static"):
-        raise ValueError(f"sparse candidate {spec!r}: give dynamic:TAU[,sampled][,topk=S] (e.g. dynamic:0.9) or "
+        raise ValueError(f"sparse candidate {spec!r}: give dynamic:TAU[,sampled|,covering][,topk=S] (e.g. dynamic:0.9) or "
                          "static:F,Y,X[,radial] (e.g. static:4,45,80,radial), then [,sinks][,floor=F]")
     try:
         parts = args.split(",")
@@ -109,12 +109,14 @@ def parse_sparsity(spec: str):
         if kind == "dynamic":
             dynamic = {}
             for part in rest[1:]:
-                if part == "sampled":
-                    dynamic["estimate"] = "sampled"
+                if part in ("sampled", "covering"):
+                    if "estimate" in dynamic:
+                        raise ValueError(f"one estimate, got {dynamic['estimate']} and {part}")
+                    dynamic["estimate"] = part
                 elif part.startswith("topk="):
                     dynamic["topk"] = _share(part[5:], "topk")
                 else:
-                    raise ValueError(f"unknown option {part!r} (sampled, topk=S, sinks, floor=F)")
+                    raise ValueError(f"unknown option {part!r} (sampled, covering, topk=S, sinks, floor=F)")
             tau = _share(rest[0] if rest else "", "τ")
             return Sparsity(dynamic={"tau": tau, **dynamic}, **check)
         radial = bool(rest) and rest[-1] == "radial"
@@ -146,7 +148,7 @@ def _share(text: str, name: str) -> float:
 def _spec(sparsity) -> str:
     if sparsity.dynamic is not None:
         d = sparsity.dynamic
-        text = f"dynamic:{d.tau:g}" + (",sampled" if d.estimate == "sampled" else "") + (
+        text = f"dynamic:{d.tau:g}" + (f",{d.estimate}" if d.estimate != "pooled" else "") + (
             f",topk={d.topk:g}" if d.topk else "")
     else:
         st = sparsity.static

@@ -201,7 +201,7 @@ class DynamicSelection(_Strict):
     sink_tiles: Annotated[StrictInt, Field(ge=0)] = 0
     min_similarity: Annotated[Number, Field(ge=-1, le=1)] = 0.1
     topk: Annotated[Number, Field(ge=0, le=1)] = 0.0
-    estimate: Literal["pooled", "sampled"] = "pooled"
+    estimate: Literal["pooled", "sampled", "covering"] = "pooled"
     estimate_rows: Annotated[StrictInt, Field(ge=1)] = 4
 
     @model_validator(mode="after")

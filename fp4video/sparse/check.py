@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .estimate import check_mask, check_qk, covering_rows, row_block_mass, tile_counts
+from .estimate import check_mask, check_qk, covering_rows, head_rows_mass, row_block_mass, tile_counts
 from .selection import BlockSelection, SelectionCheck, number_in, positive_int
 
 __all__ = ["CHECK_ROWS", "MEASURE_ROWS", "check_rows_for", "CHECK_CONFIDENCE", "SINK_MASS", "SINK_RATIO",
@@ -168,12 +168,7 @@ def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, sc
     sel.check_call(b, h, sq, sk, q.device)
     nq, nk = sel.n_query_tiles, sel.n_key_tiles
     index, weight = placement(q, sel.query_tile, rows)  # (B, H, nq, r): different rows per head
-    flat = index.reshape(b, h, nq * rows, 1)
-    q_rows = q.gather(2, flat.expand(b, h, nq * rows, q.shape[-1]))
-    if mask is not None and mask.shape[-2] != 1:  # a mask per query row: the checked rows' own
-        mask = mask.expand(b, h, sq, sk).gather(2, flat.expand(b, h, nq * rows, sk))
-    mass = row_mass(q_rows, k, torch.arange(nq * rows, device=q.device), scale=scale, attn_mask=mask,
-                    key_tile=sel.key_tile).reshape(b, h, nq, rows, nk)
+    mass = head_rows_mass(q, k, index, scale=scale, attn_mask=mask, key_tile=sel.key_tile, row_mass=row_mass)
     before = sel.tiles.expand(b, h, nq, nk)
     # (B, H, nq, r): each row's mass on the rule's tiles, and on all (1 for a row that sees keys, 0 for
     # one that sees none, NaN)

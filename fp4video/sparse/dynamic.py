@@ -6,17 +6,23 @@ import math
 
 import torch
 
-from .estimate import MIN_SIMILARITY, check_qk, estimate_block_mass, row_block_mass, sample_rows, tile_pool
+from .estimate import (MIN_SIMILARITY, check_mask, check_qk, covering_rows, estimate_block_mass, head_rows_mass,
+                       row_block_mass, sample_rows, tile_pool)
 from .selection import KEY_TILE, QUERY_TILE, BlockSelection, n_tiles, number_in
 
 __all__ = ["ESTIMATES", "ESTIMATE_ROWS", "dynamic_selection", "always_kept", "check_global_tokens",
            "cumulative_take", "topk_take", "check_dynamic_options"]
 
 #: How a dynamic selection estimates each block's mass: ``pooled`` (SpargeAttn's mean-pooled Q and
-#: K, one pass over them) or ``sampled`` (the exact mass of a few query rows per tile, MInference's
-#: estimate from a few queries' exact attention: sees single heavy keys that pooling dilutes).
-ESTIMATES = ("pooled", "sampled")
-#: Query rows per tile the ``sampled`` estimate reads by default.
+#: K, one pass over them), ``sampled`` (the exact mass of a few query rows per tile, MInference's
+#: estimate from a few queries' exact attention: sees single heavy keys that pooling dilutes; the rows
+#: one per equal run of the tile, the same in every head) or ``covering`` (the exact mass of a few rows
+#: per tile placed on the queries themselves, per head, as the check places its rows
+#: (:func:`~fp4video.sparse.covering_rows`: the tile's ends, then each the farthest from those chosen),
+#: weighted by the rows each stands for: a tile whose queries belong to several objects has a row
+#: near each, where rows placed by position can all land on one).
+ESTIMATES = ("pooled", "sampled", "covering")
+#: Query rows per tile the ``sampled`` and ``covering`` estimates read by default.
 ESTIMATE_ROWS = 4
 #: Added to the rule's seed for the estimate's rows, so that they are not the check's rows.
 ESTIMATE_SEED_OFFSET = 7919
@@ -104,7 +110,7 @@ def dynamic_selection(q: torch.Tensor, k: torch.Tensor, *, tau: float | None, sc
                       global_tokens=(), sink_tiles: int = 0, min_similarity: float = MIN_SIMILARITY,
                       topk: float = 0.0, estimate: str = "pooled", estimate_rows: int = ESTIMATE_ROWS,
                       seed: int = 0, query_tile: int = QUERY_TILE, key_tile: int = KEY_TILE, pool=tile_pool,
-                      row_mass=row_block_mass) -> BlockSelection:
+                      row_mass=row_block_mass, placement=covering_rows) -> BlockSelection:
     """The dynamic selection for a call on ``q`` (B, H, Sq, D) and ``k`` (B, H, Sk, D) with ``scale``
     and ``attn_mask`` as the call's.
 
@@ -119,9 +125,11 @@ def dynamic_selection(q: torch.Tensor, k: torch.Tensor, *, tau: float | None, sc
     ``tau`` >= 1 keeps every tile. A query tile whose estimate is not finite (no key visible, NaN or Inf inputs) keeps every
     tile. A larger ``tau`` or ``topk`` keeps a superset.
 
-    ``estimate``: ``"pooled"`` (SpargeAttn's: Q and K read through ``pool``) or ``"sampled"``: the
+    ``estimate``: ``"pooled"`` (SpargeAttn's: Q and K read through ``pool``), ``"sampled"``: the
     exact mass of ``estimate_rows`` rows per query tile (:func:`sample_rows` from ``seed``, through
-    ``row_mass``), averaged over the tile's rows.
+    ``row_mass``), averaged over the tile's rows, or ``"covering"``: the exact mass of
+    ``estimate_rows`` rows per query tile and head placed by ``placement`` (:func:`covering_rows`'s
+    contract; no seed), weighted by the share of the tile's rows each stands for.
     """
     check_dynamic_options(tau=tau, neighbours=neighbours, sink_tiles=sink_tiles, min_similarity=min_similarity,
                           topk=topk, estimate=estimate, estimate_rows=estimate_rows, seed=seed,
@@ -139,8 +147,14 @@ def dynamic_selection(q: torch.Tensor, k: torch.Tensor, *, tau: float | None, sc
         mass = est.mass
         forced = forced | ~est.k_similar.unsqueeze(-2) | ~est.q_similar.unsqueeze(-1)
     else:
-        rows = sample_rows(sq, query_tile, estimate_rows, seed=seed + ESTIMATE_SEED_OFFSET, device=q.device)
-        block = row_mass(q, k, rows, scale=scale, attn_mask=attn_mask, key_tile=key_tile).mean(dim=-2)
+        if estimate == "sampled":
+            rows = sample_rows(sq, query_tile, estimate_rows, seed=seed + ESTIMATE_SEED_OFFSET, device=q.device)
+            block = row_mass(q, k, rows, scale=scale, attn_mask=attn_mask, key_tile=key_tile).mean(dim=-2)
+        else:  # covering: rows on the queries of each head, each weighted by the rows it stands for
+            index, weight = placement(q, query_tile, estimate_rows)
+            mass = head_rows_mass(q, k, index, scale=scale, attn_mask=check_mask(attn_mask, q, k),
+                                  key_tile=key_tile, row_mass=row_mass)
+            block = (mass * weight.unsqueeze(-1)).sum(dim=-2)  # a NaN row makes its tile NaN (unknown)
         total = block.sum(dim=-1, keepdim=True)
         mass = torch.where(total > 0, block / total, math.nan)  # rows that see no key: nothing to estimate
     unknown = ~torch.isfinite(mass).all(dim=-1, keepdim=True)  # (B, H, nq, 1)

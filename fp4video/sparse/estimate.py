@@ -12,7 +12,7 @@ import torch
 from .selection import KEY_TILE, QUERY_TILE, n_tiles, positive_int
 
 __all__ = ["MIN_SIMILARITY", "BlockEstimate", "check_qk", "check_mask", "check_scale", "tile_sums", "tile_counts",
-           "tile_pool", "estimate_block_mass", "sample_rows", "covering_rows", "row_block_mass"]
+           "tile_pool", "estimate_block_mass", "sample_rows", "covering_rows", "row_block_mass", "head_rows_mass"]
 
 #: The default floor on a tile's mean pairwise cosine (SpargeAttn's self-similarity, K taken
 #: without its mean over the live keys) under which the tile is kept instead of estimated: the
@@ -328,3 +328,21 @@ def row_block_mass(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, *, scal
         p = torch.where(bad.any(dim=-1, keepdim=True), math.nan, p)  # a NaN or +Inf logit: the row is NaN
         out.append(tile_sums(p, -1, key_tile))
     return torch.cat(out, dim=2).reshape(b, h, *rows.shape, n_tiles(sk, key_tile))
+
+
+def head_rows_mass(q: torch.Tensor, k: torch.Tensor, index: torch.Tensor, *, scale: float | None = None,
+                   attn_mask: torch.Tensor | None = None, key_tile: int = KEY_TILE,
+                   row_mass=row_block_mass) -> torch.Tensor:
+    """(B, H, nq, r, n_key_tiles) fp32: :func:`row_block_mass` of the query rows ``index`` (B, H, nq, r),
+    different rows in each head (as :func:`covering_rows` places them): the rows are gathered from
+    ``q``, and from ``attn_mask`` where it has a row per query, then read by ``row_mass`` (this
+    function's contract or an implementation of it, e.g. the GPU's kernel). ``attn_mask`` is the
+    checked bool mask (:func:`check_mask`) or None."""
+    b, h, nq, r = index.shape
+    sk = k.shape[2]
+    flat = index.reshape(b, h, nq * r, 1)
+    q_rows = q.gather(2, flat.expand(b, h, nq * r, q.shape[-1]))
+    if attn_mask is not None and attn_mask.shape[-2] != 1:  # a mask per query row: the rows' own
+        attn_mask = attn_mask.expand(b, h, q.shape[2], sk).gather(2, flat.expand(b, h, nq * r, sk))
+    return row_mass(q_rows, k, torch.arange(nq * r, device=q.device), scale=scale, attn_mask=attn_mask,
+                    key_tile=key_tile).reshape(b, h, nq, r, -1)

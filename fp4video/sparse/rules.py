@@ -38,7 +38,8 @@ class _Checked:
 class DynamicSparsity(_Checked):
     """A dynamic selection rule (:func:`~fp4video.sparse.dynamic_selection`'s arguments), applied to
     each call's Q and K, then checked: ``floor`` (None: measure only), ``sinks``, ``check_rows``
-    (:func:`~fp4video.sparse.check_selection`); ``seed`` picks the ``sampled`` estimate's rows. Every
+    (:func:`~fp4video.sparse.check_selection`); ``seed`` picks the ``sampled`` estimate's rows (the
+    ``covering`` estimate's follow the queries). Every
     option is checked here, when the rule is built."""
 
     tau: float | None = None
@@ -65,13 +66,14 @@ class DynamicSparsity(_Checked):
         object.__setattr__(self, "global_tokens", check_global_tokens(self.global_tokens))
 
     def select(self, q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None,
-               attn_mask: torch.Tensor | None = None, pool=tile_pool, row_mass=row_block_mass) -> BlockSelection:
+               attn_mask: torch.Tensor | None = None, pool=tile_pool, row_mass=row_block_mass,
+               placement=covering_rows) -> BlockSelection:
         """The rule's own selection (unchecked)."""
         return dynamic_selection(q, k, tau=self.tau, scale=scale, attn_mask=attn_mask, neighbours=self.neighbours,
                                  global_tokens=self.global_tokens, sink_tiles=self.sink_tiles,
                                  min_similarity=self.min_similarity, topk=self.topk, estimate=self.estimate,
                                  estimate_rows=self.estimate_rows, seed=self.seed, query_tile=self.query_tile,
-                                 key_tile=self.key_tile, pool=pool, row_mass=row_mass)
+                                 key_tile=self.key_tile, pool=pool, row_mass=row_mass, placement=placement)
 
 
 @dataclass(frozen=True)
@@ -137,10 +139,12 @@ class HybridSparsity(_Checked):
         self._check_fields()
 
     def select(self, q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None,
-               attn_mask: torch.Tensor | None = None, pool=tile_pool, row_mass=row_block_mass) -> BlockSelection:
+               attn_mask: torch.Tensor | None = None, pool=tile_pool, row_mass=row_block_mass,
+               placement=covering_rows) -> BlockSelection:
         """Both rules' tiles (unchecked)."""
         window = self.static.select(q, k)
-        dyn = self.dynamic.select(q, k, scale=scale, attn_mask=attn_mask, pool=pool, row_mass=row_mass)
+        dyn = self.dynamic.select(q, k, scale=scale, attn_mask=attn_mask, pool=pool, row_mass=row_mass,
+                                  placement=placement)
         return BlockSelection(window.tiles | dyn.tiles, dyn.sq, dyn.sk, dyn.query_tile, dyn.key_tile)
 
 
@@ -169,7 +173,8 @@ def resolve_sparsity(sparsity, q: torch.Tensor, k: torch.Tensor, *, scale: float
     if isinstance(sparsity, BlockSelection):
         sel = sparsity
     elif isinstance(sparsity, RULES):
-        sel = sparsity.select(q, k, scale=scale, attn_mask=attn_mask, pool=pool, row_mass=row_mass)
+        sel = sparsity.select(q, k, scale=scale, attn_mask=attn_mask, pool=pool, row_mass=row_mass,
+                              placement=placement)
         sel.check_call(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.device)
         sel = sparsity.checked(sel, q, k, scale=scale, attn_mask=attn_mask, row_mass=row_mass, placement=placement,
                              shares=shares)
