@@ -235,6 +235,12 @@ def test_model_rules(grid: tuple) -> list[tuple[str, str, object]]:
         for tau in ((0.8, 0.9, 0.95) if qt == 128 else ()):
             rules.append((f"sampled τ{tile}", f"sampled τ={tau}{tile}", DynamicSparsity(tau, estimate="sampled",
                                                                                       query_tile=qt)))
+        for tau in ((0.8, 0.9, 0.95) if qt == 128 else ()):
+            rules.append((f"covering τ{tile}", f"covering τ={tau}{tile}", DynamicSparsity(tau, estimate="covering",
+                                                                                        query_tile=qt)))
+        for tau in ((0.8, 0.9) if qt == 128 else ()):
+            rules.append((f"covering τ + sinks + floor {FLOOR}{tile}", f"covering τ={tau} sinks floor={FLOOR}{tile}",
+                          DynamicSparsity(tau, estimate="covering", sinks=True, floor=FLOOR, query_tile=qt)))
         for tau in ((0.8, 0.9, 0.95) if qt == 128 else (0.9,)):
             rules.append((f"sampled τ + sinks + floor {FLOOR}{tile}", f"sampled τ={tau} sinks floor={FLOOR}{tile}",
                           DynamicSparsity(tau, estimate="sampled", sinks=True, floor=FLOOR, query_tile=qt)))

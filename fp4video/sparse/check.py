@@ -157,8 +157,8 @@ def check_selection(sel: BlockSelection, q: torch.Tensor, k: torch.Tensor, *, sc
     ``floor``, a query tile whose bound is under it visits more key tiles, in descending order of the
     rows' weighted exact mass on them (the oracle's order, estimated), the fewest that bring the bound
     to the floor. ``row_mass``, ``placement`` and ``shares``: :func:`row_block_mass`,
-    :func:`covering_rows` and :func:`row_shares` or implementations of them (the GPU's kernels). A query tile whose rows' mass is not finite (NaN or
-    Inf in Q or K) visits every key tile. The check's ``unseen`` is the bound under the selection the call runs. Nothing is read back
+    :func:`covering_rows` and :func:`row_shares` or implementations of them (the GPU's kernels). A
+    query tile whose rows' mass is not finite (NaN or Inf in Q or K) visits every key tile. The check's ``unseen`` is the bound under the selection the call runs. Nothing is read back
     to the host."""
     check_options(floor=floor, sinks=sinks, rows=rows)
     rows = check_rows_for(floor, rows)
