@@ -154,33 +154,15 @@ def test_the_gpu_check_equals_an_fp64_check_on_random_calls(kernels):
     """test_review_sparse_check's fp64 verification of every field, on the check that runs the GPU's
     three kernels (tiles of 16 and 32, the kernels' smallest), with NaN / Inf in Q or K and key-padding
     masks: random calls, seeded."""
-    from test_review_sparse_check import verify_check
+    from test_review_sparse_check import random_call, verify_check
 
     check = functools.partial(check_selection, placement=kernels["placement"], shares=kernels["shares"])
     failed = []
     for seed in range(48):
         rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-        b, h, d = rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([8, 16])
-        qt, kt = rng.choice([16, 32]), rng.choice([16, 32])
-        sq, sk = rng.randint(1, 4 * qt), rng.randint(1, 5 * kt)
-        q = torch.randn(b, h, sq, d, generator=gen) * rng.choice([0.5, 2.0])
-        k = torch.randn(b, h, sk, d, generator=gen) * rng.choice([0.5, 2.0])
-        if rng.random() < 0.5:  # a heavy key: sinks fire
-            k[..., rng.randrange(sk), :] = q.mean(dim=2) * 6
-        for x, n in ((q, sq), (k, sk)):
-            if rng.random() < 0.4:
-                x[rng.randrange(b), rng.randrange(h), rng.randrange(n), rng.randrange(d)] = rng.choice(
-                    [math.nan, math.inf, -math.inf])
-        mask = None
-        if rng.random() < 0.4:  # key padding; sometimes a batch entry sees no key
-            mask = torch.rand(b, 1, 1, sk, generator=gen) < 0.7
-            if rng.random() < 0.5:
-                mask[rng.randrange(b)] = False
-        nq, nk = -(-sq // qt), -(-sk // kt)
-        shape = (1, 1, nq, nk) if rng.random() < 0.5 else (b, h, nq, nk)
-        sel = BlockSelection(torch.rand(shape, generator=gen) < rng.random(), sq, sk, qt, kt)
-        options = dict(scale=rng.choice([None, 0.5]), attn_mask=mask, floor=rng.choice([None, 0.5, 0.9]),
-                       sinks=rng.random() < 0.5, rows=rng.choice([1, 2, 3, 10]), row_mass=kernels["row_mass"])
+        sel, q, k, options = random_call(rng, gen, batch=(1, 2), heads=(1, 2), dims=(8, 16), tiles=(16, 32),
+                                         bad=0.4, row_masks=False)
+        options["row_mass"] = kernels["row_mass"]
         try:
             verify_check(check, sel, q, k, options)
         except AssertionError:

@@ -24,9 +24,13 @@ def _unnormalized_row_mass(q, k, rows, **kwargs):
     return mass * (0.5 + (torch.arange(r, device=mass.device) % 3) / 2).view(1, 1, r, 1)
 
 
-def _random_call(rng: random.Random, gen: torch.Generator):
-    b, h, d = rng.choice([1, 2, 3]), rng.choice([1, 2, 3]), rng.choice([4, 8])
-    qt, kt = rng.choice([4, 8]), rng.choice([4, 8])
+def random_call(rng: random.Random, gen: torch.Generator, *, batch=(1, 2, 3), heads=(1, 2, 3), dims=(4, 8),
+                tiles=(4, 8), bad=0.3, row_masks=True):
+    """A random check call ``(sel, q, k, options)``: partial last tiles most of the time, sometimes a heavy
+    key (sinks fire), a NaN or ±Inf in Q or K (probability ``bad`` each), a key-padding mask (a batch
+    entry seeing no key) or, with ``row_masks``, a mask per query row; options of every kind."""
+    b, h, d = rng.choice(batch), rng.choice(heads), rng.choice(dims)
+    qt, kt = rng.choice(tiles), rng.choice(tiles)
     sq, sk = rng.randint(1, 5 * qt), rng.randint(1, 6 * kt)  # partial last tiles most of the time
     nq, nk = -(-sq // qt), -(-sk // kt)
     q = torch.randn(b, h, sq, d, generator=gen) * rng.choice([0.5, 2.0])
@@ -34,7 +38,7 @@ def _random_call(rng: random.Random, gen: torch.Generator):
     if rng.random() < 0.5:  # a heavy key: sinks fire
         k[..., rng.randrange(sk), :] = q.mean(dim=2) * 6
     for x, n in ((q, sq), (k, sk)):
-        if rng.random() < 0.3:
+        if rng.random() < bad:
             x[rng.randrange(b), rng.randrange(h), rng.randrange(n), rng.randrange(d)] = rng.choice(
                 [math.nan, math.inf, -math.inf])
     mask = None
@@ -42,12 +46,12 @@ def _random_call(rng: random.Random, gen: torch.Generator):
     if r < 0.3:  # key padding; one batch entry sees no key
         mask = torch.rand(b, 1, 1, sk, generator=gen) < 0.7
         mask[rng.randrange(b)] = False
-    elif r < 0.45:  # a mask per query row; one row sees no key
+    elif r < 0.45 and row_masks:  # a mask per query row; one row sees no key
         mask = torch.rand(b, h, sq, sk, generator=gen) < 0.5
         mask[..., rng.randrange(sq), :] = False
     shape = (1, 1, nq, nk) if rng.random() < 0.5 else (b, h, nq, nk)
-    tiles = torch.rand(shape, generator=gen) < rng.random()
-    sel = BlockSelection(tiles, sq, sk, qt, kt)
+    tiles_ = torch.rand(shape, generator=gen) < rng.random()
+    sel = BlockSelection(tiles_, sq, sk, qt, kt)
     options = dict(scale=rng.choice([None, 0.5]), attn_mask=mask, floor=rng.choice([None, 0.5, 0.9]),
                    sinks=rng.random() < 0.5, rows=rng.choice([1, 2, 3, 10]),
                    row_mass=row_block_mass if rng.random() < 0.6 else _unnormalized_row_mass)
@@ -160,7 +164,7 @@ def verify_check(check, sel, q, k, options):
 def test_check_selection_equals_an_fp64_measure_on_random_calls(seed):
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     for _ in range(40):
-        sel, q, k, options = _random_call(rng, gen)
+        sel, q, k, options = random_call(rng, gen)
         verify_check(check_selection, sel, q, k, options)
 
 
