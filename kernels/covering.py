@@ -30,7 +30,7 @@ from fp4video.sparse import covering_rows as reference_covering_rows
 from fp4video.sparse.selection import n_tiles
 
 from .plan import interpreting
-from .tiles import next_pow2
+from .tiles import next_pow2, round_bf16
 
 __all__ = ["covering_rows", "MAX_TILE_VALUES"]
 
@@ -40,15 +40,6 @@ MAX_TILE_VALUES = 128 * 256
 
 #: how the kernel rounds its fp32 dot products: as q's dtype does (the reference's matmul output)
 _ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-@triton.jit
-def _round_bf16(x):
-    """fp32 ``x`` rounded to the nearest bfloat16 (ties to even; NaN stays NaN), as fp32: the bits
-    themselves, so the CPU interpreter (whose cast truncates) rounds as the GPU does."""
-    bits = x.to(tl.uint32, bitcast=True)
-    up = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, x, up.to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -91,7 +82,7 @@ def _covering_kernel(Q, Rows, Weight, H, SQ, D, n_query_tiles, per_tile, tile,
         xs = tl.load(base + s.to(tl.int64) * sqs + d * sqd, mask=d < D, other=0.0).to(tl.float32)
         dot = tl.sum(x.to(tl.float32) * xs[None, :], axis=1)  # exact products, summed in fp32
         if ROUND == 1:
-            dot = _round_bf16(dot)
+            dot = round_bf16(dot)
         elif ROUND == 2:
             dot = dot.to(tl.float16).to(tl.float32)
         s2 = tl.sum(tl.where(r == s, norm2, 0.0), axis=0)

@@ -59,6 +59,15 @@ def sparse_rows(lists, block_m: int, given: bool) -> int:
 
 
 @triton.jit
+def round_bf16(x):
+    """fp32 ``x`` rounded to the nearest bfloat16 (ties to even; NaN stays NaN), as fp32: the bits
+    themselves, so the CPU interpreter (whose cast truncates) rounds as the GPU does."""
+    bits = x.to(tl.uint32, bitcast=True)
+    up = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, up.to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def visited_tiles(KIdx, KCnt, NQT, NKT, SK, QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A block-sparse program's key tiles (:class:`.operands.KeyTileLists`): (its list's pointer,
     how many whole tiles it visits first, the first key of the partial last tile if it visits it,

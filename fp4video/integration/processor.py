@@ -22,6 +22,7 @@ import torch
 from ..attention import BACKENDS, fp4_attention
 from .parallel import uses_ring
 from .policy import Policy, as_policy
+from .rope import wan_rope
 
 __all__ = ["FP4Processor", "AttentionContext", "sparse_summary"]
 
@@ -134,16 +135,6 @@ def check_backend(backend) -> str:
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r:.60}")
     return backend
-
-
-def _rope_wan(x, cos, sin):
-    """Wan's RoPE on interleaved pairs, as its stock processor applies it."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[..., 0::2], sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x)
 
 
 def _is_hunyuan_joint(attn, encoder_hidden_states, image_rotary_emb) -> bool:
@@ -280,7 +271,7 @@ class FP4Processor:
         q, k = attn.norm_q(q), attn.norm_k(k)
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
         if rotary_emb is not None:
-            q, k = _rope_wan(q, *rotary_emb), _rope_wan(k, *rotary_emb)
+            q, k = wan_rope(q, k, *rotary_emb)
         out_img = None
         if context_img is not None:
             k_img, v_img = wan_added_kv_projections()(attn, context_img)

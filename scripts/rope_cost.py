@@ -1,0 +1,71 @@
+"""What Wan's RoPE costs in a self-attention call: the stock processor's torch operations on the queries
+and keys against fp4video's fused kernel (:mod:`fp4video.kernels.rope`, what a routed Wan call runs),
+bit for bit the same, at Wan2.2 720p's shape by default (75,600 tokens, 40 heads of 128, bf16).
+
+    PYTHONPATH=. python3 scripts/rope_cost.py --out rope-cost        # a CUDA GPU
+
+Times are medians of ``--repeats`` calls after two warm-up calls (CUDA events). Writes ``rope.md``
+and ``rope.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from fp4video.integration.rope import stock_wan_rope
+from fp4video.kernels.rope import rope_pairs
+
+
+def median_ms(fn, repeats: int) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--tokens", type=int, default=75600)
+    p.add_argument("--heads", type=int, default=40)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (the fused kernel's time is what it measures)")
+    s, h, d = args.tokens, args.heads, args.head_dim
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    angle = torch.rand(s, d // 2, device="cuda", dtype=torch.float64, generator=g) * 100
+    cos = angle.cos().repeat_interleave(2, -1).float().view(1, s, 1, d)
+    sin = angle.sin().repeat_interleave(2, -1).float().view(1, s, 1, d)
+    fused = rope_pairs(q, k, cos, sin)
+    same = torch.equal(fused[0], stock_wan_rope(q, cos, sin)) and torch.equal(fused[1], stock_wan_rope(k, cos, sin))
+    stock_ms = median_ms(lambda: (stock_wan_rope(q, cos, sin), stock_wan_rope(k, cos, sin)), args.repeats)
+    fused_ms = median_ms(lambda: rope_pairs(q, k, cos, sin), args.repeats)
+    row = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, tokens=s, heads=h, head_dim=d,
+               stock_ms=round(stock_ms, 3), fused_ms=round(fused_ms, 3), speedup=round(stock_ms / fused_ms, 2),
+               bitwise_equal=same)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "rope.json").write_text(json.dumps(row, indent=1))
+    md = (f"Wan RoPE on q and k, (1, {s}, {h}, {d}) bf16, {row['device']}, torch {row['torch']}: stock torch operations "
+          f"{row['stock_ms']} ms, fused kernel {row['fused_ms']} ms ({row['speedup']}×), bit for bit equal: {same}")
+    (args.out / "rope.md").write_text(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
