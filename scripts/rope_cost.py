@@ -2,7 +2,8 @@
 and keys against fp4video's fused kernel (:mod:`fp4video.kernels.rope`, what a routed Wan call runs),
 bit for bit the same, at Wan2.2 720p's shape by default (75,600 tokens, 40 heads of 128, bf16).
 
-    PYTHONPATH=. python3 scripts/rope_cost.py --out rope-cost        # a CUDA GPU
+    PYTHONPATH=. python3 scripts/rope_cost.py --out rope-cost           # a CUDA GPU
+    PYTHONPATH=. python3 scripts/rope_cost.py --out rope-cost --sweep   # + the kernel's launch settings
 
 Times are medians of ``--repeats`` calls after two warm-up calls (CUDA events). Writes ``rope.md``
 and ``rope.json`` into ``--out``.
@@ -42,6 +43,7 @@ def main(argv=None) -> None:
     p.add_argument("--heads", type=int, default=40)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--sweep", action="store_true", help="also time the kernel's block sizes and warps")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (the fused kernel's time is what it measures)")
@@ -59,10 +61,21 @@ def main(argv=None) -> None:
     row = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, tokens=s, heads=h, head_dim=d,
                stock_ms=round(stock_ms, 3), fused_ms=round(fused_ms, 3), speedup=round(stock_ms / fused_ms, 2),
                bitwise_equal=same)
+    md = (f"Wan RoPE on q and k, (1, {s}, {h}, {d}) bf16, fp32 tables, {row['device']}, torch {row['torch']}: stock "
+          f"torch operations {row['stock_ms']} ms, fused kernel {row['fused_ms']} ms ({row['speedup']}×), bit for bit "
+          f"equal: {same}")
+    if args.sweep:
+        row["sweep"] = []
+        md += "\n\n| tokens a program | pairs a program | warps | ms |\n| --- | --- | --- | --- |"
+        for bt in (4, 8, 16, 32):
+            for bp in (32, 64, 128, 256):
+                for warps in (2, 4, 8):
+                    ms = median_ms(lambda: rope_pairs(q, k, cos, sin, block_tokens=bt, block_pairs=bp,
+                                                      num_warps=warps), args.repeats)
+                    row["sweep"].append(dict(block_tokens=bt, block_pairs=bp, num_warps=warps, ms=round(ms, 3)))
+                    md += f"\n| {bt} | {bp} | {warps} | {ms:.3f} |"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "rope.json").write_text(json.dumps(row, indent=1))
-    md = (f"Wan RoPE on q and k, (1, {s}, {h}, {d}) bf16, {row['device']}, torch {row['torch']}: stock torch operations "
-          f"{row['stock_ms']} ms, fused kernel {row['fused_ms']} ms ({row['speedup']}×), bit for bit equal: {same}")
     (args.out / "rope.md").write_text(md + "\n")
     print(md)
 

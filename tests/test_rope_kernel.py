@@ -18,11 +18,12 @@ from fp4video.kernels import rope  # noqa: E402
 from conftest import HAS_CUDA, rand  # noqa: E402
 
 
-def tables(seq: int, dim: int, seed: int, device="cpu"):
-    """Wan's (1, S, 1, D) fp32 cos and sin tables: one angle per pair, repeated for both members."""
+def tables(seq: int, dim: int, seed: int, device="cpu", dtype=torch.float32):
+    """Wan's (1, S, 1, D) cos and sin tables (fp32 as diffusers keeps them; 16-bit after a model's
+    ``.to(dtype)``): one angle per pair, repeated for both members."""
     angle = rand(seq, dim // 2, seed=seed, dtype=torch.float64) * 7
-    cos = angle.cos().repeat_interleave(2, -1).float().view(1, seq, 1, dim).to(device)
-    sin = angle.sin().repeat_interleave(2, -1).float().view(1, seq, 1, dim).to(device)
+    cos = angle.cos().repeat_interleave(2, -1).to(dtype).view(1, seq, 1, dim).to(device)
+    sin = angle.sin().repeat_interleave(2, -1).to(dtype).view(1, seq, 1, dim).to(device)
     return cos, sin
 
 
@@ -36,13 +37,18 @@ def exact(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 SHAPES = [(1, 37, 3, 16), (2, 5, 2, 8), (2, 1, 4, 16), (1, 130, 5, 128), (3, 19, 1, 64)]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-23}
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("table", DTYPES, ids=lambda t: f"tables-{str(t)[6:]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_the_stock_bits_and_the_rotation(device, shape, dtype):
+def test_the_stock_bits_and_the_rotation(device, shape, dtype, table):
     b, s, h, d = shape
     q = (rand(*shape, seed=1) * 3).to(device, dtype)
     k = rand(*shape, seed=2).to(device, dtype)
-    cos, sin = tables(s, d, seed=3, device=device)
+    cos, sin = tables(s, d, seed=3, device=device, dtype=table)
     q0, k0 = q.clone(), k.clone()
     qo, ko = rope.rope_pairs(q, k, cos, sin)
     assert torch.equal(q, q0) and torch.equal(k, k0), "the inputs were modified"
@@ -51,10 +57,13 @@ def test_the_stock_bits_and_the_rotation(device, shape, dtype):
         stock = route_rope.stock_wan_rope(x, cos, sin)
         bad = (out != stock).flatten(0, 2).any(-1).nonzero()
         assert not len(bad), f"rows {bad[:5].tolist()} differ from the stock operations"
-        # the rotation: within one rounding of the dtype (plus fp32's, negligible beside 16-bit)
-        unit = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-22}[dtype]
+        # the rotation by the tables' angles: within the roundings of the operations' dtype (torch's
+        # promotion of the two) and one of the output's
+        op = UNIT[torch.promote_types(dtype, table)]
         ref = exact(x, cos, sin)
-        assert ((out.double().cpu() - ref).abs() <= unit * ref.abs() + unit * x.double().cpu().abs()).all()
+        xd = x.double().cpu().unflatten(-1, (-1, 2))
+        radius = xd.norm(dim=-1, keepdim=True).expand_as(xd).flatten(-2)
+        assert ((out.double().cpu() - ref).abs() <= 4 * op * radius + UNIT[dtype] * ref.abs()).all()
 
 
 def test_strided_keys_and_non_finite_values(device):
