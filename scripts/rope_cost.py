@@ -5,7 +5,7 @@ bit for bit the same, at Wan2.2 720p's shape by default (75,600 tokens, 40 heads
     PYTHONPATH=. python3 scripts/rope_cost.py --out rope-cost           # a CUDA GPU
     PYTHONPATH=. python3 scripts/rope_cost.py --out rope-cost --sweep   # + the kernel's launch settings
 
-Times are medians of ``--repeats`` calls after two warm-up calls (CUDA events). Writes ``rope.md``
+Times are medians of ``--repeats`` calls after a warm-up call (CUDA events). Writes ``rope.md``
 and ``rope.json`` into ``--out``.
 """
 
@@ -13,27 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 
+from fp4video.calibration.costs import median_seconds
 from fp4video.integration.rope import stock_wan_rope
 from fp4video.kernels.rope import rope_pairs
 
 
 def median_ms(fn, repeats: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """The median of ``repeats`` timed calls after a warm-up, in ms (CUDA events)."""
+    return median_seconds(fn, torch.device("cuda"), reps=repeats) * 1000
 
 
 def main(argv=None) -> None:
