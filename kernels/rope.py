@@ -1,13 +1,24 @@
-"""Rotary position embedding on interleaved pairs (Wan's RoPE) for queries and keys in one pass.
+"""Rotary position embedding on interleaved pairs for queries and keys in one pass: Wan's, and
+diffusers' ``apply_rotary_emb`` (HunyuanVideo's).
 
-Wan's stock processor rotates each head's pairs ``(x[2i], x[2i+1])`` by the token's angle with eight
-torch operations per tensor, every intermediate a full fp32 copy of the (B, S, H, D) tensor: at
-Wan2.2 720p that moves about ten times the tensor's bytes. Here one program reads a block of tokens'
-pairs of both tensors and the tokens' cos/sin once, and writes the rotated pairs: the tensors' bytes
-in and out. The arithmetic is the stock's, operation for operation (``x1·cos − x2·sin`` and
+The stock processors rotate each head's pairs ``(x[2i], x[2i+1])`` by the token's angle with six to
+eight torch operations per tensor, every intermediate a full fp32 copy of the (B, S, H, D) tensor: at
+720p that moves about ten times the tensor's bytes. Here one program reads a block of tokens' values
+of both tensors and the tokens' cos/sin once, and writes the rotated values: the tensors' bytes in and
+out. The arithmetic is the stock's, operation for operation (``x1·cos − x2·sin`` and
 ``x1·sin + x2·cos``, no fused multiply-add), each result rounded as torch rounds it in the dtype it
-promotes the tensor's and the tables' to (fp32 with diffusers' fp32 tables), then cast to the input's
-dtype, so the result equals the stock's bit for bit.
+computes in, then cast to the input's dtype, so the result equals the stock's bit for bit (a NaN is NaN
+where the stock's is, its payload aside; bfloat16 is read and written as its bits, so subnormals are
+exact under Triton's CPU interpreter too). The kernel has no backward: operands that need a gradient
+are refused, and the callers run the stock operations on them.
+
+- ``style="wan"``: Wan's processor, (1, S, 1, D) tables; both members of a pair take cos from its even
+  and sin from its odd entry; the operations in the dtype torch promotes q's and the tables' to (fp32
+  with diffusers' fp32 tables).
+- ``style="interleaved"``: ``apply_rotary_emb(x, (cos, sin), use_real=True, use_real_unbind_dim=-1,
+  sequence_dim=1)``, (S', D) tables; each member takes its own entry; the operations in fp32. Only the
+  first S' tokens are rotated, the rest copied as they are (HunyuanVideo's text tokens follow its
+  video tokens).
 """
 
 from __future__ import annotations
@@ -23,8 +34,9 @@ __all__ = ["rope_pairs", "rope_pairs_supported"]
 BLOCK_T = 8    # tokens per program (the launch sweep's fastest at Wan 720p, with 2 warps)
 BLOCK_P = 256  # pairs per program (of the H · D/2 pairs of a token)
 
-#: how the stock rounds each operation's result: in the dtype torch promotes q's and the tables' to
+#: how an operation's result is rounded, by the dtype the stock computes it in
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+STYLES = ("wan", "interleaved")
 
 
 @triton.jit
@@ -38,86 +50,111 @@ def _rounded(x, ROUND: tl.constexpr):
 
 
 @triton.jit
-def _rotate(X, O, sx, t64, cols, live, cos, sin, pairs, OP: tl.constexpr, OUT: tl.constexpr,
-            BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr):
-    # the tokens' 2·BLOCK_P consecutive values at once, split into the pairs' members
-    x = tl.load(X + t64[:, None] * sx + cols[None, :], mask=live, other=0.0).to(tl.float32)
-    x1, x2 = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_P, 2)))
-    o1 = _rounded(_rounded(x1 * cos, OP) - _rounded(x2 * sin, OP), OP)
-    o2 = _rounded(_rounded(x1 * sin, OP) + _rounded(x2 * cos, OP), OP)
-    o = _rounded(tl.reshape(tl.join(o1, o2), (BLOCK_T, 2 * BLOCK_P)), OUT)
-    tl.store(O + t64[:, None] * (2 * pairs) + cols[None, :], o.to(O.dtype.element_ty), mask=live)
+def _load_f32(ptr, mask, BITS: tl.constexpr):
+    """Values as fp32; ``BITS``: bfloat16 given as its int16 bits, widened by a shift (exact for every
+    value, subnormals included, which the CPU interpreter's own conversion is not)."""
+    if BITS:
+        return (tl.load(ptr, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _rope_kernel(Q, K, QO, KO, COS, SIN, n_tok, seq, pairs, half, sq, sk,
-                 BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, OP: tl.constexpr, OUT: tl.constexpr):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
-    t64 = t.to(tl.int64)
-    pos = (t64 % seq)[:, None] * half + (p % half)[None, :]  # the token's angle for pair p of its head
-    angle_ok = (t[:, None] < n_tok) & (p[None, :] < pairs)
-    cos = tl.load(COS + pos, mask=angle_ok, other=0.0).to(tl.float32)
-    sin = tl.load(SIN + pos, mask=angle_ok, other=0.0).to(tl.float32)
+def _rotate(X, O, sxb, sxs, sob, sos, b, s, cols, live, c1, s1, c2, s2, OP: tl.constexpr, OUT: tl.constexpr,
+            BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr):
+    # the tokens' 2·BLOCK_P consecutive values at once, split into the pairs' members
+    x = _load_f32(X + b[:, None] * sxb + s[:, None] * sxs + cols[None, :], live, BITS)
+    x1, x2 = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_P, 2)))
+    o1 = _rounded(_rounded(x1 * c1, OP) - _rounded(x2 * s1, OP), OP)
+    o2 = _rounded(_rounded(x1 * s2, OP) + _rounded(x2 * c2, OP), OP)
+    o = _rounded(tl.reshape(tl.join(o1, o2), (BLOCK_T, 2 * BLOCK_P)), OUT)
+    if BITS:  # a bfloat16 value held in fp32: its upper half is its bits
+        o = (o.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+    tl.store(O + b[:, None] * sob + s[:, None] * sos + cols[None, :], o.to(O.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _rope_kernel(Q, K, QO, KO, COS, SIN, n_tok, seq, D, width, sqb, sqs, skb, sks, sob, sos,
+                 WAN: tl.constexpr, OP: tl.constexpr, OUT: tl.constexpr, BITS: tl.constexpr, TABLE_BITS: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr):
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    b, s = t // seq, t % seq  # the batch entry and the token of each row (the tables' tokens)
     cols = tl.program_id(1) * (2 * BLOCK_P) + tl.arange(0, 2 * BLOCK_P)
-    live = (t[:, None] < n_tok) & (cols[None, :] < 2 * pairs)
-    _rotate(Q, QO, sq, t64, cols, live, cos, sin, pairs, OP, OUT, BLOCK_T, BLOCK_P)
-    _rotate(K, KO, sk, t64, cols, live, cos, sin, pairs, OP, OUT, BLOCK_T, BLOCK_P)
+    live = (t[:, None] < n_tok) & (cols[None, :] < width)
+    angle = s[:, None] * D + (cols % D)[None, :]  # the token's table entry for each value of each head
+    ce, co = tl.split(tl.reshape(_load_f32(COS + angle, live, TABLE_BITS), (BLOCK_T, BLOCK_P, 2)))
+    se, so = tl.split(tl.reshape(_load_f32(SIN + angle, live, TABLE_BITS), (BLOCK_T, BLOCK_P, 2)))
+    if WAN:  # cos from the pair's even entry, sin from its odd one, for both members
+        c1, s1, c2, s2 = ce, so, ce, so
+    else:  # each member its own entry
+        c1, s1, c2, s2 = ce, se, co, so
+    _rotate(Q, QO, sqb, sqs, sob, sos, b, s, cols, live, c1, s1, c2, s2, OP, OUT, BITS, BLOCK_T, BLOCK_P)
+    _rotate(K, KO, skb, sks, sob, sos, b, s, cols, live, c1, s1, c2, s2, OP, OUT, BITS, BLOCK_T, BLOCK_P)
 
 
-def _angles(table: torch.Tensor, seq: int, half: int, odd: bool) -> torch.Tensor | None:
-    """Wan's (1, S, 1, D) cos or sin table (each angle repeated for both members of a pair) as the
-    (S, D/2) angles the kernel reads: the stock reads cos at the even and sin at the odd positions."""
-    if table.dtype not in _ROUND or table.dim() != 4 or table.shape[0] != 1 or table.shape[2] != 1 \
-            or table.shape[1] != seq or table.shape[3] != 2 * half:
+def _table(table: torch.Tensor, style: str, seq: int, dim: int) -> torch.Tensor | None:
+    """``table`` as the contiguous (S', D) rows the kernel reads, None when the style takes no such
+    table for ``seq`` tokens of ``dim`` values (Wan: (1, S, 1, D); interleaved: (S', D), S' ≤ S)."""
+    if table.dtype not in _ROUND:
         return None
-    return table[0, :, 0, int(odd)::2].contiguous()
-
-
-def _rows(x: torch.Tensor) -> int | None:
-    """The stride between tokens of a (B, S, H, D) tensor whose heads and dims are packed, else None."""
-    B, S, H, D = x.shape
-    if x.stride(3) != 1 or x.stride(2) != D:
+    if style == "wan":
+        if table.dim() != 4 or tuple(table.shape) != (1, seq, 1, dim):
+            return None
+    elif table.dim() != 2 or table.shape[0] > seq or table.shape[0] == 0 or table.shape[1] != dim:
         return None
-    if S == 1:  # token t is batch entry t
-        return x.stride(0)
-    return x.stride(1) if B == 1 or x.stride(0) == S * x.stride(1) else None
+    return table.reshape(-1, dim).contiguous()
 
 
-def rope_pairs_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+def _packed(x: torch.Tensor) -> bool:
+    """Whether each token's heads and values are one contiguous run (the kernel's loads)."""
+    return x.stride(3) == 1 and x.stride(2) == x.shape[3]
+
+
+def rope_pairs_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         style: str = "wan") -> bool:
     """Whether :func:`rope_pairs` takes these operands (else the caller runs the stock operations)."""
-    if q.dim() != 4 or q.shape != k.shape or q.dtype != k.dtype or q.device != k.device:
+    if style not in STYLES or q.dim() != 4 or q.shape != k.shape or q.dtype != k.dtype or q.device != k.device:
         return False
-    if q.dtype not in _ROUND or q.shape[-1] % 2:
+    if q.dtype not in _ROUND or q.shape[-1] % 2 or q.numel() == 0:
         return False
-    if cos.device != q.device or sin.device != q.device or q.numel() == 0 or cos.dtype != sin.dtype:
+    if cos.device != q.device or sin.device != q.device or cos.dtype != sin.dtype or cos.shape != sin.shape:
         return False
-    B, S, H, D = q.shape
-    return (_rows(q) is not None and _rows(k) is not None
-            and _angles(cos, S, D // 2, False) is not None and _angles(sin, S, D // 2, True) is not None)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin)):
+        return False  # the kernel has no backward: the stock operations keep the graph
+    S, D = q.shape[1], q.shape[3]
+    return _packed(q) and _packed(k) and _table(cos, style, S, D) is not None
 
 
-def rope_pairs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+def rope_pairs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "wan", *,
                block_tokens: int = BLOCK_T, block_pairs: int = BLOCK_P, num_warps: int = 2):
-    """``q`` and ``k`` (B, S, H, D) rotated by Wan's interleaved RoPE (``cos``/``sin``: its (1, S, 1, D)
-    tables, fp32 as diffusers keeps them, or 16-bit), as new contiguous tensors of the inputs' dtype;
-    the inputs are left as they are (``block_tokens`` × ``block_pairs`` a program, powers of two).
-    Operands :func:`rope_pairs_supported` refuses get a one-line ``ValueError``."""
-    if not rope_pairs_supported(q, k, cos, sin):
-        raise ValueError(f"rope_pairs takes (B, S, H, D) queries and keys of one shape and 16/32-bit dtype "
-                         f"with packed heads and (1, S, 1, D) 16/32-bit cos/sin tables; got q {tuple(q.shape)} "
+    """``q`` and ``k`` (B, S, H, D) rotated as the ``style``'s stock rotates them (module docstring), as
+    new contiguous tensors of the inputs' dtype; the inputs are left as they are (``block_tokens`` ×
+    ``block_pairs`` a program, powers of two). Operands :func:`rope_pairs_supported` refuses get a
+    one-line ``ValueError``."""
+    if not rope_pairs_supported(q, k, cos, sin, style):
+        shapes = "(1, S, 1, D)" if style == "wan" else "(S' <= S, D)"
+        raise ValueError(f"rope_pairs(style={style!r}) takes (B, S, H, D) queries and keys of one shape and 16/32-bit "
+                         f"dtype with packed heads and {shapes} 16/32-bit cos/sin tables; got q {tuple(q.shape)} "
                          f"{q.dtype}, k {tuple(k.shape)}, cos {tuple(cos.shape)} {cos.dtype}")
     B, S, H, D = q.shape
-    half = D // 2
-    cos_h, sin_h = _angles(cos, S, half, False), _angles(sin, S, half, True)
+    cos_t, sin_t = _table(cos, style, S, D), _table(sin, style, S, D)
+    rows = cos_t.shape[0]
     qo, ko = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    pairs = H * half
-    grid = (triton.cdiv(B * S, block_tokens), triton.cdiv(pairs, block_pairs))
-    op = torch.promote_types(q.dtype, cos.dtype)
+    if rows < S:  # the tokens past the tables' as they are
+        qo[:, rows:], ko[:, rows:] = q[:, rows:], k[:, rows:]
     # each operation rounded as the stock's dtype rounds it; then the stock's cast to q's dtype (the
     # interpreter's own cast to bfloat16 truncates, so the kernel rounds before it)
+    op = torch.promote_types(q.dtype, cos.dtype) if style == "wan" else torch.float32
     out = _ROUND[q.dtype] if q.dtype != op else 0
-    _rope_kernel[grid](q, k, qo, ko, cos_h, sin_h, B * S, S, pairs, half, _rows(q), _rows(k),
-                       BLOCK_T=block_tokens, BLOCK_P=block_pairs, OP=_ROUND[op], OUT=out, num_warps=num_warps,
-                       enable_fp_fusion=False)
+    grid = (triton.cdiv(B * rows, block_tokens), triton.cdiv(H * D // 2, block_pairs))
+    for n in (block_tokens, block_pairs):
+        if not isinstance(n, int) or n < 1 or n & (n - 1):
+            raise ValueError(f"rope_pairs: block_tokens and block_pairs must be powers of two, got {n!r}")
+    bits = q.dtype == torch.bfloat16  # bfloat16 read and written as its bits (see _load_f32)
+    as_bits = (lambda t: t.view(torch.int16)) if bits else (lambda t: t)
+    table_bits = (lambda t: t.view(torch.int16)) if cos_t.dtype == torch.bfloat16 else (lambda t: t)
+    _rope_kernel[grid](as_bits(q), as_bits(k), as_bits(qo), as_bits(ko), table_bits(cos_t), table_bits(sin_t),
+                       B * rows, rows, D, H * D, q.stride(0), q.stride(1), k.stride(0), k.stride(1), qo.stride(0),
+                       qo.stride(1), WAN=style == "wan", OP=_ROUND[op], OUT=out, BITS=bits,
+                       TABLE_BITS=cos_t.dtype == torch.bfloat16, BLOCK_T=block_tokens, BLOCK_P=block_pairs,
+                       num_warps=num_warps, enable_fp_fusion=False)
     return qo, ko

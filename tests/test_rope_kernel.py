@@ -66,6 +66,33 @@ def test_the_stock_bits_and_the_rotation(device, shape, dtype, table):
         assert ((out.double().cpu() - ref).abs() <= 4 * op * radius + UNIT[dtype] * ref.abs()).all()
 
 
+@pytest.mark.parametrize("table", DTYPES, ids=lambda t: f"tables-{str(t)[6:]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,rows", [((1, 37, 3, 16), 37), ((2, 40, 2, 8), 29), ((3, 19, 1, 64), 1),
+                                         ((1, 130, 5, 128), 98)], ids=str)
+def test_diffusers_apply_rotary_emb_bits_with_text_tokens_after(device, shape, rows, dtype, table):
+    """style="interleaved" against diffusers' own ``apply_rotary_emb`` (HunyuanVideo's call: real
+    tables, pairs interleaved, sequence dim 1) on the first ``rows`` tokens, the rest (text) as
+    they were: bit for bit."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    b, s, h, d = shape
+    q = (rand(*shape, seed=21) * 3).to(device, dtype)
+    k = rand(*shape, seed=22).to(device, dtype)
+    angle = rand(rows, d // 2, seed=23, dtype=torch.float64) * 7
+    cos = angle.cos().repeat_interleave(2, -1).to(device, table)
+    sin = angle.sin().repeat_interleave(2, -1).to(device, table)
+    cos[:, 1::2] *= 0.5  # members with their own entries: the style must read each one
+    q0, k0 = q.clone(), k.clone()
+    qo, ko = rope.rope_pairs(q, k, cos, sin, "interleaved")
+    assert torch.equal(q, q0) and torch.equal(k, k0), "the inputs were modified"
+    for x, out in ((q, qo), (k, ko)):
+        stock = torch.cat([apply_rotary_emb(x[:, :rows], (cos, sin), sequence_dim=1), x[:, rows:]], dim=1)
+        assert out.dtype == x.dtype and out.is_contiguous()
+        bad = (out != stock).flatten(0, 1).any(-1).any(-1).nonzero()
+        assert not len(bad), f"tokens {bad[:5].flatten().tolist()} differ from diffusers' apply_rotary_emb"
+
+
 def test_strided_keys_and_non_finite_values(device):
     """Keys sliced from a wider projection (token stride larger than H·D) and inf/NaN inputs: the
     stock's result, NaN where it has NaN."""
@@ -96,7 +123,7 @@ def test_operands_it_does_not_take_are_refused_and_run_by_the_stock(device, monk
     ]
     for args in refused:
         assert not rope.rope_pairs_supported(*args)
-        with pytest.raises(ValueError, match="rope_pairs takes") as err:
+        with pytest.raises(ValueError, match=r"rope_pairs\(style='wan'\) takes") as err:
             rope.rope_pairs(*args)
         assert "\n" not in str(err.value)
     # the processor's route hands them to the stock operations, never to the kernel
@@ -135,17 +162,17 @@ def tiny_wan(device="cpu"):
 
 
 def routed_output(model, inputs, monkeypatch):
-    """The model's output under fp4video's fp16 policy, and the (q, k) shapes whose RoPE the routing
-    applied at the dispatch."""
+    """The model's output under fp4video's fp16 policy, and (style, q shape, k shape, table rows) of
+    each RoPE the routing applied at a dispatch."""
     from fp4video.integration import Policy, install, routing, uninstall
 
     seen = []
 
-    def counted(q, k, cos, sin):
-        seen.append((tuple(q.shape), tuple(k.shape)))
-        return route_rope.wan_rope(q, k, cos, sin)
+    def counted(q, k, cos, sin, style):
+        seen.append((style, tuple(q.shape), tuple(k.shape), cos.shape[1] if style == "wan" else cos.shape[0]))
+        return route_rope.apply_rope(q, k, cos, sin, style)
 
-    monkeypatch.setattr(routing, "wan_rope", counted)
+    monkeypatch.setattr(routing, "apply_rope", counted)
     install(model, Policy(method="fp16"))
     try:
         with torch.no_grad():
@@ -162,7 +189,7 @@ def test_the_routing_applies_wans_rope_at_the_dispatch_with_the_stock_output(mon
     model, inputs, stock = tiny_wan(device="cuda" if HAS_CUDA else "cpu")
     out, seen = routed_output(model, inputs, monkeypatch)
     assert len(seen) == len(model.blocks)  # self-attention only, once a block
-    assert all(q == k and q[1] == 4 * 8 * 8 for q, k in seen)
+    assert all(style == "wan" and q == k and q[1] == rows == 4 * 8 * 8 for style, q, k, rows in seen)
     assert torch.equal(out, stock)
     with torch.no_grad():  # uninstalled: the processors rotate again
         assert torch.equal(model(**inputs, return_dict=False)[0], stock)
@@ -182,15 +209,41 @@ def test_rope_is_left_to_processors_that_are_not_wans_own(monkeypatch):
     assert not seen and torch.equal(out, stock)
 
     attn = model.blocks[0].attn1
-    assert route_rope.defers(WanAttnProcessor(), attn) and not route_rope.defers(Mine(), attn)
+    assert route_rope.defers(WanAttnProcessor(), attn) == ("wan", "rotary_emb")
+    assert route_rope.defers(Mine(), attn) is None
     proc = WanAttnProcessor()
     hidden = torch.zeros(1, 5, 8)
     cos = sin = torch.zeros(1, 5, 1, 4)
-    assert route_rope.deferrable(proc, hidden, None, (cos, sin))
+    assert route_rope.deferrable("wan", proc, hidden, None, (cos, sin))
     proc._parallel_config = object()
-    assert not route_rope.deferrable(proc, hidden, None, (cos, sin))
-    assert not route_rope.deferrable(WanAttnProcessor(), hidden, torch.zeros(1, 3, 8), (cos, sin))
-    assert not route_rope.deferrable(WanAttnProcessor(), hidden, None, (cos[:, :4], sin[:, :4]))
+    assert not route_rope.deferrable("wan", proc, hidden, None, (cos, sin))
+    assert not route_rope.deferrable("wan", WanAttnProcessor(), hidden, torch.zeros(1, 3, 8), (cos, sin))
+    assert not route_rope.deferrable("wan", WanAttnProcessor(), hidden, None, (cos[:, :4], sin[:, :4]))
+    rows5, rows4 = (torch.zeros(5, 4),) * 2, (torch.zeros(4, 4),) * 2  # HunyuanVideo's (S, D) tables
+    assert route_rope.deferrable("interleaved", WanAttnProcessor(), hidden, torch.zeros(1, 3, 8), rows5)
+    assert not route_rope.deferrable("interleaved", WanAttnProcessor(), hidden, torch.zeros(1, 3, 8), rows4)
+    assert not route_rope.deferrable("interleaved", WanAttnProcessor(), hidden, None, (cos, sin))
+
+
+def test_the_routing_applies_hunyuanvideos_rope_at_the_dispatch_with_the_stock_output(monkeypatch):
+    """HunyuanVideo (a dual- and a single-stream block, a token refiner, a text padding mask): the
+    tables taken off both blocks' calls and applied at their joint dispatch to the 128 video tokens that
+    come first, the 24 text tokens after them left as they are; the stock output bit for bit."""
+    from fp4video.integration.tiny import tiny_hunyuan_transformer
+
+    model = tiny_hunyuan_transformer(seed=31, head_dim=32)
+    g = torch.Generator().manual_seed(32)
+    mask = torch.zeros(1, 24, dtype=torch.bool)
+    mask[:, :17] = True
+    inputs = dict(hidden_states=torch.randn(1, 4, 2, 16, 16, generator=g),  # 2 · 8 · 8 = 128 video tokens
+                  encoder_hidden_states=torch.randn(1, 24, 16, generator=g), encoder_attention_mask=mask,
+                  pooled_projections=torch.randn(1, 8, generator=g), timestep=torch.tensor([500.0]),
+                  guidance=torch.tensor([6000.0]))
+    with torch.no_grad():
+        stock = model(**inputs, return_dict=False)[0]
+    out, seen = routed_output(model, inputs, monkeypatch)
+    assert [(style, q[1], rows) for style, q, k, rows in seen] == [("interleaved", 128 + 24, 128)] * 2
+    assert torch.equal(out, stock)
 
 
 @pytest.mark.gpu

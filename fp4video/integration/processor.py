@@ -22,7 +22,7 @@ import torch
 from ..attention import BACKENDS, fp4_attention
 from .parallel import uses_ring
 from .policy import Policy, as_policy
-from .rope import wan_rope
+from .rope import apply_rope, wan_rope
 
 __all__ = ["FP4Processor", "AttentionContext", "sparse_summary"]
 
@@ -290,8 +290,6 @@ class FP4Processor:
         """HunyuanVideo's dual-stream (text projected by ``add_*_proj``) and single-stream (text
         concatenated before ``to_q/k/v``) joint attention; RoPE on the video tokens only; the text
         padding mask (bool, True = attend) goes to the FP4 path unchanged."""
-        from diffusers.models.embeddings import apply_rotary_emb
-
         single = attn.add_q_proj is None
         n_text = encoder_hidden_states.shape[1] if encoder_hidden_states is not None else 0
         if single and encoder_hidden_states is not None:
@@ -301,13 +299,12 @@ class FP4Processor:
             q = attn.norm_q(q)
         if attn.norm_k is not None:
             k = attn.norm_k(k)
-        if image_rotary_emb is not None:
-            if single and n_text:
-                q = torch.cat([apply_rotary_emb(q[:, :-n_text], image_rotary_emb, sequence_dim=1), q[:, -n_text:]], 1)
-                k = torch.cat([apply_rotary_emb(k[:, :-n_text], image_rotary_emb, sequence_dim=1), k[:, -n_text:]], 1)
-            else:
-                q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
-                k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        if image_rotary_emb is not None:  # on the video tokens, which come first
+            cos, sin = image_rotary_emb
+            video = q.shape[1] - (n_text if single else 0)
+            if cos.shape[0] != video:
+                raise ValueError(f"HunyuanVideo's RoPE tables have {cos.shape[0]} rows for {video} video tokens")
+            q, k = apply_rope(q, k, cos, sin, "interleaved")
         if not single and encoder_hidden_states is not None:
             eq, ek, ev = (proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
                           for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))

@@ -33,7 +33,7 @@ import torch
 from .dispatcher import AttentionCall, diffusers_backend
 from .parallel import uses_ring
 from .policy import backend_of
-from .rope import deferrable, defers, wan_rope
+from .rope import apply_rope, deferrable, defers
 from .sites import Site
 
 __all__ = ["BACKEND", "route", "unroute", "call_kind", "possible_kinds", "boolean_mask", "current_selection",
@@ -69,7 +69,7 @@ class _Call:
     attended: int = 0
     stock_backend: object = None  # the backend the processor would have used: fp16 goes on to it
     active_before: object = None  # the process-wide backend this module's call replaced (None: it replaced none)
-    rope: tuple | None = None  # Wan's (cos, sin) taken off the module's call, applied at its dispatch
+    rope: tuple | None = None  # (style, cos, sin) taken off the module's call, applied at its dispatch
 
 
 @dataclass
@@ -87,7 +87,7 @@ class _Route:
     replicated_context: bool = False  # fp4video's HunyuanVideo plan: the context tokens on every rank
     grid: tuple | None = None  # (frames, height, width) of this forward's video tokens (None: unknown)
     active: bool = True  # False once unrouted: a call still naming this route is refused
-    rope_sites: set = field(default_factory=set)  # sites whose Wan RoPE is applied at the dispatch
+    rope_sites: dict = field(default_factory=dict)  # site name -> (style, keyword, processor class): RoPE at the dispatch
 
 
 def call_stack() -> list:
@@ -168,13 +168,16 @@ def _policy_attention(a: AttentionCall):
     call = stack[-1]
     route, site, ctx = call.route, call.site, call.route.ctx
     if call.rope is not None:  # the RoPE its processor would have applied to exactly these q and k
-        cos, sin = call.rope
+        style, cos, sin = call.rope
         call.rope = None
-        if a.parallel_config is not None or a.query.shape[1] != cos.shape[1] or a.key.shape[1] != cos.shape[1]:
+        rows = cos.shape[1] if style == "wan" else cos.shape[0]
+        fits = (a.query.shape[1] == a.key.shape[1] == rows) if style == "wan" else \
+            (a.query.shape[1] >= rows and a.key.shape[1] >= rows)
+        if a.parallel_config is not None or not fits:
             raise RuntimeError(f"{site.name}: the attention call of a module whose RoPE fp4video applies at the "
                                f"dispatch has {a.query.shape[1]} query and {a.key.shape[1]} key tokens for RoPE tables "
-                               f"of {cos.shape[1]}" + (" under context parallelism" if a.parallel_config else ""))
-        q, k = wan_rope(a.query, a.key, cos, sin)
+                               f"of {rows}" + (" under context parallelism" if a.parallel_config else ""))
+        q, k = apply_rope(a.query, a.key, cos, sin, style)
         a = dataclasses.replace(a, query=q, key=k)
     kind = call_kind(call, a.query, a.key)
     target, sparsity = ctx.route_for(site.block, kind, site=site.name)
@@ -367,13 +370,21 @@ def _pre_hook(route: _Route, site: Site):
             call.stock_backend = call.active_before = active_backend()
             set_active_backend(route.member)
         changed = None
-        rotary = kwargs.get("rotary_emb", args[3] if len(args) > 3 else None)
-        if rotary is not None and site.name in route.rope_sites and deferrable(site.processor, hidden, context, rotary):
-            call.rope = tuple(rotary)  # applied fused at the dispatch (fp4video.integration.rope)
-            if "rotary_emb" in kwargs:
-                changed = (args, {**kwargs, "rotary_emb": None})
-            else:
-                changed = (args[:3] + (None,) + args[4:], kwargs)
+        rope = route.rope_sites.get(site.name)
+        processor = getattr(module, "processor", None)
+        # the tables go to the dispatch only where this call reaches it: the module still has a processor of
+        # the class decided at install (a processor set on it since may use them otherwise), and that
+        # processor still names fp4video's backend (set_attention_backend may have pointed it elsewhere)
+        if rope is not None and type(processor) is rope[2] and getattr(processor, "_attention_backend", None) is \
+                route.member:
+            style, keyword, _ = rope
+            rotary = kwargs.get(keyword, args[3] if len(args) > 3 and style == "wan" else None)
+            if rotary is not None and deferrable(style, processor, hidden, context, rotary):
+                call.rope = (style, *rotary)
+                if keyword in kwargs:
+                    changed = (args, {**kwargs, keyword: None})
+                else:
+                    changed = (args[:3] + (None,) + args[4:], kwargs)
         call_stack().append(call)
         return changed
 
@@ -499,7 +510,8 @@ def route(model: torch.nn.Module, sites: list[Site], ctx) -> _Route:
                 proc._attention_backend = member
             else:
                 r.original[key] = (proc, None, False, False)
-    r.rope_sites = {site.name for site in sites if defers(site.processor, site.module)}
+    r.rope_sites = {site.name: (*rope, type(site.processor)) for site in sites
+                    if (rope := defers(site.processor, site.module))}
     for site in sites:
         m = site.module
         r.handles.append(m.register_forward_pre_hook(_pre_hook(r, site), with_kwargs=True))
