@@ -117,6 +117,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
                          "and the layers outside the blocks kept in bf16; +compile compiles each transformer block (regional torch.compile, which "
                          "fuses the activations' quantization with its neighbours); torchao:METHOD is torchao's "
                          "own quantize_ on the same layers (no way back: it runs last)")
+    pl.add_argument("--local-heads", type=float, nargs=2, default=None, metavar=("FLATTEST", "SHARPEST"),
+                    help="Wan only: make every self-attention head attend by position (queries and keys from the "
+                         "projections' biases, so RoPE alone shapes the logits, which fall with the latent-grid "
+                         "distance), the heads' sharpness (their norms' weight) spread over this range: 1 is "
+                         "nearly as uniform as random weights' attention at 720p, 2-3 keeps most of a head's mass "
+                         "within ten latent positions. A stand-in for trained attention's locality, to time a "
+                         "dynamic sparse rule at the density such heads give (reported under the table); it says "
+                         "nothing of a real model's density or quality")
     pl.add_argument("--tiny", action="store_true", help="the tiny test transformers (CPU smoke run)")
     pl.add_argument("--out", default=None, help="append the markdown table to this file")
     pp = which.add_parser("parallel", help="under torchrun: one forward on 1 GPU vs split over N (context parallel)",
@@ -353,13 +361,56 @@ def format_kernel_table(header: str, rows: list[KernelTiming], heads: int, head_
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+def make_heads_local(model, flattest: float, sharpest: float, seed: int = 0) -> None:
+    """Make every self-attention head of a Wan transformer attend by position, in place: each
+    block's ``to_q`` and ``to_k`` give one vector for every token (zero weight, a shared random
+    bias), so after RoPE a logit depends only on the query's and key's latent-grid offset and is
+    largest at offset 0; the norms' weights set each head's sharpness (the logits scale with its
+    square), spread over the heads from ``flattest`` to ``sharpest``. Values, cross-attention and
+    everything else stay random."""
+    import torch
+
+    if not 0 < flattest <= sharpest:
+        raise UsageError(f"--local-heads takes 0 < FLATTEST <= SHARPEST, got {flattest:g} {sharpest:g}")
+    g = torch.Generator().manual_seed(seed)
+    for block in model.blocks:
+        attn = block.attn1
+        heads, width = attn.heads, attn.to_q.out_features
+        shared = torch.randn(width, generator=g)
+        sharp = torch.linspace(flattest, sharpest, heads).repeat_interleave(width // heads)
+        with torch.no_grad():
+            for proj in (attn.to_q, attn.to_k):
+                proj.weight.zero_()
+                proj.bias.copy_(shared.to(proj.bias))
+            for norm in (attn.norm_q, attn.norm_k):
+                norm.weight.copy_(sharp.to(norm.weight))
+
+
+def local_note(flattest: float, sharpest: float) -> str:
+    return (f"--local-heads {flattest:g} {sharpest:g}: every self-attention head attends by position (RoPE alone shapes "
+            "its logits), its sharpness spread over that range: a stand-in for trained attention's locality; the "
+            "density is this construction's, not a real model's")
+
+
 def _build(args, device="cuda"):
     """(model, make_inputs(resolution) -> (kwargs, video tokens), description), random weights:
     bf16 full-size shapes on the GPU, or with ``args.tiny`` the tiny test transformers (CPU, fp32)."""
+    local = getattr(args, "local_heads", None)
+    if local and args.model != "wan22":
+        raise UsageError("--local-heads is for --model wan22 (Wan's processor and RoPE)")
+    if local and not 0 < local[0] <= local[1]:
+        raise UsageError(f"--local-heads takes 0 < FLATTEST <= SHARPEST, got {local[0]:g} {local[1]:g}")
+    built = _build_tiny(args, device) if getattr(args, "tiny", False) else _build_full(args, device)
+    if local:
+        model, inputs, desc = built
+        make_heads_local(model, *local)
+        return model, inputs, desc + ", self-attention heads made local (--local-heads)"
+    return built
+
+
+def _build_full(args, device):
     import torch
 
-    if getattr(args, "tiny", False):
-        return _build_tiny(args, device)
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -586,7 +637,7 @@ def bench_pipeline(args) -> str:
         return sorted(times)[len(times) // 2], warm, peak
 
     policies = []  # (row label, policy)
-    notes = []
+    notes = [local_note(*args.local_heads)] if getattr(args, "local_heads", None) else []
     for m in args.methods:
         # Wan: MXAttention's block-0-in-FP16 rule; HunyuanVideo: fully 4-bit, as the paper runs it
         rules = [{"method": "fp16", "blocks": [0]}] if m != "fp16" and args.model == "wan22" else []
