@@ -82,8 +82,10 @@ def test_bench_pipeline_says_so_under_the_table():
 
 @pytest.mark.parametrize("kw,message", [
     (dict(model="hunyuan"), "--local-heads is for --model wan22"),
-    (dict(local_heads=[2.0, 1.0]), "--local-heads takes 0 < FLATTEST <= SHARPEST, got 2 1"),
-    (dict(local_heads=[0.0, 1.0]), "--local-heads takes 0 < FLATTEST <= SHARPEST, got 0 1"),
+    (dict(local_heads=[2.0, 1.0]), "--local-heads takes 0 < FLATTEST <= SHARPEST <= 100, got 2 1"),
+    (dict(local_heads=[0.0, 1.0]), "--local-heads takes 0 < FLATTEST <= SHARPEST <= 100, got 0 1"),
+    (dict(local_heads=[1.0, 101.0]), "--local-heads takes 0 < FLATTEST <= SHARPEST <= 100, got 1 101"),
+    (dict(linear=["bf16", "fp8-rowwise"]), "--local-heads zeroes the self-attention's q/k projection weights"),
 ])
 def test_bad_uses_are_refused_in_one_line(kw, message):
     with pytest.raises(UsageError, match=message) as err:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,8 +122,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     help="Wan only: make every self-attention head attend by position (queries and keys from the "
                          "projections' biases, so RoPE alone shapes the logits, which fall with the latent-grid "
                          "distance), the heads' sharpness (their norms' weight) spread over this range: 1 is "
-                         "nearly as uniform as random weights' attention at 720p, 2-3 keeps most of a head's mass "
-                         "within ten latent positions. A stand-in for trained attention's locality, to time a "
+                         "nearly as uniform as random weights' attention at 720p, 2 keeps most of a head's mass "
+                         "within ten latent positions (0 < FLATTEST <= SHARPEST <= 100; bf16 linear layers only: "
+                         "the q/k projections' weights are zero). A stand-in for trained attention's locality, to time a "
                          "dynamic sparse rule at the density such heads give (reported under the table); it says "
                          "nothing of a real model's density or quality")
     pl.add_argument("--tiny", action="store_true", help="the tiny test transformers (CPU smoke run)")
@@ -370,8 +372,7 @@ def make_heads_local(model, flattest: float, sharpest: float, seed: int = 0) -> 
     everything else stay random."""
     import torch
 
-    if not 0 < flattest <= sharpest:
-        raise UsageError(f"--local-heads takes 0 < FLATTEST <= SHARPEST, got {flattest:g} {sharpest:g}")
+    _check_local(flattest, sharpest)
     g = torch.Generator().manual_seed(seed)
     for block in model.blocks:
         attn = block.attn1
@@ -386,6 +387,31 @@ def make_heads_local(model, flattest: float, sharpest: float, seed: int = 0) -> 
                 norm.weight.copy_(sharp.to(norm.weight))
 
 
+#: ``--local-heads``' largest sharpness: the logits scale with its square (about 11 · s² at offset 0)
+LOCAL_SHARPEST = 100.0
+
+
+def _check_local(flattest: float, sharpest: float) -> None:
+    if not (math.isfinite(flattest) and math.isfinite(sharpest) and 0 < flattest <= sharpest <= LOCAL_SHARPEST):
+        raise UsageError(f"--local-heads takes 0 < FLATTEST <= SHARPEST <= {LOCAL_SHARPEST:g}, got {flattest:g} "
+                         f"{sharpest:g}")
+
+
+def _local_heads(args) -> list | None:
+    """``args.local_heads`` once checked (a one-line ``UsageError`` where it cannot apply), else None."""
+    local = getattr(args, "local_heads", None)
+    if not local:
+        return None
+    if args.model != "wan22":
+        raise UsageError("--local-heads is for --model wan22 (Wan's processor and RoPE)")
+    _check_local(*local)
+    variants = [linear_variant(v) if isinstance(v, str) else v for v in getattr(args, "linear", ["bf16"])]
+    if any(v != LinearVariant("bf16") for v in variants):
+        raise UsageError("--local-heads zeroes the self-attention's q/k projection weights: time it with "
+                         "bf16 linear layers only (a quantized zero weight has no scale)")
+    return local
+
+
 def local_note(flattest: float, sharpest: float) -> str:
     return (f"--local-heads {flattest:g} {sharpest:g}: every self-attention head attends by position (RoPE alone shapes "
             "its logits), its sharpness spread over that range: a stand-in for trained attention's locality; the "
@@ -395,11 +421,7 @@ def local_note(flattest: float, sharpest: float) -> str:
 def _build(args, device="cuda"):
     """(model, make_inputs(resolution) -> (kwargs, video tokens), description), random weights:
     bf16 full-size shapes on the GPU, or with ``args.tiny`` the tiny test transformers (CPU, fp32)."""
-    local = getattr(args, "local_heads", None)
-    if local and args.model != "wan22":
-        raise UsageError("--local-heads is for --model wan22 (Wan's processor and RoPE)")
-    if local and not 0 < local[0] <= local[1]:
-        raise UsageError(f"--local-heads takes 0 < FLATTEST <= SHARPEST, got {local[0]:g} {local[1]:g}")
+    local = _local_heads(args)
     built = _build_tiny(args, device) if getattr(args, "tiny", False) else _build_full(args, device)
     if local:
         model, inputs, desc = built
@@ -601,6 +623,7 @@ def bench_pipeline(args) -> str:
 
     tiny = getattr(args, "tiny", False)
     device = torch.device("cpu" if tiny else "cuda")
+    _local_heads(args)  # before anything is built or installed
     variants = [v if isinstance(v, LinearVariant) else linear_variant(v) for v in getattr(args, "linear", ["bf16"])]
     variants = list(dict.fromkeys(variants))
     if LinearVariant("bf16") not in variants:  # every ratio needs the stock step

@@ -38,6 +38,7 @@ def stock_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     sequence_dim=1)`` on the first ``len(cos)`` tokens of ``x``, the rest as they are (HunyuanVideo's
     processor: its video tokens, then its text tokens)."""
     rows = cos.shape[0]
+    cos, sin = cos.to(x.device), sin.to(x.device)
     head = x[:, :rows]
     real, imag = head.reshape(*head.shape[:-1], -1, 2).unbind(-1)
     rotated = torch.stack([-imag, real], dim=-1).flatten(3)
