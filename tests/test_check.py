@@ -40,6 +40,31 @@ def test_check_command_end_to_end_on_the_interpreter(tmp_path):
     assert mx["sparse"]["row_mass_kernel_max_abs_diff"] < 1e-4
     assert 0 <= mx["sparse"]["kept"]["kept_min"] <= mx["sparse"]["kept"]["kept_mean"] <= 1
     assert "| no selection |" in proc.stdout and "block-sparse: the loop_nvfp4 loop takes no" in proc.stdout
+    # the RoPE kernel the routing runs, against the stock operations
+    assert report["rope"]["wan"]["ok"] and report["rope"]["interleaved"]["ok"]
+    assert report["rope"]["wan"]["values"] > 0 and report["rope"]["wan"]["differing"] == 0
+    assert "RoPE kernel (HunyuanVideo's) against the stock operations: bit for bit on" in proc.stdout
+
+
+def test_a_rope_kernel_one_value_off_fails_the_check(monkeypatch):
+    from fp4video.eval import check
+    from fp4video.kernels import rope
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    real = rope.rope_pairs
+
+    def one_off(q, k, cos, sin, style="wan", **kw):
+        qo, ko = real(q, k, cos, sin, style, **kw)
+        ko[0, 1, 0, 2] = ko[0, 1, 0, 2] * 2 + 1
+        return qo, ko
+
+    monkeypatch.setattr(rope, "rope_pairs", one_off)
+    out = check._rope_check(torch.device("cpu"), 2, 40, 16)
+    assert not out["wan"]["ok"] and out["wan"]["differing"] == 1 and not out["interleaved"]["ok"]
+    report = {"device": {"name": "cpu", "torch": "-", "triton": "-", "fp4video": "-"}, "date": "-",
+              "accuracy_shape": "-", "methods": [], "rope": out, "timing": {}, "ok": False}
+    text = check.format_check(report)
+    assert "RoPE kernel (Wan's) against the stock operations: 1 of 5,120 values differ ✗" in text
 
 
 def test_check_without_interpreter_on_cpu_says_what_to_do():

@@ -4,7 +4,9 @@ For every method: the Triton kernel against the reference numerics on random and
 (every row: the share of rows off by more than 5 % and the worst row; the LSE); where the method's
 loop takes a key-tile selection (``Plan.sparse_reason``), a block-sparse call on a random selection
 of about :data:`SPARSE_DENSITY` against the reference on the same selection, row by row (else the
-reason it has none); then one timing against SDPA and any peer that is installed. Meant for GPUs this project has never run on
+reason it has none); the RoPE kernel the routing applies to Wan's and HunyuanVideo's queries and
+keys against their stock operations, bit for bit; then one timing against SDPA and any peer that is
+installed. Meant for GPUs this project has never run on
 (Blackwell): a table on screen and a JSON report to send back.
 
 The per-row bounds are those the GPU test suite asserts (``row_bounds``).
@@ -140,6 +142,7 @@ def run_check(methods, *, device="cuda", heads: int = 4, sq: int = 1000, sk: int
             _sparse_check(c, dev, heads, sq, sk, head_dim)
         except Exception as e:  # a sparse kernel that cannot compile or launch here: the report says so
             c.error = f"block-sparse: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    rope = _rope_check(dev, heads, sq, head_dim)
     timing = {}
     if timing_seq:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -199,8 +202,35 @@ def run_check(methods, *, device="cuda", heads: int = 4, sq: int = 1000, sk: int
             "accuracy_shape": f"B=1 H={heads} Sq={sq} Sk={sk} D={head_dim}, bf16, last {sk // 20} keys masked",
             "sparse_shape": f"B=1 H={heads} Sq={sq} Sk={_sparse_sk(sk)} D={head_dim}, bf16, last {_sparse_sk(sk) // 20} "
                             f"keys masked, {SPARSE_DISTRIBUTION}",
-            "methods": [dict(asdict(c), ok=c.ok) for c in checks], "timing": timing,
-            "ok": all(c.ok for c in checks)}
+            "methods": [dict(asdict(c), ok=c.ok) for c in checks], "rope": rope, "timing": timing,
+            "ok": all(c.ok for c in checks) and all(r["ok"] for r in rope.values())}
+
+
+def _rope_check(dev, heads: int, tokens: int, head_dim: int) -> dict:
+    """{style: {values, differing, ok[, error]}}: :func:`fp4video.kernels.rope.rope_pairs` against the
+    stock operations (:func:`fp4video.integration.rope.stock_rope`) on random bf16 queries and keys with
+    fp32 tables, Wan's style and HunyuanVideo's (a tenth of the tokens after the tables', as its text)."""
+    from ..integration.rope import stock_rope
+    from ..kernels.rope import rope_pairs
+
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for style in ("wan", "interleaved"):
+        rows = tokens - (tokens // 10 if style == "interleaved" else 0)
+        q, k = (torch.randn(2, tokens, heads, head_dim, generator=g).mul(4).to(dev, torch.bfloat16) for _ in range(2))
+        angle = torch.rand(rows, head_dim // 2, generator=g, dtype=torch.float64) * 100
+        cos, sin = (f(angle).repeat_interleave(2, -1).float().to(dev) for f in (torch.cos, torch.sin))
+        if style == "wan":
+            cos, sin = cos.view(1, rows, 1, head_dim), sin.view(1, rows, 1, head_dim)
+        try:
+            got = rope_pairs(q, k, cos, sin, style)
+        except Exception as e:  # a kernel that cannot compile or launch here: the report says so
+            out[style] = {"values": 0, "differing": None, "ok": False,
+                          "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+            continue
+        differing = sum(int((a != stock_rope(x, cos, sin, style)).sum()) for a, x in zip(got, (q, k)))
+        out[style] = {"values": 2 * q.numel(), "differing": differing, "ok": differing == 0}
+    return out
 
 
 def _sparse_sk(sk: int) -> int:
@@ -317,5 +347,10 @@ def format_check(report: dict) -> str:
         if timing.get("clock_missing"):
             lines.append(f"- SM clock and power cap not sampled: {timing['clock_missing']}")
         lines += [f"- {n}: not timed, {why}" for n, why in timing["peers_missing"].items()]
+    for style, r in (report.get("rope") or {}).items():
+        name = {"wan": "Wan's", "interleaved": "HunyuanVideo's"}[style]
+        lines.append(f"RoPE kernel ({name}) against the stock operations: " + (
+            f"failed to run ({r['error']}) ✗" if r.get("error") else
+            f"bit for bit on {r['values']:,} values" if r["ok"] else f"{r['differing']:,} of {r['values']:,} values differ ✗"))
     lines += ["", "all methods pass" if report["ok"] else "SOME CHECKS FAILED (✗): please send the JSON report"]
     return "\n".join(lines) + "\n"
