@@ -260,3 +260,21 @@ def test_the_fused_kernel_runs_in_a_routed_wan_on_the_gpu(monkeypatch):
     monkeypatch.setattr(rope, "rope_pairs", lambda *a: calls.append(1) or fused(*a))
     out, seen = routed_output(model, inputs, monkeypatch)
     assert len(calls) == len(model.blocks) and torch.equal(out, stock)
+
+
+def test_skyreels_v2_takes_the_same_path_with_the_stock_output(monkeypatch):
+    """SkyReels-V2's processor is Wan's code under another name: its RoPE too is applied at the
+    dispatch, once per block, with the stock output bit for bit."""
+    from diffusers import SkyReelsV2Transformer3DModel
+
+    from fp4video.integration.tiny import tiny_wan_transformer
+
+    model = tiny_wan_transformer(seed=41, cls=SkyReelsV2Transformer3DModel)
+    g = torch.Generator().manual_seed(42)
+    inputs = dict(hidden_states=torch.randn(1, 16, 4, 16, 16, generator=g), timestep=torch.tensor([500]),
+                  encoder_hidden_states=torch.randn(1, 8, 32, generator=g))
+    with torch.no_grad():
+        stock = model(**inputs, return_dict=False)[0]
+    out, seen = routed_output(model, inputs, monkeypatch)
+    assert [(style, rows) for style, q, k, rows in seen] == [("wan", 4 * 8 * 8)] * len(model.blocks)
+    assert torch.equal(out, stock)

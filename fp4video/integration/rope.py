@@ -9,8 +9,8 @@ rotate the queries and keys and pass them, with nothing else done to them, to th
 call with RoPE, the routing takes the tables off the module's call and applies them at that dispatch
 (:mod:`fp4video.integration.routing`):
 
-- diffusers' ``WanAttnProcessor`` (Wan, Wan-Animate): ``style="wan"``, the (1, S, 1, D) tables of a
-  self-attention call's S tokens;
+- diffusers' ``WanAttnProcessor`` (Wan, Wan-Animate, ChronoEdit) and ``SkyReelsV2AttnProcessor`` (the
+  same code): ``style="wan"``, the (1, S, 1, D) tables of a self-attention call's S tokens;
 - diffusers' ``HunyuanVideoAttnProcessor2_0``: ``style="interleaved"``, the (S, D) tables of the video
   tokens, which come first in the joint call's queries and keys (the text tokens after them keep no
   RoPE).
@@ -80,6 +80,8 @@ def _processor_class(module: str, name: str):
 #: (diffusers module, processor class, style, the keyword its module call passes the tables by)
 _DEFERRABLE = (("transformer_wan", "WanAttnProcessor", "wan", "rotary_emb"),
                ("transformer_wan_animate", "WanAttnProcessor", "wan", "rotary_emb"),
+               ("transformer_chronoedit", "WanAttnProcessor", "wan", "rotary_emb"),
+               ("transformer_skyreels_v2", "SkyReelsV2AttnProcessor", "wan", "rotary_emb"),
                ("transformer_hunyuan_video", "HunyuanVideoAttnProcessor2_0", "interleaved", "image_rotary_emb"))
 
 
