@@ -6,7 +6,7 @@
 - the deferral is decided per site at install, so a routed processor of another class moved onto a
   deferred site after install gets its tables taken away;
 - the kernel's outputs carry no autograd, though ``rope_pairs_supported`` takes operands that need it
-  (``wan_rope`` runs it on CUDA under grad: the projections of q and k get no gradient);
+  (``apply_rope`` runs it on CUDA under grad: the projections of q and k get no gradient);
 - bf16 subnormal operands: the kernel's result under Triton's CPU interpreter is not the stock's
   (its bf16 <-> fp32 conversions mishandle subnormals; bit-exact conversions via the bits fix it).
 """

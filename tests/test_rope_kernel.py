@@ -128,7 +128,7 @@ def test_operands_it_does_not_take_are_refused_and_run_by_the_stock(device, monk
         assert "\n" not in str(err.value)
     # the processor's route hands them to the stock operations, never to the kernel
     monkeypatch.setattr(rope, "rope_pairs", lambda *a: pytest.fail("the kernel was called"))
-    qo, ko = route_rope.wan_rope(q, q, cos.double(), sin.double())
+    qo, ko = route_rope.apply_rope(q, q, cos.double(), sin.double(), "wan")
     assert torch.equal(qo, route_rope.stock_wan_rope(q, cos.double(), sin.double()))
 
 

@@ -623,7 +623,7 @@ def bench_pipeline(args) -> str:
 
     tiny = getattr(args, "tiny", False)
     device = torch.device("cpu" if tiny else "cuda")
-    _local_heads(args)  # before anything is built or installed
+    local = _local_heads(args)  # checked before anything is built or installed
     variants = [v if isinstance(v, LinearVariant) else linear_variant(v) for v in getattr(args, "linear", ["bf16"])]
     variants = list(dict.fromkeys(variants))
     if LinearVariant("bf16") not in variants:  # every ratio needs the stock step
@@ -660,7 +660,7 @@ def bench_pipeline(args) -> str:
         return sorted(times)[len(times) // 2], warm, peak
 
     policies = []  # (row label, policy)
-    notes = [local_note(*args.local_heads)] if getattr(args, "local_heads", None) else []
+    notes = [local_note(*local)] if local else []
     for m in args.methods:
         # Wan: MXAttention's block-0-in-FP16 rule; HunyuanVideo: fully 4-bit, as the paper runs it
         rules = [{"method": "fp16", "blocks": [0]}] if m != "fp16" and args.model == "wan22" else []

@@ -22,7 +22,7 @@ import torch
 from ..attention import BACKENDS, fp4_attention
 from .parallel import uses_ring
 from .policy import Policy, as_policy
-from .rope import apply_rope, wan_rope
+from .rope import apply_rope
 
 __all__ = ["FP4Processor", "AttentionContext", "sparse_summary"]
 
@@ -271,7 +271,7 @@ class FP4Processor:
         q, k = attn.norm_q(q), attn.norm_k(k)
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
         if rotary_emb is not None:
-            q, k = wan_rope(q, k, *rotary_emb)
+            q, k = apply_rope(q, k, *rotary_emb, "wan")
         out_img = None
         if context_img is not None:
             k_img, v_img = wan_added_kv_projections()(attn, context_img)

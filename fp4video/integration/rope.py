@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_rope", "wan_rope", "stock_rope", "stock_wan_rope", "defers", "deferrable"]
+__all__ = ["apply_rope", "stock_rope", "stock_wan_rope", "defers", "deferrable"]
 
 
 def stock_wan_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -63,11 +63,6 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
             if rope.rope_pairs_supported(q, k, cos, sin, style):
                 return rope.rope_pairs(q, k, cos, sin, style)
     return stock_rope(q, cos, sin, style), stock_rope(k, cos, sin, style)
-
-
-def wan_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """(q, k) rotated by Wan's RoPE (:func:`apply_rope` with ``style="wan"``)."""
-    return apply_rope(q, k, cos, sin, "wan")
 
 
 def _processor_class(module: str, name: str):
