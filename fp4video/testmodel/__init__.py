@@ -63,8 +63,8 @@ def test_model_pipeline(device="cpu", dtype=torch.float32, path=None):
 def _load(folder: Path, device, dtype):
     from diffusers import AutoencoderKLWan, WanPipeline
 
-    vae = AutoencoderKLWan.from_pretrained(folder / "vae", torch_dtype=torch.float32, local_files_only=True)
-    pipe = WanPipeline.from_pretrained(folder, vae=vae, torch_dtype=dtype, local_files_only=True)
+    vae = AutoencoderKLWan.from_pretrained(folder / "vae", dtype=torch.float32, local_files_only=True)
+    pipe = WanPipeline.from_pretrained(folder, vae=vae, dtype=dtype, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 
