@@ -91,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shape-loss-weight", type=float, metavar="W",
                    help="weight the transformer's loss by 1 + W x the shape's coverage of each latent cell "
                    "(default 0: unweighted)")
+    p.add_argument("--ema-decay", type=float, metavar="D",
+                   help="save an exponential moving average of the transformer's and text encoder's weights, "
+                        "decay D per step (e.g. 0.999; default 0: the trained weights); the evaluation "
+                        "checks both")
     p.add_argument("--pool-size", type=int, help="clips in the transformer's latent pool, at most (default 12288)")
     p.add_argument("--max-steps", type=int, help="stop the transformer after this many steps")
     p.add_argument("--max-vae-steps", type=int, help="stop the VAE after this many steps")
@@ -160,7 +164,7 @@ def main(argv=None) -> int:
         max_steps=args.max_steps, max_vae_steps=args.max_vae_steps, eval_clips=args.eval_clips,
         checkpoint_seconds=args.checkpoint_seconds, compile=args.compile, shape_weights=args.shape_weights,
         vae_colour_weights=args.vae_colour_weights, vae_first_frame_weight=args.vae_first_frame_weight,
-        shape_loss_weight=args.shape_loss_weight).items() if v is not None}
+        shape_loss_weight=args.shape_loss_weight, ema_decay=args.ema_decay).items() if v is not None}
     if args.resume is not None and args.vae_minutes is None:
         given["vae_minutes"] = 0.0
     base = dict(SMOKE_SETTINGS) if args.smoke else {}

@@ -272,3 +272,57 @@ def test_smoke_run_with_the_options_trains_and_logs_them(tmp_path):
     assert log["phases"]["vae"]["steps"] == 1 and log["phases"]["transformer"]["steps"] == 3
     assert 0 < log["phases"]["pool"]["shape_cover"] < 1
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in log["curves"]["vae"] + log["curves"]["transformer"])
+
+
+# --- the weights' moving average -------------------------------------------------------------------
+
+def _saved_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for part in ("transformer", "text_encoder"):
+        for f in sorted((folder / "pipeline" / part).glob("*.safetensors")):
+            out.update({f"{part}.{k}": v.float() for k, v in load_file(f).items()})
+    return out
+
+
+@pytest.mark.slow
+def test_ema_saves_the_moving_average_of_the_trained_weights(tmp_path):
+    """With ``ema_decay`` d, one step saves d·w0 + (1 - d)·w1 for every transformer and text-encoder
+    weight, where w0 is what training starts from and w1 what one step trains (both saved by runs
+    without the average: the average changes nothing of the training itself); the evaluation checks
+    the trained weights beside the average."""
+    d = 0.5
+    quiet = dict(log=lambda *a, **k: None)
+    runs = {}
+    for name, steps, decay, clips in (("w0", 0, 0.0, 0), ("w1", 1, 0.0, 0), ("ema", 1, d, 1)):
+        # a large first step (no warm-up), so that the step moves most weights well past fp16's resolution
+        settings = Settings(**{**SMOKE_SETTINGS, "max_steps": steps, "eval_clips": clips, "ema_decay": decay,
+                               "warmup_steps": 0, "lr": 0.05})
+        runs[name] = tm.train(settings, tmp_path / name, device="cpu", **quiet)
+    w0, w1, ema = (_saved_weights(tmp_path / n) for n in ("w0", "w1", "ema"))
+    assert w0.keys() == w1.keys() == ema.keys() and any(k.startswith("text_encoder.") for k in ema)
+    moved = 0
+    for k in ema:
+        expected = d * w0[k] + (1 - d) * w1[k]
+        scale = max(float(w0[k].abs().max()), float(w1[k].abs().max()), 1e-6)
+        torch.testing.assert_close(ema[k], expected, rtol=0, atol=2e-3 * scale, msg=k)
+        gap = float((w1[k] - w0[k]).abs().max())
+        if gap > 1e-2 * scale:  # a weight the step moved: the average sits halfway, not at w1
+            moved += 1
+            assert float((ema[k] - w1[k]).abs().max()) > 0.25 * gap, k
+    assert moved >= len(ema) // 2
+    ev = runs["ema"]["evaluation"]
+    assert ev["generated"]["clips"] == ev["generated_without_ema"]["clips"] == 1
+    assert runs["ema"]["phases"]["transformer"]["ema_decay"] == d
+    assert "generated_without_ema" not in (runs["w1"].get("evaluation") or {})
+
+
+@pytest.mark.parametrize("value", ["1", "-0.1", "nan"])
+def test_script_refuses_an_ema_decay_outside_zero_to_one(value, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        _script().main(["--smoke", "--out", str(tmp_path / "run"), "--ema-decay", value])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("train_test_model.py: error: --ema-decay: "), last
+    assert not (tmp_path / "run").exists()

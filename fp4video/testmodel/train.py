@@ -22,6 +22,7 @@ are generated and checked (:mod:`~fp4video.testmodel.checker`), and ``samples.pn
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import platform
@@ -79,6 +80,9 @@ class Settings(BaseModel):
         "({shape: weight}, others 1; None: uniform)")
     shape_loss_weight: float = Field(0.0, ge=0, allow_inf_nan=False,
                                      description="extra flow-matching weight on the latent cells the shape covers")
+    ema_decay: float = Field(0.0, ge=0, lt=1, allow_inf_nan=False,
+                             description="the transformer's and text encoder's saved weights are an exponential "
+                             "moving average of the trained ones with this decay per step (0: the trained ones)")
     max_vae_steps: int | None = Field(None, ge=0)
     max_steps: int | None = Field(None, ge=0)
     eval_clips: int = Field(24, ge=0, description="held-out captions generated and checked at the end")
@@ -414,8 +418,42 @@ def _build_pool(run: _Run, pipe, config: TestModelConfig, s: Settings, device, d
     return torch.cat(latents), torch.cat(ids), torch.cat(masks), covers
 
 
+class _Ema:
+    """An exponential moving average of the transformer's and text encoder's parameters and
+    buffers (torch's ``AveragedModel``), started from the weights training starts from: after n
+    steps it is Σ d^(n-i) (1 - d) w_i + d^n w_0. ``swap`` exchanges the averaged and the trained
+    values in place (the pipeline's modules stay the same objects)."""
+
+    def __init__(self, transformer, text_encoder, decay: float):
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        self.live = torch.nn.ModuleList([transformer, text_encoder])
+        self.avg = AveragedModel(self.live, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+        self.avg.update_parameters(self.live)  # the first call copies: the average starts at w_0
+
+    def update(self) -> None:
+        self.avg.update_parameters(self.live)
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        live = list(self.live.parameters()) + list(self.live.buffers())
+        avg = list(self.avg.module.parameters()) + list(self.avg.module.buffers())
+        for a, b in zip(live, avg):
+            tmp = a.detach().clone()
+            a.copy_(b)
+            b.copy_(tmp)
+
+    @contextlib.contextmanager
+    def swapped(self):
+        self.swap()
+        try:
+            yield
+        finally:
+            self.swap()
+
+
 def _transformer_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, device, deadline: float,
-                       packed: bool) -> None:
+                       packed: bool) -> _Ema | None:
     pool_deadline = run.elapsed() + s.pool_share * max(deadline - run.elapsed(), 0.0)
     latents, ids, masks, covers = _build_pool(run, pipe, config, s, device, pool_deadline)
     if s.shape_loss_weight and covers is None:
@@ -429,6 +467,7 @@ def _transformer_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, de
     opt = torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.99), weight_decay=0.0,
                             **({"fused": True} if device.type == "cuda" else {}))
     gen = torch.Generator(device).manual_seed(_stream(s.seed, "noise", 1))
+    ema = _Ema(transformer, text_encoder, s.ema_decay) if s.ema_decay > 0 else None
     shift = config.flow_shift
     start, step, acc, last_log, last_ckpt = run.elapsed(), 0, [], run.elapsed(), run.elapsed()
     budget = max(deadline - start, 1e-9)
@@ -453,6 +492,8 @@ def _transformer_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, de
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        if ema is not None:
+            ema.update()
         step += 1
         acc.append(loss.detach())
         now = run.elapsed()
@@ -466,7 +507,8 @@ def _transformer_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, de
             run.data["phases"]["transformer"] = {"steps": step, "seconds": round(now - start, 1), "done": False}
             transformer.eval()
             text_encoder.eval()
-            _save(run, pipe, packed)
+            with ema.swapped() if ema is not None else contextlib.nullcontext():
+                _save(run, pipe, packed)
             transformer.train()
             text_encoder.train()
             last_ckpt = run.elapsed()
@@ -477,6 +519,11 @@ def _transformer_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, de
         "steps": step, "seconds": round(seconds, 1), "batch": s.batch, "samples": step * s.batch,
         "steps_per_second": round(step / max(seconds, 1e-9), 3),
         "pool_epochs": round(step * s.batch / max(len(latents), 1), 2), "done": True}
+    if ema is None:
+        return None
+    ema.swap()  # from here on the pipeline holds the averaged weights (saved, evaluated)
+    run.data["phases"]["transformer"]["ema_decay"] = s.ema_decay
+    return ema
 
 
 @torch.no_grad()
@@ -508,6 +555,7 @@ def evaluate(pipe, config: TestModelConfig, *, clips: int, call: dict, seed: int
     for name, frames in (("ground_truth", truth), ("vae_reconstruction", recon), ("generated", generated)):
         result[name] = check_rate(list(frames), scenes.specs)
     result["_frames"] = {"ground_truth": truth, "generated": generated}
+    result["_specs"] = scenes.specs
     return result
 
 
@@ -576,16 +624,23 @@ def train(settings: Settings, out, *, resume=None, packed: bool = False, device=
         raise ValueError("a fresh run trains its VAE first: give --vae-minutes > 0 (or --resume a trained model)")
     elif _default_statistics(pipe):  # a checkpoint from within the VAE's training: its statistics not yet set
         _latent_statistics(run, pipe, config, s, device)
-    _transformer_phase(run, pipe, config, s, device, deadline, packed)
+    ema = _transformer_phase(run, pipe, config, s, device, deadline, packed)
     _save(run, pipe, packed, final=True)
     if s.eval_clips:
         call = call_for(config, s.eval_steps, s.eval_guidance)
         t = time.perf_counter()
         result = evaluate(pipe, config, clips=s.eval_clips, call=call, seed=s.eval_seed, device=device)
-        frames = result.pop("_frames")
+        frames, specs = result.pop("_frames"), result.pop("_specs")
         result["seconds"] = round(time.perf_counter() - t, 1)
         run.data["evaluation"] = result
         _samples_png(frames, out / "samples.png")
+        if ema is not None:  # the trained weights beside their average, on the same captions and seeds
+            with ema.swapped():
+                frames_raw = generate(pipe, result["captions"], call, s.eval_seed, device)
+            result["generated_without_ema"] = check_rate(list(frames_raw), specs)
+            w = result["generated_without_ema"]
+            run.say(f"held-out motion check without the average: generated {w['rate']:.0%} of {w['clips']} "
+                    f"(colour {w['colour']:.0%}, shape {w['shape']:.0%}, motion {w['motion']:.0%})")
         g, gt, rc = result["generated"], result["ground_truth"], result["vae_reconstruction"]
         run.say(f"held-out motion check: generated {g['rate']:.0%} of {g['clips']} (colour {g['colour']:.0%}, "
                 f"shape {g['shape']:.0%}, motion {g['motion']:.0%}); ground truth {gt['rate']:.0%}, VAE "
