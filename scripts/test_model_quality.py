@@ -9,7 +9,8 @@ against its FP16 clips, on fixed held-out captions and seeds.
 Policies: every fp4video method of METHODS everywhere and under the hybrid policy (block 0 and the
 last two steps in FP16, configs/wan22_mxattn.yaml's shape) — the ``fp8`` tier among them;
 block-sparse ``mxattn-pv8`` self-attention (hybrid) on static windows and on the dynamic selection
-at several τ;
+at several τ, each as is and as the shipped sparse configs run it (the window with the sinks each
+call finds; the dynamic rule with sinks and a floor of 0.9 its check repairs to);
 calibrated policies (``fp4video.calibrate`` on a few training captions, chosen again at each
 budget); the quantized external backends that run here (others are listed as unavailable); the
 linear layers in FP8 (torchao's per-row float8 on the layers fp4video's ``fp8-rowwise`` plan
@@ -21,7 +22,8 @@ Per policy and clip: per-frame PSNR / SSIM / cosine against the FP16 clip
 (:func:`fp4video.eval.paired_metrics`), the motion checker's verdict and whether it agrees with the
 FP16 clip's, and per attention site the output's relative L2 error against exact attention on the
 same inputs (worst head; the mean over the clip's calls per block and kind), the density of sparse
-calls, and the calibration's predicted error of the policy (its sites' calibration errors).
+calls and the exact attention mass their query tiles kept (each call's check, sampled rows;
+:func:`fp4video.integration.processor.sparse_summary`), and the calibration's predicted error of the policy (its sites' calibration errors).
 
 Written as it goes to ``--out``: ``results.json`` (after every policy; a second run with the same
 settings skips the policies it holds), ``results.md`` (the table), ``psnr.png`` (PSNR per policy),
@@ -53,6 +55,8 @@ SPARSE_METHOD = "mxattn-pv8"
 STATIC_WINDOWS = ([1, 3, 3], [2, 5, 5], [3, 8, 8])
 DYNAMIC_TAUS = (0.8, 0.9, 0.95, 0.98)
 BUDGETS = (0.05, 0.1, 0.2, 0.4)
+#: The floor of the repaired dynamic rows (the shipped dynamic config's).
+FLOOR = 0.9
 
 
 def policy_list(quick: bool) -> list[dict]:
@@ -78,6 +82,21 @@ def policy_list(quick: bool) -> list[dict]:
         out.append({"name": f"{SPARSE_METHOD} dynamic τ={tau:g} hybrid", "group": "sparse dynamic",
                     "policy": {"method": SPARSE_METHOD, "rules": HYBRID + [
                         {"method": SPARSE_METHOD, "kinds": ["self"], "sparsity": {"dynamic": {"tau": tau}}}]}})
+    # the shipped sparse configs' selections on this grid: a window with the sinks each call finds,
+    # and the dynamic rule with sinks and a floor its check repairs to
+    for w in windows:
+        out.append({"name": f"{SPARSE_METHOD} static {','.join(map(str, w))} radial + sinks hybrid",
+                    "group": "sparse static",
+                    "policy": {"method": SPARSE_METHOD, "rules": HYBRID + [
+                        {"method": SPARSE_METHOD, "kinds": ["self"],
+                         "sparsity": {"static": {"window": list(w), "radial": True}, "sinks": True}}]}})
+    for tau in (0.9,) if quick else (0.8, 0.9):
+        out.append({"name": f"{SPARSE_METHOD} dynamic τ={tau:g} + sinks, floor {FLOOR:g} hybrid",
+                    "group": "sparse dynamic",
+                    "policy": {"method": SPARSE_METHOD, "rules": HYBRID + [
+                        {"method": SPARSE_METHOD, "kinds": ["self"],
+                         "sparsity": {"dynamic": {"tau": tau, "estimate": "sampled"}, "sinks": True,
+                                      "floor": FLOOR}}]}})
     for b in (0.1,) if quick else BUDGETS:
         out.append({"name": f"calibrated {b:g}", "group": "calibrated", "budget": b})
     out.append({"name": "fp8-rowwise linear (emulated), stock attention", "group": "linear",
@@ -189,16 +208,18 @@ def _write(out: Path, results: dict) -> None:
     tmp.write_text(json.dumps(json_ready(results), indent=1))
     tmp.replace(out / "results.json")
     rows = ["| policy | group | PSNR dB | SSIM | cosine | checker pass | agrees with FP16 | attention rel L2 (mean / max) "
-            "| density | predicted error | seconds |", "|" + "---|" * 11]
+            "| density | kept mass min / mean | predicted error | seconds |", "|" + "---|" * 12]
     for name, r in results["policies"].items():
         if "error" in r or "unavailable" in r:
-            rows.append(f"| {name} | {r['group']} | {r.get('unavailable') or r.get('error')} |" + " |" * 8)
+            rows.append(f"| {name} | {r['group']} | {r.get('unavailable') or r.get('error')} |" + " |" * 9)
             continue
         att = r.get("attention_error") or {}
-        rows.append("| {} | {} | {:.2f} | {:.4f} | {:.5f} | {:.0%} | {:.0%} | {} | {} | {} | {:.1f} |".format(
+        sparse = r.get("sparse") or {}
+        rows.append("| {} | {} | {:.2f} | {:.4f} | {:.5f} | {:.0%} | {:.0%} | {} | {} | {} | {} | {:.1f} |".format(
             name, r["group"], r["psnr"], r["ssim"], r["cosine"], r["checker_rate"], r["checker_agreement"],
             f"{att['mean']:.4f} / {att['max']:.4f}" if att else "–",
             f"{r['density']:.3f}" if r.get("density") is not None else "–",
+            f"{sparse['kept_min']:.3f} / {sparse['kept_mean']:.3f}" if "kept_min" in sparse else "–",
             f"{r['predicted_error']:.4f}" if r.get("predicted_error") is not None else "–", r["seconds"]))
     ref = results.get("reference", {})
     head = [f"# Attention policies on the fp4video test model ({results['settings']['device']}, "
@@ -302,6 +323,7 @@ def main(argv=None) -> int:
     from fp4video.eval import paired_metrics
     from fp4video.integration import Policy
     from fp4video.integration.backends import BackendUnavailable
+    from fp4video.integration.processor import sparse_summary
     from fp4video.testmodel import TEST_MODEL_CALL, check_clip, held_out_scenes, sample_scenes, test_model_pipeline
     from fp4video.testmodel.train import generate
 
@@ -420,7 +442,7 @@ def main(argv=None) -> int:
             checker_rate=sum(v.passed for v in verdicts) / len(verdicts),
             checker_agreement=sum(v.passed == r for v, r in zip(verdicts, ref_pass)) / len(verdicts),
             attention_error=observer.summary(), calls=dict(Counter(c["method"] for c in calls)),
-            density=sum(densities) / len(densities) if densities else None,
+            density=sum(densities) / len(densities) if densities else None, sparse=sparse_summary(calls),
             fallbacks=dict(ctx.fallbacks), seconds=round(time.perf_counter() - t, 1))
         if report is not None:
             row["predicted_error"] = _predicted(report, name, entry, plan_errors)

@@ -480,3 +480,25 @@ def test_quality_scripts_emulated_fp8_linear_layers_are_the_plans_and_come_back(
     assert not [n for n, m in layers.items() if isinstance(m, torch.nn.Linear) and "forward" in m.__dict__]
     with pytest.raises(ValueError, match="fp8-rowwise or fp8-tensor"):
         tmq.emulated_linear(model, "nvfp4")
+
+
+@pytest.mark.slow
+def test_quality_script_reports_each_sparse_policys_kept_mass(tmp_path):
+    """scripts/test_model_quality.py records, per block-sparse policy, the exact attention mass its
+    calls' query tiles kept (their checks' sampled rows) beside the density, and the repaired dynamic
+    row keeps every checked query tile at or above its floor."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "test_model_quality.py"
+    out = tmp_path / "q"
+    r = subprocess.run([sys.executable, str(script), "--out", str(out), "--captions", "1", "--steps", "4",
+                        "--frames", "5", "--only", "τ=0.9 + sinks, floor"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((out / "results.json").read_text())["policies"]
+    (name, row), = rows.items()
+    sparse = row["sparse"]
+    assert "floor 0.9" in name and 0 < sparse["density"] <= 1 and sparse["calls"] > 0
+    assert 0.9 <= sparse["kept_min"] <= sparse["kept_mean"] <= 1
+    table = (out / "results.md").read_text()
+    assert "kept mass min / mean" in table and f"{sparse['kept_min']:.3f} / {sparse['kept_mean']:.3f}" in table
