@@ -105,10 +105,55 @@ def _parser() -> argparse.ArgumentParser:
                    help="write the pipeline as one safetensors per model and model.json (few, small files)")
     p.add_argument("--unpack", type=Path, metavar="PACK",
                    help="only write the pipeline folder of the pack PACK to --out (no training)")
+    p.add_argument("--evaluate", metavar="MODEL",
+                   help="only check MODEL (a pipeline folder or pack, or 'shipped') on --eval-clips held-out "
+                        "captions (default 24), as a run's evaluation does; writes evaluation.json to --out")
     p.add_argument("--smoke", action="store_true", help="the tiny model and a few steps (a CPU check)")
     p.add_argument("--compile", action="store_true", help="torch.compile the transformer")
     p.add_argument("--device", help="default: cuda when available, else cpu")
     return p
+
+
+def _evaluate_only(parser, args) -> int:
+    """``--evaluate``: the held-out check of a saved model, without training."""
+    clips = 24 if args.eval_clips is None else args.eval_clips
+    if clips < 1:
+        parser.error(f"--eval-clips must be at least 1 with --evaluate, got {clips}")
+    path = None if args.evaluate == "shipped" else Path(args.evaluate)
+    if path is not None and not path.is_dir():
+        parser.error(f"--evaluate {args.evaluate}: no such folder (a pipeline folder or pack, or 'shipped')")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out}: a file, not a folder")
+    import json
+
+    import torch
+
+    from fp4video.testmodel import test_model_pipeline
+    from fp4video.testmodel.model import FULL, SMOKE
+    from fp4video.testmodel.train import SMOKE_SETTINGS, Settings, call_for, config_of, evaluate
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device here")
+    try:
+        pipe = test_model_pipeline(device=device, dtype=torch.float32, path=path)
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(f"--evaluate {args.evaluate}: {str(e).splitlines()[0]}")
+    pipe.set_progress_bar_config(disable=True)
+    config = config_of(pipe, SMOKE if args.smoke else FULL)
+    call = call_for(config, SMOKE_SETTINGS["eval_steps"] if args.smoke else None)  # as a run evaluates
+    t = time.perf_counter()
+    result = evaluate(pipe, config, clips=clips, call=call, seed=Settings().eval_seed, device=device)
+    result.pop("_frames")
+    result.pop("_specs")
+    result.update(model=args.evaluate, device=str(device), seconds=round(time.perf_counter() - t, 1), git=_git())
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "evaluation.json").write_text(json.dumps(result, indent=1, default=str))
+    g, gt, rc = result["generated"], result["ground_truth"], result["vae_reconstruction"]
+    print(f"held-out motion check: generated {g['rate']:.0%} of {g['clips']} (colour {g['colour']:.0%}, "
+          f"shape {g['shape']:.0%}, motion {g['motion']:.0%}); ground truth {gt['rate']:.0%}, VAE "
+          f"reconstructions {rc['rate']:.0%}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -124,6 +169,8 @@ def main(argv=None) -> int:
         unpack(args.unpack, args.out)
         print(f"unpacked {args.unpack} -> {args.out}")
         return 0
+    if args.evaluate is not None:
+        return _evaluate_only(parser, args)
     for name in ("minutes", "vae_minutes", "reserve_seconds", "lr", "vae_lr", "checkpoint_seconds"):
         v = getattr(args, name)
         if v is not None and (v != v or v < 0 or (v == 0 and name not in ("vae_minutes", "reserve_seconds"))):

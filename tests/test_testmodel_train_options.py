@@ -326,3 +326,34 @@ def test_script_refuses_an_ema_decay_outside_zero_to_one(value, tmp_path, capsys
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("train_test_model.py: error: --ema-decay: "), last
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_evaluate_only_checks_a_saved_model_as_its_runs_evaluation_did(tmp_path):
+    """``--evaluate MODEL`` checks a saved model on the held-out captions a run's own evaluation
+    uses (same captions, scenes and seeds: the same ground-truth verdicts), without training; bad
+    values are refused in one line before any work."""
+    run = tmp_path / "run"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert _script().main(["--smoke", "--out", str(run), "--max-vae-steps", "1", "--eval-clips", "2"]) == 0
+        assert _script().main(["--smoke", "--evaluate", str(run / "pipeline"), "--eval-clips", "2",
+                               "--out", str(tmp_path / "ev")]) == 0
+    trained = json.loads((run / "train_log.json").read_text())["evaluation"]
+    ev = json.loads((tmp_path / "ev" / "evaluation.json").read_text())
+    assert ev["captions"] == trained["captions"] and ev["seed"] == trained["seed"] and ev["call"] == trained["call"]
+    assert ev["ground_truth"] == trained["ground_truth"] and ev["generated"]["clips"] == 2
+    assert not (tmp_path / "ev" / "pipeline").exists()  # nothing trained or saved
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--evaluate", "{tmp}/missing"], "--evaluate"),
+    (["--evaluate", "shipped", "--eval-clips", "0"], "--eval-clips must be at least 1"),
+])
+def test_evaluate_only_refuses_bad_values_before_any_work(args, match, tmp_path, capsys):
+    out = tmp_path / "ev"
+    with pytest.raises(SystemExit) as e:
+        _script().main([a.replace("{tmp}", str(tmp_path)) for a in args] + ["--out", str(out)])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("train_test_model.py: error: ") and match in last, last
+    assert not out.exists()

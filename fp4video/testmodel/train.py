@@ -39,7 +39,7 @@ from .model import (FULL, SMOKE, TestModelConfig, build_pipeline, is_pack, pack,
                     text_embeddings, tokenize)
 from .scenes import COLOURS, SHAPES, held_out_scenes, render, sample_scenes, sampling_probabilities
 
-__all__ = ["Settings", "SMOKE_SETTINGS", "train", "clip_frames", "generate", "evaluate", "call_for", "flow_sample",
+__all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "clip_frames", "generate", "evaluate", "call_for", "flow_sample",
            "latent_cover", "flow_loss"]
 
 _PHASES = {"vae": 1, "stats": 2, "pool": 3, "noise": 4}
@@ -253,7 +253,7 @@ def _load(resume: Path, device):
     return test_model_pipeline(device=device, dtype=torch.float32, path=resume)
 
 
-def _config_of(pipe, base: TestModelConfig) -> TestModelConfig:
+def config_of(pipe, base: TestModelConfig) -> TestModelConfig:
     """The sizes of a loaded test-model pipeline (to continue training it): its models' from their
     configs, the clips' from ``base``."""
     t, v, te = pipe.transformer.config, pipe.vae.config, pipe.text_encoder.config
@@ -606,7 +606,7 @@ def train(settings: Settings, out, *, resume=None, packed: bool = False, device=
         if is_pack(resume) and (resume / "train_log.json").is_file():
             run.data["previous_log"] = json.loads((resume / "train_log.json").read_text())
         pipe = _load(resume, device)
-        config = _config_of(pipe, SMOKE if s.smoke else FULL)
+        config = config_of(pipe, SMOKE if s.smoke else FULL)
     else:
         config = SMOKE if s.smoke else FULL
         pipe = build_pipeline(config, seed=s.seed).to(device)
