@@ -39,8 +39,8 @@ from .model import (FULL, SMOKE, TestModelConfig, build_pipeline, is_pack, pack,
                     text_embeddings, tokenize)
 from .scenes import COLOURS, SHAPES, held_out_scenes, render, sample_scenes, sampling_probabilities
 
-__all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "clip_frames", "generate", "evaluate", "call_for", "flow_sample",
-           "latent_cover", "flow_loss"]
+__all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "clip_frames", "generate", "evaluate", "call_for",
+           "flow_sample", "latent_cover", "flow_loss"]
 
 _PHASES = {"vae": 1, "stats": 2, "pool": 3, "noise": 4}
 
@@ -541,7 +541,8 @@ def generate(pipe, captions: list[str], call: dict, seed: int, device, batch: in
 @torch.no_grad()
 def evaluate(pipe, config: TestModelConfig, *, clips: int, call: dict, seed: int, device) -> dict:
     """The motion checker's rate on ``clips`` held-out captions: ground-truth renders, their VAE
-    reconstructions and the model's generations. Returns the rates and the clips (frames)."""
+    reconstructions and the model's generations. Returns the rates, the clips (``_frames``) and the
+    scenes' specs (``_specs``)."""
     scenes = held_out_scenes(seed=seed, repeats=max(1, math.ceil(clips / 24)))
     scenes = scenes.subset(torch.arange(clips))
     video, _ = render(scenes, frames=config.frames, height=config.height, width=config.width, device=device)
