@@ -19,13 +19,15 @@ diffusers parts, saving and packing), :mod:`~fp4video.testmodel.train` (the trai
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from pathlib import Path
 
 import torch
 
 from .checker import Verdict, check_clip, check_rate
-from .model import FULL, SMOKE, TEST_MODEL_CALL, TestModelConfig, build_pipeline, is_pack, pack, unpack
+from .model import (FULL, SMOKE, TEST_MODEL_CALL, TestModelConfig, build_pipeline, check_pipeline_folder, is_pack,
+                    pack, saved_model, unpack)
 from .scenes import HELD_OUT, SceneSpec, caption, held_out_scenes, parse_caption, render, sample_scenes
 
 __all__ = ["test_model_pipeline", "TEST_MODEL_CALL", "WEIGHTS", "FULL", "SMOKE", "TestModelConfig", "build_pipeline",
@@ -40,33 +42,51 @@ def test_model_pipeline(device="cpu", dtype=torch.float32, path=None):
     """The trained test model as a diffusers ``WanPipeline`` on ``device``, its transformer and
     text encoder in ``dtype`` (the VAE in float32), loaded offline with ``WanPipeline.from_pretrained``.
 
-    ``path``: the shipped weights by default (:data:`WEIGHTS`), else a pipeline folder or a folder
-    that ``scripts/train_test_model.py --pack`` wrote (unpacked into a temporary folder first)."""
+    ``path``: the shipped weights by default (:data:`WEIGHTS`), else a pipeline folder, a folder
+    that ``scripts/train_test_model.py --pack`` wrote (unpacked into a temporary folder first), or a
+    training run's folder holding ``pipeline/``. The folder or pack is checked whole before loading
+    (:func:`~fp4video.testmodel.model.check_pipeline_folder`, :func:`~fp4video.testmodel.model.read_pack`):
+    a missing or damaged part is a one-line error naming it."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-    folder = WEIGHTS if path is None else Path(path)
-    if path is None and not (folder / "model_index.json").is_file():
-        raise FileNotFoundError(f"the test model's weights are not in this installation ({folder} has no "
+    if path is None and not (WEIGHTS / "model_index.json").is_file():
+        raise FileNotFoundError(f"the test model's weights are not in this installation ({WEIGHTS} has no "
                                 "model_index.json): train them with scripts/train_test_model.py and unpack them "
                                 "there (docs/test-model.md)")
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder}: no such folder (a test-model pipeline folder or pack)")
+    folder = saved_model(WEIGHTS if path is None else path)
     if is_pack(folder):
         with tempfile.TemporaryDirectory(prefix="fp4video-testmodel-") as tmp:
             return _load(unpack(folder, Path(tmp) / "pipeline"), device, dtype)
-    if not (folder / "model_index.json").is_file():
-        raise FileNotFoundError(f"{folder}: neither a pipeline folder (model_index.json) nor a test-model pack "
-                                "(model.json)")
+    check_pipeline_folder(folder)
     return _load(folder, device, dtype)
 
 
 def _load(folder: Path, device, dtype):
     from diffusers import AutoencoderKLWan, WanPipeline
 
-    vae = AutoencoderKLWan.from_pretrained(folder / "vae", dtype=torch.float32, local_files_only=True)
-    pipe = WanPipeline.from_pretrained(folder, vae=vae, dtype=dtype, local_files_only=True)
+    with _no_loading_bars():
+        vae = AutoencoderKLWan.from_pretrained(folder / "vae", dtype=torch.float32, local_files_only=True)
+        pipe = WanPipeline.from_pretrained(folder, vae=vae, dtype=dtype, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
+
+
+@contextlib.contextmanager
+def _no_loading_bars():
+    """diffusers' and transformers' loading progress bars off within the block (the model loads in
+    well under a second: the bars are noise), each put back as it was."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    was = [(m, m.is_progress_bar_enabled()) for m in (diffusers_logging, transformers_logging)]
+    for m, _ in was:
+        m.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for m, enabled in was:
+            if enabled:
+                m.enable_progress_bar()
 
 
 test_model_pipeline.__test__ = False  # not a pytest test (its name starts with "test_")

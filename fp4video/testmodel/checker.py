@@ -77,19 +77,25 @@ class Verdict:
 
 
 def _as_frames(frames) -> torch.Tensor:
-    """(T, H, W, 3) float32 in [0, 1] from uint8 or float frames (numpy or torch)."""
-    x = torch.as_tensor(frames)
+    """(T, H, W, 3) float32 in [0, 1] from uint8 or float frames (numpy or torch); NaN where a float
+    frame holds NaN or an infinity (:func:`check_clip` fails such a clip and says why)."""
+    x = torch.as_tensor(frames).detach()
     if x.dim() != 4 or x.shape[-1] != 3:
         raise ValueError(f"frames must be (frames, height, width, 3) RGB, got shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError(f"frames: an empty clip (shape {tuple(x.shape)})")
     if x.dtype == torch.uint8:
         return x.float() / 255.0
     if not x.is_floating_point():
         raise TypeError(f"frames must be uint8 or float in [0, 1], got {x.dtype}")
     x = x.float()
-    lo, hi = float(x.min()), float(x.max())
-    if lo < -0.01 or hi > 1.01:
-        raise ValueError(f"float frames must lie in [0, 1], got values in [{lo:.3g}, {hi:.3g}]")
-    return x.clamp(0, 1)
+    finite = torch.isfinite(x)
+    values = x[finite]
+    if values.numel():
+        lo, hi = float(values.min()), float(values.max())
+        if lo < -0.01 or hi > 1.01:
+            raise ValueError(f"float frames must lie in [0, 1], got values in [{lo:.3g}, {hi:.3g}]")
+    return torch.where(finite, x.clamp(0, 1), torch.full_like(x, math.nan))
 
 
 def colour_mask(frames, colour: str) -> torch.Tensor:
@@ -188,6 +194,10 @@ def check_clip(frames, spec: SceneSpec) -> Verdict:
     t_all, h, w = x.shape[:3]
     if t_all < 3:
         raise ValueError(f"a clip needs at least 3 frames to show motion, got {t_all}")
+    broken = int(torch.isnan(x).sum())
+    if broken:  # a clip with NaN or infinite values shows nothing reliably: it fails, and says why
+        return Verdict(False, False, False, {"non_finite_values": broken},
+                       f"the clip holds {broken} NaN or infinite values (of {x.numel()})")
     short = min(h, w)
     mask, share = largest_region(colour_mask(x, spec.colour))
     centroid, area, moments = shape_moments(mask)
@@ -258,9 +268,17 @@ def check_clip(frames, spec: SceneSpec) -> Verdict:
 def check_rate(clips, specs) -> dict:
     """Check each clip against its spec: {"rate": passed / clips, "colour" / "shape" / "motion":
     each check's rate, "verdicts": [Verdict.as_dict() per clip]}."""
+    if isinstance(specs, SceneSpec):
+        raise TypeError("check_rate: specs must be a sequence of SceneSpec, one per clip, got a single SceneSpec "
+                        "(check_clip checks one clip)")
+    if getattr(clips, "ndim", None) == 4:
+        raise TypeError(f"check_rate: clips must be a sequence of clips or a (clips, frames, height, width, 3) "
+                        f"batch, got one clip of shape {tuple(clips.shape)} (check_clip checks one clip)")
     clips, specs = list(clips), list(specs)
     if len(clips) != len(specs):
         raise ValueError(f"check_rate: {len(clips)} clips but {len(specs)} specs")
+    if not clips:
+        raise ValueError("check_rate: no clips (a rate needs at least one)")
     verdicts = [check_clip(c, s) for c, s in zip(clips, specs)]
     n = max(len(verdicts), 1)
     return {"rate": sum(v.passed for v in verdicts) / n, "colour": sum(v.colour for v in verdicts) / n,

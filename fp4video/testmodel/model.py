@@ -25,7 +25,8 @@ from .scenes import vocabulary
 
 __all__ = ["TestModelConfig", "FULL", "SMOKE", "TEST_MODEL_CALL", "SPECIAL_TOKENS", "build_tokenizer",
            "build_pipeline", "text_embeddings", "tokenize", "save_pipeline", "pack", "unpack", "is_pack",
-           "PACK_FILE", "PACKED_MODELS", "parameter_counts"]
+           "PACK_FILE", "PACKED_MODELS", "PIPELINE_FILES", "parameter_counts", "check_pipeline_folder",
+           "read_pack", "saved_model"]
 
 SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]
 
@@ -34,6 +35,10 @@ PACK_FILE = "model.json"
 #: The models a pack holds one safetensors file each of (``<name>.safetensors``).
 PACKED_MODELS = ("transformer", "vae", "text_encoder")
 _PACK_FORMAT = "fp4video-testmodel-pack"
+#: The text files a saved pipeline needs besides the weights (what ``WanPipeline.from_pretrained``
+#: reads): the model index, each model's config, the tokenizer and the scheduler.
+PIPELINE_FILES = ("model_index.json", *(f"{m}/config.json" for m in PACKED_MODELS), "tokenizer/tokenizer.json",
+                  "scheduler/scheduler_config.json")
 
 
 class TestModelConfig(BaseModel):
@@ -203,6 +208,103 @@ def save_pipeline(pipe, folder, dtype=torch.float16) -> Path:
     return folder
 
 
+def _check_weights(path: Path, what: str) -> None:
+    """``path`` is a whole safetensors file (its header read and its data's length checked)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except Exception as e:  # safetensors raises its own error types for a damaged or truncated file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{what}: not a readable safetensors file (truncated or damaged: {first})") from None
+
+
+def check_pipeline_folder(folder) -> None:
+    """Raise a one-line ``FileNotFoundError`` / ``ValueError`` naming the first part a test-model
+    pipeline folder lacks or holds damaged: :data:`PIPELINE_FILES`, and one whole safetensors file
+    for each of :data:`PACKED_MODELS` (diffusers' own errors name other files or temporary folders)."""
+    folder = Path(folder)
+    for rel in PIPELINE_FILES:
+        if not (folder / rel).is_file():
+            raise FileNotFoundError(f"{folder}: {rel} is missing (not a whole test-model pipeline folder)")
+    for rel in (r for r in PIPELINE_FILES if r.endswith(".json")):
+        try:
+            data = json.loads((folder / rel).read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{folder / rel}: not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{folder / rel}: a JSON object expected, got a {type(data).__name__}")
+    for model in PACKED_MODELS:
+        weights = sorted((folder / model).glob("*.safetensors"))
+        if not weights:
+            raise FileNotFoundError(f"{folder}: {model}/ holds no .safetensors weights")
+        for path in weights:
+            _check_weights(path, str(path))
+
+
+def read_pack(pack_dir) -> dict:
+    """The index (:data:`PACK_FILE`) of the pack ``pack_dir``, checked before anything is written
+    from it: the format, every stored file's name relative and inside the folder, the files a
+    pipeline needs (:data:`PIPELINE_FILES`), and one whole ``<model>.safetensors`` beside it for each
+    of :data:`PACKED_MODELS`. A one-line ``FileNotFoundError`` / ``ValueError`` names the problem."""
+    pack_dir = Path(pack_dir)
+    index_path = pack_dir / PACK_FILE
+    if not index_path.is_file():
+        raise FileNotFoundError(f"{pack_dir}: not a packed test model (no {PACK_FILE})")
+    try:
+        index = json.loads(index_path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{index_path}: not valid JSON ({e})") from None
+    if not isinstance(index, dict) or index.get("format") != _PACK_FORMAT:
+        got = repr(index.get("format")) if isinstance(index, dict) else f"none: a JSON {type(index).__name__}"
+        raise ValueError(f"{index_path}: not a test-model pack (format {got})")
+    weights, files = index.get("weights"), index.get("files")
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise ValueError(f"{index_path}: 'files' must map file names to their text")
+    if not isinstance(weights, dict) or sorted(weights) != sorted(PACKED_MODELS) or \
+            not all(isinstance(v, str) and v.startswith(f"{k}/") and v.endswith(".safetensors")
+                    for k, v in weights.items()):
+        raise ValueError(f"{index_path}: 'weights' must name one <model>/....safetensors file for each of "
+                         f"{', '.join(PACKED_MODELS)}, got {weights!r}")
+    for rel in (*files, *weights.values()):
+        if not _relative_inside(rel):
+            raise ValueError(f"{index_path}: names a file outside its folder: {rel!r}")
+    missing = [rel for rel in PIPELINE_FILES if rel not in files]
+    if missing:
+        raise ValueError(f"{index_path}: holds no {missing[0]} (not a whole pipeline)")
+    for model in PACKED_MODELS:
+        src = pack_dir / f"{model}.safetensors"
+        if not src.is_file():
+            raise FileNotFoundError(f"{pack_dir}: {src.name} is missing")
+        _check_weights(src, str(src))
+    return index
+
+
+def _relative_inside(rel: str) -> bool:
+    """Whether ``rel`` is a relative path that stays inside the folder it is joined to."""
+    from pathlib import PurePosixPath, PureWindowsPath
+
+    parts = PurePosixPath(rel).parts
+    return bool(parts) and not PurePosixPath(rel).is_absolute() and not PureWindowsPath(rel).drive \
+        and ".." not in parts and "\\" not in rel
+
+
+def saved_model(path) -> Path:
+    """The saved test model at ``path``: ``path`` itself where it is a pack or a pipeline folder,
+    else the ``pipeline/`` folder of a training run's output (``scripts/train_test_model.py`` without
+    ``--pack``); ``FileNotFoundError`` (one line) where it is none of those."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such folder (a test-model pipeline folder, pack or training run)")
+    if is_pack(path) or (path / "model_index.json").is_file():
+        return path
+    if (path / "pipeline" / "model_index.json").is_file():
+        return path / "pipeline"
+    raise FileNotFoundError(f"{path}: neither a pipeline folder (model_index.json), a test-model pack (model.json) "
+                            "nor a training run's folder (pipeline/)")
+
+
 def is_pack(path) -> bool:
     """Whether ``path`` is a folder :func:`pack` wrote."""
     return (Path(path) / PACK_FILE).is_file()
@@ -247,28 +349,34 @@ def pack(folder, out_dir, extra: dict | None = None) -> list[Path]:
 
 
 def unpack(pack_dir, folder) -> Path:
-    """Write the pipeline folder a :func:`pack` holds (``pack_dir``) to ``folder``."""
+    """Write the pipeline folder a :func:`pack` holds (``pack_dir``) to ``folder`` (absent, empty, or
+    a pipeline folder, which it replaces). The pack is checked whole first (:func:`read_pack`) and
+    the folder written beside ``folder`` and moved into place, so a refused or interrupted unpack
+    leaves ``folder`` as it was."""
     pack_dir, folder = Path(pack_dir), Path(folder)
-    if not is_pack(pack_dir):
-        raise FileNotFoundError(f"{pack_dir}: not a packed test model (no {PACK_FILE})")
-    index = json.loads((pack_dir / PACK_FILE).read_text())
-    if index.get("format") != _PACK_FORMAT:
-        raise ValueError(f"{pack_dir / PACK_FILE}: not a test-model pack (format {index.get('format')!r})")
-    for model, rel in index["weights"].items():
-        src = pack_dir / f"{model}.safetensors"
-        if not src.is_file():
-            raise FileNotFoundError(f"{pack_dir}: {src.name} is missing")
-    for rel, text in index["files"].items():
-        _inside(folder, rel).parent.mkdir(parents=True, exist_ok=True)
-        _inside(folder, rel).write_text(text)
-    for model, rel in index["weights"].items():
-        _inside(folder, rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(pack_dir / f"{model}.safetensors", _inside(folder, rel))
+    index = read_pack(pack_dir)
+    if folder.exists() and not folder.is_dir():
+        raise FileExistsError(f"{folder}: a file, not a folder")
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / "model_index.json").is_file():
+        raise FileExistsError(f"{folder}: a folder with other files in it (give an empty or a pipeline folder)")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        for rel, text in index["files"].items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_text(text)
+        for model, rel in index["weights"].items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(pack_dir / f"{model}.safetensors", tmp / rel)
+        tmp.chmod(0o755)  # (mkdtemp makes it private)
+        old = None
+        if folder.exists():  # moved aside under a fresh name (never one of the user's), removed once replaced
+            old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
+            old.rmdir()
+            folder.rename(old)
+        tmp.rename(folder)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
-
-
-def _inside(folder: Path, rel: str) -> Path:
-    path = (folder / rel).resolve()
-    if folder.resolve() not in path.parents:
-        raise ValueError(f"a pack names a file outside its folder: {rel!r}")
-    return path

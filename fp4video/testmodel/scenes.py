@@ -127,7 +127,9 @@ def caption(spec: SceneSpec) -> str:
 def parse_caption(text: str) -> SceneSpec | None:
     """The scene a caption names (:func:`caption`'s inverse; case, surrounding spaces and a final
     full stop aside), or None where the text is not such a caption."""
-    words = " ".join(str(text).strip().rstrip(".").lower().split())
+    if not isinstance(text, str):
+        raise TypeError(f"parse_caption: text must be a str, got {type(text).__name__}")
+    words = " ".join(text.strip().rstrip(".").lower().split())
     camera = "still"
     for c in CAMERAS[1:]:
         if words.endswith(f" as the camera {c}"):
