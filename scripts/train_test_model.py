@@ -28,6 +28,7 @@ import time
 STARTED = time.perf_counter()
 
 import argparse  # noqa: E402
+import math  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -159,22 +160,28 @@ def _evaluate_only(parser, args) -> int:
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    from fp4video.testmodel.model import is_pack, unpack
+    from fp4video.testmodel.model import is_pack, saved_model, unpack
 
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out}: a file, not a folder")
     if args.unpack is not None:
         if not is_pack(args.unpack):
             parser.error(f"--unpack {args.unpack}: not a packed test model (no model.json)")
         if args.out.exists() and any(args.out.iterdir()) and not (args.out / "model_index.json").is_file():
             parser.error(f"--out {args.out}: a folder with other files in it (give an empty or a pipeline folder)")
-        unpack(args.unpack, args.out)
+        try:  # the pack is checked whole before anything is written (a refused pack leaves --out as it was)
+            unpack(args.unpack, args.out)
+        except (OSError, ValueError) as e:
+            parser.error(f"--unpack {args.unpack}: {str(e).splitlines()[0]}")
         print(f"unpacked {args.unpack} -> {args.out}")
         return 0
     if args.evaluate is not None:
         return _evaluate_only(parser, args)
     for name in ("minutes", "vae_minutes", "reserve_seconds", "lr", "vae_lr", "checkpoint_seconds"):
         v = getattr(args, name)
-        if v is not None and (v != v or v < 0 or (v == 0 and name not in ("vae_minutes", "reserve_seconds"))):
-            parser.error(f"--{name.replace('_', '-')} must be a positive number, got {v}")
+        zero = name in ("vae_minutes", "reserve_seconds")  # may be 0
+        if v is not None and (not math.isfinite(v) or v < 0 or (v == 0 and not zero)):
+            parser.error(f"--{name.replace('_', '-')} must be a finite number {'≥ 0' if zero else '> 0'}, got {v}")
     for name in ("batch", "vae_batch", "vae_frames", "pool_size"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -183,14 +190,17 @@ def main(argv=None) -> int:
         v = getattr(args, name)
         if v is not None and v < 0:
             parser.error(f"--{name.replace('_', '-')} must be at least 0, got {v}")
-    if args.resume is not None and not args.resume.is_dir():
-        parser.error(f"--resume {args.resume}: no such folder")
-    if args.resume is not None and not (is_pack(args.resume) or (args.resume / "model_index.json").is_file()):
-        parser.error(f"--resume {args.resume}: neither a pipeline folder (model_index.json) nor a pack (model.json)")
-    if args.resume is not None and args.resume.resolve() == args.out.resolve():
-        parser.error("--resume and --out are the same folder: write the continued run elsewhere")
-    if args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out {args.out}: a file, not a folder")
+    if args.resume is not None:
+        try:  # a pipeline folder, a pack, or a run's folder (its pipeline/)
+            resumed = saved_model(args.resume)
+        except FileNotFoundError as e:
+            parser.error(f"--resume {e}")
+        if args.out.resolve() in (args.resume.resolve(), resumed.resolve()):
+            parser.error("--resume and --out are the same folder: write the continued run elsewhere")
+    previous = [n for n in ("train_log.json", "model.json", "pipeline") if (args.out / n).exists()]
+    if previous:  # a run writes a folder of its own: another run's files beside it would be read as its
+        parser.error(f"--out {args.out}: holds a previous run ({', '.join(previous)}); give a new folder (or "
+                     "delete that one)")
     if args.device is not None:
         import torch
 

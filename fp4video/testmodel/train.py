@@ -35,7 +35,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .checker import check_rate
-from .model import (FULL, SMOKE, TestModelConfig, build_pipeline, is_pack, pack, parameter_counts, save_pipeline,
+from .model import (FULL, SMOKE, TestModelConfig, build_pipeline, pack, parameter_counts, save_pipeline,
                     text_embeddings, tokenize)
 from .scenes import COLOURS, SHAPES, held_out_scenes, render, sample_scenes, sampling_probabilities
 
@@ -604,7 +604,7 @@ def train(settings: Settings, out, *, resume=None, packed: bool = False, device=
     deadline = s.minutes * 60 - s.reserve_seconds
     if resume is not None:
         resume = Path(resume)
-        if is_pack(resume) and (resume / "train_log.json").is_file():
+        if (resume / "train_log.json").is_file():  # a pack's or a run folder's log (a pipeline folder has none)
             run.data["previous_log"] = json.loads((resume / "train_log.json").read_text())
         pipe = _load(resume, device)
         config = config_of(pipe, SMOKE if s.smoke else FULL)
