@@ -200,6 +200,18 @@ def _plan_error(calibration) -> float:
     return sum(errs) / max(len(errs), 1)
 
 
+def _from_json(obj):
+    """``results.json`` as read back: the non-finite numbers :func:`fp4video.eval.json_ready` spelled
+    as strings ("inf", "-inf", "nan") floats again (a policy as exact as FP16 has an infinite PSNR)."""
+    if isinstance(obj, str) and obj in ("inf", "-inf", "nan"):
+        return float(obj)
+    if isinstance(obj, dict):
+        return {k: _from_json(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_from_json(v) for v in obj]
+    return obj
+
+
 def _write(out: Path, results: dict) -> None:
     from fp4video.eval import json_ready
 
@@ -310,6 +322,21 @@ def main(argv=None) -> int:
         p.error(f"--out {args.out}: a file, not a folder")
     if args.model is not None and not args.model.is_dir():
         p.error(f"--model {args.model}: no such folder")
+    for name, multiple in (("height", 16), ("width", 16)):  # what WanPipeline takes (it refuses other sizes late)
+        v = getattr(args, name)
+        if v is not None and v % multiple:
+            p.error(f"--{name} {v}: must be a multiple of {multiple} (the Wan pipeline's)")
+    if args.frames is not None and (args.frames - 1) % 4:  # WanPipeline would round it
+        p.error(f"--frames {args.frames}: must be 4n + 1 (the VAE's 4× in time), e.g. "
+                f"{args.frames - (args.frames - 1) % 4} or {args.frames - (args.frames - 1) % 4 + 4}")
+    if args.only is not None:
+        empty = [o for o in args.only if not o.strip()]
+        if empty:
+            p.error("--only: an empty name matches every policy; give words of the policies' names")
+        entries = [e for e in policy_list(args.quick) if any(o in e["name"] for o in args.only)]
+        if not entries:
+            p.error(f"--only {' '.join(args.only)}: matches no policy{' of --quick' if args.quick else ''} (names: "
+                    + "; ".join(e["name"] for e in policy_list(args.quick)) + ")")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: no CUDA device here")
@@ -329,8 +356,8 @@ def main(argv=None) -> int:
 
     try:
         pipe = test_model_pipeline(device=device, dtype=dtype, path=args.model)
-    except FileNotFoundError as e:
-        p.error(str(e))
+    except (FileNotFoundError, ValueError) as e:
+        p.error(f"--model {args.model or 'shipped'}: {str(e).splitlines()[0]}")
     n_captions = args.captions or (3 if args.quick else 12)
     scenes = held_out_scenes(seed=0, repeats=math.ceil(n_captions / 24)).subset(torch.arange(n_captions))
     captions, seed = scenes.captions(), 1000
@@ -345,7 +372,7 @@ def main(argv=None) -> int:
     path = args.out / "results.json"
     results = {"settings": settings, "policies": {}}
     if path.is_file() and not args.fresh:
-        old = json.loads(path.read_text())
+        old = _from_json(json.loads(path.read_text()))
         if old.get("settings") != settings:
             p.error(f"{path} holds results of other settings: give --fresh to start over, or another --out")
         results = old
