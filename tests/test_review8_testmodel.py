@@ -210,6 +210,20 @@ def test_a_training_runs_folder_loads_as_its_pipeline(smoke_folder, tmp_path, ca
     assert diffusers_logging.is_progress_bar_enabled() and transformers_logging.is_progress_bar_enabled()
 
 
+def test_saving_prints_no_progress_bars(tmp_path, capfd):
+    """Every checkpoint of a training run printed transformers' "Writing model shards" bar."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    pipe = build_pipeline(SMOKE)
+    capfd.readouterr()
+    save_pipeline(pipe, tmp_path / "pipe")
+    err = capfd.readouterr().err
+    assert "Writing" not in err and "%|" not in err, err
+    assert (tmp_path / "pipe" / "model_index.json").is_file()
+    assert diffusers_logging.is_progress_bar_enabled() and transformers_logging.is_progress_bar_enabled()
+
+
 # --- scripts/train_test_model.py -----------------------------------------------------------------
 
 @pytest.mark.parametrize("args, match", [

@@ -19,7 +19,6 @@ diffusers parts, saving and packing), :mod:`~fp4video.testmodel.train` (the trai
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 
 from .checker import Verdict, check_clip, check_rate
 from .model import (FULL, SMOKE, TEST_MODEL_CALL, TestModelConfig, build_pipeline, check_pipeline_folder, is_pack,
-                    pack, saved_model, unpack)
+                    no_progress_bars, pack, saved_model, unpack)
 from .scenes import HELD_OUT, SceneSpec, caption, held_out_scenes, parse_caption, render, sample_scenes
 
 __all__ = ["test_model_pipeline", "TEST_MODEL_CALL", "WEIGHTS", "FULL", "SMOKE", "TestModelConfig", "build_pipeline",
@@ -64,29 +63,11 @@ def test_model_pipeline(device="cpu", dtype=torch.float32, path=None):
 def _load(folder: Path, device, dtype):
     from diffusers import AutoencoderKLWan, WanPipeline
 
-    with _no_loading_bars():
+    with no_progress_bars():
         vae = AutoencoderKLWan.from_pretrained(folder / "vae", dtype=torch.float32, local_files_only=True)
         pipe = WanPipeline.from_pretrained(folder, vae=vae, dtype=dtype, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
-
-
-@contextlib.contextmanager
-def _no_loading_bars():
-    """diffusers' and transformers' loading progress bars off within the block (the model loads in
-    well under a second: the bars are noise), each put back as it was."""
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
-    was = [(m, m.is_progress_bar_enabled()) for m in (diffusers_logging, transformers_logging)]
-    for m, _ in was:
-        m.disable_progress_bar()
-    try:
-        yield
-    finally:
-        for m, enabled in was:
-            if enabled:
-                m.enable_progress_bar()
 
 
 test_model_pipeline.__test__ = False  # not a pytest test (its name starts with "test_")

@@ -13,6 +13,7 @@ files (one safetensors per model and ``model.json`` holding every other file's t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -26,7 +27,7 @@ from .scenes import vocabulary
 __all__ = ["TestModelConfig", "FULL", "SMOKE", "TEST_MODEL_CALL", "SPECIAL_TOKENS", "build_tokenizer",
            "build_pipeline", "text_embeddings", "tokenize", "save_pipeline", "pack", "unpack", "is_pack",
            "PACK_FILE", "PACKED_MODELS", "PIPELINE_FILES", "parameter_counts", "check_pipeline_folder",
-           "read_pack", "saved_model"]
+           "read_pack", "saved_model", "no_progress_bars"]
 
 SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]
 
@@ -175,6 +176,25 @@ def parameter_counts(pipe) -> dict:
     return {name: sum(p.numel() for p in getattr(pipe, name).parameters()) for name in PACKED_MODELS}
 
 
+@contextlib.contextmanager
+def no_progress_bars():
+    """diffusers' and transformers' progress bars off within the block (loading and saving the test
+    model take well under a second: their "Loading ..." / "Writing model shards" bars are noise),
+    each put back as it was."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    was = [(m, m.is_progress_bar_enabled()) for m in (diffusers_logging, transformers_logging)]
+    for m, _ in was:
+        m.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for m, enabled in was:
+            if enabled:
+                m.enable_progress_bar()
+
+
 def save_pipeline(pipe, folder, dtype=torch.float16) -> Path:
     """Save ``pipe`` as a WanPipeline folder with its floating-point weights stored in ``dtype``
     (the pipeline itself is not changed). Written next to ``folder`` and moved into place, so an
@@ -186,7 +206,8 @@ def save_pipeline(pipe, folder, dtype=torch.float16) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
     try:
-        pipe.save_pretrained(tmp, safe_serialization=True)
+        with no_progress_bars():
+            pipe.save_pretrained(tmp, safe_serialization=True)
         for path in tmp.rglob("*.safetensors"):
             with safe_open(str(path), framework="pt") as f:
                 metadata = f.metadata()
