@@ -622,8 +622,10 @@ def test_policy_that_does_not_fit_the_model_is_refused_or_warned(pipe):
     every = Policy.model_validate({"method": "mxattn", "rules": [{"method": "fp16", "steps": {"last": 50}}]})
     install(pipe, every)
     try:
-        with pytest.warns(UserWarning, match=r"rules\[0\].*covers every one of the 2 denoising steps"):
+        with pytest.warns(UserWarning, match=r"rules\[0\].*covers every one of the 2 denoising steps") as caught:
             run(pipe, steps=2)
+        # the warning names the user's line (run() here), not torch's module.py that calls the hook
+        assert {Path(w.filename).name for w in caught if "denoising steps" in str(w.message)} == {Path(__file__).name}
     finally:
         uninstall(pipe)
     assert Policy.model_validate({"rules": [{"method": "fp16", "steps": {"range": [50, 60]}}]}).step_warnings(40) \
