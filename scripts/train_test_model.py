@@ -236,8 +236,12 @@ def main(argv=None) -> int:
                      f"{settings.minutes:g} less {settings.reserve_seconds:g} reserved seconds")
     if args.resume is None and settings.vae_minutes == 0:
         parser.error("a fresh run trains its VAE first: give --vae-minutes > 0 (or --resume a trained model)")
-    train(settings, args.out, resume=args.resume, packed=args.pack, device=args.device, git=_git(),
-          started=STARTED)
+    try:
+        train(settings, args.out, resume=args.resume, packed=args.pack, device=args.device, git=_git(),
+              started=STARTED)
+    except FloatingPointError as e:  # a diverged run: said in one line, its last finite checkpoint kept
+        print(f"train_test_model: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -357,3 +357,33 @@ def test_evaluate_only_refuses_bad_values_before_any_work(args, match, tmp_path,
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("train_test_model.py: error: ") and match in last, last
     assert not out.exists()
+
+
+# --- a diverged run -----------------------------------------------------------------------------------
+
+def test_a_checkpoint_of_non_finite_weights_is_refused_and_the_last_one_kept(tmp_path):
+    """A save after the weights went NaN (a diverged run) raises, names the model, records it in the
+    log and leaves the previous checkpoint's files byte for byte; a finite pipeline saves."""
+    pipe = build_pipeline(SMOKE)
+    run = tm._Run(tmp_path, lambda *a, **k: None, {}, None)
+    tm._save(run, pipe, packed=False)
+    files = {p: p.read_bytes() for p in sorted((tmp_path / "pipeline").rglob("*.safetensors"))}
+    assert files
+    with torch.no_grad():
+        next(pipe.text_encoder.parameters()).view(-1)[0] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"^training diverged: non-finite weights in the text_encoder at"):
+        tm._save(run, pipe, packed=False)
+    assert {p: p.read_bytes() for p in sorted((tmp_path / "pipeline").rglob("*.safetensors"))} == files
+    assert json.loads((tmp_path / "train_log.json").read_text())["diverged"]["models"] == ["text_encoder"]
+
+
+@pytest.mark.slow
+def test_script_says_a_diverged_run_in_one_line(tmp_path, capsys):
+    """An absurd learning rate sends the weights to NaN: the script ends with status 1 and one line,
+    not a traceback or a NaN checkpoint."""
+    out = tmp_path / "run"
+    code = _script().main(["--smoke", "--out", str(out), "--max-vae-steps", "1", "--eval-clips", "0",
+                           "--lr", "1e30"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err[-1].startswith("train_test_model: training diverged: non-finite weights in the "), err[-3:]
+    assert json.loads((out / "train_log.json").read_text())["diverged"]["models"]

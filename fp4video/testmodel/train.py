@@ -288,7 +288,27 @@ def _set_lr(opt, base_lr: float, step: int, warmup: int, frac: float, max_steps:
         group["lr"] = base_lr * _lr_factor(step, warmup, frac)
 
 
+def _non_finite(pipe) -> list[str]:
+    """The pipeline's models holding a NaN or infinite parameter or buffer."""
+    bad = []
+    for name in ("transformer", "text_encoder", "vae"):
+        model = getattr(pipe, name, None)
+        tensors = [] if model is None else [*model.parameters(), *model.buffers()]
+        if any(not bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point()):
+            bad.append(name)
+    return bad
+
+
 def _save(run: _Run, pipe, packed: bool, final: bool = False) -> None:
+    """Writes the pipeline (or its pack) over the run's last checkpoint; weights gone non-finite
+    (a diverged run) are refused, so the last finite checkpoint stays on disk."""
+    bad = _non_finite(pipe)
+    if bad:
+        run.data["diverged"] = {"elapsed": round(run.elapsed(), 1), "models": bad}
+        run.write()
+        raise FloatingPointError(f"training diverged: non-finite weights in the {' and '.join(bad)} at "
+                                 f"{run.elapsed():.0f} s; not saved (the run's last checkpoint, if any, is kept; "
+                                 "try a lower --lr)")
     t = time.perf_counter()
     if packed:
         with tempfile.TemporaryDirectory(prefix="fp4video-testmodel-") as tmp:
