@@ -488,4 +488,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fp4video.cli.common import quiet_optional_imports
+
+    with quiet_optional_imports():  # torchao's import-time log lines, as the CLI drops them
+        code = main()
+    sys.exit(code)

@@ -387,3 +387,22 @@ def test_script_says_a_diverged_run_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and err[-1].startswith("train_test_model: training diverged: non-finite weights in the "), err[-3:]
     assert json.loads((out / "train_log.json").read_text())["diverged"]["models"]
+
+
+@pytest.mark.slow
+def test_script_prints_no_optional_import_noise(tmp_path):
+    """Run as users run it, the script prints its result and none of torchao's import-time lines
+    (compiled extensions it cannot load, deprecated pytree registrations), as the CLI does not."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_test_model.py"
+    proc = subprocess.run([sys.executable, str(script), "--evaluate", "shipped", "--eval-clips", "1",
+                           "--out", str(tmp_path / "eval")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "held-out motion check: generated" in proc.stdout
+    from fp4video.cli.common import OPTIONAL_IMPORT_NOISE
+
+    for _, needles in OPTIONAL_IMPORT_NOISE:
+        for needle in needles:
+            assert needle not in proc.stderr + proc.stdout, needle
