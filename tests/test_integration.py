@@ -651,3 +651,26 @@ def test_generate_help_keeps_the_torchrun_example_on_two_lines():
     out = _cli("generate", "--help").stdout
     line = next(x for x in out.splitlines() if x.lstrip().startswith("torchrun"))
     assert line.rstrip().endswith("\\")
+
+
+def test_generate_refuses_frames_the_pipelines_vae_cannot_take(tmp_path):
+    """Wan's pipeline rounds --frames 8 to 9 with only a log line (and HunyuanVideo's, LTX's cut the
+    clip short silently): the frame count is checked against the loaded pipeline's VAE time
+    compression and refused in one line; a count it takes runs."""
+    from fp4video.cli.common import UsageError
+    from fp4video.cli.generate import frames_problem, pipeline_frame_step
+
+    out = tmp_path / "v.mp4"
+    proc = _cli("generate", "--model", "tiny", "--frames", "8", "--steps", "1", "--output", str(out))
+    assert proc.returncode == 2 and not out.exists() and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("fp4video generate: error: frames 8: this WanPipeline takes "
+                                                    "4n + 1 frames (its VAE's 4× in time), e.g. 5 or 9")
+    for step, ok, bad in ((4, (1, 5, 81), (2, 8, 80)), (8, (1, 9, 121), (5, 120))):
+        for f in ok:
+            frames_problem(f, step, "it")
+        for f in bad:
+            with pytest.raises(UsageError, match=rf"frames {f}: it takes {step}n \+ 1 frames"):
+                frames_problem(f, step, "it")
+    frames_problem(8, None, "a pipeline that keeps no compression")  # nothing to check against
+    assert pipeline_frame_step(type("P", (), {"vae_temporal_compression_ratio": 8})()) == 8
+    assert pipeline_frame_step(object()) is None
