@@ -356,6 +356,7 @@ def test_generate_runs_a_caption_in_its_own_words_and_says_so(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     side = json.loads(out.with_suffix(".json").read_text())
     assert side["prompt"] == CANONICAL and side["motion_check"]["checked"]
+    assert side["typed_prompt"] == typed  # the user's own words stay on record beside the caption run
     assert f"note: {typed!r} runs as the test model's caption {CANONICAL!r}" in proc.stderr
     assert "note: the policy's rules[1] {method: fp16, steps: {'last': 2}} covers every one of the 2 " \
            "denoising steps" in proc.stderr

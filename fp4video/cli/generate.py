@@ -184,6 +184,7 @@ def run(args) -> int:
 
     notes: list[str] = []
     cfg = resolve_config(args, notes)
+    typed = list(cfg.prompts)
     if cfg.model == "test":
         cfg = test_model_prompts(cfg, notes)
     # the test model's default policy (FP16 for the last two steps) covers every step of a short run
@@ -239,13 +240,13 @@ def run(args) -> int:
     if rank == 0 and len(outputs) > 1:
         print(f"fp4video generate: {several_outputs(outputs)}", file=sys.stderr)
 
-    for prompt, call, out in zip(cfg.prompts, calls, outputs):
+    for prompt, typed_prompt, call, out in zip(cfg.prompts, typed, calls, outputs):
         with warnings.catch_warnings():
             for m in step_notes:  # (said above)
                 warnings.filterwarnings("ignore", message=re.escape(f"fp4video policy: {m}"))
             sidecar = generate_video(pipe, ctx, cfg, prompt, call, out, device=device, backend=args.backend,
                                      load_seconds=t_load, write=rank == 0, world_size=size,
-                                     linear=linear)
+                                     linear=linear, typed_prompt=typed_prompt)
         if rank == 0:
             _summary(out, sidecar, cfg.fps)
     if rank == 0 and len(outputs) > 1:

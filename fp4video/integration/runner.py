@@ -35,10 +35,11 @@ def motion_check(cfg: RunConfig, prompt: str, frames) -> dict | None:
 
 def generate_video(pipe, ctx: AttentionContext, cfg: RunConfig, prompt: str, call: dict, out: Path, *,
                    device, backend: str, load_seconds: float = 0.0, write: bool = True, world_size: int = 1,
-                   linear=None) -> dict:
+                   linear=None, typed_prompt: str | None = None) -> dict:
     """Run the pipeline once with ``call`` (from :func:`pipelines.pipeline_kwargs`), write ``out``
     (mp4) and ``out.json`` (the sidecar, also returned; ``linear``: the linear-layer installation's
-    :class:`~fp4video.integration.linear.LinearInstall`, or None). Under torchrun every rank runs the
+    :class:`~fp4video.integration.linear.LinearInstall`, or None; ``typed_prompt``: the words the
+    user gave, recorded beside ``prompt`` when the run changed them). Under torchrun every rank runs the
     pipeline and only the one with ``write`` writes. The pair is written through temporary names
     and renamed into place (:func:`media.write_video_and_sidecar`): an interrupted run leaves the
     previous pair, or a video without a sidecar, never a short video or a mismatched sidecar."""
@@ -61,6 +62,7 @@ def generate_video(pipe, ctx: AttentionContext, cfg: RunConfig, prompt: str, cal
     sidecar = {
         "output": str(out),
         "prompt": prompt,
+        **({"typed_prompt": typed_prompt} if typed_prompt is not None and typed_prompt != prompt else {}),
         "config": cfg.model_dump(mode="json"),
         "device": str(device),
         "processes": world_size,
