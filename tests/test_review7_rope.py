@@ -104,12 +104,13 @@ def test_bf16_subnormal_operands_keep_the_stock_bits():
     """bf16 queries and keys at and below bf16's smallest normal (products in fp32's subnormal range,
     inputs and results bf16 subnormals): the stock's bits, as the module's docstring claims."""
     b, s, h, d = 1, 4, 2, 8
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the compiled kernel on a GPU, the interpreter here
     tiny = torch.finfo(torch.bfloat16).tiny
-    q = (rand(b, s, h, d, seed=4) * tiny).to(torch.bfloat16)
-    k = (rand(b, s, h, d, seed=5) * tiny * 0.01).to(torch.bfloat16)
+    q = (rand(b, s, h, d, seed=4) * tiny).to(dev, torch.bfloat16)
+    k = (rand(b, s, h, d, seed=5) * tiny * 0.01).to(dev, torch.bfloat16)
     angle = rand(s, d // 2, seed=6, dtype=torch.float64) * 7
-    cos = angle.cos().repeat_interleave(2, -1).float().view(1, s, 1, d)
-    sin = angle.sin().repeat_interleave(2, -1).float().view(1, s, 1, d)
+    cos = angle.cos().repeat_interleave(2, -1).float().view(1, s, 1, d).to(dev)
+    sin = angle.sin().repeat_interleave(2, -1).float().view(1, s, 1, d).to(dev)
     qo, ko = rope.rope_pairs(q, k, cos, sin)
     for x, out in ((q, qo), (k, ko)):
         stock = route_rope.stock_wan_rope(x, cos, sin)
