@@ -83,7 +83,7 @@ def policy_list(quick: bool) -> list[dict]:
                     "policy": {"method": SPARSE_METHOD, "rules": HYBRID + [
                         {"method": SPARSE_METHOD, "kinds": ["self"], "sparsity": {"dynamic": {"tau": tau}}}]}})
     # the shipped sparse configs' selections on this grid: a window with the sinks each call finds,
-    # and the dynamic rule with sinks and a floor its check repairs to
+    # and the dynamic rule (2 estimate rows) with sinks and a floor its check repairs to
     for w in windows:
         out.append({"name": f"{SPARSE_METHOD} static {','.join(map(str, w))} radial + sinks hybrid",
                     "group": "sparse static",
@@ -95,8 +95,8 @@ def policy_list(quick: bool) -> list[dict]:
                     "group": "sparse dynamic",
                     "policy": {"method": SPARSE_METHOD, "rules": HYBRID + [
                         {"method": SPARSE_METHOD, "kinds": ["self"],
-                         "sparsity": {"dynamic": {"tau": tau, "estimate": "sampled"}, "sinks": True,
-                                      "floor": FLOOR}}]}})
+                         "sparsity": {"dynamic": {"tau": tau, "estimate": "sampled", "estimate_rows": 2},
+                                      "sinks": True, "floor": FLOOR}}]}})
     for b in (0.1,) if quick else BUDGETS:
         out.append({"name": f"calibrated {b:g}", "group": "calibrated", "budget": b})
     out.append({"name": "fp8-rowwise linear (emulated), stock attention", "group": "linear",

@@ -26,8 +26,23 @@ from fp4video.sparse import CHECK_ROWS, DynamicSparsity, StaticSparsity
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOOR = 0.9
-#: configs/wan22_mxattn_pv8_dynamic.yaml's selection
-SHIPPED = DynamicSparsity(0.9, estimate="sampled", sinks=True, floor=FLOOR)
+#: the dynamic rule with the package's default rows (4 to estimate, 10 to check)
+DEFAULT = DynamicSparsity(0.9, estimate="sampled", sinks=True, floor=FLOOR)
+#: configs/wan22_mxattn_pv8_dynamic.yaml's selection: 2 estimate rows (a cheaper call; the repair makes
+#: up what the coarser estimate misses)
+SHIPPED = DynamicSparsity(0.9, estimate="sampled", estimate_rows=2, sinks=True, floor=FLOOR)
+
+
+def test_shipped_is_the_dynamic_configs_selection():
+    from fp4video.integration.config import load_config
+
+    policy = load_config(ROOT / "configs" / "wan22_mxattn_pv8_dynamic.yaml").policy
+    sp = next(r.sparsity for r in policy.rules if r.sparsity is not None)
+    from fp4video.sparse import check_rows_for
+
+    d = sp.dynamic
+    assert (d.tau, d.estimate, d.estimate_rows, sp.sinks, sp.floor, check_rows_for(sp.floor, sp.check_rows)) == (
+        SHIPPED.tau, SHIPPED.estimate, SHIPPED.estimate_rows, SHIPPED.sinks, SHIPPED.floor, SHIPPED.check_rows)
 #: a check reads fp32 row masses; the references are fp64 over the same inputs
 FP32_MASS = 1e-5
 
@@ -86,14 +101,15 @@ def _tile_mean(kept, query_tile):
 
 
 @pytest.mark.slow
-def test_the_shipped_rule_saves_work_and_every_query_tile_keeps_the_floor_on_every_row(calls, masses):
+@pytest.mark.parametrize("rule", [DEFAULT, SHIPPED], ids=["default rows", "the shipped config's rows"])
+def test_the_shipped_rule_saves_work_and_every_query_tile_keeps_the_floor_on_every_row(calls, masses, rule):
     """(a) Regression, the floor on unread rows: τ 0.9 on learned attention visits fewer than all tiles
     on some heads, and after repair every query tile's mean over ALL its rows of their exact (fp64,
     every key) kept mass is at least the floor (it was 0.78 with 2 checked rows per tile, 10% of
     query tiles under the floor); the check's own bound says so too."""
     densities = []
     for c, mass in zip(calls, masses):
-        sel = selection_for(SHIPPED, c.q, c.k, scale=c.scale)
+        sel = selection_for(rule, c.q, c.k, scale=c.scale)
         densities += sel.density_per_head().flatten().tolist()
         tile = _tile_mean(_row_kept(mass, sel.tiles, sel.query_tile), sel.query_tile)
         worst = float(tile.min())
