@@ -918,3 +918,29 @@ def test_a_deep_copy_of_a_compiled_installation_runs_its_own_weights():
     L.uninstall_linear(twin)
     assert all("forward" not in b.__dict__ for b in twin.blocks)
     torch.testing.assert_close(forward(twin), want, rtol=0, atol=0)
+
+
+def test_a_refused_gemm_warns_at_the_line_that_called_the_model():
+    """cuBLASLt's refusal of a quantized layer's GEMM is met inside the model's call: its warning
+    names the line that called the model (this file), not torch's module.py that calls the layer."""
+    from pathlib import Path
+
+    class Dequantizable(torch.Tensor):  # a quantized weight's dequantize(dtype), as torchao's have
+        def dequantize(self, dtype=None):
+            return self.as_subclass(torch.Tensor).to(dtype)
+
+    class Refusing(torch.nn.Linear):
+        def forward(self, x):
+            raise RuntimeError(f"{L.GEMM_REFUSED} (stand-in)")
+
+    layer = Refusing(8, 8)
+    weight = layer.weight.detach()
+    del layer.weight
+    layer.weight = weight.as_subclass(Dequantizable)
+    model = torch.nn.Sequential(torch.nn.Identity(), layer)
+    refused = {}
+    L.gemm_guarded(layer, "1", refused)
+    with pytest.warns(UserWarning, match="cuBLASLt has no GEMM for 1") as caught:
+        out = model(torch.randn(2, 8))
+    assert refused == {2: 1} and out.shape == (2, 8)
+    assert {Path(w.filename).name for w in caught if "cuBLASLt" in str(w.message)} == {Path(__file__).name}

@@ -23,14 +23,12 @@ whose latent grid cannot be read, the dynamic selection's neighbours on cross-at
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 from dataclasses import dataclass
 
-import diffusers
 import torch
 
+from .callers import caller_stacklevel
 from .policy import CROSS_KINDS, CallSpace, Policy, as_policy
 from .processor import AttentionContext, FP4Processor, check_backend
 from .routing import is_routed, patch_sizes, possible_kinds, route, unroute
@@ -299,25 +297,8 @@ def _step_hook(pipe, ctx: AttentionContext, expert):
         if ctx.num_steps not in warned:
             warned.add(ctx.num_steps)
             for msg in ctx.policy.step_warnings(ctx.num_steps):
-                warnings.warn(f"fp4video policy: {msg}", stacklevel=_caller_stacklevel())
+                warnings.warn(f"fp4video policy: {msg}", stacklevel=caller_stacklevel())
         return None
 
     return hook
 
-
-#: folders whose frames a warning raised inside a model's call skips: it names the user's line
-_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, diffusers))
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` of the first frame outside torch, diffusers and fp4video (the user's
-    ``pipe(...)`` line) for a warning raised from a hook inside the model's call; 2 when every
-    frame is theirs."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None:
-        name = os.path.abspath(frame.f_code.co_filename)
-        if not name.startswith(_LIBRARY_DIRS + (_PACKAGE_DIR,)):
-            return level
-        frame, level = frame.f_back, level + 1
-    return 2

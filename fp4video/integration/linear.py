@@ -63,6 +63,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
+from .callers import caller_stacklevel
 from .sites import Site, is_attention
 from .policy import non_negative_blocks, not_empty
 
@@ -568,7 +569,8 @@ def _guarded_forward(self, x, *args, **kwargs):
                 warnings.warn(f"fp4video linear: cuBLASLt has no GEMM for {guard['name']} "
                               f"({type(self.weight).__name__} {tuple(self.weight.shape)}) at {m} rows "
                               f"({GEMM_REFUSED}); the layer runs such calls with its quantized weight dequantized "
-                              "(weight-only), counted in the install report's refused()", stacklevel=2)
+                              "(weight-only), counted in the install report's refused()",
+                              stacklevel=caller_stacklevel())  # the user's line, not torch's module.py
             guard["counted"].add(m)
     guard["refused"][m] = guard["refused"].get(m, 0) + 1
     w = self.weight.dequantize(x.dtype)
