@@ -406,3 +406,18 @@ def test_script_prints_no_optional_import_noise(tmp_path):
     for _, needles in OPTIONAL_IMPORT_NOISE:
         for needle in needles:
             assert needle not in proc.stderr + proc.stdout, needle
+
+
+def test_a_diverged_vae_names_the_vaes_learning_rate(tmp_path):
+    """The VAE trains at --vae-lr, the transformer and the text encoder at --lr: the line of a
+    diverged run names the rate of the model that went non-finite."""
+    pipe = build_pipeline(SMOKE)
+    run = tm._Run(tmp_path, lambda *a, **k: None, {}, None)
+    with torch.no_grad():
+        next(pipe.vae.parameters()).view(-1)[0] = float("inf")
+    with pytest.raises(FloatingPointError, match=r"non-finite weights in the vae at .*try a lower --vae-lr\)$"):
+        tm._save(run, pipe, packed=False)
+    with torch.no_grad():
+        next(pipe.transformer.parameters()).view(-1)[0] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"in the transformer and vae at .*try a lower --lr or --vae-lr\)$"):
+        tm._save(run, pipe, packed=False)

@@ -306,9 +306,12 @@ def _save(run: _Run, pipe, packed: bool, final: bool = False) -> None:
     if bad:
         run.data["diverged"] = {"elapsed": round(run.elapsed(), 1), "models": bad}
         run.write()
+        # the VAE trains at --vae-lr, the transformer and the text encoder at --lr
+        rates = [flag for flag, models in (("--lr", {"transformer", "text_encoder"}), ("--vae-lr", {"vae"}))
+                 if models & set(bad)]
         raise FloatingPointError(f"training diverged: non-finite weights in the {' and '.join(bad)} at "
                                  f"{run.elapsed():.0f} s; not saved (the run's last checkpoint, if any, is kept; "
-                                 "try a lower --lr)")
+                                 f"try a lower {' or '.join(rates)})")
     t = time.perf_counter()
     if packed:
         with tempfile.TemporaryDirectory(prefix="fp4video-testmodel-") as tmp:
