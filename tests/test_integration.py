@@ -674,3 +674,15 @@ def test_generate_refuses_frames_the_pipelines_vae_cannot_take(tmp_path):
     frames_problem(8, None, "a pipeline that keeps no compression")  # nothing to check against
     assert pipeline_frame_step(type("P", (), {"vae_temporal_compression_ratio": 8})()) == 8
     assert pipeline_frame_step(object()) is None
+
+
+def test_generate_says_a_policy_warning_from_within_the_run_in_one_line(tmp_path):
+    """A step rule that covers every step of a tiny model's run (hybrid policy, --steps 2) warns from
+    within the run; under the CLI no line of the user's called the pipeline, so it is said as the
+    CLI's own line rather than pointing at runpy or the console script."""
+    out = tmp_path / "v.mp4"
+    proc = _cli("generate", "--model", "tiny", "--steps", "2", "--output", str(out))
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
+    assert "fp4video generate: warning: policy: rules[1] {method: fp16, steps: {'last': 2}} covers every one " \
+           "of the 2 denoising steps" in proc.stderr, proc.stderr[-3000:]
+    assert "UserWarning" not in proc.stderr and "runpy" not in proc.stderr

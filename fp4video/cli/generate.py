@@ -4,6 +4,7 @@ every attention call (step, expert, block, kind, method)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
 import time
@@ -11,7 +12,7 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-from .common import UsageError, check_output_file, check_seed, seed_arg
+from .common import UsageError, check_output_file, check_seed, one_line, seed_arg
 
 EXAMPLES = """examples:
   fp4video generate                                   # embedded default: the trained test model, mxattn hybrid
@@ -176,6 +177,37 @@ def video_title(out, frames: int, fps: int, generation_seconds: float) -> str:
 def run(args) -> int:
     """Every input is checked before anything loads (config, sizes, seed, outputs, device); a
     problem is a :class:`UsageError` (one line, exit 2, from ``main``)."""
+    with own_warnings_in_one_line():
+        return _run(args)
+
+
+#: fp4video's own warnings: ``fp4video: ...``, ``fp4video policy: ...``, ``fp4video linear: ...``
+_OWN_WARNING = re.compile(r"fp4video(?: ([\w-]+))?: ")
+
+
+@contextlib.contextmanager
+def own_warnings_in_one_line():
+    """Within the block, fp4video's own warnings (a policy's step rule, a linear layer's refused GEMM,
+    ...) print as ``fp4video generate: warning: ...`` on one line: raised within the run, no line of
+    the user's called the pipeline, so Python's form would name runpy or the console script. Other
+    warnings print as Python prints them; recorded warnings stay as they are."""
+    original = warnings.formatwarning
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        m = _OWN_WARNING.match(str(message))
+        if m is None:
+            return original(message, category, filename, lineno, line)
+        what = f"{m.group(1)}: " if m.group(1) else ""
+        return f"fp4video generate: warning: {what}{one_line(str(message)[m.end():])}\n"
+
+    warnings.formatwarning = formatwarning
+    try:
+        yield
+    finally:
+        warnings.formatwarning = original
+
+
+def _run(args) -> int:
     import torch
 
     from ..integration import install
