@@ -249,6 +249,8 @@ def test_cli_writes_a_policy_that_loads_and_says_what_it_found(tmp_path, capsys)
     (["--budget", "0"], "--budget 0.0: a relative L2 error"),
     (["--model", "tiny", "--candidates", "backend:nope"], "unknown backend 'nope'"),
     (["--model", "tiny", "--sparse", "window:3"], "sparse candidate 'window:3': give dynamic:TAU"),
+    # the pipeline would round 8 to 9 and the report and run.yaml would say 8
+    (["--model", "tiny", "--frames", "8"], "frames 8: this WanPipeline takes 4n + 1 frames (its VAE's 4× in time)"),
 ])
 def test_cli_bad_input_is_one_line(tmp_path, capsys, args, message):
     from fp4video.cli.main import main
