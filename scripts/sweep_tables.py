@@ -41,7 +41,12 @@ def main(argv=None) -> int:
         if getattr(args, k):
             changes[k] = getattr(args, k)
     cfg = type(cfg).model_validate({**cfg.model_dump(), **changes})
-    result = run_sweep(cfg, args.out, vbench_python=args.vbench_python)
+    from fp4video.cli.common import UsageError
+
+    try:
+        result = run_sweep(cfg, args.out, vbench_python=args.vbench_python)
+    except UsageError as e:  # a frame count the pipeline cannot take: one line, as argparse says its own
+        ap.error(str(e))
     print((args.out / "tables.md").read_text())
     print(f"wrote {args.out / 'tables.md'}, tables.json, methods.png, similarity_over_frames.png "
           f"({len(result['table2']) + len(result['table3'])} rows)", file=sys.stderr)

@@ -243,6 +243,18 @@ def test_sweep_produces_both_tables_and_resumes(tmp_path):
     assert (tmp_path / "s" / "videos" / "fp16" / "000.mp4").stat().st_mtime_ns == mtime
 
 
+def test_sweep_tables_refuses_frames_the_vae_cannot_take(tmp_path):
+    """--frames 8 on the test model (a Wan pipeline) would be rounded to 9 by the pipeline with a
+    log line, the tables naming a run that did not happen: refused in one line before any video."""
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "scripts" / "sweep_tables.py"),
+           "--out", str(tmp_path / "s"), "--steps", "1", "--frames", "8"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == ("sweep_tables.py: error: frames 8: this WanPipeline takes "
+                                                    "4n + 1 frames (its VAE's 4× in time), e.g. 5 or 9")
+    assert not (tmp_path / "s" / "videos").exists()
+
+
 def test_sweep_tables_bold_only_differences_beyond_the_spread_and_say_the_policy():
     from fp4video.eval.sweep import bold_best, describe_rules
 
