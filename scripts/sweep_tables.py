@@ -41,11 +41,11 @@ def main(argv=None) -> int:
         if getattr(args, k):
             changes[k] = getattr(args, k)
     cfg = type(cfg).model_validate({**cfg.model_dump(), **changes})
-    from fp4video.cli.common import UsageError
+    from fp4video.integration.pipelines import FrameCountError
 
     try:
         result = run_sweep(cfg, args.out, vbench_python=args.vbench_python)
-    except UsageError as e:  # a frame count the pipeline cannot take: one line, as argparse says its own
+    except FrameCountError as e:  # a frame count the pipeline cannot take: one line, as argparse says its own
         ap.error(str(e))
     print((args.out / "tables.md").read_text())
     print(f"wrote {args.out / 'tables.md'}, tables.json, methods.png, similarity_over_frames.png "

@@ -65,6 +65,13 @@ def test_the_harness_does_not_import_eval_or_the_cli(path):
     assert not bad, f"{path.name} imports {bad}"
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "fp4video" / "eval").glob("*.py")), ids=lambda p: p.name)
+def test_eval_does_not_import_the_cli(path):
+    """eval runs pipelines for the CLI's eval and the sweep script: it sits below the CLI."""
+    bad = [m for m in _modules(path, "fp4video.eval") if m.startswith("fp4video.cli")]
+    assert not bad, f"{path.name} imports {bad}"
+
+
 @pytest.mark.parametrize("path", KERNELS, ids=lambda p: p.name)
 def test_kernels_import_only_torch_triton_and_numerics(path):
     for m in _modules(path, package="fp4video.kernels"):

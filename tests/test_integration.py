@@ -657,8 +657,7 @@ def test_generate_refuses_frames_the_pipelines_vae_cannot_take(tmp_path):
     """Wan's pipeline rounds --frames 8 to 9 with only a log line (and HunyuanVideo's, LTX's cut the
     clip short silently): the frame count is checked against the loaded pipeline's VAE time
     compression and refused in one line; a count it takes runs."""
-    from fp4video.cli.common import UsageError
-    from fp4video.cli.generate import frames_problem, pipeline_frame_step
+    from fp4video.integration.pipelines import FrameCountError, check_frames, frame_step
 
     out = tmp_path / "v.mp4"
     proc = _cli("generate", "--model", "tiny", "--frames", "8", "--steps", "1", "--output", str(out))
@@ -667,13 +666,13 @@ def test_generate_refuses_frames_the_pipelines_vae_cannot_take(tmp_path):
                                                     "4n + 1 frames (its VAE's 4× in time), e.g. 5 or 9")
     for step, ok, bad in ((4, (1, 5, 81), (2, 8, 80)), (8, (1, 9, 121), (5, 120))):
         for f in ok:
-            frames_problem(f, step, "it")
+            check_frames(f, step, "it")
         for f in bad:
-            with pytest.raises(UsageError, match=rf"frames {f}: it takes {step}n \+ 1 frames"):
-                frames_problem(f, step, "it")
-    frames_problem(8, None, "a pipeline that keeps no compression")  # nothing to check against
-    assert pipeline_frame_step(type("P", (), {"vae_temporal_compression_ratio": 8})()) == 8
-    assert pipeline_frame_step(object()) is None
+            with pytest.raises(FrameCountError, match=rf"frames {f}: it takes {step}n \+ 1 frames"):
+                check_frames(f, step, "it")
+    check_frames(8, None, "a pipeline that keeps no compression")  # nothing to check against
+    assert frame_step(type("P", (), {"vae_temporal_compression_ratio": 8})()) == 8
+    assert frame_step(object()) is None
 
 
 def test_generate_says_a_policy_warning_from_within_the_run_in_one_line(tmp_path):

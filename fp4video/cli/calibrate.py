@@ -380,10 +380,10 @@ def _pipeline(args, device):
     if args.sensitive and cfg.model != "tiny":
         raise UsageError("--sensitive builds sensitivity into the tiny model's random weights: it needs --model tiny")
     pipe = load_pipeline(cfg, device)
-    from .generate import frames_problem, pipeline_frame_step
+    from ..integration.pipelines import check_pipeline_frames
 
     # a count the VAE cannot take is rounded or cut by the pipeline, and the report would name the wrong one
-    frames_problem(cfg.frames, pipeline_frame_step(pipe), f"this {type(pipe).__name__}")
+    check_pipeline_frames(pipe, cfg.frames)
     if args.sensitive:
         steps = cfg.steps
         pipe.scheduler.set_timesteps(steps, device=device)

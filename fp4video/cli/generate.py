@@ -128,31 +128,16 @@ def check_run_config(cfg) -> None:
         if getattr(cfg, name) > bound:
             raise UsageError(f"{name} {getattr(cfg, name)}: at most {bound}")
     if cfg.model == "test":  # known before loading
-        frames_problem(cfg.frames, 4, "the test model")
+        from ..integration.pipelines import FrameCountError, check_frames
+
+        try:
+            check_frames(cfg.frames, 4, "the test model")
+        except FrameCountError as e:
+            raise UsageError(str(e)) from None
     pixels = cfg.height * cfg.width * cfg.frames
     if pixels > MAX_VIDEO_PIXELS:
         raise UsageError(f"height × width × frames = {cfg.height} × {cfg.width} × {cfg.frames} = {pixels:.3g} "
                          f"pixels: at most 2**33 = {MAX_VIDEO_PIXELS:.3g} (e.g. 3840 × 2160 × 1035)")
-
-
-def frames_problem(frames: int, step, what: str) -> None:
-    """A :class:`UsageError` when ``frames`` is not ``step·n + 1``, the frame counts a VAE that
-    compresses time ``step``× takes (pipelines round other counts with only a log line)."""
-    if isinstance(step, int) and step > 1 and (frames - 1) % step:
-        below = frames - (frames - 1) % step
-        raise UsageError(f"frames {frames}: {what} takes {step}n + 1 frames (its VAE's {step}× in time), "
-                         f"e.g. {below} or {below + step}")
-
-
-def pipeline_frame_step(pipe):
-    """The pipeline's VAE time compression, under the name its family keeps it (Wan, HunyuanVideo,
-    Sana-Video, Kandinsky 5: ``vae_scale_factor_temporal``; LTX-Video, LTX-2:
-    ``vae_temporal_compression_ratio``); None when it keeps none."""
-    for name in ("vae_scale_factor_temporal", "vae_temporal_compression_ratio"):
-        step = getattr(pipe, name, None)
-        if isinstance(step, int):
-            return step
-    return None
 
 
 def output_names(output: Path, prompts: int) -> list[Path]:
@@ -211,7 +196,7 @@ def _run(args) -> int:
     import torch
 
     from ..integration import install
-    from ..integration.pipelines import load_pipeline, pipeline_kwargs
+    from ..integration.pipelines import check_pipeline_frames, load_pipeline, pipeline_kwargs
     from ..integration.runner import generate_video
 
     notes: list[str] = []
@@ -255,7 +240,7 @@ def _run(args) -> int:
         pipe = load_pipeline(cfg, device)
     except NotImplementedError as e:
         raise UsageError(str(e)) from None
-    frames_problem(cfg.frames, pipeline_frame_step(pipe), f"this {type(pipe).__name__}")
+    check_pipeline_frames(pipe, cfg.frames)
     if size > 1:
         distributed.enable_context_parallel(pipe, ring_degree=cfg.parallel.ring_degree,
                                             ulysses_degree=cfg.parallel.ulysses_degree, device=device)

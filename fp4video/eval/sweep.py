@@ -35,12 +35,12 @@ def _jobs(cfg):
 def run_sweep(cfg, out: Path, *, device=None, backend: str = "auto", vbench_python: str | None = None) -> dict:
     """Generate every (method, prompt) video under ``out/videos``, evaluate, write ``tables.md``,
     ``tables.json`` and plots into ``out``. Returns the JSON result. A frame count the pipeline's
-    VAE cannot take is a :class:`~fp4video.cli.common.UsageError` before any video."""
+    VAE cannot take is a :class:`~fp4video.integration.pipelines.FrameCountError` before any video."""
     import torch
     from tqdm import tqdm
 
     from ..integration import install, uninstall
-    from ..integration.pipelines import load_pipeline, pipeline_kwargs
+    from ..integration.pipelines import check_pipeline_frames, load_pipeline, pipeline_kwargs
     from ..integration.runner import generate_video
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -49,10 +49,8 @@ def run_sweep(cfg, out: Path, *, device=None, backend: str = "auto", vbench_pyth
             if not _done(out / "videos" / tag / f"{i:03d}.mp4")]
     if todo:
         pipe = load_pipeline(cfg, device)
-        from ..cli.generate import frames_problem, pipeline_frame_step
-
         # a count the VAE cannot take is rounded or cut by the pipeline: the tables would name the wrong one
-        frames_problem(cfg.frames, pipeline_frame_step(pipe), f"this {type(pipe).__name__}")
+        check_pipeline_frames(pipe, cfg.frames)
         calls = [pipeline_kwargs(cfg, p, device) for p in cfg.prompts]  # same seed for every method
         current = None
         for tag, policy, i, prompt in tqdm(todo, desc="sweep", unit="video"):

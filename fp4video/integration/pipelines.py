@@ -9,7 +9,38 @@ import torch
 
 from .config import RunConfig
 
-__all__ = ["load_pipeline", "configure_pipeline", "pipeline_kwargs", "embedded_sizes"]
+__all__ = ["load_pipeline", "configure_pipeline", "pipeline_kwargs", "embedded_sizes", "FrameCountError",
+           "check_frames", "check_pipeline_frames", "frame_step"]
+
+
+class FrameCountError(ValueError):
+    """A frame count the pipeline's VAE cannot take (a pipeline would round or cut it silently)."""
+
+
+def check_frames(frames: int, step, what: str) -> None:
+    """A :class:`FrameCountError` when ``frames`` is not ``step·n + 1``, the frame counts a VAE that
+    compresses time ``step``× takes (pipelines round other counts with only a log line, or cut the
+    clip); nothing to check when ``step`` is None."""
+    if isinstance(step, int) and step > 1 and (frames - 1) % step:
+        below = frames - (frames - 1) % step
+        raise FrameCountError(f"frames {frames}: {what} takes {step}n + 1 frames (its VAE's {step}× in time), "
+                              f"e.g. {below} or {below + step}")
+
+
+def frame_step(pipe):
+    """The pipeline's VAE time compression, under the name its family keeps it (Wan, HunyuanVideo,
+    Sana-Video, Kandinsky 5: ``vae_scale_factor_temporal``; LTX-Video, LTX-2:
+    ``vae_temporal_compression_ratio``); None when it keeps none."""
+    for name in ("vae_scale_factor_temporal", "vae_temporal_compression_ratio"):
+        step = getattr(pipe, name, None)
+        if isinstance(step, int):
+            return step
+    return None
+
+
+def check_pipeline_frames(pipe, frames: int) -> None:
+    """:func:`check_frames` against the loaded pipeline's own compression."""
+    check_frames(frames, frame_step(pipe), f"this {type(pipe).__name__}")
 
 
 def embedded_sizes(model: str, family: str) -> dict:
