@@ -20,14 +20,14 @@ import tempfile
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .scenes import vocabulary
 
 __all__ = ["TestModelConfig", "FULL", "SMOKE", "TEST_MODEL_CALL", "SPECIAL_TOKENS", "build_tokenizer",
            "build_pipeline", "text_embeddings", "tokenize", "save_pipeline", "pack", "unpack", "is_pack",
            "PACK_FILE", "PACKED_MODELS", "PIPELINE_FILES", "parameter_counts", "check_pipeline_folder",
-           "read_pack", "saved_model", "no_progress_bars"]
+           "read_pack", "saved_model", "no_progress_bars", "test_model_folder", "recorded_config"]
 
 SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]
 
@@ -329,6 +329,83 @@ def saved_model(path) -> Path:
 def is_pack(path) -> bool:
     """Whether ``path`` is a folder :func:`pack` wrote."""
     return (Path(path) / PACK_FILE).is_file()
+
+
+#: The training log ``scripts/train_test_model.py`` writes beside its ``pipeline/`` (or its pack).
+TRAIN_LOG = "train_log.json"
+#: The test model's ``tokenizer.json`` holds its 52 words in about 3 KB; one larger than this is
+#: another model's (a real Wan's UMT5 tokenizer is 16 MB), told apart without reading it.
+_TOKENIZER_MAX_BYTES = 1 << 16
+
+
+def _caption_tokenizer(folder: Path) -> bool:
+    """Whether the pipeline folder's ``tokenizer/tokenizer.json`` is the test model's: word-level
+    over exactly the captions' words (:func:`build_tokenizer`'s vocabulary, ids included)."""
+    path = folder / "tokenizer" / "tokenizer.json"
+    try:
+        if path.stat().st_size > _TOKENIZER_MAX_BYTES:
+            return False
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    model = data.get("model") if isinstance(data, dict) else None
+    return isinstance(model, dict) and model.get("type") == "WordLevel" and \
+        model.get("vocab") == {w: i for i, w in enumerate(SPECIAL_TOKENS + vocabulary())}
+
+
+def test_model_folder(path) -> Path | None:
+    """The saved test model at ``path`` (what :func:`saved_model` loads) where ``path`` holds one,
+    else None; no weights are read and nothing is raised. A test model is known by its files:
+
+    - a pack (:data:`PACK_FILE`): the format is the test model's own;
+    - a training run's folder (:data:`TRAIN_LOG` beside ``pipeline/``): its ``pipeline/``;
+    - a pipeline folder whose tokenizer is the test model's, word-level over exactly the captions'
+      words (a real Wan pipeline has UMT5's tokenizer; the tiny random models' spell letters).
+
+    A pack or a run's folder is the test model even where a part is damaged or missing: loading it
+    names the part in one line. A pipeline folder without its tokenizer is not known as one."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    if is_pack(path):
+        return path
+    if (path / TRAIN_LOG).is_file() and (path / "pipeline").is_dir():
+        return path / "pipeline"
+    return path if _caption_tokenizer(path) else None
+
+
+test_model_folder.__test__ = False  # not a pytest test (its name starts with "test_")
+
+
+def recorded_config(path) -> TestModelConfig | None:
+    """The :class:`TestModelConfig` the training of the saved test model at ``path`` recorded: a
+    pack's (``extra.config`` of :data:`PACK_FILE`) or a training run's (``config`` of
+    :data:`TRAIN_LOG`, ``path`` being the run's folder or its ``pipeline/``); None where none is
+    recorded (a pipeline folder alone, as ``--unpack`` writes it). A record that is not valid JSON
+    or not a TestModelConfig is a one-line ``ValueError`` naming its file."""
+    path = Path(path)
+    if is_pack(path):
+        source, keys = path / PACK_FILE, ("extra", "config")
+    elif (path / TRAIN_LOG).is_file():
+        source, keys = path / TRAIN_LOG, ("config",)
+    elif path.name == "pipeline" and (path.parent / TRAIN_LOG).is_file():
+        source, keys = path.parent / TRAIN_LOG, ("config",)
+    else:
+        return None
+    try:
+        data = json.loads(source.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{source}: not valid JSON ({e})") from None
+    for key in keys:
+        data = data.get(key) if isinstance(data, dict) else None
+    if data is None:
+        return None
+    try:
+        return TestModelConfig.model_validate_json(json.dumps(data))
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join([*keys, *map(str, first["loc"])])
+        raise ValueError(f"{source}: {where}: {first['msg']} (not a test model's sizes)") from None
 
 
 def pack(folder, out_dir, extra: dict | None = None) -> list[Path]:
