@@ -535,3 +535,41 @@ def test_the_test_model_on_another_family_blames_the_flag(capsys, tmp_path):
     rc, err = _cli(capsys, "--model", "test", "--family", "hunyuan", "--out", tmp_path / "o")
     assert rc == 2 and len(err) == 1 and err[0].startswith("fp4video calibrate: error: --model test: "), err
     assert "needs family wan" in err[0] and "default run config" not in err[0] and "(top level)" not in err[0]
+
+
+@pytest.fixture(scope="module")
+def smoke_pack(tmp_path_factory) -> Path:
+    """A SMOKE test model packed as ``scripts/train_test_model.py --pack`` packs it (its sizes recorded)."""
+    from fp4video.testmodel.model import SMOKE, build_pipeline, pack, save_pipeline
+
+    root = tmp_path_factory.mktemp("smoke")
+    pack(save_pipeline(build_pipeline(SMOKE), root / "pipe"), root / "pack", extra={"config": SMOKE.model_dump()})
+    return root / "pack"
+
+
+def test_calibrate_takes_a_saved_test_model_at_its_own_sizes(smoke_pack, tmp_path, capsys):
+    """``--model DIR`` of a packed test model could not load it (a pack is no diffusers folder); it
+    now calibrates as the test model, at the sizes its training recorded, the path kept as given."""
+    from fp4video.testmodel.model import SMOKE
+
+    out = tmp_path / "o"
+    rc, err = _cli(capsys, "--model", smoke_pack, "--steps", "2", "--candidates", "fp8", "--propagation", "0",
+                   "--quiet", "--out", out)
+    assert rc == 0, err
+    name = _report(out)["model"]["name"]
+    assert name == f"{smoke_pack} wan ({SMOKE.height}×{SMOKE.width}, {SMOKE.frames} frames, 2 steps)", name
+    run = yaml.safe_load((out / "run.yaml").read_text())
+    assert run["model"] == str(smoke_pack) and run["height"] == SMOKE.height and run["frames"] == SMOKE.frames
+
+
+def test_a_saved_test_model_on_another_family_blames_the_flag(smoke_pack, tmp_path, capsys):
+    rc, err = _cli(capsys, "--model", smoke_pack, "--family", "hunyuan", "--out", tmp_path / "o")
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"fp4video calibrate: error: --model {smoke_pack}: "), err
+    assert "needs family wan" in err[0]
+
+
+def test_a_damaged_saved_test_model_is_one_line_for_calibrate(smoke_pack, tmp_path, capsys):
+    damaged = shutil.copytree(smoke_pack, tmp_path / "pack")
+    (damaged / "transformer.safetensors").unlink()
+    rc, err = _cli(capsys, "--model", damaged, "--out", tmp_path / "o")
+    assert rc == 2 and len(err) == 1 and "transformer.safetensors is missing" in err[0], err

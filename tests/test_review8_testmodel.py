@@ -378,3 +378,150 @@ def test_generate_says_an_unchecked_clip_in_its_summary(tmp_path):
     proc = _cli("generate", "--model", "test", "--frames", "1", "--steps", "1", "--output", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "motion check: not checked (a clip needs at least 3 frames to show motion, got 1)" in proc.stderr
+
+
+# --- a saved test model given as --model DIR -------------------------------------------------------
+
+#: The sizes a SMOKE run's training records (a pack's model.json, a run's train_log.json); the run's
+#: text length is set apart from the shipped one's so that reading it shows.
+RUN_TEXT_LENGTH = 24
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A SMOKE test model saved in each form ``scripts/train_test_model.py`` writes: a pipeline folder
+    (no sizes recorded), a pack and a training run's folder (sizes recorded as training records them),
+    and a tiny *real* Wan pipeline saved by ``save_pretrained``."""
+    from fp4video.integration.tiny import tiny_wan_pipeline
+
+    root = tmp_path_factory.mktemp("saved")
+    folder = save_pipeline(build_pipeline(SMOKE), root / "pipe")
+    pack(folder, root / "pack", extra={"config": SMOKE.model_dump()})
+    shutil.copytree(folder, root / "run" / "pipeline")
+    (root / "run" / "train_log.json").write_text(json.dumps(
+        {"config": {**SMOKE.model_dump(), "max_sequence_length": RUN_TEXT_LENGTH}}))
+    tiny_wan_pipeline(two_experts=False).save_pretrained(root / "real")
+    return {"folder": folder, "pack": root / "pack", "run": root / "run", "real": root / "real"}
+
+
+def test_test_model_path_names_saved_test_models_and_nothing_else(saved, tmp_path):
+    """"test" is the shipped weights; a pipeline folder, a pack and a training run's folder holding a
+    test model are that model; a real Wan pipeline folder (whose tokenizer is word-level too), the
+    tiny model, a hub id and a missing folder are not."""
+    from fp4video.integration.pipelines import is_test_model, test_model_path
+    from fp4video.testmodel import WEIGHTS
+
+    assert test_model_path("test") == WEIGHTS
+    assert test_model_path(str(saved["folder"])) == saved["folder"]
+    assert test_model_path(str(saved["pack"])) == saved["pack"]
+    assert test_model_path(str(saved["run"])) == saved["run"] / "pipeline"
+    assert test_model_path(str(saved["run"] / "pipeline")) == saved["run"] / "pipeline"
+    for other in (str(saved["real"]), "tiny", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", str(tmp_path / "none"),
+                  str(tmp_path)):
+        assert test_model_path(other) is None and not is_test_model(other), other
+    assert is_test_model("test") and is_test_model(str(saved["pack"]))
+
+
+def test_a_saved_test_model_runs_at_the_sizes_its_training_recorded(saved):
+    """A pack and a run's folder record their model's sizes and text length: the run takes those; a
+    pipeline folder records none and runs at the shipped model's; a real model keeps the config's."""
+    from fp4video.integration.config import TEST_MODEL_SIZES, RunConfig
+    from fp4video.integration.pipelines import embedded_sizes, pipeline_kwargs
+    from fp4video.testmodel import TEST_MODEL_CALL
+
+    own = {"height": SMOKE.height, "width": SMOKE.width, "frames": SMOKE.frames,
+           "steps": TEST_MODEL_CALL["num_inference_steps"]}
+    for model in (saved["pack"], saved["run"], saved["run"] / "pipeline"):
+        assert embedded_sizes(str(model), "wan") == own, model
+    assert embedded_sizes(str(saved["folder"]), "wan") == TEST_MODEL_SIZES
+    assert embedded_sizes(str(saved["real"]), "wan") == {}
+
+    def text_length(model):
+        cfg = RunConfig(model=str(model), **{k: v for k, v in own.items()})
+        return pipeline_kwargs(cfg, CANONICAL, torch.device("cpu")).get("max_sequence_length")
+
+    assert text_length(saved["pack"]) == SMOKE.max_sequence_length
+    assert text_length(saved["run"]) == RUN_TEXT_LENGTH
+    assert text_length(saved["folder"]) == TEST_MODEL_CALL["max_sequence_length"]
+    assert text_length(saved["real"]) is None
+
+
+def test_a_saved_test_model_is_wan_text_to_video(saved):
+    from pydantic import ValidationError
+
+    from fp4video.integration.config import RunConfig
+
+    with pytest.raises(ValidationError, match="needs family wan and task t2v"):
+        RunConfig(model=str(saved["pack"]), family="hunyuan")
+    RunConfig(model=str(saved["real"]), family="hunyuan")  # a real folder: its family is the config's to say
+
+
+def test_generate_runs_a_saved_test_model_folder_as_the_test_model(saved, tmp_path):
+    """``--model DIR`` of a saved test model took the path of a generic real model: the typed
+    caption reached the model as typed, the sidecar had no motion check, the short run's policy
+    note came as a warning. Now it is the test model, recorded as the path the user gave."""
+    out = tmp_path / "v.mp4"
+    typed = "A Red  Circle moves right over the coffee photo."
+    proc = _cli("generate", "--model", str(saved["folder"]), "--prompt", typed, "--steps", "2",
+                "--height", "32", "--width", "32", "--frames", "5", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    side = json.loads(out.with_suffix(".json").read_text())
+    assert side["prompt"] == CANONICAL and side["typed_prompt"] == typed
+    assert side["motion_check"]["checked"] and "passed" in side["motion_check"]
+    assert side["config"]["model"] == str(saved["folder"])
+    assert f"note: {typed!r} runs as the test model's caption {CANONICAL!r}" in proc.stderr
+    assert "covers every one of the 2 denoising steps" in proc.stderr and "UserWarning" not in proc.stderr
+
+
+@pytest.mark.parametrize("form", ["pack", "run"])
+def test_generate_runs_a_pack_or_a_run_at_its_own_sizes(saved, tmp_path, form):
+    """A pack was not loadable at all, a training run's folder neither; both now run as the test
+    model at the sizes their training recorded, under the default policy, checked."""
+    out = tmp_path / "v.mp4"
+    proc = _cli("generate", "--model", str(saved[form]), "--prompt", CANONICAL, "--output", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    side = json.loads(out.with_suffix(".json").read_text())
+    cfg = side["config"]
+    assert cfg["model"] == str(saved[form])
+    assert (cfg["height"], cfg["width"], cfg["frames"]) == (SMOKE.height, SMOKE.width, SMOKE.frames)
+    assert side["frames"] == SMOKE.frames and side["motion_check"]["checked"]
+    assert len(side["attention_calls"]) == cfg["steps"] * 2 * SMOKE.layers * 2  # steps × branches × blocks × kinds
+
+
+def test_a_real_wan_folder_is_not_taken_for_the_test_model(saved, tmp_path):
+    """A real Wan pipeline folder (its tokenizer word-level as the test model's, over other words)
+    keeps the path of a real model: the prompt as typed, no motion check, the config's sizes."""
+    out = tmp_path / "v.mp4"
+    typed = "A Red circle moves right over the coffee photo."
+    proc = _cli("generate", "--model", str(saved["real"]), "--prompt", typed, "--steps", "2", "--height", "32",
+                "--width", "48", "--frames", "5", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    side = json.loads(out.with_suffix(".json").read_text())
+    assert side["prompt"] == typed and "typed_prompt" not in side and side["motion_check"] is None
+    assert "caption" not in proc.stderr
+
+
+def _damaged(saved, tmp_path, damage):
+    if damage == "pack without its VAE":
+        dest = shutil.copytree(saved["pack"], tmp_path / "pack")
+        (dest / "vae.safetensors").unlink()
+        return dest, "vae.safetensors is missing"
+    dest = shutil.copytree(saved["folder"], tmp_path / "pipe")
+    if damage == "folder without the VAE's config":
+        (dest / "vae" / "config.json").unlink()
+        return dest, "vae/config.json is missing"
+    weights = next((dest / "transformer").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    return dest, "not a readable safetensors file"
+
+
+@pytest.mark.parametrize("damage", ["pack without its VAE", "folder without the VAE's config",
+                                    "folder with truncated weights"])
+def test_a_damaged_saved_test_model_is_one_line(saved, tmp_path, damage):
+    """A folder that is a test model but damaged: check_pipeline_folder's (or the pack's) own line,
+    as the CLI's usual error with its usual exit status, not diffusers' traceback."""
+    model, reason = _damaged(saved, tmp_path, damage)
+    proc = _cli("generate", "--model", str(model), "--output", str(tmp_path / "v.mp4"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("fp4video generate: error: ") and reason in lines[0], lines

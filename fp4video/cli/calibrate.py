@@ -57,7 +57,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                           "takes --budget, --min-cosine, --min-kept, --match, --candidates")
     src.add_argument("--config", type=Path, help="run config YAML: model, family, sizes, steps, prompts")
     src.add_argument("--model", help='"test" (the trained test model), "tiny" (random weights), a local pipeline '
-                     'folder or a hub id (overrides the config)')
+                     'folder (a saved test model\'s folder, pack or training run runs as "test" does) or a hub id '
+                     '(overrides the config)')
     src.add_argument("--family", help="the pipeline's family (wan, hunyuan, ltx, ...; overrides the config)")
     src.add_argument("--prompt", action="append", help="a calibration prompt (repeat; default: the config's)")
     src.add_argument("--holdout", action="append", default=[], help="a hold-out prompt the plan is checked on (repeat)")

@@ -42,7 +42,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, help="run config YAML (default: the trained test model under MXAttention's hybrid policy)")
     p.add_argument("--model", help='"test" (the trained test model), "tiny" (random weights), a local pipeline folder '
-                                   'or a hub id (overrides the config)')
+                                   '(a saved test model\'s folder, pack or training run runs as "test" does) or a hub '
+                                   'id (overrides the config)')
     p.add_argument("--prompt", action="append", help="prompt (repeat for several; overrides the config)")
     p.add_argument("--output", type=Path, default=Path("fp4video.mp4"),
                    help="output mp4, a .json sidecar beside it; a config or --prompt list with several prompts "
@@ -127,9 +128,9 @@ def check_run_config(cfg) -> None:
     for name, bound in (("height", MAX_SIDE), ("width", MAX_SIDE), ("frames", MAX_FRAMES), ("steps", MAX_STEPS)):
         if getattr(cfg, name) > bound:
             raise UsageError(f"{name} {getattr(cfg, name)}: at most {bound}")
-    if cfg.model == "test":  # known before loading
-        from ..integration.pipelines import FrameCountError, check_frames
+    from ..integration.pipelines import FrameCountError, check_frames, is_test_model
 
+    if is_test_model(cfg.model):  # known before loading
         try:
             check_frames(cfg.frames, 4, "the test model")
         except FrameCountError as e:
@@ -196,17 +197,18 @@ def _run(args) -> int:
     import torch
 
     from ..integration import install
-    from ..integration.pipelines import check_pipeline_frames, load_pipeline, pipeline_kwargs
+    from ..integration.pipelines import check_pipeline_frames, is_test_model, load_pipeline, pipeline_kwargs
     from ..integration.runner import generate_video
 
     notes: list[str] = []
     cfg = resolve_config(args, notes)
     typed = list(cfg.prompts)
-    if cfg.model == "test":
+    test_model = is_test_model(cfg.model)  # "test", or a folder holding a saved test model
+    if test_model:
         cfg = test_model_prompts(cfg, notes)
     # the test model's default policy (FP16 for the last two steps) covers every step of a short run
     # (--steps 2): said once here, in place of a warning from within the run that points into torch
-    step_notes = cfg.policy.step_warnings(cfg.steps) if cfg.model == "test" else []
+    step_notes = cfg.policy.step_warnings(cfg.steps) if test_model else []
     notes += [f"note: the policy's {m}" for m in step_notes]
     for note in notes:
         print(f"fp4video generate: {note}", file=sys.stderr)

@@ -15,10 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 
 from .linear import LinearPolicy
 from .policy import Number, Policy, format_validation_error
-from ..testmodel.model import TEST_MODEL_CALL
+from ..testmodel import WEIGHTS
+from ..testmodel.model import TEST_MODEL_CALL, recorded_config, test_model_folder
 
 __all__ = ["RunConfig", "ParallelSettings", "load_config", "read_yaml_mapping", "ConfigError", "DEFAULT_CONFIG",
-           "TEST_MODEL_SIZES"]
+           "TEST_MODEL_SIZES", "test_model_path", "is_test_model", "test_model_call"]
 
 
 class ConfigError(ValueError):
@@ -38,7 +39,7 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
     model: StrictStr = Field("tiny", description='"test" (the project\'s trained test model), "tiny" (an embedded '
-                             'random model), a local folder or a hub id')
+                             'random model), a local folder (a saved test model runs as "test" does) or a hub id')
     family: Literal["wan", "hunyuan", "hunyuan15", "ltx", "ltx2", "skyreels", "vace", "animate", "sana", "kandinsky5"] = Field(
         "wan", description="the pipeline's family: the tiny model `--model tiny` embeds, and the call's arguments")
     task: Literal["t2v", "i2v"] = "t2v"
@@ -70,8 +71,9 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _test_model_is_wan_t2v(self):
-        if self.model == "test" and (self.family != "wan" or self.task != "t2v"):
-            raise ValueError(f"model: test is the project's trained Wan text-to-video model: it needs family wan and "
+        if (self.family != "wan" or self.task != "t2v") and is_test_model(self.model):
+            what = "the project's trained" if self.model == "test" else "a saved test model, the project's"
+            raise ValueError(f"model: {self.model} is {what} Wan text-to-video model: it needs family wan and "
                              f"task t2v, got family {self.family!r}, task {self.task!r}")
         return self
 
@@ -89,11 +91,48 @@ class RunConfig(BaseModel):
         return self
 
 
-#: The test model's own sizes (its TEST_MODEL_CALL's). Like the tiny models', they replace a config's
-#: sizes where the model is the test model (``pipelines.embedded_sizes``), not in the config itself:
-#: a config's sizes are for the real model it may also run.
+#: The shipped test model's own sizes (its TEST_MODEL_CALL's). Like the tiny models', a test model's
+#: sizes replace a config's where the model is a test model (``pipelines.embedded_sizes``), not in the
+#: config itself: a config's sizes are for the real model it may also run.
 TEST_MODEL_SIZES = {"height": TEST_MODEL_CALL["height"], "width": TEST_MODEL_CALL["width"],
                     "frames": TEST_MODEL_CALL["num_frames"], "steps": TEST_MODEL_CALL["num_inference_steps"]}
+
+
+def test_model_path(model: str) -> Path | None:
+    """Where the test model that ``model`` names is saved, or None where ``model`` names another
+    model: the one place that says whether a run is the test model's. ``"test"``: the shipped
+    weights (:data:`fp4video.testmodel.WEIGHTS`); a local folder holding a saved test model (a
+    pipeline folder, a pack, a training run's folder; :func:`fp4video.testmodel.model.test_model_folder`
+    knows it by its files, reading no weights): that model; ``"tiny"``, a real pipeline's folder, a
+    hub id: None."""
+    if model == "test":
+        return WEIGHTS
+    if model == "tiny" or not model.strip():
+        return None
+    return test_model_folder(Path(model).expanduser())
+
+
+def is_test_model(model: str) -> bool:
+    """Whether ``model`` names the test model, shipped or saved (:func:`test_model_path`)."""
+    return test_model_path(model) is not None
+
+
+def test_model_call(model: str) -> dict | None:
+    """The generation arguments of the test model ``model`` names (:data:`TEST_MODEL_CALL`), a
+    saved model's own sizes and text length in them where its training recorded them
+    (:func:`fp4video.testmodel.model.recorded_config`: a pack's, a training run's); None where
+    ``model`` is another model. A record that cannot be read is a one-line ``ValueError``."""
+    path = test_model_path(model)
+    if path is None:
+        return None
+    own = recorded_config(path)
+    if own is None:
+        return dict(TEST_MODEL_CALL)
+    return {**TEST_MODEL_CALL, "height": own.height, "width": own.width, "num_frames": own.frames,
+            "max_sequence_length": own.max_sequence_length}
+
+
+test_model_path.__test__ = test_model_call.__test__ = False  # not pytest tests (their names start with "test_")
 
 #: The embedded default: MXAttention's Wan2.2 main-table policy (block 0 and the last two steps in
 #: FP16) on the project's trained test model (at its own sizes, applied where the config is

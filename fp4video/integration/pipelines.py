@@ -1,5 +1,6 @@
-"""Loading pipelines for ``fp4video generate``: the project's trained test model, the embedded tiny
-models, or real ones from a local folder or the hub (with a clear error when the weights are not there)."""
+"""Loading pipelines for ``fp4video generate``: the project's trained test model (shipped, or saved
+by its training in a folder), the embedded tiny models, or real ones from a local folder or the hub
+(with a clear error when the weights are not there)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from .config import RunConfig
+from .config import RunConfig, is_test_model, test_model_call, test_model_path
 
 __all__ = ["load_pipeline", "configure_pipeline", "pipeline_kwargs", "embedded_sizes", "FrameCountError",
-           "check_frames", "check_pipeline_frames", "frame_step"]
+           "check_frames", "check_pipeline_frames", "frame_step", "test_model_path", "is_test_model", "test_model_call"]
 
 
 class FrameCountError(ValueError):
@@ -45,23 +46,29 @@ def check_pipeline_frames(pipe, frames: int) -> None:
 
 def embedded_sizes(model: str, family: str) -> dict:
     """The sizes an embedded model runs at in place of a YAML's (which are the real model's): the
-    tiny models' and the test model's; nothing for a real model."""
+    tiny models' and the test model's (a saved one's own where its training recorded them,
+    :func:`test_model_call`); nothing for a real model."""
     if model == "tiny":
         from .tiny import tiny_sizes
 
         return tiny_sizes(family)
-    if model == "test":
-        from .config import TEST_MODEL_SIZES
-
-        return dict(TEST_MODEL_SIZES)
+    call = test_model_call(model)
+    if call is not None:
+        return {"height": call["height"], "width": call["width"], "frames": call["num_frames"],
+                "steps": call["num_inference_steps"]}
     return {}
 
 
 def load_pipeline(cfg: RunConfig, device: torch.device):
-    if cfg.model == "test":
+    """The pipeline ``cfg.model`` names on ``device``. A test model, shipped or saved (a pipeline
+    folder, a pack, a training run's folder), loads through :func:`fp4video.testmodel.test_model_pipeline`,
+    which checks its parts first: a missing or damaged one is a one-line error naming it."""
+    path = test_model_path(cfg.model)
+    if path is not None:
         from ..testmodel import test_model_pipeline
 
-        return test_model_pipeline(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        return test_model_pipeline(device, torch.bfloat16 if device.type == "cuda" else torch.float32,
+                                   path=None if cfg.model == "test" else path)
     if cfg.model == "tiny":
         from .tiny import tiny_pipeline
 
@@ -125,10 +132,9 @@ def pipeline_kwargs(cfg: RunConfig, prompt: str, device: torch.device) -> dict:
         from .tiny import TINY_CALLS
 
         kw.update(TINY_CALLS.get(cfg.family, {}))
-    if cfg.model == "test":  # the text length it was trained at
-        from ..testmodel import TEST_MODEL_CALL
-
-        kw["max_sequence_length"] = TEST_MODEL_CALL["max_sequence_length"]
+    test_call = test_model_call(cfg.model)
+    if test_call is not None:  # the text length it was trained at
+        kw["max_sequence_length"] = test_call["max_sequence_length"]
     if cfg.task == "i2v" and cfg.family != "animate":
         if cfg.model == "tiny":
             from .tiny import tiny_image

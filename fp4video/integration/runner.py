@@ -8,17 +8,18 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from .config import RunConfig
+from .config import RunConfig, is_test_model
 from .processor import AttentionContext, sparse_summary
 
 __all__ = ["generate_video"]
 
 
 def motion_check(cfg: RunConfig, prompt: str, frames) -> dict | None:
-    """The test model's clip checked against its caption (:func:`fp4video.testmodel.check_clip`:
-    the named colour's region, its shape and its motion, from the frames alone); None for other
-    models. A prompt that is not a caption of the test model's scenes is said so, unchecked."""
-    if cfg.model != "test":
+    """The test model's clip (shipped or saved: :func:`~fp4video.integration.config.is_test_model`)
+    checked against its caption (:func:`fp4video.testmodel.check_clip`: the named colour's region,
+    its shape and its motion, from the frames alone); None for other models. A prompt that is not a
+    caption of the test model's scenes is said so, unchecked."""
+    if not is_test_model(cfg.model):
         return None
     from ..testmodel import check_clip, parse_caption
 
