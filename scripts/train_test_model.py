@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--evaluate", metavar="MODEL",
                    help="only check MODEL (a pipeline folder or pack, or 'shipped') on --eval-clips held-out "
                         "captions (default 24), as a run's evaluation does; writes evaluation.json to --out")
+    p.add_argument("--eval-combinations", choices=["held-out", "training"], default="held-out",
+                   help="with --evaluate: check the held-out combinations of colour, shape, motion and "
+                        "background (default), or as many combinations training draws, camera still")
     p.add_argument("--smoke", action="store_true", help="the tiny model and a few steps (a CPU check)")
     p.add_argument("--compile", action="store_true", help="torch.compile the transformer")
     p.add_argument("--device", help="default: cuda when available, else cpu")
@@ -144,14 +147,15 @@ def _evaluate_only(parser, args) -> int:
     config = config_of(pipe, SMOKE if args.smoke else FULL)
     call = call_for(config, SMOKE_SETTINGS["eval_steps"] if args.smoke else None)  # as a run evaluates
     t = time.perf_counter()
-    result = evaluate(pipe, config, clips=clips, call=call, seed=Settings().eval_seed, device=device)
+    result = evaluate(pipe, config, clips=clips, call=call, seed=Settings().eval_seed, device=device,
+                      combinations=args.eval_combinations)
     result.pop("_frames")
     result.pop("_specs")
     result.update(model=args.evaluate, device=str(device), seconds=round(time.perf_counter() - t, 1), git=_git())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "evaluation.json").write_text(json.dumps(result, indent=1, default=str))
     g, gt, rc = result["generated"], result["ground_truth"], result["vae_reconstruction"]
-    print(f"held-out motion check: generated {g['rate']:.0%} of {g['clips']} (colour {g['colour']:.0%}, "
+    print(f"{args.eval_combinations} motion check: generated {g['rate']:.0%} of {g['clips']} (colour {g['colour']:.0%}, "
           f"shape {g['shape']:.0%}, motion {g['motion']:.0%}); ground truth {gt['rate']:.0%}, VAE "
           f"reconstructions {rc['rate']:.0%}")
     return 0
@@ -164,6 +168,9 @@ def main(argv=None) -> int:
 
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out}: a file, not a folder")
+    if args.eval_combinations != "held-out" and args.evaluate is None:
+        parser.error(f"--eval-combinations {args.eval_combinations}: only with --evaluate (a run checks the held-out "
+                     "combinations)")
     if args.unpack is not None:
         if not is_pack(args.unpack):
             parser.error(f"--unpack {args.unpack}: not a packed test model (no model.json)")

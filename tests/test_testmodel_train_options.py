@@ -421,3 +421,50 @@ def test_a_diverged_vae_names_the_vaes_learning_rate(tmp_path):
         next(pipe.transformer.parameters()).view(-1)[0] = float("nan")
     with pytest.raises(FloatingPointError, match=r"in the transformer and vae at .*try a lower --lr or --vae-lr\)$"):
         tm._save(run, pipe, packed=False)
+
+
+# --- which combinations an evaluation checks ---------------------------------------------------------
+
+def test_eval_scenes_training_combinations_are_drawn_as_training_draws_them_with_the_camera_still():
+    """``eval_scenes(..., "training")``: combinations outside HELD_OUT, camera still, the same for a
+    seed; ``"held-out"``: the held-out scenes a run's evaluation checks; anything else refused."""
+    held = {s.combination for s in scenes.HELD_OUT}
+    train = tm.eval_scenes(40, 1234, "training")
+    assert len(train) == 40 and all(s.camera == "still" for s in train.specs)
+    assert not {s.combination for s in train.specs} & held
+    assert len({s.combination for s in train.specs}) > 30  # drawn, not one combination repeated
+    assert train.captions() == tm.eval_scenes(40, 1234, "training").captions()
+    assert tm.eval_scenes(40, 1234, "training").params["colour"].equal(train.params["colour"])
+    ref = scenes.held_out_scenes(seed=1234, repeats=2).subset(torch.arange(30))
+    assert tm.eval_scenes(30, 1234).captions() == ref.captions()
+    with pytest.raises(ValueError, match="combinations: 'train', not one of held-out, training"):
+        tm.eval_scenes(2, 0, "train")
+
+
+def test_eval_combinations_without_evaluate_is_refused_in_one_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    for extra in ([], ["--unpack", str(tmp_path)]):
+        with pytest.raises(SystemExit) as e:
+            _script().main(["--smoke", "--eval-combinations", "training", "--out", str(out)] + extra)
+        assert e.value.code == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last == ("train_test_model.py: error: --eval-combinations training: only with --evaluate "
+                        "(a run checks the held-out combinations)"), last
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_evaluate_on_training_combinations_checks_those_and_says_so(tmp_path):
+    run = tmp_path / "run"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert _script().main(["--smoke", "--out", str(run), "--max-vae-steps", "1", "--eval-clips", "2"]) == 0
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(io.StringIO()):
+        assert _script().main(["--smoke", "--evaluate", str(run / "pipeline"), "--eval-clips", "3",
+                               "--eval-combinations", "training", "--out", str(tmp_path / "ev")]) == 0
+    ev = json.loads((tmp_path / "ev" / "evaluation.json").read_text())
+    assert ev["combinations"] == "training" and ev["generated"]["clips"] == 3
+    assert ev["captions"] == tm.eval_scenes(3, Settings().eval_seed, "training").captions()
+    held = {s.caption for s in scenes.HELD_OUT}
+    assert not set(ev["captions"]) & held
+    assert said.getvalue().startswith("training motion check: generated")
