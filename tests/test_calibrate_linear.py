@@ -423,3 +423,24 @@ def test_a_torchao_gemm_that_fails_refuses_the_method_at_that_site_and_the_calib
                        progress=False, linear=["mxfp8"], linear_rows=16)
     sites = result.report["linear_sites"]
     assert sites and all("CUBLAS_STATUS_NOT_SUPPORTED" in s["refused"]["mxfp8"] and s["chosen"] == "bf16" for s in sites)
+
+
+def test_methods_estimated_from_the_table_share_one_bf16_time_per_shape(monkeypatch):
+    """The table's estimate of a method's saving is this device's bf16 time × (1 − its ratio). Each
+    method took its own timing of the same bf16 GEMM, so on a busy CPU a slower second timing made
+    the method the table ranks lower (tensorwise, 7.5 of 10) look the larger saving. A timer that
+    answers slower on each call must leave the choice to the table: rowwise at every quantized site."""
+    calls = []
+
+    def slower_each_call(weight, bias, tokens, reps=3):
+        calls.append((tuple(weight.shape), tokens))
+        return float(len(calls))
+
+    monkeypatch.setattr(CL, "LINEAR_TABLE", SAVING_TABLE)
+    monkeypatch.setattr(CL, "_bf16_ms_here", slower_each_call)
+    result = calibrate(bf16_pipeline(), ["a cat on the grass"], budget=0.2, candidates=["fp16", "fp8"], call=WAN_CALL,
+                       propagation=0, progress=False, model_name="tiny Wan2.2 bf16", linear=METHODS, linear_rows=64)
+    assert len(calls) == len(set(calls))  # one timing per shape
+    sensitive = {(e, 1, "ffn") for e in ("high_noise", "low_noise")}
+    assert {k: m for k, m in result.linear.plan.items() if k not in sensitive} == \
+        {k: "fp8-rowwise" for k in result.linear.plan if k not in sensitive}
