@@ -39,7 +39,8 @@ from .model import (FULL, SMOKE, TestModelConfig, build_pipeline, pack, paramete
                     text_embeddings, tokenize)
 from .scenes import COLOURS, SHAPES, SceneSpec, held_out_scenes, render, sample_scenes, sampling_probabilities
 
-__all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "clip_frames", "generate", "evaluate", "call_for",
+__all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "clip_frames", "generate", "evaluate", "eval_scenes",
+           "EVAL_COMBINATIONS", "call_for",
            "flow_sample", "latent_cover", "flow_loss"]
 
 _PHASES = {"vae": 1, "stats": 2, "pool": 3, "noise": 4}
