@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="of which the VAE trains (default 2 for a fresh run, 0 with --resume)")
     p.add_argument("--reserve-seconds", type=float, help="kept for the last save and the evaluation (default 60)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", choices=["full", "fine"],
+                   help="a fresh run's model: full (the shipped sizes, the default) or fine (a VAE of 4x spatial "
+                   "compression and a (1, 2, 2) patch: the same 2,048 tokens over a latent twice as fine)")
     p.add_argument("--batch", type=int, help="transformer batch (default 128)")
     p.add_argument("--vae-batch", type=int, help="VAE batch (default 12)")
     p.add_argument("--vae-frames", type=int, help="frames of the VAE's training clips, 4n + 1 (default 29, the clip's)")
@@ -223,12 +226,14 @@ def main(argv=None) -> int:
     from fp4video.testmodel.train import SMOKE_SETTINGS, Settings, train
 
     given = {k: v for k, v in dict(
-        seed=args.seed, minutes=args.minutes, vae_minutes=args.vae_minutes, reserve_seconds=args.reserve_seconds,
+        seed=args.seed, size=args.size, minutes=args.minutes, vae_minutes=args.vae_minutes, reserve_seconds=args.reserve_seconds,
         batch=args.batch, vae_batch=args.vae_batch, vae_frames=args.vae_frames, lr=args.lr, vae_lr=args.vae_lr, pool_size=args.pool_size,
         max_steps=args.max_steps, max_vae_steps=args.max_vae_steps, eval_clips=args.eval_clips,
         checkpoint_seconds=args.checkpoint_seconds, compile=args.compile, shape_weights=args.shape_weights,
         vae_colour_weights=args.vae_colour_weights, vae_first_frame_weight=args.vae_first_frame_weight,
         shape_loss_weight=args.shape_loss_weight, ema_decay=args.ema_decay).items() if v is not None}
+    if args.resume is not None and args.size is not None:
+        parser.error("--size chooses a fresh run's model: a resumed run keeps its model's sizes")
     if args.resume is not None and args.vae_minutes is None:
         given["vae_minutes"] = 0.0
     base = dict(SMOKE_SETTINGS) if args.smoke else {}

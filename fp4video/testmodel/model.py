@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .scenes import vocabulary
 
-__all__ = ["TestModelConfig", "FULL", "SMOKE", "TEST_MODEL_CALL", "SPECIAL_TOKENS", "build_tokenizer",
+__all__ = ["TestModelConfig", "FULL", "FINE", "SMOKE", "TEST_MODEL_CALL", "SPECIAL_TOKENS", "build_tokenizer",
            "build_pipeline", "text_embeddings", "tokenize", "save_pipeline", "pack", "unpack", "is_pack",
            "PACK_FILE", "PACKED_MODELS", "PIPELINE_FILES", "parameter_counts", "check_pipeline_folder",
            "read_pack", "saved_model", "no_progress_bars", "test_model_folder", "recorded_config"]
@@ -51,10 +51,11 @@ class TestModelConfig(BaseModel):
     height: int = Field(gt=0, multiple_of=8)
     width: int = Field(gt=0, multiple_of=8)
     frames: int = Field(gt=0, description="4n + 1 (the VAE's causal 4× in time)")
-    # VAE (AutoencoderKLWan): 8× in space, 4× in time
+    # VAE (AutoencoderKLWan): 2^(levels - 1)× in space (8× with four levels, Wan's; 4× with three),
+    # 4× in time (the last two downsamplings halve time as well)
     z_dim: int = Field(gt=0)
     vae_base_dim: int = Field(gt=0)
-    vae_dim_mult: tuple[int, int, int, int]
+    vae_dim_mult: tuple[int, int, int, int] | tuple[int, int, int]
     vae_res_blocks: int = Field(gt=0)
     # transformer (WanTransformer3DModel)
     patch_size: tuple[int, int, int]
@@ -74,15 +75,31 @@ class TestModelConfig(BaseModel):
     def model_post_init(self, _context) -> None:
         if (self.frames - 1) % 4:
             raise ValueError(f"frames must be 4n + 1 (the Wan VAE's time compression), got {self.frames}")
+        f = self.spatial_compression
+        if self.height % f or self.width % f:
+            raise ValueError(f"height and width must be multiples of the VAE's {f}× spatial compression, "
+                             f"got {self.height}×{self.width}")
         lf, lh, lw = self.latent_shape
         pt, ph, pw = self.patch_size
         if lf % pt or lh % ph or lw % pw:
             raise ValueError(f"the latent grid {lf}×{lh}×{lw} does not divide into patches {self.patch_size}")
 
     @property
+    def spatial_compression(self) -> int:
+        """The VAE's spatial factor: each level after the first halves height and width."""
+        return 2 ** (len(self.vae_dim_mult) - 1)
+
+    @property
+    def temporal_downsample(self) -> list[bool]:
+        """``AutoencoderKLWan``'s ``temperal_downsample``: the last two downsamplings halve time
+        (4× in time at any depth; Wan's ``[False, True, True]`` at four levels)."""
+        return [False] * (len(self.vae_dim_mult) - 3) + [True, True]
+
+    @property
     def latent_shape(self) -> tuple[int, int, int]:
         """(latent frames, latent height, latent width)."""
-        return ((self.frames - 1) // 4 + 1, self.height // 8, self.width // 8)
+        f = self.spatial_compression
+        return ((self.frames - 1) // 4 + 1, self.height // f, self.width // f)
 
     @property
     def video_tokens(self) -> int:
@@ -97,6 +114,15 @@ class TestModelConfig(BaseModel):
 FULL = TestModelConfig(
     height=128, width=128, frames=29, z_dim=16, vae_base_dim=32, vae_dim_mult=(1, 2, 2, 2), vae_res_blocks=1,
     patch_size=(1, 1, 1), heads=4, head_dim=64, layers=4, ffn_dim=1024, freq_dim=256,
+    text_dim=128, text_layers=2, text_heads=4, text_ff=256, max_sequence_length=32, flow_shift=3.0)
+
+#: The shipped clips and transformer over a latent twice as fine: a VAE of three levels (4× in
+#: space, latent 8 × 32 × 32, z 8) and Wan's (1, 2, 2) patch, so the transformer sees the same
+#: 2,048 tokens while a shape of 22-29 px spans 6-7 latent cells (3-4 at 8×), where a square's
+#: corners and a circle's edge are apart.
+FINE = TestModelConfig(
+    height=128, width=128, frames=29, z_dim=8, vae_base_dim=32, vae_dim_mult=(1, 2, 2), vae_res_blocks=1,
+    patch_size=(1, 2, 2), heads=4, head_dim=64, layers=4, ffn_dim=1024, freq_dim=256,
     text_dim=128, text_layers=2, text_heads=4, text_ff=256, max_sequence_length=32, flow_shift=3.0)
 
 #: A tiny model for CPU tests: 32×32 px, 5 frames -> 2 × 4 × 4 = 32 tokens; 2 blocks.
@@ -134,8 +160,8 @@ def build_pipeline(config: TestModelConfig = FULL, seed: int = 0):
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
     vae = AutoencoderKLWan(base_dim=config.vae_base_dim, z_dim=config.z_dim, dim_mult=list(config.vae_dim_mult),
-                           num_res_blocks=config.vae_res_blocks, temperal_downsample=[False, True, True],
-                           latents_mean=[0.0] * config.z_dim, latents_std=[1.0] * config.z_dim)
+                           num_res_blocks=config.vae_res_blocks, temperal_downsample=config.temporal_downsample,
+                           scale_factor_spatial=config.spatial_compression, latents_mean=[0.0] * config.z_dim, latents_std=[1.0] * config.z_dim)
     torch.manual_seed(seed + 1)
     text_encoder = UMT5EncoderModel(UMT5Config(
         vocab_size=len(tokenizer), d_model=config.text_dim, d_kv=config.text_dim // config.text_heads,

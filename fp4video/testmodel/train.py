@@ -30,16 +30,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .checker import check_rate
-from .model import (FULL, SMOKE, TestModelConfig, build_pipeline, pack, parameter_counts, save_pipeline,
+from .model import (FINE, FULL, SMOKE, TestModelConfig, build_pipeline, pack, parameter_counts, save_pipeline,
                     text_embeddings, tokenize)
 from .scenes import COLOURS, SHAPES, SceneSpec, held_out_scenes, render, sample_scenes, sampling_probabilities
 
-__all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "clip_frames", "generate", "evaluate", "eval_scenes",
+__all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "fresh_config", "clip_frames", "generate", "evaluate", "eval_scenes",
            "EVAL_COMBINATIONS", "call_for",
            "flow_sample", "latent_cover", "flow_loss"]
 
@@ -52,6 +53,8 @@ class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     seed: int = 0
+    size: Literal["full", "fine"] = Field("full", description="a fresh run's model: FULL (the shipped sizes) or "
+                                          "FINE (a 4× VAE and a (1, 2, 2) patch); a resumed run keeps its model's")
     minutes: float = Field(8.0, gt=0, description="wall-clock budget of the whole run, from its start")
     vae_minutes: float = Field(2.0, ge=0, description="of which the VAE trains (from the start)")
     reserve_seconds: float = Field(60.0, ge=0, description="kept at the end for the evaluation and the last save")
@@ -252,6 +255,17 @@ def _load(resume: Path, device):
     from . import test_model_pipeline
 
     return test_model_pipeline(device=device, dtype=torch.float32, path=resume)
+
+
+def fresh_config(s: Settings) -> TestModelConfig:
+    """The sizes a fresh run builds: FULL or FINE, or the SMOKE model (of FINE's VAE depth and patch
+    where ``size`` is "fine")."""
+    if not s.smoke:
+        return FINE if s.size == "fine" else FULL
+    if s.size == "full":
+        return SMOKE
+    return TestModelConfig(**{**SMOKE.model_dump(), "vae_dim_mult": SMOKE.vae_dim_mult[:3],
+                              "patch_size": FINE.patch_size})
 
 
 def config_of(pipe, base: TestModelConfig) -> TestModelConfig:
@@ -650,7 +664,7 @@ def train(settings: Settings, out, *, resume=None, packed: bool = False, device=
         pipe = _load(resume, device)
         config = config_of(pipe, SMOKE if s.smoke else FULL)
     else:
-        config = SMOKE if s.smoke else FULL
+        config = fresh_config(s)
         pipe = build_pipeline(config, seed=s.seed).to(device)
     pipe.set_progress_bar_config(disable=True)
     counts = parameter_counts(pipe)
