@@ -468,3 +468,72 @@ def test_evaluate_on_training_combinations_checks_those_and_says_so(tmp_path):
     held = {s.caption for s in scenes.HELD_OUT}
     assert not set(ev["captions"]) & held
     assert said.getvalue().startswith("training motion check: generated")
+
+
+# --- the fine size: a VAE of 4× spatial compression and a (1, 2, 2) patch --------------------------
+
+def test_fine_size_keeps_the_tokens_over_a_latent_twice_as_fine():
+    """FINE is FULL's clips and transformer over a 4× VAE: latent 8 × 32 × 32, the same 2,048 tokens
+    after the (1, 2, 2) patch; the VAE built from it encodes a clip to that grid and says its factor
+    to the pipeline (``scale_factor_spatial``)."""
+    from fp4video.testmodel.model import FINE, FULL
+
+    assert FINE.latent_shape == (8, 32, 32) and FULL.latent_shape == (8, 16, 16)
+    assert FINE.video_tokens == FULL.video_tokens == 2048
+    assert (FINE.spatial_compression, FULL.spatial_compression) == (4, 8)
+    assert FINE.temporal_downsample == [True, True] and FULL.temporal_downsample == [False, True, True]
+    pipe = build_pipeline(FINE)
+    assert pipe.vae_scale_factor_spatial == 4 and pipe.vae.config.scale_factor_spatial == 4
+    with torch.no_grad():
+        z = pipe.vae.encode(torch.rand(1, 3, FINE.frames, FINE.height, FINE.width)).latent_dist.mean
+    assert tuple(z.shape) == (1, FINE.z_dim, *FINE.latent_shape)
+    assert tm.config_of(pipe, FULL) == FINE  # what a resumed run reads back
+
+
+@pytest.mark.parametrize("update, match", [
+    ({"vae_dim_mult": (1, 2)}, "vae_dim_mult"),
+    ({"height": 36}, "multiples of the VAE's 8× spatial compression"),
+    ({"vae_dim_mult": (1, 2, 2), "width": 130}, "multiples of the VAE's 4× spatial compression"),
+    ({"vae_dim_mult": (1, 2, 2), "patch_size": (1, 3, 3)}, "does not divide into patches"),
+])
+def test_model_sizes_refuse_a_vae_or_patch_that_does_not_fit(update, match):
+    from pydantic import ValidationError
+
+    from fp4video.testmodel.model import FULL, TestModelConfig
+
+    with pytest.raises((ValueError, ValidationError), match=match):
+        TestModelConfig(**{**FULL.model_dump(), **update})
+
+
+@pytest.mark.slow
+def test_a_fine_smoke_run_trains_saves_and_resumes_at_its_sizes(tmp_path):
+    """``--size fine`` on the smoke model trains a 3-level VAE and a (1, 2, 2) patch; the saved
+    pipeline loads with its 4× factor, and a resumed run keeps those sizes (``--size`` with
+    ``--resume`` is refused in one line)."""
+    from diffusers import WanPipeline
+
+    run = tmp_path / "run"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert _script().main(["--smoke", "--size", "fine", "--out", str(run), "--max-vae-steps", "1",
+                               "--eval-clips", "1"]) == 0
+    log = json.loads((run / "train_log.json").read_text())
+    assert log["settings"]["size"] == "fine"
+    assert log["config"]["vae_dim_mult"] == [1, 1, 1] and log["config"]["patch_size"] == [1, 2, 2]
+    assert log["video_tokens"] == 2 * 4 * 4
+    pipe = WanPipeline.from_pretrained(run / "pipeline")
+    assert pipe.vae_scale_factor_spatial == 4 and tuple(pipe.transformer.config.patch_size) == (1, 2, 2)
+    with torch.no_grad():
+        frames = pipe("a red square moves left on a black background", height=SMOKE.height, width=SMOKE.width,
+                      num_frames=SMOKE.frames, num_inference_steps=2, output_type="pt",
+                      generator=torch.Generator().manual_seed(0)).frames
+    assert tuple(frames.shape) == (1, SMOKE.frames, 3, SMOKE.height, SMOKE.width) and torch.isfinite(frames).all()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+        _script().main(["--smoke", "--size", "fine", "--resume", str(run), "--out", str(tmp_path / "again")])
+    assert err.getvalue().strip().splitlines()[-1] == ("train_test_model.py: error: --size chooses a fresh run's "
+                                                       "model: a resumed run keeps its model's sizes")
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert _script().main(["--smoke", "--resume", str(run), "--out", str(tmp_path / "again"),
+                               "--eval-clips", "0"]) == 0
+    again = json.loads((tmp_path / "again" / "train_log.json").read_text())
+    assert again["config"] == log["config"]

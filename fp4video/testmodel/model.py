@@ -48,8 +48,8 @@ class TestModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
     __test__ = False  # not a pytest test class (its name starts with "Test")
 
-    height: int = Field(gt=0, multiple_of=8)
-    width: int = Field(gt=0, multiple_of=8)
+    height: int = Field(gt=0, description="a multiple of the VAE's spatial compression")
+    width: int = Field(gt=0, description="a multiple of the VAE's spatial compression")
     frames: int = Field(gt=0, description="4n + 1 (the VAE's causal 4× in time)")
     # VAE (AutoencoderKLWan): 2^(levels - 1)× in space (8× with four levels, Wan's; 4× with three),
     # 4× in time (the last two downsamplings halve time as well)
