@@ -1,8 +1,9 @@
 """What the command line promises when things go wrong: outputs written whole (an interrupted run
 leaves the previous video/sidecar pair, never a short video or a mismatched sidecar); Ctrl-C is
 one line and exit 130; unusable input is one line ``fp4video <command>: error: ...`` and exit 2,
-found before any work; the accuracy harness builds finite inputs for every seed; `eval` reports
-identical videos as PSNR inf; optional libraries' import noise stays off the user's terminal.
+found before any work (a real model's frame count included); under torchrun rank 0 alone says
+these lines; the accuracy harness builds finite inputs for every seed; `eval` reports identical
+videos as PSNR inf; optional libraries' import noise stays off the user's terminal.
 
 CLI calls run in this process through ``main(argv)``; one subprocess runs the real `generate`."""
 
@@ -247,6 +248,52 @@ def test_bad_generate_input_is_one_line_before_any_work(tmp_path, no_work, capsy
         assert_one_line_error(rc, err, "generate", *fragments)
 
 
+@pytest.fixture(scope="module")
+def saved_pipelines(tmp_path_factory) -> Path:
+    """Tiny Wan and LTX-Video pipelines saved as a real model's folder is (model_index.json naming
+    the pipeline class, each part in its folder): ``wan/`` and ``ltx/``."""
+    from fp4video.integration.tiny import tiny_ltx_pipeline, tiny_wan_pipeline
+
+    root = tmp_path_factory.mktemp("pipelines")
+    tiny_wan_pipeline(two_experts=False).save_pretrained(root / "wan")
+    tiny_ltx_pipeline().save_pretrained(root / "ltx")
+    return root
+
+
+def test_a_real_models_frame_count_is_refused_before_it_loads(tmp_path, saved_pipelines, no_work, capsys, monkeypatch):
+    """A frame count a real model's family cannot take (Wan: 4n + 1, LTX-Video: 8n + 1) was found
+    only once the weights had loaded. It is refused in one line before any loading wherever the family
+    is known: from a pipeline folder's model_index.json (which wins over the config's family: the
+    embedded default says wan) or, for a hub id, from the config's family. A count the family takes
+    goes on to the loader."""
+    monkeypatch.chdir(tmp_path)
+    ltx_config = ROOT / "configs" / "ltx_mxattn.yaml"
+    for argv, fragment in [
+        (["--model", saved_pipelines / "wan", "--frames", "30"],
+         "frames 30: Wan (WanPipeline) takes 4n + 1 frames (its VAE's 4× in time), e.g. 29 or 33"),
+        (["--model", saved_pipelines / "ltx", "--frames", "21"],
+         "frames 21: LTX-Video (LTXPipeline) takes 8n + 1 frames (its VAE's 8× in time), e.g. 17 or 25"),
+        (["--config", ltx_config, "--model", "someone/LTX-Video-copy", "--frames", "21"],
+         "frames 21: LTX-Video (family ltx) takes 8n + 1 frames"),
+    ]:
+        rc, err = cli(capsys, "generate", *argv)
+        assert_one_line_error(rc, err, "generate", fragment)
+    for argv in (["--model", saved_pipelines / "wan", "--frames", "29"],
+                 ["--model", saved_pipelines / "ltx", "--frames", "25"]):
+        with pytest.raises(AssertionError, match="work started"):
+            main(["generate", *map(str, argv)])
+
+
+def test_every_shipped_config_takes_its_familys_frame_count():
+    """The shipped configs' frame counts pass the rule their family is checked against before loading."""
+    from fp4video.integration.config import FAMILIES, load_config
+
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        cfg = load_config(path)
+        step = FAMILIES[cfg.family].frame_step
+        assert step is None or (cfg.frames - 1) % step == 0, (path.name, cfg.frames, step)
+
+
 @FAST
 @given(height=st.integers(1, 700).map(lambda n: 16 * n), width=st.integers(1, 700).map(lambda n: 16 * n),
        frames=st.integers(1, 3000), steps=st.integers(1, 20_000),
@@ -330,6 +377,54 @@ def test_bad_accuracy_input_is_one_line_before_any_work(tmp_path, no_work, capsy
     assert_one_line_error(rc, err, "accuracy", "--speed", "missing.md")
     rc, err = cli(capsys, "accuracy", "--seed", str(2**70))
     assert_one_line_error(rc, err, "accuracy", "--seed", "out of range")
+
+
+# --- under torchrun, errors are said once ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["generate", "--frames", "many"], "fp4video generate: error: argument --frames: invalid int value: 'many'"),
+    (["generate", "--model", "tiny"], "fp4video generate: error: launched on 2 processes, so ring_degree × "
+                                      "ulysses_degree must be 2"),
+    (["generate", "--model", "tiny", "--output", "v.txt"], "fp4video generate: error: --output v.txt: "),
+])
+def test_under_torchrun_an_error_is_said_by_rank_0_alone(tmp_path, no_work, capsys, monkeypatch, argv, fragment):
+    """`torchrun --nproc-per-node 2 ... generate` with unusable input printed the usage error or the
+    one-line error once per process. Rank 0 says it; every other rank exits with the same status
+    and says nothing; a plain run (no RANK) says it as before."""
+    monkeypatch.chdir(tmp_path)
+    said = {}
+    plain = "launched on" not in fragment  # (a plain run of a tiny model goes on to work)
+    for rank in ("0", "1", None) if plain else ("0", "1"):
+        for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", rank and "2")):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        said[rank] = cli(capsys, *argv)
+    assert said["0"][0] == said["1"][0] == 2, said
+    assert said["1"][1] == "", said["1"]
+    assert fragment in said["0"][1], said["0"]
+    if plain:
+        assert said[None] == said["0"]
+
+
+def test_under_torchrun_ctrl_c_is_said_by_rank_0_alone(capsys, monkeypatch):
+    """Ctrl-C reaches every process of a torchrun launch: rank 0 says "fp4video: interrupted", the
+    others exit 130 in silence."""
+    import fp4video.cli.generate as generate
+
+    def interrupt(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "run", interrupt)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    said = {}
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        said[rank] = cli(capsys, "generate")
+    assert said == {"0": (130, "fp4video: interrupted"), "1": (130, "")}, said
 
 
 # --- the tiny model's sizes are said; --model '' is an error ----------------------------------------

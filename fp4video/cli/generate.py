@@ -121,20 +121,23 @@ def _embedded_note(config, model: str, replaced: dict) -> str:
 
 def check_run_config(cfg) -> None:
     """What the config's own validation leaves open and no run can use, in one line (a
-    :class:`UsageError`): an empty model, a seed outside torch's range, sizes past the bounds."""
+    :class:`UsageError`): an empty model, a seed outside torch's range, sizes past the bounds, a
+    frame count the model's VAE cannot take where that is known before loading."""
     if not cfg.model.strip():
         raise UsageError("model: empty; give \"test\", \"tiny\", a local pipeline folder or a hub id")
     check_seed(cfg.seed, "seed")
     for name, bound in (("height", MAX_SIDE), ("width", MAX_SIDE), ("frames", MAX_FRAMES), ("steps", MAX_STEPS)):
         if getattr(cfg, name) > bound:
             raise UsageError(f"{name} {getattr(cfg, name)}: at most {bound}")
-    from ..integration.pipelines import FrameCountError, check_frames, is_test_model
+    from ..integration.pipelines import FrameCountError, check_family_frames, check_frames, is_test_model
 
-    if is_test_model(cfg.model):  # known before loading
-        try:
+    try:  # known before loading: the test model's VAE, else a real model's family
+        if is_test_model(cfg.model):
             check_frames(cfg.frames, 4, "the test model")
-        except FrameCountError as e:
-            raise UsageError(str(e)) from None
+        else:
+            check_family_frames(cfg.model, cfg.family, cfg.frames)
+    except FrameCountError as e:
+        raise UsageError(str(e)) from None
     pixels = cfg.height * cfg.width * cfg.frames
     if pixels > MAX_VIDEO_PIXELS:
         raise UsageError(f"height × width × frames = {cfg.height} × {cfg.width} × {cfg.frames} = {pixels:.3g} "

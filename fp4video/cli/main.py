@@ -2,8 +2,9 @@
 
 Every subcommand ends the same way on bad input: one line ``fp4video <command>: error: ...`` on
 stderr and exit status 2 (argparse's own errors look the same); Ctrl-C prints ``fp4video:
-interrupted`` and exits 130 (128 + SIGINT, as shells report it). ``FP4VIDEO_TRACEBACK=1`` shows the
-full traceback of an error instead."""
+interrupted`` and exits 130 (128 + SIGINT, as shells report it). Under ``torchrun`` these lines come
+from rank 0 alone, the other ranks exiting with the same status in silence. ``FP4VIDEO_TRACEBACK=1``
+shows the full traceback of an error instead."""
 
 from __future__ import annotations
 
@@ -26,8 +27,17 @@ EXIT_INTERRUPTED = 130
 EXIT_USAGE = 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors (usage, then ``PROG: error: ...``, exit 2) are said through
+    :func:`say_error`; the subcommands' parsers are of its class too (argparse makes them so)."""
+
+    def error(self, message):
+        say_error(f"{self.format_usage()}{self.prog}: error: {message}")
+        self.exit(EXIT_USAGE)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fp4video",
         description="4-bit microscaling (MXFP4 / NVFP4) attention for video diffusion transformers.",
     )
@@ -54,8 +64,19 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 return report_error(command_name(args), e)
     except KeyboardInterrupt:
-        print("fp4video: interrupted", file=sys.stderr)
+        say_error("fp4video: interrupted")
         return EXIT_INTERRUPTED
+
+
+def say_error(text: str) -> None:
+    """``text`` on stderr: where every error of the command line is said. Under ``torchrun`` every
+    rank meets the same input and would say the same line, so rank 0 says it and the other ranks
+    say nothing (they exit with the same status)."""
+    from ..integration.distributed import world
+
+    rank, size = world()
+    if size == 1 or rank == 0:
+        print(text, file=sys.stderr)
 
 
 def report_error(command: str, err: BaseException) -> int:
@@ -70,7 +91,7 @@ def report_error(command: str, err: BaseException) -> int:
         text = f"{err.filename}: {err.strerror}"
     else:
         text = str(err) or type(err).__name__
-    print(f"fp4video {command}: error: {one_line(text)}", file=sys.stderr)
+    say_error(f"fp4video {command}: error: {one_line(text)}")
     return EXIT_USAGE
 
 

@@ -8,7 +8,7 @@ Values are taken as they are typed, as the Python API takes them: an integer fie
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
@@ -19,11 +19,52 @@ from ..testmodel import WEIGHTS
 from ..testmodel.model import TEST_MODEL_CALL, recorded_config, test_model_folder
 
 __all__ = ["RunConfig", "ParallelSettings", "load_config", "read_yaml_mapping", "ConfigError", "DEFAULT_CONFIG",
-           "TEST_MODEL_SIZES", "test_model_path", "is_test_model", "test_model_call"]
+           "TEST_MODEL_SIZES", "test_model_path", "is_test_model", "test_model_call", "Family", "FAMILIES",
+           "family_of_pipeline"]
 
 
 class ConfigError(ValueError):
     """A config file that does not validate; the message lists every problem."""
+
+
+class Family(NamedTuple):
+    """A pipeline family a run config names (``family:``)."""
+
+    #: Its name in messages
+    title: str
+    #: The frame counts its VAE takes: ``frame_step``·n + 1 (the VAE's time compression); None where
+    #: the family's VAEs differ in it, so that only the loaded pipeline says
+    frame_step: int | None
+    #: Its diffusers pipeline classes, as a folder's model_index.json names them (``_class_name``)
+    pipelines: tuple[str, ...]
+
+
+#: Every family ``RunConfig.family`` takes. The frame steps are those of diffusers' pipelines
+#: (``vae_scale_factor_temporal`` / ``vae_temporal_compression_ratio``, read from the VAE's config):
+#: the Wan VAE's ``scale_factor_temporal`` 4 (Wan, SkyReels-V2, VACE, Animate), HunyuanVideo's and
+#: HunyuanVideo-1.5's ``temporal_compression_ratio`` 4 (Kandinsky 5 uses HunyuanVideo's VAE),
+#: LTX-Video's and LTX-2's 8. Sana-Video runs with Wan's VAE (4×) or LTX-2's (8×): known only
+#: once loaded. A count off the rule is rounded by the pipeline with only a log line, or cut.
+FAMILIES: dict[str, Family] = {
+    "wan": Family("Wan", 4, ("WanPipeline", "WanImageToVideoPipeline")),
+    "hunyuan": Family("HunyuanVideo", 4, ("HunyuanVideoPipeline", "HunyuanVideoImageToVideoPipeline",
+                                          "HunyuanSkyreelsImageToVideoPipeline")),
+    "hunyuan15": Family("HunyuanVideo-1.5", 4, ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline")),
+    "ltx": Family("LTX-Video", 8, ("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline")),
+    "ltx2": Family("LTX-2", 8, ("LTX2Pipeline", "LTX2ImageToVideoPipeline", "LTX2ConditionPipeline")),
+    "skyreels": Family("SkyReels-V2", 4, ("SkyReelsV2Pipeline", "SkyReelsV2ImageToVideoPipeline",
+                                          "SkyReelsV2DiffusionForcingPipeline",
+                                          "SkyReelsV2DiffusionForcingImageToVideoPipeline")),
+    "vace": Family("Wan VACE", 4, ("WanVACEPipeline",)),
+    "animate": Family("Wan Animate", 4, ("WanAnimatePipeline",)),
+    "sana": Family("Sana-Video", None, ("SanaVideoPipeline", "SanaImageToVideoPipeline")),
+    "kandinsky5": Family("Kandinsky 5", 4, ("Kandinsky5T2VPipeline", "Kandinsky5I2VPipeline")),
+}
+
+
+def family_of_pipeline(class_name: str) -> str | None:
+    """The family whose pipelines include ``class_name`` (a diffusers pipeline class), or None."""
+    return next((name for name, fam in FAMILIES.items() if class_name in fam.pipelines), None)
 
 
 class ParallelSettings(BaseModel):
@@ -40,7 +81,7 @@ class RunConfig(BaseModel):
 
     model: StrictStr = Field("tiny", description='"test" (the project\'s trained test model), "tiny" (an embedded '
                              'random model), a local folder (a saved test model runs as "test" does) or a hub id')
-    family: Literal["wan", "hunyuan", "hunyuan15", "ltx", "ltx2", "skyreels", "vace", "animate", "sana", "kandinsky5"] = Field(
+    family: Literal[tuple(FAMILIES)] = Field(
         "wan", description="the pipeline's family: the tiny model `--model tiny` embeds, and the call's arguments")
     task: Literal["t2v", "i2v"] = "t2v"
     height: StrictInt = Field(480, gt=0, multiple_of=16)

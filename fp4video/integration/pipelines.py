@@ -4,14 +4,16 @@ by its training in a folder), the embedded tiny models, or real ones from a loca
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
-from .config import RunConfig, is_test_model, test_model_call, test_model_path
+from .config import FAMILIES, RunConfig, family_of_pipeline, is_test_model, test_model_call, test_model_path
 
 __all__ = ["load_pipeline", "configure_pipeline", "pipeline_kwargs", "embedded_sizes", "FrameCountError",
-           "check_frames", "check_pipeline_frames", "frame_step", "test_model_path", "is_test_model", "test_model_call"]
+           "check_frames", "check_pipeline_frames", "frame_step", "known_family", "check_family_frames",
+           "test_model_path", "is_test_model", "test_model_call"]
 
 
 class FrameCountError(ValueError):
@@ -42,6 +44,34 @@ def frame_step(pipe):
 def check_pipeline_frames(pipe, frames: int) -> None:
     """:func:`check_frames` against the loaded pipeline's own compression."""
     check_frames(frames, frame_step(pipe), f"this {type(pipe).__name__}")
+
+
+def known_family(model: str, family: str) -> tuple[str, str] | None:
+    """The family of the real model ``model`` as known before anything loads, and what says so (for
+    messages): a local pipeline folder's model_index.json, by the pipeline class it names (None for a
+    class of no family in :data:`~fp4video.integration.config.FAMILIES`, or a folder without a
+    readable one: the loader says what is wrong); else, for a hub id, the run config's ``family``.
+    None for the tiny and test models, whose own VAEs are checked apart."""
+    if model == "tiny" or is_test_model(model):
+        return None
+    local = Path(model).expanduser()
+    if not local.exists():
+        return family, f"family {family}"
+    try:
+        class_name = json.loads((local / "model_index.json").read_text(encoding="utf-8")).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    found = family_of_pipeline(class_name) if isinstance(class_name, str) else None
+    return (found, class_name) if found else None
+
+
+def check_family_frames(model: str, family: str, frames: int) -> None:
+    """:func:`check_frames` against the rule of the family ``model`` is known to be of before it
+    loads (:func:`known_family`); nothing to check where the family, or its rule, is not known."""
+    known = known_family(model, family)
+    if known is not None:
+        found, source = known
+        check_frames(frames, FAMILIES[found].frame_step, f"{FAMILIES[found].title} ({source})")
 
 
 def embedded_sizes(model: str, family: str) -> dict:
