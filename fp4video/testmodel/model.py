@@ -161,7 +161,8 @@ def build_pipeline(config: TestModelConfig = FULL, seed: int = 0):
     torch.manual_seed(seed)
     vae = AutoencoderKLWan(base_dim=config.vae_base_dim, z_dim=config.z_dim, dim_mult=list(config.vae_dim_mult),
                            num_res_blocks=config.vae_res_blocks, temperal_downsample=config.temporal_downsample,
-                           scale_factor_spatial=config.spatial_compression, latents_mean=[0.0] * config.z_dim, latents_std=[1.0] * config.z_dim)
+                           scale_factor_spatial=config.spatial_compression,
+                           latents_mean=[0.0] * config.z_dim, latents_std=[1.0] * config.z_dim)
     torch.manual_seed(seed + 1)
     text_encoder = UMT5EncoderModel(UMT5Config(
         vocab_size=len(tokenizer), d_model=config.text_dim, d_kv=config.text_dim // config.text_heads,

@@ -40,8 +40,8 @@ from .model import (FINE, FULL, SMOKE, TestModelConfig, build_pipeline, pack, pa
                     text_embeddings, tokenize)
 from .scenes import COLOURS, SHAPES, SceneSpec, held_out_scenes, render, sample_scenes, sampling_probabilities
 
-__all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "fresh_config", "clip_frames", "generate", "evaluate", "eval_scenes",
-           "EVAL_COMBINATIONS", "call_for",
+__all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "fresh_config", "clip_frames", "generate", "evaluate",
+           "eval_scenes", "EVAL_COMBINATIONS", "call_for",
            "flow_sample", "latent_cover", "flow_loss"]
 
 _PHASES = {"vae": 1, "stats": 2, "pool": 3, "noise": 4}
