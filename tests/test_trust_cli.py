@@ -387,6 +387,9 @@ def test_bad_accuracy_input_is_one_line_before_any_work(tmp_path, no_work, capsy
     (["generate", "--model", "tiny"], "fp4video generate: error: launched on 2 processes, so ring_degree × "
                                       "ulysses_degree must be 2"),
     (["generate", "--model", "tiny", "--output", "v.txt"], "fp4video generate: error: --output v.txt: "),
+    (["bench", "pipeline", "--tiny", "--model", "hunyuan", "--configs", str(ROOT / "configs" / "wan22_mxattn_pv8.yaml")],
+     "fp4video bench pipeline: error: " + str(ROOT / "configs" / "wan22_mxattn_pv8.yaml")
+     + " is a wan config; this bench runs --model hunyuan"),
 ])
 def test_under_torchrun_an_error_is_said_by_rank_0_alone(tmp_path, no_work, capsys, monkeypatch, argv, fragment):
     """`torchrun --nproc-per-node 2 ... generate` with unusable input printed the usage error or the

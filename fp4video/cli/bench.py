@@ -533,7 +533,7 @@ def bench_parallel(args) -> str | None:
 
     rank, size = distributed.world()
     if size < 2:
-        raise SystemExit("error: bench parallel runs under torchrun with at least 2 processes "
+        raise ValueError("bench parallel runs under torchrun with at least 2 processes "
                          "(torchrun --nproc-per-node 2 -m fp4video.cli.main bench parallel ...)")
     device = distributed.setup_process_group(None if torch.cuda.is_available() else "cpu")
     ring = args.ring_degree or (size // args.ulysses_degree if args.ulysses_degree else 1)
@@ -633,6 +633,24 @@ def bench_pipeline(args) -> str:
         raise UsageError("at most one torchao:METHOD variant per run (quantize_ cannot be undone)")
     for v in variants:  # before the model is built: one line where a method cannot run
         check_linear_support(v.method, device)
+    policies = []  # (row label, policy); every config read before the model is built
+    notes = [local_note(*local)] if local else []
+    for m in args.methods:
+        # Wan: MXAttention's block-0-in-FP16 rule; HunyuanVideo: fully 4-bit, as the paper runs it
+        rules = [{"method": "fp16", "blocks": [0]}] if m != "fp16" and args.model == "wan22" else []
+        policies.append((f"fp4video {m}" + (" (block 0 fp16)" if rules else ""),
+                         Policy.model_validate({"method": m, "rules": rules})))
+    for path in args.configs:
+        config = load_config(path)
+        if config.family != {"wan22": "wan", "hunyuan": "hunyuan"}[args.model]:
+            raise ValueError(f"{path} is a {config.family} config; this bench runs --model {args.model}")
+        policy = config.policy
+        stepped = [r for r in policy.rules if r.steps is not None]
+        if stepped:  # one forward outside a pipeline has no denoising step: its step rules cannot apply
+            policy = policy.model_copy(update={"rules": [r for r in policy.rules if r.steps is None]})
+            notes.append(f"{Path(path).name}: its step rules ({', '.join(r.describe() for r in stepped)}) do not "
+                         "apply to one forward outside a pipeline; timed without them")
+        policies.append((f"fp4video {Path(path).name}", policy))
     if any(v.compile for v in variants) and not tiny:
         import torch._dynamo
 
@@ -659,24 +677,6 @@ def bench_pipeline(args) -> str:
         peak = gib(torch.cuda.max_memory_allocated()) if cuda else float("nan")
         return sorted(times)[len(times) // 2], warm, peak
 
-    policies = []  # (row label, policy)
-    notes = [local_note(*local)] if local else []
-    for m in args.methods:
-        # Wan: MXAttention's block-0-in-FP16 rule; HunyuanVideo: fully 4-bit, as the paper runs it
-        rules = [{"method": "fp16", "blocks": [0]}] if m != "fp16" and args.model == "wan22" else []
-        policies.append((f"fp4video {m}" + (" (block 0 fp16)" if rules else ""),
-                         Policy.model_validate({"method": m, "rules": rules})))
-    for path in args.configs:
-        config = load_config(path)
-        if config.family != {"wan22": "wan", "hunyuan": "hunyuan"}[args.model]:
-            raise SystemExit(f"error: {path} is a {config.family} config; this bench runs --model {args.model}")
-        policy = config.policy
-        stepped = [r for r in policy.rules if r.steps is not None]
-        if stepped:  # one forward outside a pipeline has no denoising step: its step rules cannot apply
-            policy = policy.model_copy(update={"rules": [r for r in policy.rules if r.steps is None]})
-            notes.append(f"{Path(path).name}: its step rules ({', '.join(r.describe() for r in stepped)}) do not "
-                         "apply to one forward outside a pipeline; timed without them")
-        policies.append((f"fp4video {Path(path).name}", policy))
     peers = []
     if getattr(args, "peers", False):
         for p in find_peers():
