@@ -100,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
                         "decay D per step (e.g. 0.999; default 0: the trained weights); the evaluation "
                         "checks both")
     p.add_argument("--pool-size", type=int, help="clips in the transformer's latent pool, at most (default 12288)")
+    p.add_argument("--pool-refresh", type=int, metavar="N",
+                   help="after every transformer step, N fresh clips replace the pool's oldest (default 0: the "
+                        "pool stays as built; each costs a render and a VAE encode)")
     p.add_argument("--max-steps", type=int, help="stop the transformer after this many steps")
     p.add_argument("--max-vae-steps", type=int, help="stop the VAE after this many steps")
     p.add_argument("--eval-clips", type=int, help="held-out captions checked at the end (default 24; 0: none)")
@@ -196,7 +199,7 @@ def main(argv=None) -> int:
         v = getattr(args, name)
         if v is not None and v < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {v}")
-    for name in ("max_steps", "max_vae_steps", "eval_clips"):
+    for name in ("max_steps", "max_vae_steps", "eval_clips", "pool_refresh"):
         v = getattr(args, name)
         if v is not None and v < 0:
             parser.error(f"--{name.replace('_', '-')} must be at least 0, got {v}")
@@ -225,13 +228,11 @@ def main(argv=None) -> int:
 
     from fp4video.testmodel.train import SMOKE_SETTINGS, Settings, train
 
-    given = {k: v for k, v in dict(
-        seed=args.seed, size=args.size, minutes=args.minutes, vae_minutes=args.vae_minutes, reserve_seconds=args.reserve_seconds,
-        batch=args.batch, vae_batch=args.vae_batch, vae_frames=args.vae_frames, lr=args.lr, vae_lr=args.vae_lr, pool_size=args.pool_size,
-        max_steps=args.max_steps, max_vae_steps=args.max_vae_steps, eval_clips=args.eval_clips,
-        checkpoint_seconds=args.checkpoint_seconds, compile=args.compile, shape_weights=args.shape_weights,
-        vae_colour_weights=args.vae_colour_weights, vae_first_frame_weight=args.vae_first_frame_weight,
-        shape_loss_weight=args.shape_loss_weight, ema_decay=args.ema_decay).items() if v is not None}
+    options = ("seed", "size", "minutes", "vae_minutes", "reserve_seconds", "batch", "vae_batch", "vae_frames", "lr",
+               "vae_lr", "pool_size", "pool_refresh", "max_steps", "max_vae_steps", "eval_clips", "checkpoint_seconds",
+               "compile", "shape_weights", "vae_colour_weights", "vae_first_frame_weight", "shape_loss_weight",
+               "ema_decay")
+    given = {name: getattr(args, name) for name in options if getattr(args, name) is not None}
     if args.resume is not None and args.size is not None:
         parser.error("--size chooses a fresh run's model: a resumed run keeps its model's sizes")
     if args.resume is not None and args.vae_minutes is None:

@@ -244,6 +244,7 @@ def _script():
     (["--vae-colour-weights", "red=-2"], "--vae-colour-weights: colour weights: the weight of red must be"),
     (["--vae-colour-weights", "scarlet=2"], "unknown name 'scarlet'"),
     (["--vae-first-frame-weight", "0"], "--vae-first-frame-weight: Input should be greater than 0"),
+    (["--pool-refresh", "-1"], "--pool-refresh must be at least 0, got -1"),
 ])
 def test_script_refuses_bad_option_values_before_any_work(args, match, tmp_path):
     out = tmp_path / "run"
@@ -537,3 +538,73 @@ def test_a_fine_smoke_run_trains_saves_and_resumes_at_its_sizes(tmp_path):
                                "--eval-clips", "0"]) == 0
     again = json.loads((tmp_path / "again" / "train_log.json").read_text())
     assert again["config"] == log["config"]
+
+
+# --- the data a resumed run draws, and the refreshed pool ------------------------------------------
+
+def test_data_offsets_start_past_every_batch_the_resumed_runs_drew():
+    """A fresh run's streams start at 0; a resumed one's past the VAE steps, pool clips (built and
+    refreshed) and two noise streams of every run in its chain, a checkpoint's partial phases too."""
+    assert tm.data_offsets(None) == {"vae": 0, "pool": 0, "noise": 0}
+    first = {"phases": {"vae": {"steps": 470}, "pool": {"clips": 384}, "transformer": {"steps": 27}}}
+    second = {"previous_log": first, "phases": {"pool": {"clips": 12288},
+                                                "transformer": {"steps": 9, "refreshed_clips": 144}}}
+    third = {"previous_log": second, "phases": {"vae": {"steps": 5, "done": False}}}
+    assert tm.data_offsets(first) == {"vae": 470, "pool": 384, "noise": 2}
+    assert tm.data_offsets(second) == {"vae": 470, "pool": 384 + 12288 + 144, "noise": 4}
+    assert tm.data_offsets(third) == {"vae": 475, "pool": 384 + 12288 + 144, "noise": 6}
+
+
+def test_overwrite_oldest_replaces_the_pools_rows_as_a_ring():
+    pool = (torch.arange(5.0).view(5, 1).repeat(1, 3), torch.arange(5).view(5, 1), None)
+    oldest = 0
+    for wave in range(3):  # 2 fresh rows a wave: rows 0-1, 2-3, then 4 and 0
+        fresh = (torch.full((2, 3), 10.0 + wave), torch.full((2, 1), 10 + wave), torch.zeros(2))
+        oldest = tm.overwrite_oldest(pool, fresh, oldest)
+    assert oldest == 1
+    assert pool[0][:, 0].tolist() == [12.0, 10.0, 11.0, 11.0, 12.0]
+    assert pool[1][:, 0].tolist() == [12, 10, 11, 11, 12] and pool[1].dtype == torch.int64
+    with pytest.raises(ValueError, match="6 fresh clips for a pool of 5"):
+        tm.overwrite_oldest(pool, (torch.zeros(6, 3),), 0)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_draws_clips_and_noise_its_predecessors_never_did(tmp_path, monkeypatch):
+    """Every stream index a run draws (VAE batches, pool clips, refreshed clips, noise) is recorded:
+    a fresh rerun draws the same ones (reproducible from the seed), a resumed run with the same seed
+    draws none of its predecessor's, and the pool refresh draws fresh clips after every step, its
+    clips continuing the pool's stream."""
+    drawn: dict[str, list] = {}
+    stream = tm._stream
+
+    def spy(seed, phase, index):
+        drawn.setdefault(phase, []).append(index)
+        return stream(seed, phase, index)
+
+    monkeypatch.setattr(tm, "_stream", spy)
+    overwrite, writes = tm.overwrite_oldest, []
+
+    def spy_overwrite(pool, fresh, oldest):
+        before = pool[0].clone()
+        after = overwrite(pool, fresh, oldest)
+        writes.append((len(pool[0]), int((pool[0] != before).flatten(1).any(1).sum()), after))
+        return after
+
+    monkeypatch.setattr(tm, "overwrite_oldest", spy_overwrite)
+    quiet = dict(log=lambda *a, **k: None, device="cpu")
+    s = Settings(**{**SMOKE_SETTINGS, "eval_clips": 0, "pool_refresh": 2})  # pool 4 (2 batches), 3 steps
+    runs = {}
+    for name, resume in (("first", None), ("again", None), ("resumed", "first")):
+        drawn = {}
+        log = tm.train(s, tmp_path / name, resume=tmp_path / resume if resume else None, **quiet)
+        runs[name] = ({k: sorted(v) for k, v in drawn.items() if k != "stats"}, log)
+    (first, log), (again, _), (resumed, rlog) = runs["first"], runs["again"], runs["resumed"]
+    assert first == again
+    assert writes[:3] == [(4, 2, 2), (4, 2, 0), (4, 2, 2)]  # the first run's pool of 4: 2 rows changed a step
+    assert first["vae"] == [0, 1] and first["noise"] == [0, 1]
+    assert first["pool"] == [0, 2, 4, 6, 8]  # two encode batches, then 2 fresh clips after each of 3 steps
+    assert log["phases"]["transformer"]["refreshed_clips"] == 6 and log["phases"]["transformer"]["distinct_clips"] == 10
+    for phase in ("vae", "pool", "noise"):
+        assert not set(resumed[phase]) & set(first[phase]), phase
+    assert min(resumed["pool"]) == 10 and resumed["noise"] == [2, 3] and resumed["vae"] == [2, 3]
+    assert rlog["data_offsets"] == {"vae": 2, "pool": 10, "noise": 2}

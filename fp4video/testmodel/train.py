@@ -40,7 +40,8 @@ from .model import (FINE, FULL, SMOKE, TestModelConfig, build_pipeline, pack, pa
                     text_embeddings, tokenize)
 from .scenes import COLOURS, SHAPES, SceneSpec, held_out_scenes, render, sample_scenes, sampling_probabilities
 
-__all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "fresh_config", "clip_frames", "generate", "evaluate",
+__all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "fresh_config", "data_offsets", "overwrite_oldest",
+           "clip_frames", "generate", "evaluate",
            "eval_scenes", "EVAL_COMBINATIONS", "call_for",
            "flow_sample", "latent_cover", "flow_loss"]
 
@@ -69,6 +70,8 @@ class Settings(BaseModel):
     warmup_steps: int = Field(200, ge=0)
     pool_size: int = Field(12288, gt=0, description="clips in the latent pool (at most)")
     pool_share: float = Field(0.15, gt=0, le=1, description="of the time left after the VAE, at most, for the pool")
+    pool_refresh: int = Field(0, ge=0, description="fresh clips rendered and encoded after every transformer step, "
+                              "each over the pool's oldest (0: the pool stays as built)")
     encode_batch: int = Field(64, gt=0)
     stats_clips: int = Field(256, gt=1, description="clips whose latents set latents_mean / latents_std")
     caption_dropout: float = Field(0.1, ge=0, lt=1)
@@ -195,6 +198,10 @@ class _Run:
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
+    def offsets(self) -> dict[str, int]:
+        """Where this run's data streams start (:func:`data_offsets` of the runs it resumes)."""
+        return data_offsets(self.data.get("previous_log"))
+
     def say(self, text: str) -> None:
         self.print(text)
         sys.stdout.flush()
@@ -216,6 +223,20 @@ def _chain(log: dict) -> list[dict]:
     while isinstance(runs[-1].get("previous_log"), dict):
         runs.append(runs[-1]["previous_log"])
     return runs[::-1]
+
+
+def data_offsets(previous_log: dict | None) -> dict[str, int]:
+    """Where a run's data streams start: past every batch the runs it resumes drew (their VAE steps,
+    pool clips and refreshed clips, two noise streams per run), so a resumed run trains on clips and
+    noise its predecessors never saw, whatever its seed. A fresh run starts every stream at 0."""
+    offsets = {"vae": 0, "pool": 0, "noise": 0}
+    for log in _chain(previous_log) if isinstance(previous_log, dict) else []:
+        phases = log.get("phases") or {}
+        offsets["vae"] += int((phases.get("vae") or {}).get("steps", 0))
+        offsets["pool"] += int((phases.get("pool") or {}).get("clips", 0))
+        offsets["pool"] += int((phases.get("transformer") or {}).get("refreshed_clips", 0))
+        offsets["noise"] += 2
+    return offsets
 
 
 def _plot_losses(log: dict, path: Path) -> None:
@@ -348,11 +369,13 @@ def _vae_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, device, de
     vae.train()
     opt = torch.optim.AdamW(vae.parameters(), lr=s.vae_lr, betas=(0.9, 0.99), weight_decay=0.0,
                             **({"fused": True} if device.type == "cuda" else {}))
-    gen = torch.Generator(device).manual_seed(_stream(s.seed, "noise", 0))
+    offsets = run.offsets()
+    gen = torch.Generator(device).manual_seed(_stream(s.seed, "noise", offsets["noise"]))
     start, step, acc, last_log, last_ckpt = run.elapsed(), 0, [], run.elapsed(), run.elapsed()
     budget = max(deadline - start, 1e-9)
     while run.elapsed() < deadline and (s.max_vae_steps is None or step < s.max_vae_steps):
-        scenes = sample_scenes(s.vae_batch, seed=_stream(s.seed, "vae", step), shape_weights=s.shape_weights,
+        scenes = sample_scenes(s.vae_batch, seed=_stream(s.seed, "vae", offsets["vae"] + step),
+                               shape_weights=s.shape_weights,
                                colour_weights=s.vae_colour_weights)
         video, mask = render(scenes, frames=s.vae_frames, height=config.height, width=config.width, device=device)
         _set_lr(opt, s.vae_lr, step, s.warmup_steps, (run.elapsed() - start) / budget, s.max_vae_steps)
@@ -424,27 +447,53 @@ def _normalizer(pipe, device):
 
 
 @torch.no_grad()
+def overwrite_oldest(pool: tuple, fresh: tuple, oldest: int) -> int:
+    """Write the rows of each ``fresh`` tensor over the rows of its ``pool`` tensor from row
+    ``oldest`` on, wrapping around (a ring: the pool's oldest clips go first); None entries are
+    skipped. Returns the row that is now the oldest."""
+    rows = len(pool[0])
+    k = len(fresh[0])
+    if not 0 < k <= rows:
+        raise ValueError(f"{k} fresh clips for a pool of {rows}")
+    slots = (oldest + torch.arange(k, device=pool[0].device)) % rows
+    for old, new in zip(pool, fresh):
+        if old is not None:
+            old[slots] = new.to(old.device, old.dtype)
+    return (oldest + k) % rows
+
+
+@torch.no_grad()
+def _encode_clips(pipe, config: TestModelConfig, s: Settings, device, count: int, seed: int):
+    """(latents normalized, token ids, text masks, the shape's latent coverage or None) of ``count``
+    fresh clips drawn from ``seed``; latents and coverage in bfloat16 on CUDA."""
+    mean, std = _normalizer(pipe, device)
+    store = torch.bfloat16 if device.type == "cuda" else torch.float32
+    scenes = sample_scenes(count, seed=seed, shape_weights=s.shape_weights)
+    video, cover = render(scenes, frames=config.frames, height=config.height, width=config.width, device=device)
+    with _autocast(device):
+        mu = pipe.vae.encode(video).latent_dist.mean.float()
+    cover = latent_cover(cover, mu.shape).to(store) if s.shape_loss_weight else None
+    ids, masks = tokenize(pipe.tokenizer, scenes.captions(), config.max_sequence_length)
+    return ((mu - mean) / std).to(store), ids.to(device), masks.to(device), cover
+
+
+@torch.no_grad()
 def _build_pool(run: _Run, pipe, config: TestModelConfig, s: Settings, device, deadline: float):
     """Latents (normalized, bfloat16 on CUDA), token ids, text masks and, where the transformer's
     loss weighs the shape (``shape_loss_weight`` > 0), the shape's coverage of the latent grid
     (:func:`latent_cover`; else None) of as many fresh clips as fit before ``deadline`` (at least
-    one encode batch, at most ``pool_size``). Every run builds its pool afresh, a resumed one too."""
-    mean, std = _normalizer(pipe, device)
-    store = torch.bfloat16 if device.type == "cuda" else torch.float32
+    one encode batch, at most ``pool_size``). Every run builds its pool afresh, a resumed one from
+    clips its predecessors never drew (:func:`data_offsets`)."""
     latents, ids, masks, covers = [], [], [], []
-    start, n = run.elapsed(), 0
+    start, n, first = run.elapsed(), 0, run.offsets()["pool"]
     while n < s.pool_size and (n == 0 or run.elapsed() < deadline):
         b = min(s.encode_batch, s.pool_size - n)
-        scenes = sample_scenes(b, seed=_stream(s.seed, "pool", n), shape_weights=s.shape_weights)
-        video, cover = render(scenes, frames=config.frames, height=config.height, width=config.width, device=device)
-        with _autocast(device):
-            mu = pipe.vae.encode(video).latent_dist.mean.float()
-        if s.shape_loss_weight:
-            covers.append(latent_cover(cover, mu.shape).to(store))
-        latents.append(((mu - mean) / std).to(store))
-        i, m = tokenize(pipe.tokenizer, scenes.captions(), config.max_sequence_length)
-        ids.append(i.to(device))
-        masks.append(m.to(device))
+        lat, i, m, cover = _encode_clips(pipe, config, s, device, b, _stream(s.seed, "pool", first + n))
+        latents.append(lat)
+        ids.append(i)
+        masks.append(m)
+        if cover is not None:
+            covers.append(cover)
         n += b
     seconds = run.elapsed() - start
     run.data["phases"]["pool"] = {"clips": n, "seconds": round(seconds, 1),
@@ -504,7 +553,9 @@ def _transformer_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, de
     params = [p for m in (transformer, text_encoder) for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.99), weight_decay=0.0,
                             **({"fused": True} if device.type == "cuda" else {}))
-    gen = torch.Generator(device).manual_seed(_stream(s.seed, "noise", 1))
+    offsets = run.offsets()
+    gen = torch.Generator(device).manual_seed(_stream(s.seed, "noise", offsets["noise"] + 1))
+    next_clip, oldest, refreshed = offsets["pool"] + len(latents), 0, 0  # refreshed clips continue the pool's stream
     ema = _Ema(transformer, text_encoder, s.ema_decay) if s.ema_decay > 0 else None
     shift = config.flow_shift
     start, step, acc, last_log, last_ckpt = run.elapsed(), 0, [], run.elapsed(), run.elapsed()
@@ -534,6 +585,11 @@ def _transformer_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, de
             ema.update()
         step += 1
         acc.append(loss.detach())
+        if s.pool_refresh:
+            k = min(s.pool_refresh, len(latents))
+            fresh = _encode_clips(pipe, config, s, device, k, _stream(s.seed, "pool", next_clip))
+            oldest = overwrite_oldest((latents, ids, masks, covers), fresh, oldest)
+            next_clip, refreshed = next_clip + k, refreshed + k
         now = run.elapsed()
         if now - last_log >= s.log_seconds or now >= deadline:
             l = float(torch.stack(acc).mean())
@@ -542,7 +598,8 @@ def _transformer_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, de
                     f"({step / max(now - start, 1e-9):.2f} steps/s, batch {b})")
             acc, last_log = [], now
         if now - last_ckpt >= s.checkpoint_seconds:
-            run.data["phases"]["transformer"] = {"steps": step, "seconds": round(now - start, 1), "done": False}
+            run.data["phases"]["transformer"] = {"steps": step, "seconds": round(now - start, 1),
+                                                 "refreshed_clips": refreshed, "done": False}
             transformer.eval()
             text_encoder.eval()
             with ema.swapped() if ema is not None else contextlib.nullcontext():
@@ -556,7 +613,8 @@ def _transformer_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, de
     run.data["phases"]["transformer"] = {
         "steps": step, "seconds": round(seconds, 1), "batch": s.batch, "samples": step * s.batch,
         "steps_per_second": round(step / max(seconds, 1e-9), 3),
-        "pool_epochs": round(step * s.batch / max(len(latents), 1), 2), "done": True}
+        "pool_epochs": round(step * s.batch / max(len(latents), 1), 2), "refreshed_clips": refreshed,
+        "distinct_clips": len(latents) + refreshed, "done": True}
     if ema is None:
         return None
     ema.swap()  # from here on the pipeline holds the averaged weights (saved, evaluated)
@@ -661,11 +719,15 @@ def train(settings: Settings, out, *, resume=None, packed: bool = False, device=
         resume = Path(resume)
         if (resume / "train_log.json").is_file():  # a pack's or a run folder's log (a pipeline folder has none)
             run.data["previous_log"] = json.loads((resume / "train_log.json").read_text())
+        else:
+            run.say(f"{resume} holds no training log: this run's data streams start where a fresh run's do "
+                    "(a --seed of its own draws clips its training did not)")
         pipe = _load(resume, device)
         config = config_of(pipe, SMOKE if s.smoke else FULL)
     else:
         config = fresh_config(s)
         pipe = build_pipeline(config, seed=s.seed).to(device)
+    run.data["data_offsets"] = run.offsets()
     pipe.set_progress_bar_config(disable=True)
     counts = parameter_counts(pipe)
     run.data.update(config=config.model_dump(), video_tokens=config.video_tokens, parameters=counts)
