@@ -140,6 +140,7 @@ def _evaluate_only(parser, args) -> int:
 
     from fp4video.testmodel import test_model_pipeline
     from fp4video.testmodel.model import FULL, SMOKE
+    from fp4video.testmodel.checker import describe_shapes
     from fp4video.testmodel.train import SMOKE_SETTINGS, Settings, call_for, config_of, evaluate
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -164,6 +165,7 @@ def _evaluate_only(parser, args) -> int:
     print(f"{args.eval_combinations} motion check: generated {g['rate']:.0%} of {g['clips']} (colour {g['colour']:.0%}, "
           f"shape {g['shape']:.0%}, motion {g['motion']:.0%}); ground truth {gt['rate']:.0%}, VAE "
           f"reconstructions {rc['rate']:.0%}")
+    print(f"shapes drawn, per captioned shape: {describe_shapes(g)}")
     return 0
 
 

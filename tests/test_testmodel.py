@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fp4video.testmodel import checker, scenes
-from fp4video.testmodel.checker import check_clip, check_rate, colour_mask
+from fp4video.testmodel.checker import check_clip, check_rate, colour_mask, describe_shapes
 from fp4video.testmodel.model import (FULL, SMOKE, TEST_MODEL_CALL, build_pipeline, build_tokenizer, pack, tokenize,
                                       unpack)
 from fp4video.testmodel.scenes import HELD_OUT, SceneSpec, caption, render, sample_scenes
@@ -176,6 +176,30 @@ def test_checker_fails_the_wrong_colour_and_shape(truth):
         wrong = scenes.SHAPES[(scenes.SHAPES.index(s.shape) + 1) % 4]
         v = check_clip(f, s.model_copy(update={"shape": wrong}))
         assert v.colour and not v.shape, (s.caption, v.as_dict())
+
+
+def test_check_rate_counts_what_was_drawn_for_each_captioned_shape(truth):
+    """``by_shape``: per captioned shape, its clips, its shape check's rate and the shape that won
+    each clip's frames. Every shape's own renders, captioned as drawn: all drawn as captioned. The
+    same renders captioned as the next shape: each row names the shape that was really drawn. A
+    clip without the colour counts as "none"."""
+    sc, frames, _ = truth
+    names = list(scenes.SHAPES)
+    right = check_rate(list(frames), sc.specs)["by_shape"]
+    for shape in names:
+        n = sum(s.shape == shape for s in sc.specs)
+        assert right[shape] == {"clips": n, "shape": 1.0, "drawn": {shape: n}}
+    shifted = [s.model_copy(update={"shape": names[(names.index(s.shape) + 1) % 4]}) for s in sc.specs]
+    grey = torch.full((T, H, W, 3), 0.4)
+    wrong = check_rate([*frames, grey], [*shifted, sc.specs[0]])["by_shape"]
+    for shape in names:
+        drawn = names[(names.index(shape) - 1) % 4]
+        n = sum(s.shape == drawn for s in sc.specs)
+        extra = {"none": 1} if shape == sc.specs[0].shape else {}
+        assert wrong[shape]["drawn"] == {drawn: n, **extra} and wrong[shape]["shape"] == 0.0
+        assert wrong[shape]["clips"] == n + len(extra)
+    line = describe_shapes({"by_shape": wrong})
+    assert line.startswith(f"{names[0]} 0/") and f"{names[-1]} 0/" in line
 
 
 def test_checker_fails_noise_and_empty_clips():

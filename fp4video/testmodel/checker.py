@@ -26,14 +26,15 @@ and wrong versions, static clips and noise.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
 from .scenes import DIRECTIONS, SHAPES, SIZE_RANGE, SCALE_RANGE, SceneSpec
 
-__all__ = ["Verdict", "check_clip", "check_rate", "colour_mask", "largest_region", "shape_moments", "SHAPE_MOMENTS",
-           "HUES"]
+__all__ = ["Verdict", "check_clip", "check_rate", "describe_shapes", "colour_mask", "largest_region", "shape_moments",
+           "SHAPE_MOMENTS", "HUES"]
 
 #: Hue (degrees) and half-width of the window of each chromatic colour name.
 HUES = {"red": (0.0, 15.0), "orange": (30.0, 13.0), "yellow": (60.0, 15.0), "green": (120.0, 35.0),
@@ -223,6 +224,7 @@ def check_clip(frames, spec: SceneSpec) -> Verdict:
     winner = leaders[0] if len(leaders) == 1 else " or ".join(leaders)
     shape_ok = leaders == [spec.shape]
     details["shape_votes"] = votes
+    details["shape_drawn"] = leaders[0] if len(leaders) == 1 else None
 
     t = idx.float()
     span = float(t_all - 1)
@@ -267,7 +269,9 @@ def check_clip(frames, spec: SceneSpec) -> Verdict:
 
 def check_rate(clips, specs) -> dict:
     """Check each clip against its spec: {"rate": passed / clips, "colour" / "shape" / "motion":
-    each check's rate, "verdicts": [Verdict.as_dict() per clip]}."""
+    each check's rate, "by_shape": per captioned shape its clips, its shape check's rate and what
+    was drawn ({shape that won the frames, or "none" where no shape won: count}), "verdicts":
+    [Verdict.as_dict() per clip]}."""
     if isinstance(specs, SceneSpec):
         raise TypeError("check_rate: specs must be a sequence of SceneSpec, one per clip, got a single SceneSpec "
                         "(check_clip checks one clip)")
@@ -281,6 +285,20 @@ def check_rate(clips, specs) -> dict:
         raise ValueError("check_rate: no clips (a rate needs at least one)")
     verdicts = [check_clip(c, s) for c, s in zip(clips, specs)]
     n = max(len(verdicts), 1)
+    by_shape = {}
+    for shape in SHAPES:
+        mine = [v for v, s in zip(verdicts, specs) if s.shape == shape]
+        if mine:
+            drawn = Counter(v.details.get("shape_drawn") or "none" for v in mine)
+            by_shape[shape] = {"clips": len(mine), "shape": sum(v.shape for v in mine) / len(mine),
+                               "drawn": dict(drawn.most_common())}
     return {"rate": sum(v.passed for v in verdicts) / n, "colour": sum(v.colour for v in verdicts) / n,
             "shape": sum(v.shape for v in verdicts) / n, "motion": sum(v.motion for v in verdicts) / n,
-            "clips": len(verdicts), "verdicts": [v.as_dict() for v in verdicts]}
+            "clips": len(verdicts), "by_shape": by_shape, "verdicts": [v.as_dict() for v in verdicts]}
+
+
+def describe_shapes(rate: dict) -> str:
+    """One line of :func:`check_rate`'s ``by_shape``: "square 1/6 (circle 4, square 1, bar 1), ..."."""
+    return ", ".join(f"{shape} {round(row['shape'] * row['clips'])}/{row['clips']} ("
+                     + ", ".join(f"{k} {c}" for k, c in row["drawn"].items()) + ")"
+                     for shape, row in rate["by_shape"].items())

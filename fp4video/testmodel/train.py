@@ -35,7 +35,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .checker import check_rate
+from .checker import check_rate, describe_shapes
 from .model import (FINE, FULL, SMOKE, TestModelConfig, build_pipeline, pack, parameter_counts, save_pipeline,
                     text_embeddings, tokenize)
 from .scenes import COLOURS, SHAPES, SceneSpec, held_out_scenes, render, sample_scenes, sampling_probabilities
@@ -763,6 +763,7 @@ def train(settings: Settings, out, *, resume=None, packed: bool = False, device=
         run.say(f"held-out motion check: generated {g['rate']:.0%} of {g['clips']} (colour {g['colour']:.0%}, "
                 f"shape {g['shape']:.0%}, motion {g['motion']:.0%}); ground truth {gt['rate']:.0%}, VAE "
                 f"reconstructions {rc['rate']:.0%}")
+        run.say(f"shapes drawn, per captioned shape: {describe_shapes(g)}")
     run.data["elapsed"] = round(run.elapsed(), 1)
     run.write()
     run.say(f"done in {run.elapsed():.0f}s: {out}")
