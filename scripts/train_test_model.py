@@ -83,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vae-batch", type=int, help="VAE batch (default 12)")
     p.add_argument("--vae-frames", type=int, help="frames of the VAE's training clips, 4n + 1 (default 29, the clip's)")
     p.add_argument("--lr", type=float, help="transformer and text encoder learning rate (default 4e-4)")
+    p.add_argument("--train-shift", type=float, metavar="S",
+                   help="shift of the timesteps the transformer trains on, t = S·u / (1 + (S - 1)·u) for uniform u "
+                        "(default: the scheduler's flow_shift, 3, which sampling keeps; 1: uniform t)")
     p.add_argument("--vae-lr", type=float, help="VAE learning rate (default 6e-4)")
     p.add_argument("--vae-colour-weights", type=_weights, metavar="COLOUR=W,...",
                    help="draw the VAE's clips' colours with these relative weights, e.g. red=2 (others 1; "
@@ -231,9 +234,9 @@ def main(argv=None) -> int:
     from fp4video.testmodel.train import SMOKE_SETTINGS, Settings, train
 
     options = ("seed", "size", "minutes", "vae_minutes", "reserve_seconds", "batch", "vae_batch", "vae_frames", "lr",
-               "vae_lr", "pool_size", "pool_refresh", "max_steps", "max_vae_steps", "eval_clips", "checkpoint_seconds",
-               "compile", "shape_weights", "vae_colour_weights", "vae_first_frame_weight", "shape_loss_weight",
-               "ema_decay")
+               "vae_lr", "train_shift", "pool_size", "pool_refresh", "max_steps", "max_vae_steps", "eval_clips",
+               "checkpoint_seconds", "compile", "shape_weights", "vae_colour_weights", "vae_first_frame_weight",
+               "shape_loss_weight", "ema_decay")
     given = {name: getattr(args, name) for name in options if getattr(args, name) is not None}
     if args.resume is not None and args.size is not None:
         parser.error("--size chooses a fresh run's model: a resumed run keeps its model's sizes")

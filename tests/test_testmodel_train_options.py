@@ -245,6 +245,8 @@ def _script():
     (["--vae-colour-weights", "scarlet=2"], "unknown name 'scarlet'"),
     (["--vae-first-frame-weight", "0"], "--vae-first-frame-weight: Input should be greater than 0"),
     (["--pool-refresh", "-1"], "--pool-refresh must be at least 0, got -1"),
+    (["--train-shift", "0"], "--train-shift: Input should be greater than 0"),
+    (["--train-shift", "nan"], "--train-shift: Input should be a finite number"),
 ])
 def test_script_refuses_bad_option_values_before_any_work(args, match, tmp_path):
     out = tmp_path / "run"
@@ -608,3 +610,30 @@ def test_a_resumed_run_draws_clips_and_noise_its_predecessors_never_did(tmp_path
         assert not set(resumed[phase]) & set(first[phase]), phase
     assert min(resumed["pool"]) == 10 and resumed["noise"] == [2, 3] and resumed["vae"] == [2, 3]
     assert rlog["data_offsets"] == {"vae": 2, "pool": 10, "noise": 2}
+
+
+@pytest.mark.slow
+def test_train_shift_sets_the_transformers_timesteps_and_not_the_samplers(tmp_path, monkeypatch):
+    """``train_shift`` S draws the transformer's training timesteps as S·u / (1 + (S - 1)·u); the
+    default draws them with the scheduler's flow_shift; the saved scheduler (what sampling uses)
+    keeps its flow_shift either way."""
+    seen = []
+    sample = tm.flow_sample
+
+    def spy(x0, noise, u, shift):
+        xt, timestep, target = sample(x0, noise, u, shift)
+        seen.append((shift, u.clone(), timestep.clone()))
+        return xt, timestep, target
+
+    monkeypatch.setattr(tm, "flow_sample", spy)
+    quiet = dict(log=lambda *a, **k: None, device="cpu")
+    for name, shift in (("default", None), ("uniform", 1.0)):
+        seen.clear()
+        tm.train(Settings(**{**SMOKE_SETTINGS, "eval_clips": 0, "train_shift": shift}), tmp_path / name, **quiet)
+        expected = SMOKE.flow_shift if shift is None else shift
+        assert len(seen) == SMOKE_SETTINGS["max_steps"] and all(s == expected for s, _, _ in seen)
+        for _, u, timestep in seen:
+            t = expected * u / (1 + (expected - 1) * u)
+            torch.testing.assert_close(timestep.float(), 1000 * t, rtol=0, atol=1e-3)
+        scheduler = json.loads((tmp_path / name / "pipeline" / "scheduler" / "scheduler_config.json").read_text())
+        assert scheduler["flow_shift"] == SMOKE.flow_shift

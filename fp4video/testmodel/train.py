@@ -66,6 +66,10 @@ class Settings(BaseModel):
     kl_weight: float = Field(1e-5, ge=0)
     shape_weight: float = Field(4.0, ge=0, description="extra reconstruction weight on the shape's pixels")
     batch: int = Field(128, gt=0)
+    train_shift: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                      description="the shift of the timesteps the transformer trains on (None: the "
+                                      "scheduler's flow_shift, which sampling uses; 1: uniform t, more steps near "
+                                      "the clean clip, where corners are drawn)")
     lr: float = Field(4e-4, gt=0)
     warmup_steps: int = Field(200, ge=0)
     pool_size: int = Field(12288, gt=0, description="clips in the latent pool (at most)")
@@ -557,7 +561,7 @@ def _transformer_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, de
     gen = torch.Generator(device).manual_seed(_stream(s.seed, "noise", offsets["noise"] + 1))
     next_clip, oldest, refreshed = offsets["pool"] + len(latents), 0, 0  # refreshed clips continue the pool's stream
     ema = _Ema(transformer, text_encoder, s.ema_decay) if s.ema_decay > 0 else None
-    shift = config.flow_shift
+    shift = config.flow_shift if s.train_shift is None else s.train_shift
     start, step, acc, last_log, last_ckpt = run.elapsed(), 0, [], run.elapsed(), run.elapsed()
     budget = max(deadline - start, 1e-9)
     while run.elapsed() < deadline and (s.max_steps is None or step < s.max_steps):
