@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vae-minutes", type=float,
                    help="of which the VAE trains (default 2 for a fresh run, 0 with --resume)")
     p.add_argument("--reserve-seconds", type=float, help="kept for the last save and the evaluation (default 60)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, help="the data's and a fresh model's seed (default 0; a run resuming a model "
+                   "without its training log, such as the shipped weights, must name one)")
     p.add_argument("--size", choices=["full", "fine"],
                    help="a fresh run's model: full (the shipped sizes, the default) or fine (a VAE of 4x spatial "
                    "compression and a (1, 2, 2) patch: the same 2,048 tokens over a latent twice as fine)")
@@ -215,6 +216,11 @@ def main(argv=None) -> int:
             parser.error(f"--resume {e}")
         if args.out.resolve() in (args.resume.resolve(), resumed.resolve()):
             parser.error("--resume and --out are the same folder: write the continued run elsewhere")
+        from fp4video.testmodel.train import training_log_of
+
+        if args.seed is None and training_log_of(args.resume) is None:
+            parser.error(f"--resume {args.resume}: no training log says which clips it was trained on; give --seed "
+                         "(the shipped weights' runs used 0, so another seed draws new clips)")
     previous = [n for n in ("train_log.json", "model.json", "pipeline") if (args.out / n).exists()]
     if previous:  # a run writes a folder of its own: another run's files beside it would be read as its
         parser.error(f"--out {args.out}: holds a previous run ({', '.join(previous)}); give a new folder (or "

@@ -300,8 +300,9 @@ def test_ema_saves_the_moving_average_of_the_trained_weights(tmp_path):
     runs = {}
     for name, steps, decay, clips in (("w0", 0, 0.0, 0), ("w1", 1, 0.0, 0), ("ema", 1, d, 1)):
         # a large first step (no warm-up), so that the step moves most weights well past fp16's resolution
+        # budgets far past what the step counts need: a busy CPU must not cut a phase short
         settings = Settings(**{**SMOKE_SETTINGS, "max_steps": steps, "eval_clips": clips, "ema_decay": decay,
-                               "warmup_steps": 0, "lr": 0.05})
+                               "warmup_steps": 0, "lr": 0.05, "minutes": 60.0, "vae_minutes": 30.0})
         runs[name] = tm.train(settings, tmp_path / name, device="cpu", **quiet)
     w0, w1, ema = (_saved_weights(tmp_path / n) for n in ("w0", "w1", "ema"))
     assert w0.keys() == w1.keys() == ema.keys() and any(k.startswith("text_encoder.") for k in ema)
@@ -602,14 +603,14 @@ def test_a_resumed_run_draws_clips_and_noise_its_predecessors_never_did(tmp_path
         runs[name] = ({k: sorted(v) for k, v in drawn.items() if k != "stats"}, log)
     (first, log), (again, _), (resumed, rlog) = runs["first"], runs["again"], runs["resumed"]
     assert first == again
-    assert writes[:3] == [(4, 2, 2), (4, 2, 0), (4, 2, 2)]  # the first run's pool of 4: 2 rows changed a step
+    assert writes[:2] == [(4, 2, 2), (4, 2, 0)]  # the first run's pool of 4: 2 rows changed a step, none after the last
     assert first["vae"] == [0, 1] and first["noise"] == [0, 1]
-    assert first["pool"] == [0, 2, 4, 6, 8]  # two encode batches, then 2 fresh clips after each of 3 steps
-    assert log["phases"]["transformer"]["refreshed_clips"] == 6 and log["phases"]["transformer"]["distinct_clips"] == 10
+    assert first["pool"] == [0, 2, 4, 6]  # two encode batches, then 2 fresh clips after each step but the last
+    assert log["phases"]["transformer"]["refreshed_clips"] == 4 and log["phases"]["transformer"]["distinct_clips"] == 8
     for phase in ("vae", "pool", "noise"):
         assert not set(resumed[phase]) & set(first[phase]), phase
-    assert min(resumed["pool"]) == 10 and resumed["noise"] == [2, 3] and resumed["vae"] == [2, 3]
-    assert rlog["data_offsets"] == {"vae": 2, "pool": 10, "noise": 2}
+    assert min(resumed["pool"]) == 8 and resumed["noise"] == [2, 3] and resumed["vae"] == [2, 3]
+    assert rlog["data_offsets"] == {"vae": 2, "pool": 8, "noise": 2}
 
 
 @pytest.mark.slow
@@ -637,3 +638,53 @@ def test_train_shift_sets_the_transformers_timesteps_and_not_the_samplers(tmp_pa
             torch.testing.assert_close(timestep.float(), 1000 * t, rtol=0, atol=1e-3)
         scheduler = json.loads((tmp_path / name / "pipeline" / "scheduler" / "scheduler_config.json").read_text())
         assert scheduler["flow_shift"] == SMOKE.flow_shift
+
+
+def test_training_log_of_finds_a_runs_log_beside_its_pipeline_and_none_for_a_bare_folder(tmp_path):
+    run = tmp_path / "run"
+    (run / "pipeline").mkdir(parents=True)
+    (run / "train_log.json").write_text("{}")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "model_index.json").write_text("{}")
+    assert tm.training_log_of(run) == run / "train_log.json"
+    assert tm.training_log_of(run / "pipeline") == run / "train_log.json"
+    assert tm.training_log_of(bare) is None
+
+
+def test_a_refresh_larger_than_the_pool_is_refused():
+    with pytest.raises(ValueError, match=r"pool_refresh \(5\) exceeds pool_size \(4\)"):
+        Settings(**{**SMOKE_SETTINGS, "pool_refresh": 5})
+
+
+@pytest.mark.slow
+def test_resuming_a_model_without_its_log_needs_a_seed(tmp_path):
+    """A pipeline folder without its training log (an unpacked run, the shipped weights) cannot say
+    which clips trained it: resuming it without --seed is refused in one line before any work; with
+    one, the run says and logs that its streams start at 0. A run's pipeline/ folder finds its log."""
+    import shutil
+
+    run = tmp_path / "run"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert _script().main(["--smoke", "--out", str(run), "--max-vae-steps", "1", "--eval-clips", "0"]) == 0
+    bare = tmp_path / "bare"
+    shutil.copytree(run / "pipeline", bare)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+        _script().main(["--smoke", "--resume", str(bare), "--out", str(tmp_path / "a")])
+    assert err.getvalue().strip().splitlines()[-1] == (
+        f"train_test_model.py: error: --resume {bare}: no training log says which clips it was trained on; give "
+        "--seed (the shipped weights' runs used 0, so another seed draws new clips)")
+    assert not (tmp_path / "a").exists()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert _script().main(["--smoke", "--resume", str(bare), "--seed", "5", "--out", str(tmp_path / "b"),
+                               "--eval-clips", "0"]) == 0
+    assert f"{bare} holds no training log: this run draws seed 5's streams from their start" in out.getvalue()
+    log = json.loads((tmp_path / "b" / "train_log.json").read_text())
+    assert log["resumed_without_log"] is True and log["data_offsets"] == {"vae": 0, "pool": 0, "noise": 0}
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert _script().main(["--smoke", "--resume", str(run / "pipeline"), "--out", str(tmp_path / "c"),
+                               "--eval-clips", "0"]) == 0
+    log = json.loads((tmp_path / "c" / "train_log.json").read_text())
+    assert "resumed_without_log" not in log and log["data_offsets"]["vae"] == 1

@@ -396,6 +396,12 @@ def test_under_torchrun_an_error_is_said_by_rank_0_alone(tmp_path, no_work, caps
     one-line error once per process. Rank 0 says it; every other rank exits with the same status
     and says nothing; a plain run (no RANK) says it as before."""
     monkeypatch.chdir(tmp_path)
+    import fp4video.cli.bench as bench
+
+    def built(*a, **k):
+        raise AssertionError("bench built its model before refusing its input")
+
+    monkeypatch.setattr(bench, "_build", built)
     said = {}
     plain = "launched on" not in fragment  # (a plain run of a tiny model goes on to work)
     for rank in ("0", "1", None) if plain else ("0", "1"):

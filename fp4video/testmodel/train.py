@@ -2,14 +2,16 @@
 KL), then the transformer and the text encoder jointly with flow matching on the VAE's latents.
 
 Data are drawn on the training device from :mod:`~fp4video.testmodel.scenes`, each batch's scenes
-from the run's seed and the batch's index, so a seed gives the same data on every run. The
-transformer trains on a pool of latents encoded once (as many clips as the pool's share of the
-budget allows), with fresh noise and timesteps every step:
+from the run's seed and the batch's index in its stream, so a fresh run of a seed gives the same
+data every time; a resumed run's streams start past what the runs in its log drew
+(:func:`data_offsets`). The transformer trains on a pool of encoded latents (as many clips as the
+pool's share of the budget allows; ``pool_refresh`` fresh clips replace the oldest after every
+step), with fresh noise and timesteps every step:
 
     x_t = (1 - t) x_0 + t ε,   the transformer predicts ε - x_0,
 
-t = shift·u / (1 + (shift - 1)·u) with u uniform (Wan's shifted schedule, the scheduler's
-``flow_shift``), the timestep passed as 1000·t; captions are dropped (the empty caption) with
+t = shift·u / (1 + (shift - 1)·u) with u uniform (Wan's shifted schedule: the scheduler's
+``flow_shift`` unless ``train_shift`` is given), the timestep passed as 1000·t; captions are dropped (the empty caption) with
 probability ``caption_dropout`` for classifier-free guidance; the text is padded as the pipeline
 pads it (to ``max_sequence_length``, and to 512 tokens every ``long_text_every``-th step, the
 pipeline's default, so a call without ``max_sequence_length`` works too).
@@ -33,16 +35,15 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .checker import check_rate, describe_shapes
-from .model import (FINE, FULL, SMOKE, TestModelConfig, build_pipeline, pack, parameter_counts, save_pipeline,
-                    text_embeddings, tokenize)
+from .model import (FINE, FULL, SMOKE, TRAIN_LOG, TestModelConfig, build_pipeline, pack, parameter_counts,
+                    save_pipeline, text_embeddings, tokenize)
 from .scenes import COLOURS, SHAPES, SceneSpec, held_out_scenes, render, sample_scenes, sampling_probabilities
 
-__all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "fresh_config", "data_offsets", "overwrite_oldest",
-           "clip_frames", "generate", "evaluate",
-           "eval_scenes", "EVAL_COMBINATIONS", "call_for",
+__all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "fresh_config", "data_offsets", "training_log_of",
+           "overwrite_oldest", "clip_frames", "generate", "evaluate", "eval_scenes", "EVAL_COMBINATIONS", "call_for",
            "flow_sample", "latent_cover", "flow_loss"]
 
 _PHASES = {"vae": 1, "stats": 2, "pool": 3, "noise": 4}
@@ -114,6 +115,13 @@ class Settings(BaseModel):
     def _colour_names(cls, v):
         sampling_probabilities(v, COLOURS, "colour weights")
         return v
+
+    @model_validator(mode="after")
+    def _refresh_fits(self):
+        if self.pool_refresh > self.pool_size:
+            raise ValueError(f"pool_refresh ({self.pool_refresh}) exceeds pool_size ({self.pool_size}): a step "
+                             "cannot replace more clips than the pool holds")
+        return self
 
     @field_validator("vae_frames")
     @classmethod
@@ -227,6 +235,17 @@ def _chain(log: dict) -> list[dict]:
     while isinstance(runs[-1].get("previous_log"), dict):
         runs.append(runs[-1]["previous_log"])
     return runs[::-1]
+
+
+def training_log_of(model: Path) -> Path | None:
+    """The training log of a saved model: ``train_log.json`` in a pack or a run's folder, or beside a
+    run's ``pipeline/`` folder; None where there is none (an unpacked pipeline folder, the shipped
+    weights)."""
+    model = Path(model)
+    for folder in (model, model.parent) if model.name == "pipeline" else (model,):
+        if (folder / TRAIN_LOG).is_file():
+            return folder / TRAIN_LOG
+    return None
 
 
 def data_offsets(previous_log: dict | None) -> dict[str, int]:
@@ -589,9 +608,11 @@ def _transformer_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, de
             ema.update()
         step += 1
         acc.append(loss.detach())
-        if s.pool_refresh:
-            k = min(s.pool_refresh, len(latents))
-            fresh = _encode_clips(pipe, config, s, device, k, _stream(s.seed, "pool", next_clip))
+        if s.pool_refresh and run.elapsed() < deadline and (s.max_steps is None or step < s.max_steps):
+            k = min(s.pool_refresh, len(latents))  # a pool cut short by its time share holds fewer
+            fresh = [_encode_clips(pipe, config, s, device, min(s.encode_batch, k - i),
+                                   _stream(s.seed, "pool", next_clip + i)) for i in range(0, k, s.encode_batch)]
+            fresh = tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*fresh))
             oldest = overwrite_oldest((latents, ids, masks, covers), fresh, oldest)
             next_clip, refreshed = next_clip + k, refreshed + k
         now = run.elapsed()
@@ -721,11 +742,12 @@ def train(settings: Settings, out, *, resume=None, packed: bool = False, device=
     deadline = s.minutes * 60 - s.reserve_seconds
     if resume is not None:
         resume = Path(resume)
-        if (resume / "train_log.json").is_file():  # a pack's or a run folder's log (a pipeline folder has none)
-            run.data["previous_log"] = json.loads((resume / "train_log.json").read_text())
-        else:
-            run.say(f"{resume} holds no training log: this run's data streams start where a fresh run's do "
-                    "(a --seed of its own draws clips its training did not)")
+        log_path = training_log_of(resume)
+        if log_path is not None:
+            run.data["previous_log"] = json.loads(log_path.read_text())
+        else:  # what its training drew is unknown: the streams start at 0 (the script asks for a seed)
+            run.data["resumed_without_log"] = True
+            run.say(f"{resume} holds no training log: this run draws seed {s.seed}'s streams from their start")
         pipe = _load(resume, device)
         config = config_of(pipe, SMOKE if s.smoke else FULL)
     else:
