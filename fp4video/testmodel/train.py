@@ -70,7 +70,7 @@ class Settings(BaseModel):
     train_shift: float | None = Field(None, gt=0, allow_inf_nan=False,
                                       description="the shift of the timesteps the transformer trains on (None: the "
                                       "scheduler's flow_shift, which sampling uses; 1: uniform t, more steps near "
-                                      "the clean clip, where corners are drawn)")
+                                      "the clean clip; above 3: more near pure noise)")
     lr: float = Field(4e-4, gt=0)
     warmup_steps: int = Field(200, ge=0)
     pool_size: int = Field(12288, gt=0, description="clips in the latent pool (at most)")
