@@ -73,10 +73,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="folder the run writes (or --unpack's pipeline folder)")
     p.add_argument("--minutes", type=float, help="wall-clock budget of the whole run (default 8; smoke 2)")
     p.add_argument("--vae-minutes", type=float,
-                   help="of which the VAE trains (default 2 for a fresh run, 0 with --resume)")
+                   help="of which the VAE trains (default 2 for a fresh run, 0 with --resume or --vae-from)")
     p.add_argument("--reserve-seconds", type=float, help="kept for the last save and the evaluation (default 60)")
     p.add_argument("--seed", type=int, help="the data's and a fresh model's seed (default 0; a run resuming a model "
                    "without its training log, such as the shipped weights, must name one)")
+    p.add_argument("--heads", type=int, help="a fresh run's transformer heads of 64 (default: the size's, 4; the "
+                   "feed-forward stays 4x the width)")
+    p.add_argument("--layers", type=int, help="a fresh run's transformer blocks (default: the size's, 4)")
+    p.add_argument("--vae-from", type=Path, metavar="MODEL",
+                   help="a fresh run takes this saved model's trained VAE (pipeline folder, pack or run) and "
+                        "trains a new transformer on it; the VAE must be of the run's --size")
     p.add_argument("--size", choices=["full", "fine"],
                    help="a fresh run's model: full (the shipped sizes, the default) or fine (a VAE of 4x spatial "
                    "compression and a (1, 2, 2) patch: the same 2,048 tokens over a latent twice as fine)")
@@ -239,14 +245,22 @@ def main(argv=None) -> int:
 
     from fp4video.testmodel.train import SMOKE_SETTINGS, Settings, train
 
-    options = ("seed", "size", "minutes", "vae_minutes", "reserve_seconds", "batch", "vae_batch", "vae_frames", "lr",
-               "vae_lr", "train_shift", "pool_size", "pool_refresh", "max_steps", "max_vae_steps", "eval_clips",
-               "checkpoint_seconds", "compile", "shape_weights", "vae_colour_weights", "vae_first_frame_weight",
-               "shape_loss_weight", "ema_decay")
+    options = ("seed", "size", "heads", "layers", "minutes", "vae_minutes", "reserve_seconds", "batch", "vae_batch",
+               "vae_frames", "lr", "vae_lr", "train_shift", "pool_size", "pool_refresh", "max_steps", "max_vae_steps",
+               "eval_clips", "checkpoint_seconds", "compile", "shape_weights", "vae_colour_weights",
+               "vae_first_frame_weight", "shape_loss_weight", "ema_decay")
     given = {name: getattr(args, name) for name in options if getattr(args, name) is not None}
     if args.resume is not None and args.size is not None:
         parser.error("--size chooses a fresh run's model: a resumed run keeps its model's sizes")
-    if args.resume is not None and args.vae_minutes is None:
+    for name in ("heads", "layers", "vae_from"):
+        if args.resume is not None and getattr(args, name) is not None:
+            parser.error(f"--{name.replace('_', '-')} builds a fresh run's model: a resumed run keeps its model")
+    if args.vae_from is not None:
+        try:
+            given["vae_from"] = str(saved_model(args.vae_from))
+        except FileNotFoundError as e:
+            parser.error(f"--vae-from {e}")
+    if (args.resume is not None or args.vae_from is not None) and args.vae_minutes is None:
         given["vae_minutes"] = 0.0
     base = dict(SMOKE_SETTINGS) if args.smoke else {}
     try:
@@ -258,8 +272,16 @@ def main(argv=None) -> int:
     if settings.vae_minutes * 60 >= settings.minutes * 60 - settings.reserve_seconds:
         parser.error(f"--vae-minutes {settings.vae_minutes:g} leaves the transformer no time within --minutes "
                      f"{settings.minutes:g} less {settings.reserve_seconds:g} reserved seconds")
-    if args.resume is None and settings.vae_minutes == 0:
-        parser.error("a fresh run trains its VAE first: give --vae-minutes > 0 (or --resume a trained model)")
+    if args.resume is None and args.vae_from is None and settings.vae_minutes == 0:
+        parser.error("a fresh run trains its VAE first: give --vae-minutes > 0 (or --resume a trained model, or "
+                     "--vae-from one)")
+    if args.vae_from is not None:  # before any work: the VAE must fit the run's sizes
+        from fp4video.testmodel import test_model_pipeline
+        from fp4video.testmodel.train import fresh_config, vae_mismatch
+
+        diff = vae_mismatch(fresh_config(settings), test_model_pipeline(path=settings.vae_from).vae)
+        if diff:
+            parser.error(f"--vae-from {args.vae_from}: its VAE is not of this run's --size ({diff})")
     try:
         train(settings, args.out, resume=args.resume, packed=args.pack, device=args.device, git=_git(),
               started=STARTED)

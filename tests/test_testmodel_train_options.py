@@ -688,3 +688,39 @@ def test_resuming_a_model_without_its_log_needs_a_seed(tmp_path):
                                "--eval-clips", "0"]) == 0
     log = json.loads((tmp_path / "c" / "train_log.json").read_text())
     assert "resumed_without_log" not in log and log["data_offsets"]["vae"] == 1
+
+
+@pytest.mark.slow
+def test_vae_from_trains_a_new_transformer_on_a_saved_models_vae(tmp_path):
+    """``--vae-from`` takes a saved model's trained VAE (weights and latent statistics, bit for bit)
+    into a fresh model, whose transformer ``--heads`` / ``--layers`` size, and trains no VAE; a VAE
+    of other sizes, and the options with ``--resume``, are refused in one line before any work."""
+    from safetensors.torch import load_file
+
+    src = tmp_path / "src"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert _script().main(["--smoke", "--size", "fine", "--out", str(src), "--max-vae-steps", "1",
+                               "--eval-clips", "0"]) == 0
+    out = tmp_path / "wide"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert _script().main(["--smoke", "--size", "fine", "--vae-from", str(src), "--heads", "3", "--layers", "3",
+                               "--seed", "7", "--out", str(out), "--eval-clips", "0"]) == 0
+    log = json.loads((out / "train_log.json").read_text())
+    assert "vae" not in log["phases"] and log["phases"]["transformer"]["steps"] == SMOKE_SETTINGS["max_steps"]
+    assert log["vae_from"]["model"] == str(src / "pipeline")
+    t = json.loads((out / "pipeline" / "transformer" / "config.json").read_text())
+    assert (t["num_attention_heads"], t["num_layers"], t["ffn_dim"]) == (3, 3, 4 * 3 * t["attention_head_dim"])
+    a, b = (json.loads((f / "pipeline" / "vae" / "config.json").read_text()) for f in (src, out))
+    assert a["latents_mean"] == b["latents_mean"] and a["latents_std"] == b["latents_std"]
+    wa, wb = (load_file(next((f / "pipeline" / "vae").glob("*.safetensors"))) for f in (src, out))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    for args, match in (
+            (["--vae-from", str(src)], "--vae-from " + str(src) + ": its VAE is not of this run's --size (dim_mult "),
+            (["--resume", str(out), "--heads", "2"], "--heads builds a fresh run's model: a resumed run keeps its model"),
+            (["--vae-from", str(tmp_path / "nowhere")], "--vae-from " + str(tmp_path / "nowhere") + ": no such folder")):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+            _script().main(["--smoke", "--out", str(tmp_path / "refused"), *args])
+        last = err.getvalue().strip().splitlines()[-1]
+        assert last.startswith("train_test_model.py: error: " + match), last
+        assert not (tmp_path / "refused").exists()

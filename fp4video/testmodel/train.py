@@ -42,9 +42,9 @@ from .model import (FINE, FULL, SMOKE, TRAIN_LOG, TestModelConfig, build_pipelin
                     save_pipeline, text_embeddings, tokenize)
 from .scenes import COLOURS, SHAPES, SceneSpec, held_out_scenes, render, sample_scenes, sampling_probabilities
 
-__all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "fresh_config", "data_offsets", "training_log_of",
-           "overwrite_oldest", "clip_frames", "generate", "evaluate", "eval_scenes", "EVAL_COMBINATIONS", "call_for",
-           "flow_sample", "latent_cover", "flow_loss"]
+__all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "fresh_config", "vae_mismatch", "data_offsets",
+           "training_log_of", "overwrite_oldest", "clip_frames", "generate", "evaluate", "eval_scenes",
+           "EVAL_COMBINATIONS", "call_for", "flow_sample", "latent_cover", "flow_loss"]
 
 _PHASES = {"vae": 1, "stats": 2, "pool": 3, "noise": 4}
 
@@ -57,6 +57,11 @@ class Settings(BaseModel):
     seed: int = 0
     size: Literal["full", "fine"] = Field("full", description="a fresh run's model: FULL (the shipped sizes) or "
                                           "FINE (a 4× VAE and a (1, 2, 2) patch); a resumed run keeps its model's")
+    heads: int | None = Field(None, gt=0, description="a fresh run's transformer heads of 64 (None: the size's; "
+                              "its feed-forward stays 4× the width)")
+    layers: int | None = Field(None, gt=0, description="a fresh run's transformer blocks (None: the size's)")
+    vae_from: str | None = Field(None, description="a saved model whose trained VAE (weights and latent "
+                                 "statistics) a fresh run takes instead of a new one")
     minutes: float = Field(8.0, gt=0, description="wall-clock budget of the whole run, from its start")
     vae_minutes: float = Field(2.0, ge=0, description="of which the VAE trains (from the start)")
     reserve_seconds: float = Field(60.0, ge=0, description="kept at the end for the evaluation and the last save")
@@ -303,13 +308,45 @@ def _load(resume: Path, device):
 
 def fresh_config(s: Settings) -> TestModelConfig:
     """The sizes a fresh run builds: FULL or FINE, or the SMOKE model (of FINE's VAE depth and patch
-    where ``size`` is "fine")."""
+    where ``size`` is "fine"); ``heads`` and ``layers``, where given, replace the transformer's (its
+    feed-forward 4× the width, as in every size)."""
     if not s.smoke:
-        return FINE if s.size == "fine" else FULL
-    if s.size == "full":
-        return SMOKE
-    return TestModelConfig(**{**SMOKE.model_dump(), "vae_dim_mult": SMOKE.vae_dim_mult[:3],
-                              "patch_size": FINE.patch_size})
+        config = FINE if s.size == "fine" else FULL
+    elif s.size == "full":
+        config = SMOKE
+    else:
+        config = TestModelConfig(**{**SMOKE.model_dump(), "vae_dim_mult": SMOKE.vae_dim_mult[:3],
+                                    "patch_size": FINE.patch_size})
+    update = {}
+    if s.heads is not None:
+        update.update(heads=s.heads, ffn_dim=4 * s.heads * config.head_dim)
+    if s.layers is not None:
+        update.update(layers=s.layers)
+    return TestModelConfig(**{**config.model_dump(), **update}) if update else config
+
+
+def vae_mismatch(config: TestModelConfig, vae) -> str | None:
+    """How ``vae`` (an ``AutoencoderKLWan``) differs from the VAE ``config`` builds ("z_dim 16, this
+    run's 8; ..."), or None where it is of those sizes (it can be taken into that model)."""
+    want = {"base_dim": config.vae_base_dim, "z_dim": config.z_dim, "dim_mult": list(config.vae_dim_mult),
+            "num_res_blocks": config.vae_res_blocks, "temperal_downsample": config.temporal_downsample,
+            "scale_factor_spatial": config.spatial_compression}
+    have = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in vae.config.items() if k in want}
+    diff = [f"{k} {have.get(k)}, this run's {v}" for k, v in want.items() if have.get(k) != v]
+    return "; ".join(diff) or None
+
+
+def _take_vae(run: _Run, pipe, config: TestModelConfig, source: Path, device) -> None:
+    """Load ``source``'s trained VAE (weights, latent statistics) into the fresh ``pipe``; a VAE of
+    other sizes is refused in one line."""
+    src = _load(source, device).vae
+    diff = vae_mismatch(config, src)
+    if diff:
+        raise ValueError(f"vae_from {source}: its VAE is not of this run's size ({diff})")
+    pipe.vae.load_state_dict(src.state_dict())
+    pipe.vae.register_to_config(latents_mean=list(src.config.latents_mean), latents_std=list(src.config.latents_std))
+    run.data["vae_from"] = {"model": str(source), "log": str(training_log_of(source) or "")}
+    run.say(f"VAE taken from {source}")
 
 
 def config_of(pipe, base: TestModelConfig) -> TestModelConfig:
@@ -753,6 +790,8 @@ def train(settings: Settings, out, *, resume=None, packed: bool = False, device=
     else:
         config = fresh_config(s)
         pipe = build_pipeline(config, seed=s.seed).to(device)
+        if s.vae_from is not None:
+            _take_vae(run, pipe, config, Path(s.vae_from), device)
     run.data["data_offsets"] = run.offsets()
     pipe.set_progress_bar_config(disable=True)
     counts = parameter_counts(pipe)
@@ -764,8 +803,9 @@ def train(settings: Settings, out, *, resume=None, packed: bool = False, device=
     if s.vae_minutes > 0 and (s.max_vae_steps is None or s.max_vae_steps > 0):
         _vae_phase(run, pipe, config, s, device, min(s.vae_minutes * 60, deadline), packed)
         _save(run, pipe, packed)
-    elif resume is None:
-        raise ValueError("a fresh run trains its VAE first: give --vae-minutes > 0 (or --resume a trained model)")
+    elif resume is None and s.vae_from is None:
+        raise ValueError("a fresh run trains its VAE first: give --vae-minutes > 0 (or --resume a trained model, "
+                         "or --vae-from one)")
     elif _default_statistics(pipe):  # a checkpoint from within the VAE's training: its statistics not yet set
         _latent_statistics(run, pipe, config, s, device)
     ema = _transformer_phase(run, pipe, config, s, device, deadline, packed)
