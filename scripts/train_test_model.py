@@ -279,7 +279,11 @@ def main(argv=None) -> int:
         from fp4video.testmodel import test_model_pipeline
         from fp4video.testmodel.train import fresh_config, vae_mismatch
 
-        diff = vae_mismatch(fresh_config(settings), test_model_pipeline(path=settings.vae_from).vae)
+        try:
+            source = test_model_pipeline(path=settings.vae_from)
+        except (FileNotFoundError, ValueError) as e:
+            parser.error(f"--vae-from {args.vae_from}: {str(e).splitlines()[0]}")
+        diff = vae_mismatch(fresh_config(settings), source.vae)
         if diff:
             parser.error(f"--vae-from {args.vae_from}: its VAE is not of this run's --size ({diff})")
     try:

@@ -714,10 +714,14 @@ def test_vae_from_trains_a_new_transformer_on_a_saved_models_vae(tmp_path):
     assert a["latents_mean"] == b["latents_mean"] and a["latents_std"] == b["latents_std"]
     wa, wb = (load_file(next((f / "pipeline" / "vae").glob("*.safetensors"))) for f in (src, out))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    broken = tmp_path / "broken"  # a pipeline folder's index alone
+    broken.mkdir()
+    (broken / "model_index.json").write_text("{}")
     for args, match in (
             (["--vae-from", str(src)], "--vae-from " + str(src) + ": its VAE is not of this run's --size (dim_mult "),
             (["--resume", str(out), "--heads", "2"], "--heads builds a fresh run's model: a resumed run keeps its model"),
-            (["--vae-from", str(tmp_path / "nowhere")], "--vae-from " + str(tmp_path / "nowhere") + ": no such folder")):
+            (["--vae-from", str(tmp_path / "nowhere")], "--vae-from " + str(tmp_path / "nowhere") + ": no such folder"),
+            (["--vae-from", str(broken)], f"--vae-from {broken}: {broken}: transformer/config.json is missing")):
         err = io.StringIO()
         with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
             _script().main(["--smoke", "--out", str(tmp_path / "refused"), *args])
