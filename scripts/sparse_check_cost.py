@@ -76,6 +76,7 @@ def previous_check(sel: BlockSelection, q, k, rows: int, row_mass, floor: float,
     return tiles | union_take(tiles, share, floor, 0.25).any(-2)
 
 
+@torch.no_grad()  # no graph for a measurement, and the caller's grad mode back on return
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -106,7 +107,6 @@ def main(argv=None):
         p.error("--graph needs a CUDA device")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.set_grad_enabled(False)
     dtype = getattr(torch, args.dtype)
     b, h, s, d = args.batch, args.heads, args.tokens, args.head_dim
     g = torch.Generator(device=device).manual_seed(0)

@@ -494,6 +494,7 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+@torch.no_grad()  # no graph for a measurement, and the caller's grad mode back on return
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="permutation")
@@ -526,7 +527,6 @@ def main(argv=None):
         p.error(f"--tau must be in (0, 1], got {args.tau}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.set_grad_enabled(False)
     t0 = time.perf_counter()
 
     def log(msg):

@@ -289,6 +289,7 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+@torch.no_grad()  # no graph for a measurement, and the caller's grad mode back on return
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="repair-designs")
@@ -297,7 +298,6 @@ def main(argv=None):
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.set_grad_enabled(False)
     t0 = time.perf_counter()
     from fp4video.harness.video_heads import capture_self_attention
     from fp4video.testmodel import HELD_OUT, TEST_MODEL_CALL, test_model_pipeline

@@ -367,10 +367,10 @@ def aggregate(rows: list[dict], raw: dict, key=lambda r: True) -> list[dict]:
     return out
 
 
+@torch.no_grad()  # no graph for a measurement, and the caller's grad mode back on return
 def run_learned(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.set_grad_enabled(False)
     t0 = time.perf_counter()
     calls, repeats, captions, call = capture_learned(args)
     capture_s = time.perf_counter() - t0

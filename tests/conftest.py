@@ -31,6 +31,20 @@ def rand(*shape, seed, device="cpu", dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=dtype)
 
 
+
+@pytest.fixture(autouse=True)
+def _grad_mode_is_left_as_found():
+    """A test (or a script's ``main`` it calls) that switches autograd off for the process and leaves
+    it off makes later tests in the same worker see no graph; such a test fails here, by name, and
+    the mode is put back for the tests after it."""
+    before = torch.is_grad_enabled()
+    yield
+    after = torch.is_grad_enabled()
+    if after != before:
+        torch.set_grad_enabled(before)
+        pytest.fail(f"the test left autograd {'on' if after else 'off'} for the process (it found it "
+                    f"{'on' if before else 'off'}): use torch.no_grad() as a context or decorator", pytrace=False)
+
 @pytest.fixture
 def device() -> str:
     """Where kernel tests run: the GPU if there is one, else the CPU (interpreter)."""
