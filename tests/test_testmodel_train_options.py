@@ -728,3 +728,25 @@ def test_vae_from_trains_a_new_transformer_on_a_saved_models_vae(tmp_path):
         last = err.getvalue().strip().splitlines()[-1]
         assert last.startswith("train_test_model.py: error: " + match), last
         assert not (tmp_path / "refused").exists()
+
+
+def test_a_gpu_run_puts_the_process_matmul_settings_back():
+    """Training on a GPU turns on TF32 and cuDNN's autotuning for its own work and puts the
+    process's settings back when it ends, also when it fails (the flags are process-wide; setting
+    them needs no GPU)."""
+    flags = lambda: (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,  # noqa: E731
+                     torch.backends.cudnn.benchmark)
+    before = flags()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.benchmark = False
+    try:
+        with tm._fast_cuda_kernels(torch.device("cuda")):
+            assert flags() == (True, True, True)
+        assert flags() == (False, False, False)
+        with pytest.raises(RuntimeError, match="diverged"):
+            with tm._fast_cuda_kernels(torch.device("cuda")):
+                raise RuntimeError("diverged")
+        assert flags() == (False, False, False)
+        with tm._fast_cuda_kernels(torch.device("cpu")):
+            assert flags() == (False, False, False), "a CPU run changes no GPU setting"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = before

@@ -762,17 +762,34 @@ def _environment(device) -> dict:
     return env
 
 
+@contextlib.contextmanager
+def _fast_cuda_kernels(device):
+    """TF32 matmuls and cuDNN's autotuning while a run trains on a GPU; the process's settings are
+    put back when it ends (a caller's later work keeps its own precision)."""
+    if device.type != "cuda":
+        yield
+        return
+    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.benchmark = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = flags
+
+
 def train(settings: Settings, out, *, resume=None, packed: bool = False, device=None, git: dict | None = None,
           log=print, started: float | None = None) -> dict:
     """Run the training ``settings`` describe, writing under ``out`` as it goes; returns the log.
     ``started``: the ``time.perf_counter()`` the budget counts from (default: now)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with _fast_cuda_kernels(device):
+        return _train(settings, out, resume=resume, packed=packed, device=device, git=git, log=log, started=started)
+
+
+def _train(settings: Settings, out, *, resume, packed: bool, device: torch.device, git: dict | None, log,
+           started: float | None) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        torch.backends.cudnn.benchmark = True
     s = settings
     run = _Run(out, log, {"settings": s.model_dump(), "environment": _environment(device), "git": git or {},
                           "resumed_from": str(resume) if resume else None}, started)
