@@ -750,3 +750,98 @@ def test_a_gpu_run_puts_the_process_matmul_settings_back():
             assert flags() == (False, False, False), "a CPU run changes no GPU setting"
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = before
+
+
+# --- growing a resumed transformer -----------------------------------------------------------------
+
+def _wan_call(transformer, seed):
+    g = torch.Generator().manual_seed(seed)
+    cfg = transformer.config
+    x = torch.randn(2, cfg.in_channels, 2, 4, 4, generator=g)
+    text = torch.randn(2, 5, cfg.text_dim, generator=g)
+    t = torch.tensor([870.0, 130.0])
+    return dict(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)
+
+
+def test_grown_blocks_keep_the_function_copy_their_source_and_learn(tmp_path):
+    """grow_blocks: the grown transformer's outputs equal the given one's bit for bit on random inputs
+    (every new block adds zero); each new block sits right after the block it copies, equal to it but
+    for the three output projections, which are zero; the new depth saves and loads; and a training
+    step's gradient reaches the zeroed projections (the new blocks learn)."""
+    from diffusers import WanTransformer3DModel
+
+    transformer = build_pipeline(SMOKE, seed=0).transformer.float()
+    with torch.no_grad():  # trained-looking weights: no parameter left at a constant initial value
+        for p in transformer.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    source = [b for b in transformer.blocks]
+    calls = [_wan_call(transformer, seed) for seed in (1, 2)]
+    with torch.no_grad():
+        before = [transformer(**c)[0] for c in calls]
+    n = len(source)
+    copied = tm.grow_blocks(transformer, 3)
+    assert copied == [0, 1, 1] and len(transformer.blocks) == n + 3 and transformer.config.num_layers == n + 3
+    order = [0, "0", 1, "1", "1"]  # the given blocks as they were (same objects), copies after their source
+    for block, where in zip(transformer.blocks, order):
+        if isinstance(where, int):
+            assert block is source[where]
+            continue
+        src = dict(source[int(where)].named_parameters())
+        zeroed = {"attn1.to_out.0.weight", "attn1.to_out.0.bias", "attn2.to_out.0.weight", "attn2.to_out.0.bias",
+                  "ffn.net.2.weight", "ffn.net.2.bias"}
+        for name, p in block.named_parameters():
+            assert p.data_ptr() != src[name].data_ptr(), f"{name} shares storage with its source"
+            if name in zeroed:
+                assert not p.any(), name
+            else:
+                assert torch.equal(p, src[name]), name
+        assert zeroed <= set(src), "the zeroed names are the block's output projections"
+    with torch.no_grad():
+        after = [transformer(**c)[0] for c in calls]
+    for a, b in zip(before, after):
+        assert torch.equal(a, b)
+    transformer.save_pretrained(tmp_path / "grown")
+    loaded = WanTransformer3DModel.from_pretrained(tmp_path / "grown")
+    assert loaded.config.num_layers == n + 3 and len(loaded.blocks) == n + 3
+    with torch.no_grad():
+        assert torch.equal(loaded(**calls[0])[0], before[0])
+    out = transformer(**calls[0])[0]
+    out.pow(2).mean().backward()
+    for i in (1, 3, 4):
+        for layer in (transformer.blocks[i].attn1.to_out[0], transformer.blocks[i].attn2.to_out[0],
+                      transformer.blocks[i].ffn.net[2]):
+            assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0, i
+    assert tm.grow_blocks(transformer, 0) == [] and len(transformer.blocks) == n + 3
+    with pytest.raises(ValueError, match="extra must be >= 0"):
+        tm.grow_blocks(transformer, -1)
+
+
+def test_a_resumed_run_grows_its_transformer_and_a_fresh_one_refuses_to(tmp_path):
+    """``--grow-layers`` on a resumed smoke run: the log records the growth, the saved pipeline has
+    the new depth and loads; a fresh run with it is refused in one line, before any work (the
+    script's and ``train``'s own check)."""
+    from diffusers import WanPipeline
+
+    run = tmp_path / "run"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert _script().main(["--smoke", "--out", str(run), "--max-vae-steps", "1", "--eval-clips", "0"]) == 0
+        assert _script().main(["--smoke", "--resume", str(run), "--grow-layers", "2", "--out", str(tmp_path / "grown"),
+                               "--eval-clips", "1"]) == 0
+    log = json.loads((run / "train_log.json").read_text())
+    grown = json.loads((tmp_path / "grown" / "train_log.json").read_text())
+    n = log["config"]["layers"]
+    assert grown["grown"] == {"layers_before": n, "layers_after": n + 2, "blocks_copied": [0, 1]}
+    assert grown["config"]["layers"] == n + 2
+    assert grown["parameters"]["transformer"] > log["parameters"]["transformer"]
+    pipe = WanPipeline.from_pretrained(tmp_path / "grown" / "pipeline")
+    assert pipe.transformer.config.num_layers == n + 2 and len(pipe.transformer.blocks) == n + 2
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+        _script().main(["--smoke", "--grow-layers", "1", "--out", str(tmp_path / "fresh")])
+    assert err.getvalue().strip().splitlines()[-1] == ("train_test_model.py: error: --grow-layers adds blocks to a "
+                                                       "resumed model: a fresh run's depth is --layers")
+    assert not (tmp_path / "fresh").exists()
+    with pytest.raises(ValueError, match="grow_layers adds blocks to a resumed model"):
+        tm.train(Settings(**{**SMOKE_SETTINGS, "grow_layers": 1}), tmp_path / "fresh2", device="cpu",
+                 log=lambda *a, **k: None)
+    assert not (tmp_path / "fresh2").exists()

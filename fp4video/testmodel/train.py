@@ -44,7 +44,7 @@ from .scenes import COLOURS, SHAPES, SceneSpec, held_out_scenes, render, sample_
 
 __all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "fresh_config", "vae_mismatch", "data_offsets",
            "training_log_of", "overwrite_oldest", "clip_frames", "generate", "evaluate", "eval_scenes",
-           "EVAL_COMBINATIONS", "call_for", "flow_sample", "latent_cover", "flow_loss"]
+           "EVAL_COMBINATIONS", "call_for", "flow_sample", "latent_cover", "flow_loss", "grow_blocks"]
 
 _PHASES = {"vae": 1, "stats": 2, "pool": 3, "noise": 4}
 
@@ -60,6 +60,9 @@ class Settings(BaseModel):
     heads: int | None = Field(None, gt=0, description="a fresh run's transformer heads of 64 (None: the size's; "
                               "its feed-forward stays 4× the width)")
     layers: int | None = Field(None, gt=0, description="a fresh run's transformer blocks (None: the size's)")
+    grow_layers: int = Field(0, ge=0, description="blocks a resumed run adds to its transformer before it trains "
+                             "(grow_blocks: copies whose outputs start at zero, so training starts from the "
+                             "resumed model's function)")
     vae_from: str | None = Field(None, description="a saved model whose trained VAE (weights and latent "
                                  "statistics) a fresh run takes instead of a new one")
     minutes: float = Field(8.0, gt=0, description="wall-clock budget of the whole run, from its start")
@@ -507,6 +510,38 @@ def _normalizer(pipe, device):
 
 
 @torch.no_grad()
+def grow_blocks(transformer, extra: int) -> list[int]:
+    """Add ``extra`` blocks to a ``WanTransformer3DModel``, each a copy of one of its blocks placed
+    right after it (the blocks copied spread evenly over the depth; more copies than blocks copy each
+    several times), with the three output projections that write into the residual stream (self-
+    attention's, cross-attention's, the feed-forward's second linear) set to zero: every new block
+    adds exactly zero, so the grown model computes what the given one computes, and training starts
+    from its function with more depth. The config's ``num_layers`` follows (the model saves and loads
+    at its new depth). Returns the indices, in the given model, of the blocks copied."""
+    import copy
+
+    blocks = transformer.blocks
+    n = len(blocks)
+    if extra < 0:
+        raise ValueError(f"grow_blocks: extra must be >= 0, got {extra}")
+    copied = [min(n - 1, (2 * j + 1) * n // (2 * extra)) for j in range(extra)]
+    grown = []
+    for i, block in enumerate(blocks):
+        grown.append(block)
+        for _ in range(copied.count(i)):
+            new = copy.deepcopy(block)
+            ffn_out = [m for m in new.ffn.modules() if isinstance(m, torch.nn.Linear)][-1]
+            with torch.no_grad():
+                for layer in (new.attn1.to_out[0], new.attn2.to_out[0], ffn_out):
+                    layer.weight.zero_()
+                    if layer.bias is not None:
+                        layer.bias.zero_()
+            grown.append(new)
+    transformer.blocks = torch.nn.ModuleList(grown)
+    transformer.register_to_config(num_layers=len(grown))
+    return copied
+
+
 def overwrite_oldest(pool: tuple, fresh: tuple, oldest: int) -> int:
     """Write the rows of each ``fresh`` tensor over the rows of its ``pool`` tensor from row
     ``oldest`` on, wrapping around (a ring: the pool's oldest clips go first); None entries are
@@ -781,6 +816,8 @@ def train(settings: Settings, out, *, resume=None, packed: bool = False, device=
           log=print, started: float | None = None) -> dict:
     """Run the training ``settings`` describe, writing under ``out`` as it goes; returns the log.
     ``started``: the ``time.perf_counter()`` the budget counts from (default: now)."""
+    if settings.grow_layers and resume is None:
+        raise ValueError("grow_layers adds blocks to a resumed model: a fresh run's depth is layers")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with _fast_cuda_kernels(device):
         return _train(settings, out, resume=resume, packed=packed, device=device, git=git, log=log, started=started)
@@ -803,6 +840,13 @@ def _train(settings: Settings, out, *, resume, packed: bool, device: torch.devic
             run.data["resumed_without_log"] = True
             run.say(f"{resume} holds no training log: this run draws seed {s.seed}'s streams from their start")
         pipe = _load(resume, device)
+        if s.grow_layers:
+            before = pipe.transformer.config.num_layers
+            copied = grow_blocks(pipe.transformer, s.grow_layers)
+            run.data["grown"] = {"layers_before": before, "layers_after": pipe.transformer.config.num_layers,
+                                 "blocks_copied": copied}
+            run.say(f"transformer grown from {before} to {pipe.transformer.config.num_layers} blocks (copies of "
+                    f"blocks {copied}, their outputs zero)")
         config = config_of(pipe, SMOKE if s.smoke else FULL)
     else:
         config = fresh_config(s)
