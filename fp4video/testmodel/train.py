@@ -509,7 +509,6 @@ def _normalizer(pipe, device):
     return mean, std
 
 
-@torch.no_grad()
 def grow_blocks(transformer, extra: int) -> list[int]:
     """Add ``extra`` blocks to a ``WanTransformer3DModel``, each a copy of one of its blocks placed
     right after it (the blocks copied spread evenly over the depth; more copies than blocks copy each
@@ -542,6 +541,7 @@ def grow_blocks(transformer, extra: int) -> list[int]:
     return copied
 
 
+@torch.no_grad()
 def overwrite_oldest(pool: tuple, fresh: tuple, oldest: int) -> int:
     """Write the rows of each ``fresh`` tensor over the rows of its ``pool`` tensor from row
     ``oldest`` on, wrapping around (a ring: the pool's oldest clips go first); None entries are
