@@ -44,7 +44,7 @@ from .scenes import COLOURS, SHAPES, SceneSpec, held_out_scenes, render, sample_
 
 __all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "fresh_config", "vae_mismatch", "data_offsets",
            "training_log_of", "overwrite_oldest", "clip_frames", "generate", "evaluate", "eval_scenes",
-           "EVAL_COMBINATIONS", "call_for", "flow_sample", "latent_cover", "flow_loss", "grow_blocks"]
+           "EVAL_COMBINATIONS", "call_for", "flow_sample", "latent_cover", "flow_loss", "grow_blocks", "pool_clips"]
 
 _PHASES = {"vae": 1, "stats": 2, "pool": 3, "noise": 4}
 
@@ -570,6 +570,20 @@ def _encode_clips(pipe, config: TestModelConfig, s: Settings, device, count: int
     cover = latent_cover(cover, mu.shape).to(store) if s.shape_loss_weight else None
     ids, masks = tokenize(pipe.tokenizer, scenes.captions(), config.max_sequence_length)
     return ((mu - mean) / std).to(store), ids.to(device), masks.to(device), cover
+
+
+@torch.no_grad()
+def pool_clips(pipe, config: TestModelConfig, seed: int, first: int, count: int, device,
+               encode_batch: int = 64):
+    """The ``count`` clips a run of ``seed`` draws into its latent pool from stream index ``first``
+    on, drawn in encode batches of ``encode_batch`` as the pool draws them (a fresh run's pool holds
+    those from 0; ``first`` a multiple of ``encode_batch`` keeps the batches): (latents normalized,
+    token ids, text masks, the shape's latent coverage), float32 on CPU devices."""
+    device = torch.device(device)
+    s = Settings(seed=seed, encode_batch=encode_batch, shape_loss_weight=1.0)
+    parts = [_encode_clips(pipe, config, s, device, min(encode_batch, count - i), _stream(seed, "pool", first + i))
+             for i in range(0, count, encode_batch)]
+    return tuple(torch.cat(p) for p in zip(*parts))
 
 
 @torch.no_grad()
