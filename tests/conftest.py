@@ -31,19 +31,21 @@ def rand(*shape, seed, device="cpu", dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=dtype)
 
 
-
 @pytest.fixture(autouse=True)
 def _grad_mode_is_left_as_found():
-    """A test (or a script's ``main`` it calls) that switches autograd off for the process and leaves
-    it off makes later tests in the same worker see no graph; such a test fails here, by name, and
-    the mode is put back for the tests after it."""
-    before = torch.is_grad_enabled()
+    """Autograd is on for the process between tests. A test (or a script's ``main`` it calls) that
+    switches it off and leaves it off fails here, by name; a test that finds it off (a module
+    fixture left it so) fails saying so; either way it is put back on for the tests after."""
+    if not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("autograd was off when this test started: a fixture or an earlier test switched it off for "
+                    "the process (use torch.no_grad() as a context or decorator)", pytrace=False)
     yield
-    after = torch.is_grad_enabled()
-    if after != before:
-        torch.set_grad_enabled(before)
-        pytest.fail(f"the test left autograd {'on' if after else 'off'} for the process (it found it "
-                    f"{'on' if before else 'off'}): use torch.no_grad() as a context or decorator", pytrace=False)
+    if not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("the test left autograd off for the process: use torch.no_grad() as a context or decorator",
+                    pytrace=False)
+
 
 @pytest.fixture
 def device() -> str:

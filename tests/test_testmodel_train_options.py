@@ -730,26 +730,38 @@ def test_vae_from_trains_a_new_transformer_on_a_saved_models_vae(tmp_path):
         assert not (tmp_path / "refused").exists()
 
 
-def test_a_gpu_run_puts_the_process_matmul_settings_back():
-    """Training on a GPU turns on TF32 and cuDNN's autotuning for its own work and puts the
-    process's settings back when it ends, also when it fails (the flags are process-wide; setting
-    them needs no GPU)."""
-    flags = lambda: (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,  # noqa: E731
-                     torch.backends.cudnn.benchmark)
-    before = flags()
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.benchmark = False
+def test_a_gpu_run_puts_the_process_matmul_settings_back(monkeypatch):
+    """``train`` on a GPU runs its work with TF32 and cuDNN's autotuning on and puts the process's
+    settings back when it ends, also when it fails; a CPU run changes none (the switches are
+    process-wide; setting them needs no GPU)."""
+    switches = tm._precision_switches()
+    state = lambda: [getattr(obj, name) for obj, name in switches]  # noqa: E731
+    fast = [True if name != "fp32_precision" else "tf32" for _, name in switches]
+    before = state()
+    seen = []
+
+    def fake_train(settings, out, *, device, **kwargs):
+        seen.append((device.type, state()))
+        if settings.seed == 13:
+            raise RuntimeError("diverged")
+        return {}
+
+    monkeypatch.setattr(tm, "_train", fake_train)
+    slow = [False if name != "fp32_precision" else "ieee" for _, name in switches]
     try:
-        with tm._fast_cuda_kernels(torch.device("cuda")):
-            assert flags() == (True, True, True)
-        assert flags() == (False, False, False)
+        for (obj, name), value in zip(switches, slow):
+            setattr(obj, name, value)
+        tm.train(Settings(**SMOKE_SETTINGS), "unused", device="cuda")
+        assert seen[-1] == ("cuda", fast) and state() == slow
         with pytest.raises(RuntimeError, match="diverged"):
-            with tm._fast_cuda_kernels(torch.device("cuda")):
-                raise RuntimeError("diverged")
-        assert flags() == (False, False, False)
-        with tm._fast_cuda_kernels(torch.device("cpu")):
-            assert flags() == (False, False, False), "a CPU run changes no GPU setting"
+            tm.train(Settings(**{**SMOKE_SETTINGS, "seed": 13}), "unused", device="cuda")
+        assert seen[-1] == ("cuda", fast) and state() == slow
+        tm.train(Settings(**SMOKE_SETTINGS), "unused", device="cpu")
+        assert seen[-1] == ("cpu", slow) and state() == slow
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = before
+        for (obj, name), value in zip(switches, before):
+            setattr(obj, name, value)
+    assert state() == before
 
 
 # --- growing a resumed transformer -----------------------------------------------------------------
@@ -816,6 +828,7 @@ def test_grown_blocks_keep_the_function_copy_their_source_and_learn(tmp_path):
         tm.grow_blocks(transformer, -1)
 
 
+@pytest.mark.slow
 def test_a_resumed_run_grows_its_transformer_and_a_fresh_one_refuses_to(tmp_path):
     """``--grow-layers`` on a resumed smoke run: the log records the growth, the saved pipeline has
     the new depth and loads; a fresh run with it is refused in one line, before any work (the

@@ -529,9 +529,8 @@ def grow_blocks(transformer, extra: int) -> list[int]:
         grown.append(block)
         for _ in range(copied.count(i)):
             new = copy.deepcopy(block)
-            ffn_out = [m for m in new.ffn.modules() if isinstance(m, torch.nn.Linear)][-1]
-            with torch.no_grad():
-                for layer in (new.attn1.to_out[0], new.attn2.to_out[0], ffn_out):
+            with torch.no_grad():  # diffusers' FeedForward: net = [projection and GELU, dropout, output linear]
+                for layer in (new.attn1.to_out[0], new.attn2.to_out[0], new.ffn.net[2]):
                     layer.weight.zero_()
                     if layer.bias is not None:
                         layer.bias.zero_()
@@ -558,12 +557,16 @@ def overwrite_oldest(pool: tuple, fresh: tuple, oldest: int) -> int:
 
 
 @torch.no_grad()
-def _encode_clips(pipe, config: TestModelConfig, s: Settings, device, count: int, seed: int):
+def _encode_clips(pipe, config: TestModelConfig, s: Settings, device, count: int, seed: int,
+                  keep: int | None = None):
     """(latents normalized, token ids, text masks, the shape's latent coverage or None) of ``count``
-    fresh clips drawn from ``seed``; latents and coverage in bfloat16 on CUDA."""
+    fresh clips drawn from ``seed`` (the first ``keep`` of them where given: a draw's clips depend on
+    its count); latents and coverage in bfloat16 on CUDA."""
     mean, std = _normalizer(pipe, device)
     store = torch.bfloat16 if device.type == "cuda" else torch.float32
     scenes = sample_scenes(count, seed=seed, shape_weights=s.shape_weights)
+    if keep is not None and keep < count:
+        scenes = scenes.subset(torch.arange(keep))
     video, cover = render(scenes, frames=config.frames, height=config.height, width=config.width, device=device)
     with _autocast(device):
         mu = pipe.vae.encode(video).latent_dist.mean.float()
@@ -573,16 +576,20 @@ def _encode_clips(pipe, config: TestModelConfig, s: Settings, device, count: int
 
 
 @torch.no_grad()
-def pool_clips(pipe, config: TestModelConfig, seed: int, first: int, count: int, device,
-               encode_batch: int = 64):
-    """The ``count`` clips a run of ``seed`` draws into its latent pool from stream index ``first``
-    on, drawn in encode batches of ``encode_batch`` as the pool draws them (a fresh run's pool holds
-    those from 0; ``first`` a multiple of ``encode_batch`` keeps the batches): (latents normalized,
-    token ids, text masks, the shape's latent coverage), float32 on CPU devices."""
+def pool_clips(pipe, config: TestModelConfig, settings: Settings, first: int, count: int, device):
+    """Clips 0 to ``count`` - 1 of the latent pool a run of ``settings`` (its seed, encode batch,
+    pool size and shape weights) builds from pool-stream index ``first`` (the run's
+    ``data_offsets(...)["pool"]``, 0 for a fresh run), drawn in the pool's own batches: the same
+    clips. Returns (latents normalized, token ids, text masks, the shape's latent coverage), the
+    latents and coverage in bfloat16 on CUDA."""
+    if not 0 < count <= settings.pool_size:
+        raise ValueError(f"pool_clips: count must be in 1..{settings.pool_size} (the pool's size), got {count}")
     device = torch.device(device)
-    s = Settings(seed=seed, encode_batch=encode_batch, shape_loss_weight=1.0)
-    parts = [_encode_clips(pipe, config, s, device, min(encode_batch, count - i), _stream(seed, "pool", first + i))
-             for i in range(0, count, encode_batch)]
+    s = settings.model_copy(update={"shape_loss_weight": 1.0})  # coverage wanted; the draws do not depend on it
+    parts = []
+    for n in range(0, count, s.encode_batch):
+        b = min(s.encode_batch, s.pool_size - n)  # the batch _build_pool draws here
+        parts.append(_encode_clips(pipe, config, s, device, b, _stream(s.seed, "pool", first + n), keep=count - n))
     return tuple(torch.cat(p) for p in zip(*parts))
 
 
@@ -811,19 +818,33 @@ def _environment(device) -> dict:
     return env
 
 
+def _precision_switches() -> list[tuple[object, str]]:
+    """The process-wide switches of TF32 and cuDNN's autotuning, as (object, attribute): torch's
+    ``fp32_precision`` settings where it has them (reading the legacy ``allow_tf32`` flags after
+    those were set is an error there), else the legacy flags."""
+    cudnn = torch.backends.cudnn
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision") and hasattr(getattr(cudnn, "conv", None),
+                                                                          "fp32_precision"):
+        return [(torch.backends.cuda.matmul, "fp32_precision"), (cudnn.conv, "fp32_precision"), (cudnn, "benchmark")]
+    return [(torch.backends.cuda.matmul, "allow_tf32"), (cudnn, "allow_tf32"), (cudnn, "benchmark")]
+
+
 @contextlib.contextmanager
 def _fast_cuda_kernels(device):
-    """TF32 matmuls and cuDNN's autotuning while a run trains on a GPU; the process's settings are
-    put back when it ends (a caller's later work keeps its own precision)."""
+    """TF32 matmuls and convolutions and cuDNN's autotuning while a run trains on a GPU; the
+    process's settings are put back when it ends (a caller's later work keeps its own precision)."""
     if device.type != "cuda":
         yield
         return
-    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.benchmark = True
+    switches = _precision_switches()
+    saved = [getattr(obj, name) for obj, name in switches]
+    for obj, name in switches:
+        setattr(obj, name, True if name != "fp32_precision" else "tf32")
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = flags
+        for (obj, name), value in zip(switches, saved):
+            setattr(obj, name, value)
 
 
 def train(settings: Settings, out, *, resume=None, packed: bool = False, device=None, git: dict | None = None,
@@ -859,8 +880,10 @@ def _train(settings: Settings, out, *, resume, packed: bool, device: torch.devic
             copied = grow_blocks(pipe.transformer, s.grow_layers)
             run.data["grown"] = {"layers_before": before, "layers_after": pipe.transformer.config.num_layers,
                                  "blocks_copied": copied}
+            total = sum(parameter_counts(pipe).values())
             run.say(f"transformer grown from {before} to {pipe.transformer.config.num_layers} blocks (copies of "
-                    f"blocks {copied}, their outputs zero)")
+                    f"blocks {copied}, their outputs zero): {total / 1e6:.2f} M parameters in all, "
+                    f"{2 * total / 1e6:.1f} MB in fp16")
         config = config_of(pipe, SMOKE if s.smoke else FULL)
     else:
         config = fresh_config(s)
