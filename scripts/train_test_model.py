@@ -7,6 +7,8 @@
     python scripts/train_test_model.py --smoke --out /tmp/smoke
     # continue training a saved model (a pipeline folder or a pack); its VAE is kept
     python3 scripts/train_test_model.py --resume $OUT/testmodel --minutes 8 --pack --out $OUT/testmodel2
+    # the same with 2 more transformer blocks (copies whose outputs start at zero)
+    python3 scripts/train_test_model.py --resume $OUT/testmodel --grow-layers 2 --minutes 8 --pack --out $OUT/deeper
     # a pack -> the pipeline folder WanPipeline.from_pretrained loads (the shipped weights' place)
     python scripts/train_test_model.py --unpack run/ --out fp4video/testmodel/weights
 
