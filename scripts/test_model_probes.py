@@ -139,9 +139,11 @@ def denoise_from(pipe, config, scenes, t0: float, *, steps: int, guidance: float
             tt = t.expand(1)
             vc = pipe.transformer(hidden_states=x, timestep=tt, encoder_hidden_states=cond[i:i + 1],
                                   return_dict=False)[0]
-            vu = pipe.transformer(hidden_states=x, timestep=tt, encoder_hidden_states=uncond[i:i + 1],
-                                  return_dict=False)[0]
-            x = scheduler.step(vu + guidance * (vc - vu), t, x, return_dict=False)[0]
+            if guidance > 1:  # WanPipeline guides only above 1; at or below it takes the caption's prediction
+                vu = pipe.transformer(hidden_states=x, timestep=tt, encoder_hidden_states=uncond[i:i + 1],
+                                      return_dict=False)[0]
+                vc = vu + guidance * (vc - vu)
+            x = scheduler.step(vc, t, x, return_dict=False)[0]
         clips.append(clip_frames(pipe.vae.decode(x * std + mean).sample)[0])
     return torch.stack(clips), sigma
 

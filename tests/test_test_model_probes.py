@@ -117,6 +117,10 @@ def test_partial_from_one_is_the_pipelines_generation_and_from_zero_the_vae_roun
         stock = generate(pipe, scenes.captions(), call_for(config, 3, 4.0), 50, torch.device("cpu"))
         stock_steps = list(timesteps)
         timesteps.clear()
+        unguided, _ = probes.denoise_from(pipe, config, scenes, 1.0, steps=2, guidance=1.0, seed=50, device="cpu")
+        unguided_calls = len(timesteps)
+        stock_unguided = generate(pipe, scenes.captions(), call_for(config, 2, 1.0), 50, torch.device("cpu"))
+        timesteps.clear()
         trip_probe, sigma0 = probes.denoise_from(pipe, config, scenes, 0.0, steps=3, guidance=4.0, seed=0,
                                                  device="cpu")
         video, _ = render(scenes, frames=config.frames, height=config.height, width=config.width, device="cpu")
@@ -127,6 +131,9 @@ def test_partial_from_one_is_the_pipelines_generation_and_from_zero_the_vae_roun
     assert [float(t[0]) for t in stock_steps] == [float(t[0]) for t in probe_steps[:len(stock_steps)]]
     assert len(probe_steps) == 2 * 2 * 3 and timesteps == []  # (caption, negative) × 3 steps × 2 clips; none from 0
     torch.testing.assert_close(trip_probe, trip, rtol=0, atol=1e-5)
+    # guidance 1: no guidance, as the pipeline has it (the caption's prediction alone, one call a step)
+    torch.testing.assert_close(unguided, stock_unguided, rtol=0, atol=2e-6)
+    assert unguided_calls == 2 * 2
     specs = eval_scenes(24, 1234).specs  # every shape
     for shape in ("square", "circle", "triangle", "bar"):
         for spec, neg in zip(specs, probes.negative_captions(specs, shape)):
