@@ -85,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grow-layers", type=int, help="blocks a resumed run adds to its transformer: copies of its "
                    "blocks, spread over the depth, whose outputs start at zero (the grown model starts as the "
                    "resumed one)")
+    p.add_argument("--vae-decoder-only", action="store_true", default=None,
+                   help="with --resume and --vae-minutes: train the VAE's decoder alone, keeping the encoder and "
+                   "so the latents the transformer learned on (e.g. to sharpen what it draws)")
     p.add_argument("--vae-from", type=Path, metavar="MODEL",
                    help="a fresh run takes this saved model's trained VAE (pipeline folder, pack or run) and "
                         "trains a new transformer on it; the VAE must be of the run's --size")
@@ -253,7 +256,7 @@ def main(argv=None) -> int:
     options = ("seed", "size", "heads", "layers", "grow_layers", "minutes", "vae_minutes", "reserve_seconds", "batch",
                "vae_batch", "vae_frames", "lr", "vae_lr", "train_shift", "pool_size", "pool_refresh", "max_steps",
                "max_vae_steps", "eval_clips", "checkpoint_seconds", "compile", "shape_weights", "vae_colour_weights",
-               "vae_first_frame_weight", "shape_loss_weight", "ema_decay")
+               "vae_first_frame_weight", "shape_loss_weight", "ema_decay", "vae_decoder_only")
     given = {name: getattr(args, name) for name in options if getattr(args, name) is not None}
     if args.resume is not None and args.size is not None:
         parser.error("--size chooses a fresh run's model: a resumed run keeps its model's sizes")
@@ -261,6 +264,8 @@ def main(argv=None) -> int:
         if args.resume is not None and getattr(args, name) is not None:
             parser.error(f"--{name.replace('_', '-')} builds a fresh run's model: a resumed run keeps its model"
                          + (" (--grow-layers deepens it)" if name == "layers" else ""))
+    if args.vae_decoder_only and (args.resume is None or not args.vae_minutes):
+        parser.error("--vae-decoder-only trains a resumed model's VAE decoder: give --resume and --vae-minutes > 0")
     if args.grow_layers is not None and args.resume is None:
         parser.error("--grow-layers adds blocks to a resumed model: a fresh run's depth is --layers")
     if args.vae_from is not None:

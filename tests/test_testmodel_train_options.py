@@ -728,6 +728,10 @@ def test_vae_from_trains_a_new_transformer_on_a_saved_models_vae(tmp_path):
         last = err.getvalue().strip().splitlines()[-1]
         assert last.startswith("train_test_model.py: error: " + match), last
         assert not (tmp_path / "refused").exists()
+    with pytest.raises(ValueError, match="vae_decoder_only trains a resumed model's VAE decoder"):
+        tm.train(Settings(**{**SMOKE_SETTINGS, "vae_decoder_only": True}), tmp_path / "fresh", device="cpu",
+                 log=lambda *a, **k: None)
+    assert not (tmp_path / "fresh").exists()
 
 
 def test_a_gpu_run_puts_the_process_matmul_settings_back(monkeypatch):
@@ -858,3 +862,41 @@ def test_a_resumed_run_grows_its_transformer_and_a_fresh_one_refuses_to(tmp_path
         tm.train(Settings(**{**SMOKE_SETTINGS, "grow_layers": 1}), tmp_path / "fresh2", device="cpu",
                  log=lambda *a, **k: None)
     assert not (tmp_path / "fresh2").exists()
+
+
+@pytest.mark.slow
+def test_vae_decoder_only_trains_the_decoder_and_keeps_the_latents(tmp_path):
+    """``--vae-decoder-only`` on a resumed run trains the VAE's decoder and nothing of its encoder:
+    the encoder's weights and the latent statistics are saved bit for bit as resumed (the latents a
+    resumed transformer learned on), the decoder's change; without ``--resume`` or ``--vae-minutes``
+    it is refused in one line before any work."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert _script().main(["--smoke", "--out", str(run), "--max-vae-steps", "1", "--eval-clips", "0"]) == 0
+        assert _script().main(["--smoke", "--resume", str(run), "--vae-minutes", "0.5", "--vae-decoder-only",
+                               "--out", str(tmp_path / "dec"), "--eval-clips", "0"]) == 0
+    log = json.loads((tmp_path / "dec" / "train_log.json").read_text())
+    assert log["phases"]["vae"]["decoder_only"] is True and log["phases"]["vae"]["steps"] == SMOKE_SETTINGS["max_vae_steps"]
+    a, b = (json.loads((f / "pipeline" / "vae" / "config.json").read_text()) for f in (run, tmp_path / "dec"))
+    assert a["latents_mean"] == b["latents_mean"] and a["latents_std"] == b["latents_std"]
+    wa, wb = (load_file(next((f / "pipeline" / "vae").glob("*.safetensors"))) for f in (run, tmp_path / "dec"))
+    assert wa.keys() == wb.keys()
+    kept = [k for k in wa if k.startswith(("encoder.", "quant_conv."))]
+    trained = [k for k in wa if k.startswith(("decoder.", "post_quant_conv."))]
+    assert kept and trained and len(kept) + len(trained) == len(wa)
+    assert all(torch.equal(wa[k], wb[k]) for k in kept)
+    assert sum(not torch.equal(wa[k], wb[k]) for k in trained) > len(trained) // 2
+    for args in (["--vae-minutes", "0.5"], ["--resume", str(run)]):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+            _script().main(["--smoke", "--vae-decoder-only", *args, "--out", str(tmp_path / "refused")])
+        assert err.getvalue().strip().splitlines()[-1] == (
+            "train_test_model.py: error: --vae-decoder-only trains a resumed model's VAE decoder: give --resume "
+            "and --vae-minutes > 0")
+    assert not (tmp_path / "refused").exists()
+    with pytest.raises(ValueError, match="vae_decoder_only trains a resumed model's VAE decoder"):
+        tm.train(Settings(**{**SMOKE_SETTINGS, "vae_decoder_only": True}), tmp_path / "fresh", device="cpu",
+                 log=lambda *a, **k: None)
+    assert not (tmp_path / "fresh").exists()

@@ -67,6 +67,8 @@ class Settings(BaseModel):
                                  "statistics) a fresh run takes instead of a new one")
     minutes: float = Field(8.0, gt=0, description="wall-clock budget of the whole run, from its start")
     vae_minutes: float = Field(2.0, ge=0, description="of which the VAE trains (from the start)")
+    vae_decoder_only: bool = Field(False, description="the VAE phase trains the decoder alone: the encoder, and so "
+                                   "the latents and their statistics a resumed transformer learned on, stay as they are")
     reserve_seconds: float = Field(60.0, ge=0, description="kept at the end for the evaluation and the last save")
     vae_batch: int = Field(12, gt=0)
     vae_frames: int = Field(29, gt=0, description="frames of the VAE's training clips (4n + 1); the clip's own "
@@ -430,7 +432,11 @@ def _save(run: _Run, pipe, packed: bool, final: bool = False) -> None:
 def _vae_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, device, deadline: float, packed: bool) -> None:
     vae = pipe.vae
     vae.train()
-    opt = torch.optim.AdamW(vae.parameters(), lr=s.vae_lr, betas=(0.9, 0.99), weight_decay=0.0,
+    frozen = [vae.encoder, vae.quant_conv] if s.vae_decoder_only else []
+    for module in frozen:
+        module.eval().requires_grad_(False)
+    trained = [p for p in vae.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=s.vae_lr, betas=(0.9, 0.99), weight_decay=0.0,
                             **({"fused": True} if device.type == "cuda" else {}))
     offsets = run.offsets()
     gen = torch.Generator(device).manual_seed(_stream(s.seed, "noise", offsets["noise"]))
@@ -443,7 +449,8 @@ def _vae_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, device, de
         video, mask = render(scenes, frames=s.vae_frames, height=config.height, width=config.width, device=device)
         _set_lr(opt, s.vae_lr, step, s.warmup_steps, (run.elapsed() - start) / budget, s.max_vae_steps)
         with _autocast(device):
-            posterior = vae.encode(video).latent_dist
+            with torch.set_grad_enabled(not s.vae_decoder_only):
+                posterior = vae.encode(video).latent_dist
             z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=gen, device=device,
                                                              dtype=posterior.mean.dtype)
             recon = vae.decode(z).sample
@@ -456,7 +463,7 @@ def _vae_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, device, de
         loss = rec_loss + s.kl_weight * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()
         step += 1
         acc.append(torch.stack([loss.detach(), rec_loss.detach(), kl.detach()]))
@@ -472,10 +479,14 @@ def _vae_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, device, de
             _save(run, pipe, packed)
             last_ckpt = run.elapsed()
     vae.eval()
+    for module in frozen:
+        module.requires_grad_(True)
     seconds = run.elapsed() - start
     run.data["phases"]["vae"] = {"steps": step, "seconds": round(seconds, 1), "clips": step * s.vae_batch,
-                                 "steps_per_second": round(step / max(seconds, 1e-9), 3), "done": True}
-    _latent_statistics(run, pipe, config, s, device)
+                                 "steps_per_second": round(step / max(seconds, 1e-9), 3), "done": True,
+                                 "decoder_only": s.vae_decoder_only}
+    if not s.vae_decoder_only:  # the encoder changed: so did the latents' statistics
+        _latent_statistics(run, pipe, config, s, device)
 
 
 @torch.no_grad()
@@ -853,6 +864,8 @@ def train(settings: Settings, out, *, resume=None, packed: bool = False, device=
     ``started``: the ``time.perf_counter()`` the budget counts from (default: now)."""
     if settings.grow_layers and resume is None:
         raise ValueError("grow_layers adds blocks to a resumed model: a fresh run's depth is layers")
+    if settings.vae_decoder_only and (resume is None or settings.vae_minutes == 0):
+        raise ValueError("vae_decoder_only trains a resumed model's VAE decoder: give resume and vae_minutes > 0")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with _fast_cuda_kernels(device):
         return _train(settings, out, resume=resume, packed=packed, device=device, git=git, log=log, started=started)
