@@ -9,6 +9,9 @@
     python3 scripts/train_test_model.py --resume $OUT/testmodel --minutes 8 --pack --out $OUT/testmodel2
     # the same with 2 more transformer blocks (copies whose outputs start at zero)
     python3 scripts/train_test_model.py --resume $OUT/testmodel --grow-layers 2 --minutes 8 --pack --out $OUT/deeper
+    # first 1.5 minutes on the VAE's decoder alone (the encoder and so the transformer's latents kept)
+    python3 scripts/train_test_model.py --resume $OUT/testmodel --vae-minutes 1.5 --vae-decoder-only --minutes 8 \
+        --pack --out $OUT/sharper
     # a pack -> the pipeline folder WanPipeline.from_pretrained loads (the shipped weights' place)
     python scripts/train_test_model.py --unpack run/ --out fp4video/testmodel/weights
 
