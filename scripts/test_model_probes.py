@@ -242,9 +242,10 @@ def main(argv=None) -> int:
     config = config_of(pipe, SMOKE if args.smoke else FULL)
     record = {"probe": args.probe, "model": args.model, "device": str(device),
               "argv": sys.argv[1:] if argv is None else list(argv)}
+    log_path = training_log_of(path) if path is not None else None
+    trained = json.loads(log_path.read_text()) if log_path is not None else {}
+    upright = bool(trained.get("settings", {}).get("upright", False))  # the shapes' angles the model trained on
     if args.probe == "seen-unseen":
-        log_path = training_log_of(path) if path is not None else None
-        trained = json.loads(log_path.read_text()) if log_path is not None else {}
         known = {k: v for k, v in trained.get("settings", {}).items() if k in Settings.model_fields}
         settings = Settings.model_validate({**known, **({"seed": args.pool_seed} if args.pool_seed is not None else {})})
         first = data_offsets(trained.get("previous_log"))["pool"] if args.pool_first is None else args.pool_first
@@ -253,6 +254,7 @@ def main(argv=None) -> int:
             p.error(f"--clips {clips}: the run's pool held {settings.pool_size}")
         record["pool"] = {"seed": settings.seed, "first": first, "encode_batch": settings.encode_batch,
                           "pool_size": settings.pool_size, "shape_weights": settings.shape_weights,
+                          "upright": settings.upright,
                           "from_training_log": log_path is not None}
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -262,7 +264,8 @@ def main(argv=None) -> int:
                                  fresh_offset=5_000_000 if args.fresh_offset is None else args.fresh_offset,
                                  us=args.u or [0.1, 0.5, 0.9], device=device)
         else:
-            scenes = eval_scenes(args.clips or 24, args.seed)
+            scenes = eval_scenes(args.clips or 24, args.seed, upright=upright)
+            record["upright"] = upright
             result = partial(pipe, config, scenes, args.t0 or [0.0, 0.6, 0.8, 0.9, 1.0],
                              steps=args.steps or TEST_MODEL_CALL["num_inference_steps"],
                              guidance=TEST_MODEL_CALL["guidance_scale"] if args.guidance is None else args.guidance,

@@ -12,6 +12,8 @@
     # first 1.5 minutes on the VAE's decoder alone (the encoder and so the transformer's latents kept)
     python3 scripts/train_test_model.py --resume $OUT/testmodel --vae-minutes 1.5 --vae-decoder-only --minutes 8 \
         --pack --out $OUT/sharper
+    # shapes drawn upright (angle 0) instead of at a random angle no caption names
+    python3 scripts/train_test_model.py --resume $OUT/testmodel --upright --minutes 8 --pack --out $OUT/upright
     # a pack -> the pipeline folder WanPipeline.from_pretrained loads (the shipped weights' place)
     python scripts/train_test_model.py --unpack run/ --out fp4video/testmodel/weights
 
@@ -91,6 +93,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vae-decoder-only", action="store_true", default=None,
                    help="with --resume and --vae-minutes: train the VAE's decoder alone, keeping the encoder and "
                    "so the latents the transformer learned on (e.g. to sharpen what it draws)")
+    p.add_argument("--upright", action="store_true", default=None,
+                   help="every clip's shape starts at angle 0 instead of a random angle no caption names (the "
+                   "VAE's, the pool's and the evaluation's clips; a resumed run does not inherit it). With "
+                   "--evaluate: check upright ground truths (default: as the model's training log says)")
     p.add_argument("--vae-from", type=Path, metavar="MODEL",
                    help="a fresh run takes this saved model's trained VAE (pipeline folder, pack or run) and "
                         "trains a new transformer on it; the VAE must be of the run's --size")
@@ -175,15 +181,21 @@ def _evaluate_only(parser, args) -> int:
     config = config_of(pipe, SMOKE if args.smoke else FULL)
     call = call_for(config, SMOKE_SETTINGS["eval_steps"] if args.smoke else None)  # as a run evaluates
     t = time.perf_counter()
+    upright = args.upright
+    if upright is None:  # as the model was trained, where its log says
+        from fp4video.testmodel.train import training_log_of
+
+        log_path = None if path is None else training_log_of(path)
+        upright = bool(log_path and json.loads(log_path.read_text()).get("settings", {}).get("upright", False))
     result = evaluate(pipe, config, clips=clips, call=call, seed=Settings().eval_seed, device=device,
-                      combinations=args.eval_combinations)
+                      combinations=args.eval_combinations, upright=upright)
     result.pop("_frames")
     result.pop("_specs")
     result.update(model=args.evaluate, device=str(device), seconds=round(time.perf_counter() - t, 1), git=_git())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "evaluation.json").write_text(json.dumps(result, indent=1, default=str))
     g, gt, rc = result["generated"], result["ground_truth"], result["vae_reconstruction"]
-    print(f"{args.eval_combinations} motion check: generated {g['rate']:.0%} of {g['clips']} (colour {g['colour']:.0%}, "
+    print(f"{args.eval_combinations}{' upright' if upright else ''} motion check: generated {g['rate']:.0%} of {g['clips']} (colour {g['colour']:.0%}, "
           f"shape {g['shape']:.0%}, motion {g['motion']:.0%}); ground truth {gt['rate']:.0%}, VAE "
           f"reconstructions {rc['rate']:.0%}")
     print(f"shapes drawn, per captioned shape: {describe_shapes(g)}")
@@ -259,7 +271,7 @@ def main(argv=None) -> int:
     options = ("seed", "size", "heads", "layers", "grow_layers", "minutes", "vae_minutes", "reserve_seconds", "batch",
                "vae_batch", "vae_frames", "lr", "vae_lr", "train_shift", "pool_size", "pool_refresh", "max_steps",
                "max_vae_steps", "eval_clips", "checkpoint_seconds", "compile", "shape_weights", "vae_colour_weights",
-               "vae_first_frame_weight", "shape_loss_weight", "ema_decay", "vae_decoder_only")
+               "vae_first_frame_weight", "shape_loss_weight", "ema_decay", "vae_decoder_only", "upright")
     given = {name: getattr(args, name) for name in options if getattr(args, name) is not None}
     if args.resume is not None and args.size is not None:
         parser.error("--size chooses a fresh run's model: a resumed run keeps its model's sizes")

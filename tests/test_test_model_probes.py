@@ -85,7 +85,7 @@ def test_seen_unseen_reads_the_pool_from_the_log_and_equal_sets_give_equal_losse
     assert code == 0 and "u 0.9" in printed
     record = json.loads((tmp_path / "same" / "seen-unseen.json").read_text())
     assert record["pool"] == {"seed": 3, "first": 0, "encode_batch": 3, "pool_size": 4, "shape_weights": None,
-                              "from_training_log": True}
+                              "upright": False, "from_training_log": True}
     same = record["results"]
     for u in ("0.2", "0.9"):
         assert same[u]["pool"] == same[u]["fresh"], "the same clips and noise give the same loss"
@@ -163,3 +163,29 @@ def test_partial_cli_writes_each_t0_with_its_verdicts_and_bad_arguments_are_one_
         last = err.getvalue().strip().splitlines()[-1]
         assert last.startswith("test_model_probes.py: error:") and message in last, last
     assert not (tmp_path / "bad").exists()
+
+
+def test_partial_denoises_upright_clips_for_a_model_trained_on_them(smoke_run, tmp_path, monkeypatch):
+    """The partial probe's true clips are drawn as the probed model's training log says: upright for
+    a model trained ``upright``, turned for the others; the record says which."""
+    import shutil
+
+    run, _, _ = smoke_run
+    upright_run = tmp_path / "upright"
+    shutil.copytree(run, upright_run)
+    log = json.loads((upright_run / "train_log.json").read_text())
+    log["settings"]["upright"] = True
+    (upright_run / "train_log.json").write_text(json.dumps(log))
+    asked = []
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("upright", False))
+        return eval_scenes(*args, **kwargs)
+
+    monkeypatch.setattr(tm, "eval_scenes", spy)
+    for model, expected in ((upright_run, True), (run, False)):
+        out = tmp_path / f"p-{expected}"
+        code, _ = _quiet_main(["partial", "--model", str(model), "--smoke", "--clips", "1", "--t0", "0",
+                               "--steps", "2", "--out", str(out)])
+        assert code == 0 and asked[-1] is expected
+        assert json.loads((out / "partial.json").read_text())["upright"] is expected

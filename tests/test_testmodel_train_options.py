@@ -900,3 +900,76 @@ def test_vae_decoder_only_trains_the_decoder_and_keeps_the_latents(tmp_path):
         tm.train(Settings(**{**SMOKE_SETTINGS, "vae_decoder_only": True}), tmp_path / "fresh", device="cpu",
                  log=lambda *a, **k: None)
     assert not (tmp_path / "fresh").exists()
+
+
+# --- upright shapes --------------------------------------------------------------------------------
+
+def test_upright_scenes_start_at_angle_zero_and_keep_every_other_draw():
+    """``upright``: every angle0 is 0, and every other parameter (spins included) is the draw the
+    same seed gives without it; the held-out scenes alike; a non-bool is refused."""
+    turned, upright = sample_scenes(96, seed=3), sample_scenes(96, seed=3, upright=True)
+    assert turned.specs == upright.specs and (turned.params["angle0"] != 0).all()
+    assert torch.equal(upright.params["angle0"], torch.zeros(96, dtype=upright.params["angle0"].dtype))
+    assert all(torch.equal(turned.params[k], upright.params[k]) for k in turned.params if k != "angle0")
+    assert (upright.params["spin"] != 0).any()  # spinning clips still turn, from 0
+    held = scenes.held_out_scenes(seed=5, repeats=2, upright=True)
+    assert held.captions() == scenes.held_out_scenes(seed=5, repeats=2).captions()
+    assert (held.params["angle0"] == 0).all()
+    assert (tm.eval_scenes(30, 1234, upright=True).params["angle0"] == 0).all()
+    assert (tm.eval_scenes(30, 1234, "training", upright=True).params["angle0"] == 0).all()
+    with pytest.raises(TypeError, match="upright must be True or False"):
+        sample_scenes(2, seed=0, upright=1)
+
+
+def test_an_upright_square_fills_its_axis_aligned_bounding_box():
+    """Rendered, an upright still square covers its bounding box (sides along the frame's axes); the
+    same square at its drawn angle covers a clearly smaller part of its box."""
+    spec = scenes.SceneSpec(colour="red", shape="square", motion="moves left", background="black")
+    for seed in range(40):  # a drawn angle far from a multiple of 90 degrees
+        angle = float(sample_scenes(1, seed=seed, specs=[spec]).params["angle0"][0]) % (torch.pi / 2)
+        if 0.5 < angle < 1.07:
+            break
+    fills = {}
+    for upright in (False, True):
+        sc = sample_scenes(1, seed=seed, specs=[spec], upright=upright)
+        _, mask = render(sc, frames=1, height=128, width=128)
+        m = mask[0, 0, 0] > 0.5
+        rows, cols = m.any(1).nonzero().flatten(), m.any(0).nonzero().flatten()
+        box = (rows.max() - rows.min() + 1) * (cols.max() - cols.min() + 1)
+        fills[upright] = float(m.sum() / box)
+    assert fills[True] > 0.95 and fills[False] < 0.8, fills
+
+
+@pytest.mark.slow
+def test_upright_reaches_every_clip_a_run_draws_and_a_resumed_run_says_when_it_changes(tmp_path, monkeypatch):
+    """``--upright`` reaches the VAE's, the statistics', the pool's and the evaluation's scenes (every
+    draw of the run), is logged, and ``--evaluate`` of the model checks upright ground truths as its
+    log says; a run resuming it without ``--upright`` says so in a line and draws turned shapes."""
+    calls = []
+    original = scenes.sample_scenes
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("upright", False))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(scenes, "sample_scenes", spy)
+    monkeypatch.setattr(tm, "sample_scenes", spy)
+    run = tmp_path / "run"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert _script().main(["--smoke", "--upright", "--out", str(run), "--max-vae-steps", "1",
+                               "--eval-clips", "2"]) == 0
+    log = json.loads((run / "train_log.json").read_text())
+    assert log["settings"]["upright"] is True and log["evaluation"]["upright"] is True
+    assert len(calls) >= 4 and all(calls)  # VAE batch, statistics, pool batches, evaluation
+    calls.clear()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert _script().main(["--smoke", "--evaluate", str(run), "--eval-clips", "2",
+                               "--out", str(tmp_path / "ev")]) == 0
+    assert calls == [True] and json.loads((tmp_path / "ev" / "evaluation.json").read_text())["upright"] is True
+    calls.clear()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert _script().main(["--smoke", "--resume", str(run), "--out", str(tmp_path / "again"),
+                               "--max-steps", "1", "--eval-clips", "0"]) == 0
+    assert "trained on upright shapes; this run draws randomly turned ones" in out.getvalue()
+    assert calls and not any(calls)

@@ -272,14 +272,19 @@ def _dim(rgb: torch.Tensor, dim: int) -> torch.Tensor:
 
 def sample_scenes(n: int, *, seed: int, specs: list[SceneSpec] | None = None,
                   exclude=tuple(HELD_OUT), shape_weights: dict | None = None,
-                  colour_weights: dict | None = None) -> Scenes:
+                  colour_weights: dict | None = None, upright: bool = False) -> Scenes:
     """``n`` scenes from ``seed``: the specs drawn leaving out the combinations of ``exclude``
     (default :data:`HELD_OUT`), or the given ``specs``; the continuous parameters drawn for each.
     The specs' shapes and colours are drawn uniformly, or with the relative ``shape_weights`` /
     ``colour_weights`` ({name: weight}, names left out weigh 1; :func:`sampling_probabilities`);
-    the other names uniformly. The same seed and weights give the same scenes on every machine."""
+    the other names uniformly. The same seed and weights give the same scenes on every machine.
+    ``upright``: every shape starts at angle 0 (a square's sides and a bar's length along the frame's
+    axes, a triangle pointing up; a spin turns from there) instead of a random angle the caption does
+    not name; every other parameter is the same draw."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a whole number ≥ 0, got {n!r}")
+    if not isinstance(upright, bool):
+        raise TypeError(f"upright must be True or False, got {upright!r}")
     shape_p = sampling_probabilities(shape_weights, SHAPES, "shape_weights")
     colour_p = sampling_probabilities(colour_weights, COLOURS, "colour_weights")
     g = torch.Generator().manual_seed(int(seed))
@@ -316,7 +321,9 @@ def sample_scenes(n: int, *, seed: int, specs: list[SceneSpec] | None = None,
     shrinks = torch.tensor([s.motion == "shrinks" for s in specs])
     scale0[grows], scale1[grows] = SCALE_RANGE
     scale0[shrinks], scale1[shrinks] = SCALE_RANGE[1], SCALE_RANGE[0]
-    angle0 = _uniform(g, n, 0.0, 2 * math.pi)
+    angle0 = _uniform(g, n, 0.0, 2 * math.pi)  # drawn either way, so the later draws do not depend on upright
+    if upright:
+        angle0 = torch.zeros_like(angle0)
     spin = _uniform(g, n, *SPIN_RANGE) * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
     spin[torch.tensor([s.motion != "spins" for s in specs], dtype=torch.bool)] = 0.0
     distance = _uniform(g, n, *DISTANCE_RANGE)
@@ -353,10 +360,11 @@ def sample_scenes(n: int, *, seed: int, specs: list[SceneSpec] | None = None,
     return Scenes(specs, p)
 
 
-def held_out_scenes(seed: int = 0, repeats: int = 1) -> Scenes:
-    """The :data:`HELD_OUT` combinations (camera still), each ``repeats`` times, with parameters from ``seed``."""
+def held_out_scenes(seed: int = 0, repeats: int = 1, upright: bool = False) -> Scenes:
+    """The :data:`HELD_OUT` combinations (camera still), each ``repeats`` times, with parameters from ``seed``
+    (shapes at angle 0 where ``upright``)."""
     specs = [s for s in HELD_OUT for _ in range(repeats)]
-    return sample_scenes(len(specs), seed=seed, specs=specs)
+    return sample_scenes(len(specs), seed=seed, specs=specs, upright=upright)
 
 
 _BANKS: dict = {}

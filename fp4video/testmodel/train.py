@@ -100,6 +100,8 @@ class Settings(BaseModel):
     shape_weights: dict[str, float] | None = Field(
         None, description="relative weights of the shapes of the VAE's clips and the latent pool's "
         "({shape: weight}, others 1; None: uniform)")
+    upright: bool = Field(False, description="every clip's shape starts at angle 0 (the VAE's, the statistics', the "
+                          "pool's and the evaluation's clips) instead of a random angle no caption names")
     shape_loss_weight: float = Field(0.0, ge=0, allow_inf_nan=False,
                                      description="extra flow-matching weight on the latent cells the shape covers")
     ema_decay: float = Field(0.0, ge=0, lt=1, allow_inf_nan=False,
@@ -445,7 +447,7 @@ def _vae_phase(run: _Run, pipe, config: TestModelConfig, s: Settings, device, de
     while run.elapsed() < deadline and (s.max_vae_steps is None or step < s.max_vae_steps):
         scenes = sample_scenes(s.vae_batch, seed=_stream(s.seed, "vae", offsets["vae"] + step),
                                shape_weights=s.shape_weights,
-                               colour_weights=s.vae_colour_weights)
+                               colour_weights=s.vae_colour_weights, upright=s.upright)
         video, mask = render(scenes, frames=s.vae_frames, height=config.height, width=config.width, device=device)
         _set_lr(opt, s.vae_lr, step, s.warmup_steps, (run.elapsed() - start) / budget, s.max_vae_steps)
         with _autocast(device):
@@ -496,7 +498,7 @@ def _latent_statistics(run: _Run, pipe, config: TestModelConfig, s: Settings, de
     n = s.stats_clips
     means = []
     for i in range(0, n, s.encode_batch):
-        scenes = sample_scenes(min(s.encode_batch, n - i), seed=_stream(s.seed, "stats", i))
+        scenes = sample_scenes(min(s.encode_batch, n - i), seed=_stream(s.seed, "stats", i), upright=s.upright)
         video, _ = render(scenes, frames=config.frames, height=config.height, width=config.width, device=device)
         with _autocast(device):
             means.append(pipe.vae.encode(video).latent_dist.mean.float())
@@ -575,7 +577,7 @@ def _encode_clips(pipe, config: TestModelConfig, s: Settings, device, count: int
     its count); latents and coverage in bfloat16 on CUDA."""
     mean, std = _normalizer(pipe, device)
     store = torch.bfloat16 if device.type == "cuda" else torch.float32
-    scenes = sample_scenes(count, seed=seed, shape_weights=s.shape_weights)
+    scenes = sample_scenes(count, seed=seed, shape_weights=s.shape_weights, upright=s.upright)
     if keep is not None and keep < count:
         scenes = scenes.subset(torch.arange(keep))
     video, cover = render(scenes, frames=config.frames, height=config.height, width=config.width, device=device)
@@ -767,26 +769,29 @@ def generate(pipe, captions: list[str], call: dict, seed: int, device, batch: in
 EVAL_COMBINATIONS = ("held-out", "training")
 
 
-def eval_scenes(clips: int, seed: int, combinations: str = "held-out"):
+def eval_scenes(clips: int, seed: int, combinations: str = "held-out", upright: bool = False):
     """The scenes :func:`evaluate` checks: ``clips`` of the :data:`~.scenes.HELD_OUT` combinations
     (each in turn, parameters from ``seed``), or ``clips`` combinations training draws (from ``seed``)
     with the camera still, as the held-out ones have it. A rate on the second set beside the first
-    tells a model that has not learned a word from one that has not generalised it."""
+    tells a model that has not learned a word from one that has not generalised it. ``upright``:
+    the shapes start at angle 0, as a model trained with :attr:`Settings.upright` saw them (the
+    captions, and so the generated clips, are the same either way)."""
     if combinations == "held-out":
-        return held_out_scenes(seed=seed, repeats=max(1, math.ceil(clips / 24))).subset(torch.arange(clips))
+        return held_out_scenes(seed=seed, repeats=max(1, math.ceil(clips / 24)),
+                               upright=upright).subset(torch.arange(clips))
     if combinations != "training":
         raise ValueError(f"combinations: {combinations!r}, not one of {', '.join(EVAL_COMBINATIONS)}")
     specs = [SceneSpec(**{**spec.model_dump(), "camera": "still"}) for spec in sample_scenes(clips, seed=seed).specs]
-    return sample_scenes(clips, seed=seed, specs=specs)
+    return sample_scenes(clips, seed=seed, specs=specs, upright=upright)
 
 
 @torch.no_grad()
 def evaluate(pipe, config: TestModelConfig, *, clips: int, call: dict, seed: int, device,
-             combinations: str = "held-out") -> dict:
+             combinations: str = "held-out", upright: bool = False) -> dict:
     """The motion checker's rate on ``clips`` captions of :func:`eval_scenes` (held-out ones unless
     ``combinations`` is ``"training"``): ground-truth renders, their VAE reconstructions and the
     model's generations. Returns the rates, the clips (``_frames``) and the scenes' specs (``_specs``)."""
-    scenes = eval_scenes(clips, seed, combinations)
+    scenes = eval_scenes(clips, seed, combinations, upright)
     video, _ = render(scenes, frames=config.frames, height=config.height, width=config.width, device=device)
     truth = clip_frames(video)
     with _autocast(device):
@@ -794,7 +799,8 @@ def evaluate(pipe, config: TestModelConfig, *, clips: int, call: dict, seed: int
                            for v in video])
     recon = clip_frames(recon)
     generated = generate(pipe, scenes.captions(), call, seed, device)
-    result = {"captions": scenes.captions(), "call": call, "seed": seed, "combinations": combinations}
+    result = {"captions": scenes.captions(), "call": call, "seed": seed, "combinations": combinations,
+              "upright": upright}
     for name, frames in (("ground_truth", truth), ("vae_reconstruction", recon), ("generated", generated)):
         result[name] = check_rate(list(frames), scenes.specs)
     result["_frames"] = {"ground_truth": truth, "generated": generated}
@@ -884,6 +890,10 @@ def _train(settings: Settings, out, *, resume, packed: bool, device: torch.devic
         log_path = training_log_of(resume)
         if log_path is not None:
             run.data["previous_log"] = json.loads(log_path.read_text())
+            before = bool(run.data["previous_log"].get("settings", {}).get("upright", False))
+            if before != s.upright:  # a choice, not an error: say it, since a resumed run does not inherit it
+                run.say(f"{resume} trained on {'upright' if before else 'randomly turned'} shapes; this run draws "
+                        f"{'upright' if s.upright else 'randomly turned'} ones")
         else:  # what its training drew is unknown: the streams start at 0 (the script asks for a seed)
             run.data["resumed_without_log"] = True
             run.say(f"{resume} holds no training log: this run draws seed {s.seed}'s streams from their start")
@@ -924,7 +934,8 @@ def _train(settings: Settings, out, *, resume, packed: bool, device: torch.devic
     if s.eval_clips:
         call = call_for(config, s.eval_steps, s.eval_guidance)
         t = time.perf_counter()
-        result = evaluate(pipe, config, clips=s.eval_clips, call=call, seed=s.eval_seed, device=device)
+        result = evaluate(pipe, config, clips=s.eval_clips, call=call, seed=s.eval_seed, device=device,
+                          upright=s.upright)
         frames, specs = result.pop("_frames"), result.pop("_specs")
         result["seconds"] = round(time.perf_counter() - t, 1)
         run.data["evaluation"] = result
