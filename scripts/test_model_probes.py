@@ -171,7 +171,7 @@ def partial(pipe, config, scenes, t0s, *, steps: int, guidance: float, seed: int
 
 #: Each probe's own options (given to the other probe, they are refused).
 _OWN = {"seen-unseen": ("pool_seed", "pool_first", "fresh_offset", "u"),
-        "partial": ("t0", "steps", "guidance", "negative_shape")}
+        "partial": ("t0", "steps", "guidance", "negative_shape", "upright")}
 
 
 def main(argv=None) -> int:
@@ -198,6 +198,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, help="partial: the scheduler's steps from pure noise (default "
                    "TEST_MODEL_CALL's)")
     p.add_argument("--guidance", type=float, help="partial: default TEST_MODEL_CALL's")
+    p.add_argument("--upright", action=argparse.BooleanOptionalAction, default=None,
+                   help="partial: the true clips' shapes at angle 0 (or, --no-upright, turned; default: as the "
+                   "model's training log says, turned without a log)")
     p.add_argument("--negative-shape", choices=["square", "circle", "triangle", "bar"],
                    help="partial: guide away from the caption with this shape word")
     args = p.parse_args(argv)
@@ -244,7 +247,7 @@ def main(argv=None) -> int:
               "argv": sys.argv[1:] if argv is None else list(argv)}
     log_path = training_log_of(path) if path is not None else None
     trained = json.loads(log_path.read_text()) if log_path is not None else {}
-    upright = bool(trained.get("settings", {}).get("upright", False))  # the shapes' angles the model trained on
+    upright = bool(trained.get("settings", {}).get("upright", False)) if args.upright is None else args.upright
     if args.probe == "seen-unseen":
         known = {k: v for k, v in trained.get("settings", {}).items() if k in Settings.model_fields}
         settings = Settings.model_validate({**known, **({"seed": args.pool_seed} if args.pool_seed is not None else {})})

@@ -93,10 +93,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vae-decoder-only", action="store_true", default=None,
                    help="with --resume and --vae-minutes: train the VAE's decoder alone, keeping the encoder and "
                    "so the latents the transformer learned on (e.g. to sharpen what it draws)")
-    p.add_argument("--upright", action="store_true", default=None,
+    p.add_argument("--upright", action=argparse.BooleanOptionalAction, default=None,
                    help="every clip's shape starts at angle 0 instead of a random angle no caption names (the "
                    "VAE's, the pool's and the evaluation's clips; a resumed run does not inherit it). With "
-                   "--evaluate: check upright ground truths (default: as the model's training log says)")
+                   "--evaluate: check upright (or, --no-upright, turned) ground truths (default: as the model's "
+                   "training log says, turned without a log)")
     p.add_argument("--vae-from", type=Path, metavar="MODEL",
                    help="a fresh run takes this saved model's trained VAE (pipeline folder, pack or run) and "
                         "trains a new transformer on it; the VAE must be of the run's --size")
@@ -181,17 +182,19 @@ def _evaluate_only(parser, args) -> int:
     config = config_of(pipe, SMOKE if args.smoke else FULL)
     call = call_for(config, SMOKE_SETTINGS["eval_steps"] if args.smoke else None)  # as a run evaluates
     t = time.perf_counter()
-    upright = args.upright
+    upright, upright_from = args.upright, {True: "--upright", False: "--no-upright", None: ""}[args.upright]
     if upright is None:  # as the model was trained, where its log says
         from fp4video.testmodel.train import training_log_of
 
         log_path = None if path is None else training_log_of(path)
         upright = bool(log_path and json.loads(log_path.read_text()).get("settings", {}).get("upright", False))
+        upright_from = "training log" if log_path else "default (no training log)"
     result = evaluate(pipe, config, clips=clips, call=call, seed=Settings().eval_seed, device=device,
                       combinations=args.eval_combinations, upright=upright)
     result.pop("_frames")
     result.pop("_specs")
-    result.update(model=args.evaluate, device=str(device), seconds=round(time.perf_counter() - t, 1), git=_git())
+    result.update(model=args.evaluate, device=str(device), seconds=round(time.perf_counter() - t, 1), git=_git(),
+                  upright_from=upright_from)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "evaluation.json").write_text(json.dumps(result, indent=1, default=str))
     g, gt, rc = result["generated"], result["ground_truth"], result["vae_reconstruction"]

@@ -189,3 +189,10 @@ def test_partial_denoises_upright_clips_for_a_model_trained_on_them(smoke_run, t
                                "--steps", "2", "--out", str(out)])
         assert code == 0 and asked[-1] is expected
         assert json.loads((out / "partial.json").read_text())["upright"] is expected
+    code, _ = _quiet_main(["partial", "--model", str(upright_run), "--smoke", "--clips", "1", "--t0", "0",
+                           "--steps", "2", "--no-upright", "--out", str(tmp_path / "forced")])
+    assert code == 0 and asked[-1] is False
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+        _load("test_model_probes").main(["seen-unseen", "--upright", "--out", str(tmp_path / "bad")])
+    assert "--upright is the partial probe's option, not seen-unseen's" in err.getvalue()

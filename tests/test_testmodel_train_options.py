@@ -965,7 +965,14 @@ def test_upright_reaches_every_clip_a_run_draws_and_a_resumed_run_says_when_it_c
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         assert _script().main(["--smoke", "--evaluate", str(run), "--eval-clips", "2",
                                "--out", str(tmp_path / "ev")]) == 0
-    assert calls == [True] and json.loads((tmp_path / "ev" / "evaluation.json").read_text())["upright"] is True
+    ev = json.loads((tmp_path / "ev" / "evaluation.json").read_text())
+    assert calls == [True] and ev["upright"] is True and ev["upright_from"] == "training log"
+    calls.clear()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert _script().main(["--smoke", "--evaluate", str(run), "--eval-clips", "2", "--no-upright",
+                               "--out", str(tmp_path / "ev-turned")]) == 0
+    ev = json.loads((tmp_path / "ev-turned" / "evaluation.json").read_text())
+    assert calls == [False] and ev["upright"] is False and ev["upright_from"] == "--no-upright"
     calls.clear()
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
@@ -973,3 +980,8 @@ def test_upright_reaches_every_clip_a_run_draws_and_a_resumed_run_says_when_it_c
                                "--max-steps", "1", "--eval-clips", "0"]) == 0
     assert "trained on upright shapes; this run draws randomly turned ones" in out.getvalue()
     assert calls and not any(calls)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert _script().main(["--smoke", "--vae-from", str(run), "--out", str(tmp_path / "new"),
+                               "--max-steps", "1", "--eval-clips", "0"]) == 0
+    assert "VAE trained on upright shapes; this run draws randomly turned ones" in out.getvalue()

@@ -352,8 +352,13 @@ def _take_vae(run: _Run, pipe, config: TestModelConfig, source: Path, device) ->
         raise ValueError(f"vae_from {source}: its VAE is not of this run's size ({diff})")
     pipe.vae.load_state_dict(src.state_dict())
     pipe.vae.register_to_config(latents_mean=list(src.config.latents_mean), latents_std=list(src.config.latents_std))
-    run.data["vae_from"] = {"model": str(source), "log": str(training_log_of(source) or "")}
+    log_path = training_log_of(source)
+    run.data["vae_from"] = {"model": str(source), "log": str(log_path or "")}
     run.say(f"VAE taken from {source}")
+    before = bool(log_path and json.loads(log_path.read_text()).get("settings", {}).get("upright", False))
+    if before != run.data["settings"]["upright"]:  # a choice, not an error: say it, as a resume does
+        run.say(f"{source}'s VAE trained on {'upright' if before else 'randomly turned'} shapes; this run draws "
+                f"{'upright' if run.data['settings']['upright'] else 'randomly turned'} ones")
 
 
 def config_of(pipe, base: TestModelConfig) -> TestModelConfig:
