@@ -233,7 +233,8 @@ def main(argv=None) -> int:
 
     from fp4video.testmodel import TEST_MODEL_CALL, test_model_pipeline
     from fp4video.testmodel.model import FULL, SMOKE
-    from fp4video.testmodel.train import Settings, config_of, data_offsets, eval_scenes, training_log_of
+    from fp4video.testmodel.train import (Settings, config_of, data_offsets, eval_scenes, trained_upright,
+                                          training_log_of)
 
     path = None if args.model == "shipped" else Path(args.model)
     if path is not None and not path.is_dir():
@@ -247,7 +248,7 @@ def main(argv=None) -> int:
               "argv": sys.argv[1:] if argv is None else list(argv)}
     log_path = training_log_of(path) if path is not None else None
     trained = json.loads(log_path.read_text()) if log_path is not None else {}
-    upright = bool(trained.get("settings", {}).get("upright", False)) if args.upright is None else args.upright
+    upright = trained_upright(trained) if args.upright is None else args.upright
     if args.probe == "seen-unseen":
         known = {k: v for k, v in trained.get("settings", {}).items() if k in Settings.model_fields}
         settings = Settings.model_validate({**known, **({"seed": args.pool_seed} if args.pool_seed is not None else {})})

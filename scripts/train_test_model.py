@@ -184,10 +184,10 @@ def _evaluate_only(parser, args) -> int:
     t = time.perf_counter()
     upright, upright_from = args.upright, {True: "--upright", False: "--no-upright", None: ""}[args.upright]
     if upright is None:  # as the model was trained, where its log says
-        from fp4video.testmodel.train import training_log_of
+        from fp4video.testmodel.train import trained_upright, training_log_of
 
         log_path = None if path is None else training_log_of(path)
-        upright = bool(log_path and json.loads(log_path.read_text()).get("settings", {}).get("upright", False))
+        upright = trained_upright(json.loads(log_path.read_text()) if log_path else None)
         upright_from = "training log" if log_path else "default (no training log)"
     result = evaluate(pipe, config, clips=clips, call=call, seed=Settings().eval_seed, device=device,
                       combinations=args.eval_combinations, upright=upright)

@@ -43,7 +43,8 @@ from .model import (FINE, FULL, SMOKE, TRAIN_LOG, TestModelConfig, build_pipelin
 from .scenes import COLOURS, SHAPES, SceneSpec, held_out_scenes, render, sample_scenes, sampling_probabilities
 
 __all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "fresh_config", "vae_mismatch", "data_offsets",
-           "training_log_of", "overwrite_oldest", "clip_frames", "generate", "evaluate", "eval_scenes",
+           "training_log_of", "trained_upright", "overwrite_oldest", "clip_frames", "generate", "evaluate",
+           "eval_scenes",
            "EVAL_COMBINATIONS", "call_for", "flow_sample", "latent_cover", "flow_loss", "grow_blocks", "pool_clips"]
 
 _PHASES = {"vae": 1, "stats": 2, "pool": 3, "noise": 4}
@@ -343,6 +344,20 @@ def vae_mismatch(config: TestModelConfig, vae) -> str | None:
     return "; ".join(diff) or None
 
 
+def trained_upright(log: dict | None) -> bool:
+    """Whether the run of this training log drew its shapes upright (:attr:`Settings.upright`; False
+    for no log and for logs from before the option)."""
+    return bool((log or {}).get("settings", {}).get("upright", False))
+
+
+def _say_angle_change(run: _Run, source: str, before: bool, now: bool) -> None:
+    """One line where a run draws its shapes otherwise than the model it starts from was trained on:
+    a choice, not an error (runs do not inherit ``upright``), so it is said, not refused."""
+    if before != now:
+        turned = {True: "upright", False: "randomly turned"}
+        run.say(f"{source} trained on {turned[before]} shapes; this run draws {turned[now]} ones")
+
+
 def _take_vae(run: _Run, pipe, config: TestModelConfig, source: Path, device) -> None:
     """Load ``source``'s trained VAE (weights, latent statistics) into the fresh ``pipe``; a VAE of
     other sizes is refused in one line."""
@@ -355,10 +370,8 @@ def _take_vae(run: _Run, pipe, config: TestModelConfig, source: Path, device) ->
     log_path = training_log_of(source)
     run.data["vae_from"] = {"model": str(source), "log": str(log_path or "")}
     run.say(f"VAE taken from {source}")
-    before = bool(log_path and json.loads(log_path.read_text()).get("settings", {}).get("upright", False))
-    if before != run.data["settings"]["upright"]:  # a choice, not an error: say it, as a resume does
-        run.say(f"{source}'s VAE trained on {'upright' if before else 'randomly turned'} shapes; this run draws "
-                f"{'upright' if run.data['settings']['upright'] else 'randomly turned'} ones")
+    _say_angle_change(run, f"{source}'s VAE", trained_upright(json.loads(log_path.read_text()) if log_path else None),
+                      run.data["settings"]["upright"])
 
 
 def config_of(pipe, base: TestModelConfig) -> TestModelConfig:
@@ -895,10 +908,7 @@ def _train(settings: Settings, out, *, resume, packed: bool, device: torch.devic
         log_path = training_log_of(resume)
         if log_path is not None:
             run.data["previous_log"] = json.loads(log_path.read_text())
-            before = bool(run.data["previous_log"].get("settings", {}).get("upright", False))
-            if before != s.upright:  # a choice, not an error: say it, since a resumed run does not inherit it
-                run.say(f"{resume} trained on {'upright' if before else 'randomly turned'} shapes; this run draws "
-                        f"{'upright' if s.upright else 'randomly turned'} ones")
+            _say_angle_change(run, str(resume), trained_upright(run.data["previous_log"]), s.upright)
         else:  # what its training drew is unknown: the streams start at 0 (the script asks for a seed)
             run.data["resumed_without_log"] = True
             run.say(f"{resume} holds no training log: this run draws seed {s.seed}'s streams from their start")
