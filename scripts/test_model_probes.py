@@ -7,9 +7,8 @@
 ``seen-unseen``: the transformer's flow-matching loss at fixed noise levels (``--u``, the training's
 uniform draw before the shift; the shifted t is recorded beside it) on the first ``--clips`` clips of
 the latent pool the model's last training run built (its seed, encode batch, pool size, shape
-weights and the pool stream's start, read from its training log; for a model without a log, such as
-the shipped weights, a fresh run's of ``--pool-seed``, 0 by default: every run of the shipped chain
-used seed 0) and on as many clips from the same stream far past them (``--fresh-offset``). Clip i of
+weights and the pool stream's start, read from its training log; for a model without a log, a
+fresh run's of ``--pool-seed``, 0 by default) and on as many clips from the same stream far past them (``--fresh-offset``). Clip i of
 both sets gets the same noise, so the per-clip difference is paired. A lower loss on the pool's
 clips says the transformer memorised them; a paired difference within its standard error says it
 fits seen and unseen clips alike. On all latent cells and on the cells the shape covers.
@@ -231,7 +230,7 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: no CUDA device here")
 
-    from fp4video.testmodel import TEST_MODEL_CALL, test_model_pipeline
+    from fp4video.testmodel import TEST_MODEL_CALL, WEIGHTS, test_model_pipeline
     from fp4video.testmodel.model import FULL, SMOKE
     from fp4video.testmodel.train import (Settings, config_of, data_offsets, eval_scenes, trained_upright,
                                           training_log_of)
@@ -246,7 +245,7 @@ def main(argv=None) -> int:
     config = config_of(pipe, SMOKE if args.smoke else FULL)
     record = {"probe": args.probe, "model": args.model, "device": str(device),
               "argv": sys.argv[1:] if argv is None else list(argv)}
-    log_path = training_log_of(path) if path is not None else None
+    log_path = training_log_of(WEIGHTS if path is None else path)
     trained = json.loads(log_path.read_text()) if log_path is not None else {}
     upright = trained_upright(trained) if args.upright is None else args.upright
     if args.probe == "seen-unseen":

@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="of which the VAE trains (default 2 for a fresh run, 0 with --resume or --vae-from)")
     p.add_argument("--reserve-seconds", type=float, help="kept for the last save and the evaluation (default 60)")
     p.add_argument("--seed", type=int, help="the data's and a fresh model's seed (default 0; a run resuming a model "
-                   "without its training log, such as the shipped weights, must name one)")
+                   "without its training log must name one)")
     p.add_argument("--heads", type=int, help="a fresh run's transformer heads of 64 (default: the size's, 4; the "
                    "feed-forward stays 4x the width)")
     p.add_argument("--layers", type=int, help="a fresh run's transformer blocks (default: the size's, 4)")
@@ -186,7 +186,9 @@ def _evaluate_only(parser, args) -> int:
     if upright is None:  # as the model was trained, where its log says
         from fp4video.testmodel.train import trained_upright, training_log_of
 
-        log_path = None if path is None else training_log_of(path)
+        from fp4video.testmodel import WEIGHTS
+
+        log_path = training_log_of(WEIGHTS if path is None else path)
         upright = trained_upright(json.loads(log_path.read_text()) if log_path else None)
         upright_from = "training log" if log_path else "default (no training log)"
     result = evaluate(pipe, config, clips=clips, call=call, seed=Settings().eval_seed, device=device,
@@ -252,7 +254,7 @@ def main(argv=None) -> int:
 
         if args.seed is None and training_log_of(args.resume) is None:
             parser.error(f"--resume {args.resume}: no training log says which clips it was trained on; give --seed "
-                         "(the shipped weights' runs used 0, so another seed draws new clips)")
+                         "(a fresh run draws seed 0's, so another seed draws new clips)")
     previous = [n for n in ("train_log.json", "model.json", "pipeline") if (args.out / n).exists()]
     if previous:  # a run writes a folder of its own: another run's files beside it would be read as its
         parser.error(f"--out {args.out}: holds a previous run ({', '.join(previous)}); give a new folder (or "

@@ -407,8 +407,9 @@ test_model_folder.__test__ = False  # not a pytest test (its name starts with "t
 def recorded_config(path) -> TestModelConfig | None:
     """The :class:`TestModelConfig` the training of the saved test model at ``path`` recorded: a
     pack's (``extra.config`` of :data:`PACK_FILE`) or a training run's (``config`` of
-    :data:`TRAIN_LOG`, ``path`` being the run's folder or its ``pipeline/``); None where none is
-    recorded (a pipeline folder alone, as ``--unpack`` writes it). A record that is not valid JSON
+    :data:`TRAIN_LOG`, ``path`` being the run's folder, its ``pipeline/``, or a pipeline folder
+    ``--unpack`` wrote from a pack with a log); None where none is recorded (a pipeline folder
+    without a log). A record that is not valid JSON
     or not a TestModelConfig is a one-line ``ValueError`` naming its file."""
     path = Path(path)
     if is_pack(path):
@@ -438,7 +439,9 @@ def recorded_config(path) -> TestModelConfig | None:
 def pack(folder, out_dir, extra: dict | None = None) -> list[Path]:
     """Pack the pipeline folder ``folder`` into ``out_dir``: ``<model>.safetensors`` for each of
     :data:`PACKED_MODELS` and :data:`PACK_FILE` (every other file's text, and ``extra``). Each file
-    is written beside its target and renamed into place. Returns the files."""
+    is written beside its target and renamed into place. A training log in ``folder`` (:data:`TRAIN_LOG`,
+    as :func:`unpack` keeps it) is the model's record, not a pipeline file: it goes beside the pack
+    as :data:`TRAIN_LOG`, unless ``out_dir`` holds one already (a run's own). Returns the files."""
     folder, out_dir = Path(folder), Path(out_dir)
     if not (folder / "model_index.json").is_file():
         raise FileNotFoundError(f"{folder}: not a pipeline folder (no model_index.json)")
@@ -446,6 +449,8 @@ def pack(folder, out_dir, extra: dict | None = None) -> list[Path]:
     texts, weights = {}, {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = path.relative_to(folder).as_posix()
+        if rel == TRAIN_LOG:
+            continue
         if path.suffix == ".safetensors":
             model = rel.split("/")[0]
             if model not in PACKED_MODELS or model in weights:
@@ -470,16 +475,32 @@ def pack(folder, out_dir, extra: dict | None = None) -> list[Path]:
     tmp.write_text(json.dumps(index, indent=1))
     tmp.replace(target)
     written.append(target)
+    if (folder / TRAIN_LOG).is_file() and not (out_dir / TRAIN_LOG).exists():
+        target = out_dir / TRAIN_LOG
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.copyfile(folder / TRAIN_LOG, tmp)
+        tmp.replace(target)
+        written.append(target)
     return written
 
 
 def unpack(pack_dir, folder) -> Path:
     """Write the pipeline folder a :func:`pack` holds (``pack_dir``) to ``folder`` (absent, empty, or
-    a pipeline folder, which it replaces). The pack is checked whole first (:func:`read_pack`) and
-    the folder written beside ``folder`` and moved into place, so a refused or interrupted unpack
-    leaves ``folder`` as it was."""
+    a pipeline folder, which it replaces). The pack's training log (:data:`TRAIN_LOG`), where it has
+    one, goes into ``folder`` with it: the record of how the weights were trained (which shapes'
+    angles, which data streams) stays with them. The pack is checked whole first (:func:`read_pack`)
+    and the folder written beside ``folder`` and moved into place, so a refused or interrupted
+    unpack leaves ``folder`` as it was."""
     pack_dir, folder = Path(pack_dir), Path(folder)
     index = read_pack(pack_dir)
+    log = pack_dir / TRAIN_LOG if (pack_dir / TRAIN_LOG).is_file() else None
+    if log is not None:
+        try:
+            ok = isinstance(json.loads(log.read_text()), dict)
+        except (ValueError, UnicodeDecodeError):
+            ok = False
+        if not ok:
+            raise ValueError(f"{log}: not a training log (a JSON object expected)")
     if folder.exists() and not folder.is_dir():
         raise FileExistsError(f"{folder}: a file, not a folder")
     if folder.is_dir() and any(folder.iterdir()) and not (folder / "model_index.json").is_file():
@@ -493,6 +514,8 @@ def unpack(pack_dir, folder) -> Path:
         for model, rel in index["weights"].items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(pack_dir / f"{model}.safetensors", tmp / rel)
+        if log is not None:
+            shutil.copyfile(log, tmp / TRAIN_LOG)
         tmp.chmod(0o755)  # (mkdtemp makes it private)
         old = None
         if folder.exists():  # moved aside under a fresh name (never one of the user's), removed once replaced

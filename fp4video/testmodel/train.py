@@ -251,9 +251,9 @@ def _chain(log: dict) -> list[dict]:
 
 
 def training_log_of(model: Path) -> Path | None:
-    """The training log of a saved model: ``train_log.json`` in a pack or a run's folder, or beside a
-    run's ``pipeline/`` folder; None where there is none (an unpacked pipeline folder, the shipped
-    weights)."""
+    """The training log of a saved model: ``train_log.json`` in a pack, a run's folder or a pipeline
+    folder ``--unpack`` wrote (the shipped weights' included), or beside a run's ``pipeline/``
+    folder; None where there is none."""
     model = Path(model)
     for folder in (model, model.parent) if model.name == "pipeline" else (model,):
         if (folder / TRAIN_LOG).is_file():
