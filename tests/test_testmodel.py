@@ -367,6 +367,42 @@ def test_pack_and_unpack_give_the_folder_back(tmp_path):
         unpack(tmp_path / "pipe", tmp_path / "x")
 
 
+def test_a_packs_training_log_travels_through_unpack_and_pack(tmp_path):
+    from fp4video.testmodel.model import save_pipeline
+    from fp4video.testmodel.train import trained_upright, training_log_of
+
+    folder = save_pipeline(build_pipeline(SMOKE), tmp_path / "pipe")
+    pack(folder, tmp_path / "pack")
+    log = {"settings": {"upright": True, "seed": 3}, "phases": {"vae": {"steps": 7}}}
+    (tmp_path / "pack" / "train_log.json").write_text(json.dumps(log))
+    back = unpack(tmp_path / "pack", tmp_path / "back")
+    assert training_log_of(back) == back / "train_log.json"  # the unpacked weights keep their record
+    assert json.loads((back / "train_log.json").read_text()) == log and trained_upright(log)
+    files = pack(back, tmp_path / "again")  # the log goes beside the pack, not into its pipeline files
+    assert tmp_path / "again" / "train_log.json" in files
+    assert json.loads((tmp_path / "again" / "train_log.json").read_text()) == log
+    assert "train_log.json" not in json.loads((tmp_path / "again" / "model.json").read_text())["files"]
+    (tmp_path / "own").mkdir()  # a run's own log beside its pack is never replaced
+    (tmp_path / "own" / "train_log.json").write_text("{}")
+    pack(back, tmp_path / "own")
+    assert (tmp_path / "own" / "train_log.json").read_text() == "{}"
+    (tmp_path / "pack" / "train_log.json").write_text("[1, 2")  # a damaged log: refused before writing
+    with pytest.raises(ValueError, match="train_log.json: not a training log"):
+        unpack(tmp_path / "pack", tmp_path / "damaged")
+    assert not (tmp_path / "damaged").exists()
+
+
+def test_the_shipped_weights_carry_the_training_log_they_were_trained_under():
+    from fp4video.testmodel import WEIGHTS
+    from fp4video.testmodel.model import recorded_config
+    from fp4video.testmodel.train import trained_upright, training_log_of
+
+    log = json.loads(training_log_of(WEIGHTS).read_text())
+    assert trained_upright(log)  # the evaluation and the probes check upright ground truths by default
+    transformer = json.loads((WEIGHTS / "transformer" / "config.json").read_text())
+    assert log["config"]["layers"] == transformer["num_layers"] and recorded_config(WEIGHTS).layers == transformer["num_layers"]
+
+
 def test_missing_weights_are_named(monkeypatch, tmp_path):
     import fp4video.testmodel as tm
 
@@ -457,7 +493,7 @@ def test_calibration_finds_where_the_learned_model_needs_precision():
     result = calibrate(pipe, ["a red circle moves right over the coffee photo"], budget=0.15,
                        candidates=["fp16", "mxattn"], call=call, propagation=0, progress=False)
     plan, stats = result.plan, result.stats
-    assert len(plan) == 4 * 2 * 2  # blocks × kinds × steps
+    assert len(plan) == pipe.transformer.config.num_layers * 2 * 2  # blocks × kinds × steps
     error = {k: stats[k].rel_l2["mxattn"] for k in plan}
     over = {k for k in plan if error[k] > 0.15}
     assert all(plan[k] == "fp16" for k in over) and all(plan[k] == "mxattn" for k in plan if k not in over), plan
