@@ -20,7 +20,7 @@ Writes ``suite.json``, ``suite.md`` and ``suite.png`` (worst-row cosine against 
 head kind) into ``--out``, results as they come.
 
 ``--test-model``: the same measures on LEARNED attention, the self-attention q, k, v of the project's
-trained test model (:mod:`fp4video.testmodel`: Wan's architecture, 4 blocks × 4 heads of 64, 2,048 video
+trained test model (:mod:`fp4video.testmodel`: Wan's architecture, 6 blocks × 4 heads of 64, 2,048 video
 tokens on an 8 × 16 × 16 latent grid) captured for ``--captions`` held-out captions at the denoising
 ``--steps`` (early, middle, late of ``TEST_MODEL_CALL``'s 16), every block, both guidance passes
 (a call equal to one already captured, block 0's unconditional pass, is counted once)::

@@ -231,7 +231,7 @@ def main(argv=None) -> int:
         p.error(f"--device {args.device}: no CUDA device here")
 
     from fp4video.testmodel import TEST_MODEL_CALL, WEIGHTS, test_model_pipeline
-    from fp4video.testmodel.model import FULL, SMOKE
+    from fp4video.testmodel.model import FULL, SMOKE, read_training_log
     from fp4video.testmodel.train import (Settings, config_of, data_offsets, eval_scenes, trained_upright,
                                           training_log_of)
 
@@ -246,7 +246,10 @@ def main(argv=None) -> int:
     record = {"probe": args.probe, "model": args.model, "device": str(device),
               "argv": sys.argv[1:] if argv is None else list(argv)}
     log_path = training_log_of(WEIGHTS if path is None else path)
-    trained = json.loads(log_path.read_text()) if log_path is not None else {}
+    try:
+        trained = read_training_log(log_path) if log_path is not None else {}
+    except ValueError as e:
+        p.error(f"--model {args.model}: {e}")
     upright = trained_upright(trained) if args.upright is None else args.upright
     if args.probe == "seen-unseen":
         known = {k: v for k, v in trained.get("settings", {}).items() if k in Settings.model_fields}

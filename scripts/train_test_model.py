@@ -184,12 +184,15 @@ def _evaluate_only(parser, args) -> int:
     t = time.perf_counter()
     upright, upright_from = args.upright, {True: "--upright", False: "--no-upright", None: ""}[args.upright]
     if upright is None:  # as the model was trained, where its log says
+        from fp4video.testmodel import WEIGHTS
+        from fp4video.testmodel.model import read_training_log
         from fp4video.testmodel.train import trained_upright, training_log_of
 
-        from fp4video.testmodel import WEIGHTS
-
         log_path = training_log_of(WEIGHTS if path is None else path)
-        upright = trained_upright(json.loads(log_path.read_text()) if log_path else None)
+        try:
+            upright = trained_upright(read_training_log(log_path) if log_path else None)
+        except ValueError as e:
+            parser.error(f"--evaluate {args.evaluate}: {e}")
         upright_from = "training log" if log_path else "default (no training log)"
     result = evaluate(pipe, config, clips=clips, call=call, seed=Settings().eval_seed, device=device,
                       combinations=args.eval_combinations, upright=upright)
@@ -250,11 +253,21 @@ def main(argv=None) -> int:
             parser.error(f"--resume {e}")
         if args.out.resolve() in (args.resume.resolve(), resumed.resolve()):
             parser.error("--resume and --out are the same folder: write the continued run elsewhere")
-        from fp4video.testmodel.train import training_log_of
+        from fp4video.testmodel.model import read_training_log
+        from fp4video.testmodel.train import chain_starts_unlogged, training_log_of
 
-        if args.seed is None and training_log_of(args.resume) is None:
+        log_path = training_log_of(args.resume)
+        if args.seed is None and log_path is None:
             parser.error(f"--resume {args.resume}: no training log says which clips it was trained on; give --seed "
                          "(a fresh run draws seed 0's, so another seed draws new clips)")
+        try:
+            resumed_log = read_training_log(log_path) if log_path is not None else None
+        except ValueError as e:
+            parser.error(f"--resume {args.resume}: {e}")
+        if args.seed is None and chain_starts_unlogged(resumed_log):
+            parser.error(f"--resume {args.resume}: its training log starts from a model without a log, so not every "
+                         "clip it was trained on is known; give --seed (a fresh run draws seed 0's, so another seed "
+                         "draws new clips)")
     previous = [n for n in ("train_log.json", "model.json", "pipeline") if (args.out / n).exists()]
     if previous:  # a run writes a folder of its own: another run's files beside it would be read as its
         parser.error(f"--out {args.out}: holds a previous run ({', '.join(previous)}); give a new folder (or "

@@ -382,14 +382,27 @@ def test_a_packs_training_log_travels_through_unpack_and_pack(tmp_path):
     assert tmp_path / "again" / "train_log.json" in files
     assert json.loads((tmp_path / "again" / "train_log.json").read_text()) == log
     assert "train_log.json" not in json.loads((tmp_path / "again" / "model.json").read_text())["files"]
-    (tmp_path / "own").mkdir()  # a run's own log beside its pack is never replaced
+    (tmp_path / "pack" / "train_log.json").write_text('{"settings": {"seed": 9}}')  # other weights' log
+    pack(back, tmp_path / "pack")  # over a pack of other weights: their log is replaced by this one's
+    assert json.loads((tmp_path / "pack" / "train_log.json").read_text()) == log
+    (tmp_path / "own").mkdir()  # a folder without a log (a run's fresh pipeline) leaves the run's own log
     (tmp_path / "own" / "train_log.json").write_text("{}")
-    pack(back, tmp_path / "own")
+    pack(folder, tmp_path / "own")
     assert (tmp_path / "own" / "train_log.json").read_text() == "{}"
+    unpack(tmp_path / "own", back)  # and a pipeline written over the folder takes that pack's log
+    assert (back / "train_log.json").read_text() == "{}"
     (tmp_path / "pack" / "train_log.json").write_text("[1, 2")  # a damaged log: refused before writing
     with pytest.raises(ValueError, match="train_log.json: not a training log"):
         unpack(tmp_path / "pack", tmp_path / "damaged")
     assert not (tmp_path / "damaged").exists()
+    (back / "train_log.json").write_text("[]")  # pack checks it too, before writing anything
+    with pytest.raises(ValueError, match="train_log.json: not a training log"):
+        pack(back, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    (back / "train_log.json").unlink()
+    (back / "train_log.json").mkdir()  # a folder of that name is not a log either
+    with pytest.raises(ValueError, match="train_log.json: not a training log"):
+        pack(back, tmp_path / "refused")
 
 
 def test_the_shipped_weights_carry_the_training_log_they_were_trained_under():
@@ -397,7 +410,9 @@ def test_the_shipped_weights_carry_the_training_log_they_were_trained_under():
     from fp4video.testmodel.model import recorded_config
     from fp4video.testmodel.train import trained_upright, training_log_of
 
-    log = json.loads(training_log_of(WEIGHTS).read_text())
+    path = training_log_of(WEIGHTS)
+    assert path == WEIGHTS / "train_log.json", "the shipped weights carry no training log"
+    log = json.loads(path.read_text())
     assert trained_upright(log)  # the evaluation and the probes check upright ground truths by default
     transformer = json.loads((WEIGHTS / "transformer" / "config.json").read_text())
     assert log["config"]["layers"] == transformer["num_layers"] and recorded_config(WEIGHTS).layers == transformer["num_layers"]

@@ -659,7 +659,7 @@ def test_a_refresh_larger_than_the_pool_is_refused():
 
 @pytest.mark.slow
 def test_resuming_a_model_without_its_log_needs_a_seed(tmp_path):
-    """A pipeline folder without its training log (an unpacked run, the shipped weights) cannot say
+    """A pipeline folder without its training log (a run's pipeline/ copied away from it) cannot say
     which clips trained it: resuming it without --seed is refused in one line before any work; with
     one, the run says and logs that its streams start at 0. A run's pipeline/ folder finds its log."""
     import shutil
@@ -985,3 +985,34 @@ def test_upright_reaches_every_clip_a_run_draws_and_a_resumed_run_says_when_it_c
         assert _script().main(["--smoke", "--vae-from", str(run), "--out", str(tmp_path / "new"),
                                "--max-steps", "1", "--eval-clips", "0"]) == 0
     assert "VAE trained on upright shapes; this run draws randomly turned ones" in out.getvalue()
+
+
+def test_resuming_a_chain_that_starts_without_a_log_needs_a_seed(tmp_path):
+    """A log whose chain resumed a model without a log (the shipped weights' first upright run
+    resumed run 4's) does not know every clip its model saw: resuming it without --seed is refused
+    in one line before any work. The shipped weights are such a model."""
+    import shutil
+
+    from fp4video.testmodel import WEIGHTS
+
+    first = {"settings": {"seed": 6}, "resumed_without_log": True, "phases": {"vae": {"steps": 3}}}
+    assert tm.chain_starts_unlogged({"settings": {}, "previous_log": first})
+    assert not tm.chain_starts_unlogged({"settings": {}, "previous_log": {"settings": {}}})
+    assert not tm.chain_starts_unlogged(None)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+        _script().main(["--resume", str(WEIGHTS), "--out", str(tmp_path / "a")])
+    assert err.getvalue().strip().splitlines()[-1] == (
+        f"train_test_model.py: error: --resume {WEIGHTS}: its training log starts from a model without a log, so "
+        "not every clip it was trained on is known; give --seed (a fresh run draws seed 0's, so another seed draws "
+        "new clips)")
+    assert not (tmp_path / "a").exists()
+    bad = tmp_path / "bad"
+    shutil.copytree(WEIGHTS, bad)
+    (bad / "train_log.json").write_text("not json")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+        _script().main(["--resume", str(bad), "--out", str(tmp_path / "b")])
+    assert err.getvalue().strip().splitlines()[-1] == (
+        f"train_test_model.py: error: --resume {bad}: {bad / 'train_log.json'}: not a training log (a JSON object "
+        "expected)")

@@ -161,7 +161,8 @@ def is_test_model(model: str) -> bool:
 def test_model_call(model: str) -> dict | None:
     """The generation arguments of the test model ``model`` names (:data:`TEST_MODEL_CALL`), a
     saved model's own sizes and text length in them where its training recorded them
-    (:func:`fp4video.testmodel.model.recorded_config`: a pack's, a training run's); None where
+    (:func:`fp4video.testmodel.model.recorded_config`: a pack's, a training run's, the log an unpacked
+    folder keeps); None where
     ``model`` is another model. A record that cannot be read is a one-line ``ValueError``."""
     path = test_model_path(model)
     if path is None:

@@ -27,7 +27,7 @@ from .scenes import vocabulary
 __all__ = ["TestModelConfig", "FULL", "FINE", "SMOKE", "TEST_MODEL_CALL", "SPECIAL_TOKENS", "build_tokenizer",
            "build_pipeline", "text_embeddings", "tokenize", "save_pipeline", "pack", "unpack", "is_pack",
            "PACK_FILE", "PACKED_MODELS", "PIPELINE_FILES", "parameter_counts", "check_pipeline_folder",
-           "read_pack", "saved_model", "no_progress_bars", "test_model_folder", "recorded_config"]
+           "read_pack", "read_training_log", "TRAIN_LOG", "saved_model", "no_progress_bars", "test_model_folder", "recorded_config"]
 
 SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]
 
@@ -109,8 +109,9 @@ class TestModelConfig(BaseModel):
         return (lf // pt) * (lh // ph) * (lw // pw)
 
 
-#: The shipped model: 128×128 px, 29 frames -> latent 8 × 16 × 16 -> 2,048 video tokens with the
-#: (1, 1, 1) patch; 4 blocks of 4 heads × 64 (width 256).
+#: A fresh run's model at the shipped sizes: 128×128 px, 29 frames -> latent 8 × 16 × 16 -> 2,048
+#: video tokens with the (1, 1, 1) patch; 4 blocks of 4 heads × 64 (width 256). The shipped weights
+#: were trained at this size and grown to 6 blocks (``--grow-layers 2``).
 FULL = TestModelConfig(
     height=128, width=128, frames=29, z_dim=16, vae_base_dim=32, vae_dim_mult=(1, 2, 2, 2), vae_res_blocks=1,
     patch_size=(1, 1, 1), heads=4, head_dim=64, layers=4, ffn_dim=1024, freq_dim=256,
@@ -360,6 +361,21 @@ def is_pack(path) -> bool:
 
 #: The training log ``scripts/train_test_model.py`` writes beside its ``pipeline/`` (or its pack).
 TRAIN_LOG = "train_log.json"
+
+
+def read_training_log(path) -> dict:
+    """The training log at ``path`` (:data:`TRAIN_LOG`) as a dict; a one-line ``ValueError`` naming
+    the file where it is not a file holding a JSON object."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        data = None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a training log (a JSON object expected)")
+    return data
+
+
 #: The test model's ``tokenizer.json`` holds its 52 words in about 3 KB; one larger than this is
 #: another model's (a real Wan's UMT5 tokenizer is 16 MB), told apart without reading it.
 _TOKENIZER_MAX_BYTES = 1 << 16
@@ -441,15 +457,20 @@ def pack(folder, out_dir, extra: dict | None = None) -> list[Path]:
     :data:`PACKED_MODELS` and :data:`PACK_FILE` (every other file's text, and ``extra``). Each file
     is written beside its target and renamed into place. A training log in ``folder`` (:data:`TRAIN_LOG`,
     as :func:`unpack` keeps it) is the model's record, not a pipeline file: it goes beside the pack
-    as :data:`TRAIN_LOG`, unless ``out_dir`` holds one already (a run's own). Returns the files."""
+    as :data:`TRAIN_LOG` (checked first), over a log ``out_dir`` held; a folder without one leaves
+    ``out_dir``'s log as it is (a training run's own, written beside the pack of its fresh
+    pipeline folder). Returns the files."""
     folder, out_dir = Path(folder), Path(out_dir)
     if not (folder / "model_index.json").is_file():
         raise FileNotFoundError(f"{folder}: not a pipeline folder (no model_index.json)")
+    log = folder / TRAIN_LOG if (folder / TRAIN_LOG).exists() else None
+    if log is not None:
+        read_training_log(log)
     out_dir.mkdir(parents=True, exist_ok=True)
     texts, weights = {}, {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = path.relative_to(folder).as_posix()
-        if rel == TRAIN_LOG:
+        if log is not None and rel == TRAIN_LOG:
             continue
         if path.suffix == ".safetensors":
             model = rel.split("/")[0]
@@ -475,10 +496,10 @@ def pack(folder, out_dir, extra: dict | None = None) -> list[Path]:
     tmp.write_text(json.dumps(index, indent=1))
     tmp.replace(target)
     written.append(target)
-    if (folder / TRAIN_LOG).is_file() and not (out_dir / TRAIN_LOG).exists():
+    if log is not None:
         target = out_dir / TRAIN_LOG
         tmp = target.with_name(target.name + ".tmp")
-        shutil.copyfile(folder / TRAIN_LOG, tmp)
+        shutil.copyfile(log, tmp)
         tmp.replace(target)
         written.append(target)
     return written
@@ -493,14 +514,9 @@ def unpack(pack_dir, folder) -> Path:
     unpack leaves ``folder`` as it was."""
     pack_dir, folder = Path(pack_dir), Path(folder)
     index = read_pack(pack_dir)
-    log = pack_dir / TRAIN_LOG if (pack_dir / TRAIN_LOG).is_file() else None
+    log = pack_dir / TRAIN_LOG if (pack_dir / TRAIN_LOG).exists() else None
     if log is not None:
-        try:
-            ok = isinstance(json.loads(log.read_text()), dict)
-        except (ValueError, UnicodeDecodeError):
-            ok = False
-        if not ok:
-            raise ValueError(f"{log}: not a training log (a JSON object expected)")
+        read_training_log(log)
     if folder.exists() and not folder.is_dir():
         raise FileExistsError(f"{folder}: a file, not a folder")
     if folder.is_dir() and any(folder.iterdir()) and not (folder / "model_index.json").is_file():

@@ -39,11 +39,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .checker import check_rate, describe_shapes
 from .model import (FINE, FULL, SMOKE, TRAIN_LOG, TestModelConfig, build_pipeline, pack, parameter_counts,
-                    save_pipeline, text_embeddings, tokenize)
+                    read_training_log, save_pipeline, text_embeddings, tokenize)
 from .scenes import COLOURS, SHAPES, SceneSpec, held_out_scenes, render, sample_scenes, sampling_probabilities
 
 __all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "fresh_config", "vae_mismatch", "data_offsets",
-           "training_log_of", "trained_upright", "overwrite_oldest", "clip_frames", "generate", "evaluate",
+           "training_log_of", "chain_starts_unlogged", "trained_upright", "overwrite_oldest", "clip_frames", "generate", "evaluate",
            "eval_scenes",
            "EVAL_COMBINATIONS", "call_for", "flow_sample", "latent_cover", "flow_loss", "grow_blocks", "pool_clips"]
 
@@ -250,6 +250,13 @@ def _chain(log: dict) -> list[dict]:
     return runs[::-1]
 
 
+def chain_starts_unlogged(log: dict | None) -> bool:
+    """Whether a run of the chain ``log`` records resumed a model without a log
+    (``resumed_without_log``): what the runs before it drew is unknown, so :func:`data_offsets`
+    counts only the logged runs, and a resumed run needs a seed of its own to draw new clips."""
+    return isinstance(log, dict) and any(run.get("resumed_without_log") for run in _chain(log))
+
+
 def training_log_of(model: Path) -> Path | None:
     """The training log of a saved model: ``train_log.json`` in a pack, a run's folder or a pipeline
     folder ``--unpack`` wrote (the shipped weights' included), or beside a run's ``pipeline/``
@@ -264,7 +271,9 @@ def training_log_of(model: Path) -> Path | None:
 def data_offsets(previous_log: dict | None) -> dict[str, int]:
     """Where a run's data streams start: past every batch the runs it resumes drew (their VAE steps,
     pool clips and refreshed clips, two noise streams per run), so a resumed run trains on clips and
-    noise its predecessors never saw, whatever its seed. A fresh run starts every stream at 0."""
+    noise its predecessors never saw, whatever its seed (the logged ones: where the chain starts from
+    a model without a log, :func:`chain_starts_unlogged`, the runs before it are not counted). A fresh
+    run starts every stream at 0."""
     offsets = {"vae": 0, "pool": 0, "noise": 0}
     for log in _chain(previous_log) if isinstance(previous_log, dict) else []:
         phases = log.get("phases") or {}
@@ -370,7 +379,7 @@ def _take_vae(run: _Run, pipe, config: TestModelConfig, source: Path, device) ->
     log_path = training_log_of(source)
     run.data["vae_from"] = {"model": str(source), "log": str(log_path or "")}
     run.say(f"VAE taken from {source}")
-    _say_angle_change(run, f"{source}'s VAE", trained_upright(json.loads(log_path.read_text()) if log_path else None),
+    _say_angle_change(run, f"{source}'s VAE", trained_upright(read_training_log(log_path) if log_path else None),
                       run.data["settings"]["upright"])
 
 
@@ -907,7 +916,7 @@ def _train(settings: Settings, out, *, resume, packed: bool, device: torch.devic
         resume = Path(resume)
         log_path = training_log_of(resume)
         if log_path is not None:
-            run.data["previous_log"] = json.loads(log_path.read_text())
+            run.data["previous_log"] = read_training_log(log_path)
             _say_angle_change(run, str(resume), trained_upright(run.data["previous_log"]), s.upright)
         else:  # what its training drew is unknown: the streams start at 0 (the script asks for a seed)
             run.data["resumed_without_log"] = True
