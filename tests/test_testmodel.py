@@ -415,7 +415,7 @@ def test_the_shipped_weights_carry_the_training_log_they_were_trained_under():
     log = json.loads(path.read_text())
     assert trained_upright(log)  # the evaluation and the probes check upright ground truths by default
     transformer = json.loads((WEIGHTS / "transformer" / "config.json").read_text())
-    assert log["config"]["layers"] == transformer["num_layers"] and recorded_config(WEIGHTS).layers == transformer["num_layers"]
+    assert log["config"]["layers"] == recorded_config(WEIGHTS).layers == transformer["num_layers"]
 
 
 def test_missing_weights_are_named(monkeypatch, tmp_path):

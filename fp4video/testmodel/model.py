@@ -27,7 +27,8 @@ from .scenes import vocabulary
 __all__ = ["TestModelConfig", "FULL", "FINE", "SMOKE", "TEST_MODEL_CALL", "SPECIAL_TOKENS", "build_tokenizer",
            "build_pipeline", "text_embeddings", "tokenize", "save_pipeline", "pack", "unpack", "is_pack",
            "PACK_FILE", "PACKED_MODELS", "PIPELINE_FILES", "parameter_counts", "check_pipeline_folder",
-           "read_pack", "read_training_log", "TRAIN_LOG", "saved_model", "no_progress_bars", "test_model_folder", "recorded_config"]
+           "read_pack", "read_training_log", "TRAIN_LOG", "saved_model", "no_progress_bars", "test_model_folder",
+           "recorded_config"]
 
 SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]
 
@@ -470,7 +471,7 @@ def pack(folder, out_dir, extra: dict | None = None) -> list[Path]:
     texts, weights = {}, {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = path.relative_to(folder).as_posix()
-        if log is not None and rel == TRAIN_LOG:
+        if rel == TRAIN_LOG:  # (checked above: the model's record, written beside the pack below)
             continue
         if path.suffix == ".safetensors":
             model = rel.split("/")[0]

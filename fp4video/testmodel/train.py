@@ -43,8 +43,8 @@ from .model import (FINE, FULL, SMOKE, TRAIN_LOG, TestModelConfig, build_pipelin
 from .scenes import COLOURS, SHAPES, SceneSpec, held_out_scenes, render, sample_scenes, sampling_probabilities
 
 __all__ = ["Settings", "SMOKE_SETTINGS", "train", "config_of", "fresh_config", "vae_mismatch", "data_offsets",
-           "training_log_of", "chain_starts_unlogged", "trained_upright", "overwrite_oldest", "clip_frames", "generate", "evaluate",
-           "eval_scenes",
+           "training_log_of", "chain_starts_unlogged", "trained_upright", "overwrite_oldest", "clip_frames",
+           "generate", "evaluate", "eval_scenes",
            "EVAL_COMBINATIONS", "call_for", "flow_sample", "latent_cover", "flow_loss", "grow_blocks", "pool_clips"]
 
 _PHASES = {"vae": 1, "stats": 2, "pool": 3, "noise": 4}
