@@ -78,10 +78,12 @@ def test_every_block_and_kind_is_a_linear_site_with_its_errors(linear_calibratio
         assert s["rel_l2"]["bf16"] == 0.0 and s["calls"] > 0
         assert 0 < s["rel_l2"]["fp8-rowwise"] < math.inf  # positive, finite
         assert s["time_source"] == {m: "table" for m in METHODS}  # off a GPU: the (test's) table
-    # ordinary layers: rowwise scales fit each token and channel at least as well as one scale for all
+    # ordinary layers: rowwise scales fit each token and channel as well as one scale for all. The tiny
+    # model's rows have nearly one scale, so the two errors are equal to e4m3's rounding (which of them
+    # is the smaller flips with the random weights): within 5% of each other at every site
     ordinary = [s for s in sites if not (s["block"] == 1 and s["kind"] == "ffn")]
     assert all(s["rel_l2"]["fp8-rowwise"] < 0.06 for s in ordinary)
-    assert sum(s["rel_l2"]["fp8-rowwise"] <= s["rel_l2"]["fp8-tensor"] for s in ordinary) >= len(ordinary) * 3 // 4
+    assert all(s["rel_l2"]["fp8-rowwise"] <= 1.05 * s["rel_l2"]["fp8-tensor"] for s in ordinary), sites
     # torchao's per-tensor GEMM refuses 128 x 128 weights: the attention projections of the tiny model
     assert all("fp8-tensor" in s["refused"] for s in sites if s["kind"] != "ffn")
     lin = result.report["linear"]
