@@ -269,7 +269,7 @@ def _plots(out: Path, results: dict) -> None:
     ax.legend(handles=[Patch(color=colours[g], label=g) for g in groups], fontsize=7, loc="upper left",
               bbox_to_anchor=(1.01, 1.0))  # beside the bars, not over them
     fig.tight_layout()
-    fig.savefig(out / "psnr.png", dpi=110)
+    fig.savefig(out / "psnr.png", dpi=110, bbox_inches="tight")  # the longest policy names whole
     plt.close(fig)
     pts = [(r["predicted_error"], r["psnr"], n, r["group"]) for n, r in done if r.get("predicted_error")]
     if len(pts) >= 2:
@@ -279,6 +279,11 @@ def _plots(out: Path, results: dict) -> None:
             sel = [p for p in pts if p[3] == g]
             if sel:
                 ax.scatter([p[0] for p in sel], [p[1] for p in sel], color=colours[g], label=g, s=22)
+        names: dict[tuple, list[str]] = {}  # which policies each point is (a plan can equal a method)
+        for x, y, n, _ in pts:
+            names.setdefault((round(x, 6), round(y, 3)), []).append(n)
+        for (x, y), ns in names.items():
+            ax.annotate(" = ".join(ns), (x, y), xytext=(4, 3), textcoords="offset points", fontsize=6)
         ax.set_xscale("log")
         from matplotlib.ticker import NullFormatter
 
@@ -289,7 +294,7 @@ def _plots(out: Path, results: dict) -> None:
         ax.set_title(f"Spearman ρ = {rho:.2f} over {len(pts)} policies" if rho is not None else "")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / "calibration.png", dpi=110)
+        fig.savefig(out / "calibration.png", dpi=110, bbox_inches="tight")
         plt.close(fig)
         results["spearman_predicted_error_vs_psnr"] = rho
 
