@@ -21,7 +21,7 @@ __all__ = ["CHECK_ROWS", "MEASURE_ROWS", "check_rows_for", "CHECK_CONFIDENCE", "
 
 #: Query rows per tile a check with a floor reads by default: fewer rows leave groups of a tile's rows that
 #: no checked row stands for and widen the bound (more density); with 10, every query tile of the
-#: synthetic selection suite and all but 3 of 4,224 of the trained test model's keep the floor on the
+#: synthetic selection suite and all but 6 of 9,888 of the trained test model's keep the floor on the
 #: mean of all their rows (docs/sparse-learned.md).
 CHECK_ROWS = 10
 #: Query rows per tile a check without a floor reads by default: it measures and finds sinks, and
